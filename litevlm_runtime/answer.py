@@ -1,0 +1,32 @@
+"""The result of one query: what the pipeline says and what it cost, stage by stage."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# The stages of one query, in execution order. Every Answer reports all of them.
+STAGES = ("view_select", "preprocess", "vision", "token_select", "prefill", "decode")
+
+
+@dataclass
+class Answer:
+    question: str
+    text: str
+    token_ids: list[int]
+    stage_ms: dict[str, float]          # stage name -> milliseconds, in STAGES order
+    cameras: list[str]                  # cameras the view selector kept, rig order
+    visual_tokens: int                  # visual tokens produced by the vision encoder
+    kept_tokens: int                    # visual tokens left after token selection
+    input_tokens: int                   # prompt length fed to prefill (text + kept visual)
+    decode_steps: int                   # decoder forward passes after prefill
+    accepted_length: float = 1.0        # mean tokens accepted per decode step (EAGLE-2; 1 for greedy)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.stage_ms.values())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total_ms"] = self.total_ms
+        return d

@@ -1,0 +1,48 @@
+"""`litevlm` command line. Each sub-command lives in its own module and registers itself here.
+
+A module in COMMAND_MODULES exposes `register(subparsers)`, which adds its parser(s) and sets
+`func` (called with the parsed args; its return value is the exit code). Modules are imported
+lazily so that `litevlm --help` stays fast and a missing optional dependency only breaks its own
+command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import LiteVLMError
+
+COMMAND_MODULES = [
+    "litevlm_runtime.commands.ask",
+    "litevlm_runtime.commands.bench",
+    "litevlm_runtime.commands.make_checkpoint",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="litevlm", description="LiteVLM six-camera VLM runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("litevlm_runtime"):
+                continue  # command not built yet in this checkout
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except LiteVLMError as exc:
+        print(f"litevlm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of `litevlm` (one module each; see cli.py)."""
