@@ -1,0 +1,1 @@
+"""Training commands (one module per trainable part)."""
