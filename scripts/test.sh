@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: set-up (skipped when up to date), then the test suite. Arguments go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LITEVLM_VENV:-$ROOT/.venv}"
+bash "$ROOT/scripts/setup.sh"
+cd "$ROOT"
+rc=0
+"$VENV/bin/python" -m pytest "$@" || rc=$?
+# pytest exits 5 when it collected no tests (e.g. a -k that matches nothing): not a failure.
+if [ "$rc" -eq 5 ]; then rc=0; fi
+exit "$rc"
