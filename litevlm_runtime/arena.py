@@ -1,0 +1,62 @@
+"""The memory arena: every buffer a query touches, allocated once at start-up from configured maxima.
+
+Stages read and write slices of these tensors; nothing per query is allocated here afterwards, so
+buffer addresses are stable (what CUDA-graph capture and TensorRT tensor binding need). Model
+intermediates inside a stage come from the framework's allocator (on a GPU, the graph's pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Limits:
+    cameras: int = 6
+    tiles_per_camera: int = 1
+    text_tokens: int = 512        # template + camera labels + question
+    new_tokens: int = 64          # answer length
+    tree_tokens: int = 64         # EAGLE-2 draft tree verified in one pass (scratch slots)
+
+    def max_tiles(self) -> int:
+        return self.cameras * self.tiles_per_camera
+
+
+class Arena:
+    def __init__(self, cfg: ModelConfig, limits: Limits, dtype: torch.dtype, device: torch.device):
+        self.limits = limits
+        s, d, llm = cfg.force_image_size, cfg.llm.hidden_size, cfg.llm
+        tiles = limits.max_tiles()
+        self.max_visual = tiles * cfg.tokens_per_tile
+        self.max_prompt = self.max_visual + limits.text_tokens
+        self.max_len = self.max_prompt + limits.new_tokens + limits.tree_tokens
+        self.max_query = max(self.max_prompt, limits.tree_tokens)
+        kv_shape = (llm.num_hidden_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
+        alloc = dict(device=device)
+        self.pixels_u8 = torch.zeros(tiles, 3, s, s, dtype=torch.uint8, **alloc)
+        self.pixels = torch.zeros(tiles, 3, s, s, dtype=dtype, **alloc)
+        self.visual = torch.zeros(tiles, cfg.tokens_per_tile, d, dtype=dtype, **alloc)
+        self.token_ids = torch.zeros(self.max_len, dtype=torch.long, **alloc)
+        self.embeds = torch.zeros(self.max_prompt, d, dtype=dtype, **alloc)
+        self.positions = torch.zeros(self.max_len, dtype=torch.long, **alloc)
+        self.slots = torch.arange(self.max_len, dtype=torch.long, **alloc)
+        self.mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
+        self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers().values())
+
+    def causal_mask(self, n: int) -> torch.Tensor:
+        """mask[:n, :n] set to lower-triangular (True = may attend), in place."""
+        m = self.mask[:n, :n]
+        m.fill_(True)
+        return m.tril_()

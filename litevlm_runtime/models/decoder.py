@@ -1,0 +1,121 @@
+"""The decoder machinery InternLM2 and Qwen2 share: RMSNorm, RoPE, attention over a static KV
+cache, SwiGLU, and the layer/stack forward. The two families differ only in how q/k/v are
+projected and what the parameters are called (see internlm2.py, qwen2.py).
+
+The KV cache is two plain tensors, k and v, each [layers, kv_heads, max_len, head_dim], owned by
+the caller (the memory arena). A forward pass writes its keys/values at explicit `slots` and
+attends under an explicit boolean `mask` [T, kv_len] (True = may attend). Slots, RoPE positions
+and mask are independent on purpose: token selection keeps original position ids in compacted
+slots, and EAGLE-2 tree verification writes a tree into scratch slots under an ancestor mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import LLMConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin tables for every position up to max_len, computed once (rotate-half convention).
+
+    Computed in float32 exactly as the upstream models do, so positions far into the sequence
+    round the same way the checkpoint was trained with.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_len: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def attend_with_cache(q, k, v, slots, mask, k_cache, v_cache):
+    """Write k/v [T, Hkv, D] at `slots` of this layer's cache [Hkv, S, D]; attend q [T, Hq, D].
+
+    Returns [T, Hq*D]. The cache is updated in place (index_copy_), so the same tensors serve
+    every step; kv_len is the mask's width.
+    """
+    kv_len = mask.shape[-1]
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),                 # [1, Hq, T, D]
+        k_cache[None, :, :kv_len],
+        v_cache[None, :, :kv_len],
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    t = q.shape[0]
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU block. Subclasses define `qkv(x)`, `out_proj`, `mlp_gate_up_down`
+    and the two norms under their upstream names, exposed through `attn_norm`/`ffn_norm`."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, x, cos, sin, slots, mask, k_cache, v_cache, probe=None):
+        q, k, v = self.qkv(self.attn_norm(x))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if probe is not None:
+            probe(q, k)                                     # token selection / FastV read q, k here
+        x = x + self.out_proj(attend_with_cache(q, k, v, slots, mask, k_cache, v_cache))
+        h = self.ffn_norm(x)
+        gate, up, down = self.mlp_gate_up_down()
+        return x + down(F.silu(gate(h)) * up(h))
+
+
+class CausalLM(nn.Module):
+    """Shared stack forward. Subclasses build `embed`, `layers`, `norm`, `head` (upstream names)."""
+
+    cfg: LLMConfig
+
+    def init_rope(self, max_len: int) -> None:
+        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len)
+
+    def forward(self, embeds, positions, slots, mask, k_cache, v_cache, *, num_layers=None, probe=None):
+        """embeds [T, D] -> final-norm hidden states [T, D] (the EAGLE-2 feature).
+
+        `num_layers` runs only the first layers and returns their raw (un-normed) output: the token
+        selector is this with num_layers=1. `probe(layer_index, q, k)` sees post-RoPE q/k.
+        """
+        cos, sin = self.rope(positions, embeds.dtype)
+        x = embeds
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for i, layer in enumerate(layers):
+            layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
+            x = layer(x, cos, sin, slots, mask, k_cache[i], v_cache[i], layer_probe)
+        return x if num_layers is not None else self.norm(x)

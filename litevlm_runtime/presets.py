@@ -1,0 +1,36 @@
+"""Model shapes: the real InternVL2.5 sizes, and the project's own small ones for tests and the
+bundled model (same architecture and layout, narrower and shallower, smaller tiles)."""
+
+from __future__ import annotations
+
+from .config import LLMConfig, ModelConfig, VisionConfig
+
+SMALL_SYSTEM_MESSAGE = "You are a driving assistant. Answer about the six camera views."
+
+
+def preset(name: str, vocab_size: int = 92553) -> ModelConfig:
+    if name == "internvl2_5-2b":
+        return ModelConfig(VisionConfig(), LLMConfig(vocab_size=vocab_size))
+    if name == "internvl2_5-1b":
+        return ModelConfig(VisionConfig(), LLMConfig(
+            architecture="qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+            num_key_value_heads=2, num_hidden_layers=24, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+            vocab_size=vocab_size))
+    if name == "tiny":       # seconds to build; unit tests
+        return ModelConfig(
+            VisionConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                         image_size=112, patch_size=14),
+            LLMConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=vocab_size),
+            force_image_size=112, system_message=SMALL_SYSTEM_MESSAGE)
+    if name == "small":      # the bundled model: trains on a 2-core CPU
+        return ModelConfig(
+            VisionConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=4, intermediate_size=384,
+                         image_size=224, patch_size=14),
+            LLMConfig(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4,
+                      num_hidden_layers=4, vocab_size=vocab_size),
+            force_image_size=224, system_message=SMALL_SYSTEM_MESSAGE)
+    raise ValueError(f"unknown preset {name!r}")
+
+
+PRESETS = ("tiny", "small", "internvl2_5-1b", "internvl2_5-2b")

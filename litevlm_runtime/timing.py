@@ -1,0 +1,33 @@
+"""Per-stage timing: a monotonic clock on the CPU, CUDA events on a GPU (no host sync per stage)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class StageTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def __call__(self, stage: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._marks.append((stage, start, end))
+
+    def milliseconds(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {s: a.elapsed_time(b) for s, a, b in self._marks}
+        return {s: (b - a) * 1000.0 for s, a, b in self._marks}
