@@ -146,6 +146,11 @@ class Pipeline:
     def select_tokens(self, visual: torch.Tensor, question_ids: list[int]) -> list[torch.Tensor]:
         return [self.arena.slots[:visual.shape[1]] for _ in range(visual.shape[0])]
 
+    def prompt_ids(self, cameras: list[str], question: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each camera's (start, count)."""
+        return segment_ids(self.tok, chat_segments(self.cfg.system_message, cameras, question),
+                           [self.tokens_per_camera] * len(cameras))
+
     def prefill(self, cameras, question, visual, keep) -> tuple[int, int, int]:
         """Build [template, <img> kept visual </img> per camera, question] as ids + embeddings
         directly in the arena, run the decoder over it, and return (length, next position, first token).
@@ -154,8 +159,7 @@ class Pipeline:
         visual token were present, and only the kept ones are written.
         """
         a = self.arena
-        full_ids, spans = segment_ids(self.tok, chat_segments(self.cfg.system_message, cameras, question),
-                                      [self.tokens_per_camera] * len(cameras))
+        full_ids, spans = self.prompt_ids(cameras, question)
         n = 0
         cursor = 0
         visual_rows = []          # (arena row, camera, kept token indices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 DRIVELM = SHARED / "drivelm_sample"
+sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +18,11 @@ def drivelm_dir() -> Path:
     if not (DRIVELM / "samples").is_dir():
         pytest.skip("../shared/drivelm_sample is absent")
     return DRIVELM
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random-weight checkpoint of the `tiny` preset in the real InternVL2.5 layout."""
+    from helpers import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny")
