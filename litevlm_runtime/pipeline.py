@@ -74,7 +74,9 @@ class Pipeline:
         options = options or PipelineOptions()
         read_config(model_dir)  # fail fast on a bad folder before loading weights
         model = load_model(model_dir, DTYPES[options.dtype])
-        return cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name)
+        pipe = cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name)
+        pipe.model_dir = Path(model_dir)
+        return pipe
 
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
@@ -145,6 +147,14 @@ class Pipeline:
 
     def select_tokens(self, visual: torch.Tensor, question_ids: list[int]) -> list[torch.Tensor]:
         return [self.arena.slots[:visual.shape[1]] for _ in range(visual.shape[0])]
+
+    @torch.inference_mode()
+    def reference_inputs(self, images: dict, question: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [1, T] with `<IMG_CONTEXT>` placeholders, pixels [tiles, 3, S, S]) of the query
+        as this pipeline would see it, for feeding a reference implementation the same inputs."""
+        cameras = self.select_views(question)
+        ids, _ = self.prompt_ids(cameras, question)
+        return torch.tensor([ids]), self.preprocess(images, cameras).clone()
 
     def prompt_ids(self, cameras: list[str], question: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each camera's (start, count)."""

@@ -1,0 +1,72 @@
+"""`litevlm bench`: per-stage latency (median, p90) over N questions, against transformers'
+reference `generate` on the same weights and inputs, in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..report import table
+from .ask import add_pipeline_args, pipeline_options
+
+
+def load_frame_sets(frames: Path | None, count: int) -> list[dict]:
+    from ..frames import read_frame_set
+
+    if frames is None:
+        import numpy as np
+
+        from ..cameras import CAMERAS
+
+        rng = np.random.default_rng(0)
+        return [{c: rng.integers(0, 256, (450, 800, 3), dtype=np.uint8) for c in CAMERAS} for _ in range(count)]
+    sets = []
+    for i in range(count):
+        try:
+            sets.append(read_frame_set(frames, i))
+        except Exception:
+            break
+    return sets or [read_frame_set(frames, 0)]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="per-stage latency table, against transformers' generate")
+    add_pipeline_args(p)
+    p.add_argument("--frames", type=Path, help="frame folder (default: random frames)")
+    p.add_argument("--frame-sets", type=int, default=2, help="how many frame sets to cycle through")
+    p.add_argument("--questions", type=int, default=8, help="how many of the built-in questions")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--no-reference", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import sys
+
+    from ..benchmark import DEFAULT_QUESTIONS, run_benchmark
+    from ..pipeline import Pipeline
+
+    pipe = Pipeline.from_pretrained(args.model, pipeline_options(args))
+    frame_sets = load_frame_sets(args.frames, args.frame_sets)
+    questions = DEFAULT_QUESTIONS[: args.questions]
+    res = run_benchmark(pipe, frame_sets, questions, args.repeat, reference=not args.no_reference,
+                        progress=lambda m: print(m, file=sys.stderr))
+    s = res.summary()
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    rows = [[stage, v["median"], v["p90"]] for stage, v in s["stages"].items()]
+    print(f"model {args.model}  queries {s['queries']}  mean new tokens {s['mean_new_tokens']:.1f}  "
+          f"device {args.device} {args.dtype}\n")
+    print(table(["stage", "median ms", "p90 ms"], rows))
+    if "reference" in s:
+        r = s["reference"]
+        print()
+        print(table(["model time (all but preprocess)", "median ms", "p90 ms"], [
+            ["litevlm pipeline", s["model_ms"]["median"], s["model_ms"]["p90"]],
+            ["transformers generate", r["median"], r["p90"]],
+        ]))
+        print(f"\nspeed-up over transformers: {r['speedup_model']:.2f}x   identical answers: {r['identical_answers']}   "
+              f"(mean new tokens: ours {s['mean_new_tokens']:.1f}, transformers {r['mean_new_tokens']:.1f})")
+    return 0
