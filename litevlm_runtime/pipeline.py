@@ -18,6 +18,7 @@ from .answer import Answer
 from .arena import Arena, Limits
 from .cameras import CAMERAS
 from .checkpoint import load_model, read_config
+from .engines import make_engines
 from .errors import InputError
 from .preprocess import Normalizer, load_image, to_tiles_uint8
 from .timing import StageTimer
@@ -34,6 +35,7 @@ class PipelineOptions:
     max_question_tokens: int = 256
     max_new_tokens: int = 64
     cameras: tuple[str, ...] = CAMERAS  # the rig this pipeline serves
+    backend: str = "torch"              # stage engines: torch | onnxruntime | tensorrt
     extra: dict = field(default_factory=dict)
 
     def limits(self, template_tokens: int) -> Limits:
@@ -68,6 +70,7 @@ class Pipeline:
         with torch.inference_mode():
             grid = self.cfg.patches_per_side
             self.pos_embed = self.model.vision_model.embeddings.position_embedding_for(grid, grid)
+        self.engines = make_engines(self, options.backend)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, options: PipelineOptions | None = None) -> "Pipeline":
@@ -142,7 +145,7 @@ class Pipeline:
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         n_cams = pixels.shape[0] // self.tiles_per_camera
         out = self.arena.visual[:pixels.shape[0]]
-        out.copy_(self.model.encode_images(pixels, self.pos_embed))
+        out.copy_(self.engines.vision.run(pixels=pixels))
         return out.view(n_cams, self.tokens_per_camera, -1)
 
     def select_tokens(self, visual: torch.Tensor, question_ids: list[int]) -> list[torch.Tensor]:
@@ -195,10 +198,15 @@ class Pipeline:
         torch.index_select(self.lm.embed.weight, 0, a.token_ids[:n], out=embeds)
         for row, cam_index, k in visual_rows:
             embeds[row:row + len(k)] = visual[cam_index, k]
-        hidden = self.lm(embeds, a.positions[:n], a.slots[:n], a.causal_mask(n), a.k_cache, a.v_cache)
+        hidden = self.run_decoder(embeds, a.positions[:n], a.slots[:n], a.causal_mask(n))
         self.last_hidden = hidden[n - 1:n]
-        next_id = int(self.lm.head(hidden[n - 1:n]).argmax(-1))
+        next_id = int(self.engines.head.run(hidden=hidden[n - 1:n]).argmax(-1))
         return n, len(full_ids), next_id
+
+    def run_decoder(self, embeds, positions, slots, mask) -> torch.Tensor:
+        a = self.arena
+        return self.engines.decoder.run(embeds=embeds, positions=positions, slots=slots, mask=mask,
+                                        k_cache=a.k_cache, v_cache=a.v_cache)
 
     def decode(self, next_id: int, prompt_len: int, next_pos: int, max_new: int) -> tuple[list[int], int, float]:
         """Plain greedy decoding over the static cache: one decoder pass per token.
@@ -216,8 +224,8 @@ class Pipeline:
             mask = a.mask[:1, :slot + 1]
             mask.fill_(True)
             emb = self.lm.embed(a.token_ids[slot:slot + 1])
-            hidden = self.lm(emb, a.positions[slot:slot + 1], a.slots[slot:slot + 1], mask, a.k_cache, a.v_cache)
-            next_id = int(self.lm.head(hidden).argmax(-1))
+            hidden = self.run_decoder(emb, a.positions[slot:slot + 1], a.slots[slot:slot + 1], mask)
+            next_id = int(self.engines.head.run(hidden=hidden).argmax(-1))
             steps += 1
             slot += 1
             next_pos += 1
