@@ -15,5 +15,5 @@ setup(
         ("share/litevlm/config", glob("config/*")),
     ],
     python_requires=">=3.10",
-    entry_points={"console_scripts": ["litevlm = litevlm_runtime.cli:main"]},
+    entry_points={"console_scripts": ["litevlm = litevlm_runtime.cli:main", "litevlm_drive_node = litevlm_runtime.ros.node:main"]},
 )

@@ -19,6 +19,11 @@ COMMAND_MODULES = [
     "litevlm_runtime.commands.bench",
     "litevlm_runtime.commands.make_checkpoint",
     "litevlm_runtime.commands.train",
+    "litevlm_runtime.commands.eval_views",
+    "litevlm_runtime.commands.drive",
+    "litevlm_runtime.commands.bag",
+    "litevlm_runtime.commands.synth",
+    "litevlm_runtime.commands.evaluate",
 ]
 
 

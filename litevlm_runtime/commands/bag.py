@@ -1,0 +1,146 @@
+"""`litevlm bag make|replay|record|eval|compare`: rosbag2 test harness of the ROS 2 node.
+
+  make     --from-drivelm DIR | --from-synth DIR  --out BAG   six camera streams + timed questions
+  replay   BAG [--rate X]                 publish over DDS with the original timing
+  record   --out FILE [--count N]         answers from the node -> JSON lines (+ end-to-end latency)
+  eval     BAG --out FILE                 the node's query server + pipeline on the bag, no DDS
+  compare  A B                            answer-by-answer differences and latency deltas;
+                                          exit 1 when any answer differs (the regression check)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import InputError
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InputError(f"--set {item!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def cmd_make(args) -> int:
+    from ..ros.bag import drivelm_contents, write_bag
+
+    src = args.from_drivelm or args.from_synth
+    contents = drivelm_contents(src, max_frames=args.max_frames, questions_per_frame=args.questions_per_frame,
+                                max_width=args.max_width, query_delay_s=args.query_delay)
+    write_bag(contents, args.out, storage=args.storage)
+    n_frames = sum(len(v) for v in contents.frames.values())
+    print(f"wrote {args.out}: {n_frames} camera frames ({n_frames // 6} sets), {len(contents.queries)} queries, "
+          f"{args.storage}")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from ..ros.bag import replay
+
+    return replay(args.bag, rate=args.rate, restamp=not args.keep_stamps, wait_s=args.wait)
+
+
+def cmd_record(args) -> int:
+    from ..ros.bag import record
+
+    return record(args.out, topic=args.topic, count=args.count, timeout_s=args.timeout)
+
+
+def print_latency(rows, title: str) -> None:
+    from ..ros.bag import latency_table
+
+    table = latency_table(rows)
+    if not table:
+        return
+    print(f"\n{title}\n{'stage':<14}{'median ms':>12}{'p90 ms':>12}{'n':>6}")
+    for stage, p50, p90, n in table:
+        print(f"{stage:<14}{p50:>12.2f}{p90:>12.2f}{n:>6}")
+
+
+def cmd_eval(args) -> int:
+    from ..ros.bag import evaluate, load_node_params
+
+    params = load_node_params(args.params, _overrides(args.set))
+    if args.model:
+        params["model_dir"] = str(args.model)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with out.open("w") as fh:
+        def on_record(rec):
+            row = rec.to_json()
+            rows.append(row)
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            shown = f"{rec.total_ms:8.1f} ms  {rec.answer[:60]!r}" if rec.status == "ok" else rec.status_message
+            print(f"eval: {rec.query_id:<10} [{rec.status}] {shown}")
+        evaluate(args.bag, params, on_record)
+    print(f"eval: {len(rows)} answers -> {out}")
+    print_latency(rows, "pipeline latency (no DDS)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..ros.bag import compare_runs, read_jsonl
+
+    a, b = read_jsonl(args.a), read_jsonl(args.b)
+    cmp = compare_runs(a, b)
+    print(f"compare: {cmp.matched} queries in both, {len(cmp.differences)} differences")
+    for d in cmp.differences:
+        print(f"  DIFF {d}")
+    if cmp.latency_rows:
+        print(f"\n{'stage':<14}{'A p50':>10}{'B p50':>10}{'delta':>10}{'A p90':>10}{'B p90':>10}{'delta':>10}")
+        for stage, a50, b50, a90, b90 in cmp.latency_rows:
+            print(f"{stage:<14}{a50:>10.2f}{b50:>10.2f}{b50 - a50:>+10.2f}{a90:>10.2f}{b90:>10.2f}{b90 - a90:>+10.2f}")
+    print("compare: answers identical" if cmp.ok else "compare: ANSWERS DIFFER")
+    return 0 if cmp.ok else 1
+
+
+def register(subparsers) -> None:
+    bag = subparsers.add_parser("bag", help="rosbag2 harness: make, replay, record, eval, compare")
+    sub = bag.add_subparsers(dest="bag_command", required=True)
+
+    p = sub.add_parser("make", help="make a bag of six camera streams + timed questions")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-drivelm", type=Path, metavar="DIR", help="DriveLM folder (samples/CAM_X/*.jpg + QA json)")
+    src.add_argument("--from-synth", type=Path, metavar="DIR",
+                     help="SynthDrive output folder (the same DriveLM layout; frames on a 2 Hz timeline)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
+    p.add_argument("--max-frames", type=int, help="at most this many six-camera frame sets")
+    p.add_argument("--questions-per-frame", type=int, default=2)
+    p.add_argument("--max-width", type=int, help="downscale frames wider than this (re-encoded JPEG)")
+    p.add_argument("--query-delay", type=float, default=0.2, help="seconds after a frame set that its first question comes")
+    p.set_defaults(func=cmd_make)
+
+    p = sub.add_parser("replay", help="publish a bag over DDS with its original timing")
+    p.add_argument("bag", type=Path)
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--keep-stamps", action="store_true", help="publish the bag's stamps unchanged (default: re-stamp to now)")
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for subscribers before publishing")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("record", help="write the node's answers to JSON lines")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--topic", default="/litevlm/answer")
+    p.add_argument("--count", type=int, help="stop after this many answers")
+    p.add_argument("--timeout", type=float, help="stop after this many seconds")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("eval", help="run the bag through the node's query server + pipeline without DDS")
+    p.add_argument("bag", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--params", type=Path, help="node parameters YAML (default: config/drive.yaml)")
+    p.add_argument("--model", type=Path, help="shorthand for --set model_dir=DIR")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("compare", help="answer-by-answer differences and latency deltas of two JSON-lines runs")
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.set_defaults(func=cmd_compare)

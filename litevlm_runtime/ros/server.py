@@ -1,0 +1,371 @@
+"""The query server: everything the ROS node does except talking ROS.
+
+Plain Python, so that the node (worker thread, real DDS) and `litevlm bag eval` (no DDS, one
+query at a time) run the very same code from "a query arrives" to "an answer record is ready".
+
+Flow of one query:
+  submit()  on the caller's thread (the executor, in the node): assign an id, validate the
+            text, check the deadline, match a frame set in the FrameStore *now* (so the answer
+            does not depend on how long the query waits), then enqueue. Anything that fails
+            here is answered at once with an error status.
+  serve()   on the worker thread: check the deadline again, convert the six frames, run
+            Pipeline.answer, and turn the result or the failure into an AnswerRecord.
+Every accepted query produces exactly one record through `publish`, whatever happens.
+
+Overflow policy of the bounded request queue (`queue_size`):
+  reject_new   (default) a query arriving at a full queue is answered at once with
+               queue_full; queued queries keep their place (first come, first served).
+  drop_oldest  the oldest queued query is answered with queue_full and the new one is queued
+               (freshest questions win; useful when only the latest question matters).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..answer import STAGES
+from ..cameras import CAMERAS
+from ..errors import InputError
+from .frame_store import FrameMatchError, FrameSet, FrameStore
+from .images import ImageError, to_pipeline_image
+
+log = logging.getLogger("litevlm.server")
+
+# Status names and codes; the codes are the STATUS_* constants of litevlm_msgs/Answer.
+STATUS_CODES = {
+    "ok": 0,
+    "no_frames": 1,
+    "stale_frames": 2,
+    "out_of_sync": 3,
+    "bad_image": 4,
+    "bad_question": 5,
+    "queue_full": 6,
+    "deadline_passed": 7,
+    "pipeline_error": 8,
+    "not_active": 9,
+}
+OVERFLOW_POLICIES = ("reject_new", "drop_oldest")
+
+
+@dataclass
+class ServerSettings:
+    cameras: Sequence[str] = CAMERAS
+    max_skew_s: float = 0.1
+    max_frame_age_s: float = 1.0
+    frame_history: int = 8
+    queue_size: int = 4
+    overflow_policy: str = "reject_new"
+    max_question_chars: int = 2000
+
+    def __post_init__(self):
+        if self.overflow_policy not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow_policy {self.overflow_policy!r}: use one of {', '.join(OVERFLOW_POLICIES)}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+
+
+@dataclass
+class Request:
+    query_id: str
+    text: str
+    stamp_ns: int           # when the question was asked (query header stamp, or receipt time)
+    deadline_ns: int        # 0: none
+    received_ns: int
+    frames: FrameSet
+
+
+@dataclass
+class AnswerRecord:
+    query_id: str
+    question: str
+    status: str = "ok"
+    status_message: str = ""
+    answer: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cameras: list[str] = field(default_factory=list)
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    queue_ms: float = 0.0
+    visual_tokens: int = 0
+    kept_tokens: int = 0
+    input_tokens: int = 0
+    decode_steps: int = 0
+    accepted_length: float = 0.0
+    query_stamp_ns: int = 0
+    frame_stamps_ns: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def status_code(self) -> int:
+        return STATUS_CODES[self.status]
+
+    @property
+    def total_ms(self) -> float:
+        return float(sum(self.stage_ms.values()))
+
+    def to_json(self) -> dict:
+        """The JSON mirror / JSON-lines form. Frame stamps are also given relative to the query
+        stamp, which survives the replayer's re-stamping (bag eval and a DDS replay agree)."""
+        return {
+            "query_id": self.query_id,
+            "question": self.question,
+            "status": self.status,
+            "status_code": self.status_code,
+            "status_message": self.status_message,
+            "answer": self.answer,
+            "token_ids": list(self.token_ids),
+            "cameras": list(self.cameras),
+            "stage_ms": dict(self.stage_ms),
+            "total_ms": self.total_ms,
+            "queue_ms": self.queue_ms,
+            "visual_tokens": self.visual_tokens,
+            "kept_tokens": self.kept_tokens,
+            "input_tokens": self.input_tokens,
+            "decode_steps": self.decode_steps,
+            "accepted_length": self.accepted_length,
+            "query_stamp_ns": self.query_stamp_ns,
+            "frame_stamps_ns": dict(self.frame_stamps_ns),
+            "frame_offsets_ms": {c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AnswerRecord":
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RequestQueue:
+    """Bounded FIFO with the overflow policy above. queue.Queue cannot drop its oldest item
+    atomically, hence this small class."""
+
+    def __init__(self, size: int, policy: str):
+        self.size, self.policy = size, policy
+        self._items: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, req: Request) -> Request | None:
+        """Queue `req`; returns the request that was refused (req or the evicted oldest) or None."""
+        with self._cond:
+            refused = None
+            if self._closed:
+                return req
+            if len(self._items) >= self.size:
+                if self.policy == "reject_new":
+                    return req
+                refused = self._items.popleft()
+            self._items.append(req)
+            self._cond.notify()
+            return refused
+
+    def get(self, timeout: float | None = None) -> Request | None:
+        with self._cond:
+            if not self._items and not self._closed:
+                self._cond.wait(timeout)
+            return self._items.popleft() if self._items else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drain(self) -> list[Request]:
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else 0.0
+
+
+class QueryServer:
+    def __init__(self, settings: ServerSettings, publish: Callable[[AnswerRecord], None],
+                 clock_ns: Callable[[], int] = time.time_ns):
+        self.settings = settings
+        self.publish_record = publish
+        self.clock_ns = clock_ns
+        self.frames = FrameStore(settings.cameras, int(settings.max_skew_s * 1e9), int(settings.max_frame_age_s * 1e9),
+                                 settings.frame_history)
+        self.queue = RequestQueue(settings.queue_size, settings.overflow_policy)
+        self.pipeline = None          # set by load(); None while not configured
+        self.load_error = ""          # why the model could not be loaded
+        self.active = False
+        self._ids = itertools.count(1)
+        self._stats_lock = threading.Lock()
+        self.status_counts = {s: 0 for s in STATUS_CODES}
+        self.latency_ms: dict[str, deque] = {s: deque(maxlen=1000) for s in (*STAGES, "total", "queue")}
+        self.last_error = ""
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- model ----
+    def load(self, factory: Callable[[], object], warmup: bool = True) -> None:
+        """Load the pipeline (and warm it up on a synthetic frame set). A failure is kept: the
+        server then answers every query with pipeline_error naming it, instead of going silent."""
+        try:
+            pipe = factory()
+            if warmup:
+                black = {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in self.settings.cameras}
+                pipe.answer(black, "warm-up: describe the scene.")
+            self.pipeline, self.load_error = pipe, ""
+        except Exception as exc:  # noqa: BLE001 - reported in every answer and in /diagnostics
+            self.pipeline, self.load_error = None, f"{type(exc).__name__}: {exc}"
+            self.last_error = self.load_error
+            log.error("model failed to load: %s", self.load_error)
+            raise
+
+    # ---- queries ----
+    def submit(self, text: str, query_id: str = "", stamp_ns: int = 0, deadline_ns: int = 0,
+               now_ns: int | None = None) -> Request | None:
+        """Accept one query. Returns the queued Request, or None when it was answered at once."""
+        now = self.clock_ns() if now_ns is None else now_ns
+        query_id = query_id or f"q{next(self._ids)}"
+        rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp_ns or now)
+
+        def refuse(status: str, message: str) -> None:
+            rec.status, rec.status_message = status, message
+            self._finish(rec)
+
+        if not text.strip():
+            return refuse("bad_question", "empty question")
+        if len(text) > self.settings.max_question_chars:
+            return refuse("bad_question", f"question has {len(text)} characters; max_question_chars is "
+                                          f"{self.settings.max_question_chars}")
+        if self.pipeline is None:
+            if self.load_error:
+                return refuse("pipeline_error", f"model not loaded: {self.load_error}")
+            return refuse("not_active", "node is not configured (no model loaded)")
+        if not self.active:
+            return refuse("not_active", "node is not active")
+        if deadline_ns and now > deadline_ns:
+            return refuse("deadline_passed", f"deadline passed {(now - deadline_ns) / 1e6:.1f} ms before the query arrived")
+        try:
+            frames = self.frames.match(now)
+        except FrameMatchError as exc:
+            return refuse(exc.status, str(exc))
+        req = Request(query_id, text, stamp_ns or now, deadline_ns, now, frames)
+        queue = self.queue
+        refused = queue.put(req)
+        if refused is req and queue.closed:
+            return refuse("not_active", "node is shutting down")
+        if refused is not None:
+            self._finish(self._record_for(refused, "queue_full",
+                                          f"request queue full ({self.settings.queue_size}, policy {self.settings.overflow_policy})"))
+        return None if refused is req else req
+
+    def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
+        """Run one queued request through the pipeline; never raises."""
+        now = self.clock_ns() if now_ns is None else now_ns
+        rec = self._record_for(req, "ok", "")
+        rec.queue_ms = max(0.0, (now - req.received_ns) / 1e6)
+        if req.deadline_ns and now > req.deadline_ns:
+            rec.status, rec.status_message = "deadline_passed", (
+                f"deadline passed after {rec.queue_ms:.1f} ms in the queue")
+            return self._finish(rec)
+        try:
+            images = {c: to_pipeline_image(c, f.payload) for c, f in req.frames.frames.items()}
+        except ImageError as exc:
+            rec.status, rec.status_message = "bad_image", str(exc)
+            return self._finish(rec)
+        try:
+            ans = self.pipeline.answer(images, req.text)
+        except InputError as exc:
+            # The question was validated in submit(); what is left for InputError is the images.
+            rec.status, rec.status_message = "bad_image", str(exc)
+            return self._finish(rec)
+        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
+            log.error("pipeline failed on %s: %s", req.query_id, traceback.format_exc())
+            rec.status, rec.status_message = "pipeline_error", f"{type(exc).__name__}: {exc}"
+            return self._finish(rec)
+        rec.answer = ans.text
+        rec.token_ids = [int(t) for t in ans.token_ids]
+        rec.cameras = list(ans.cameras)
+        rec.stage_ms = {s: float(ans.stage_ms[s]) for s in ans.stage_ms}
+        rec.visual_tokens, rec.kept_tokens = int(ans.visual_tokens), int(ans.kept_tokens)
+        rec.input_tokens, rec.decode_steps = int(ans.input_tokens), int(ans.decode_steps)
+        rec.accepted_length = float(ans.accepted_length)
+        return self._finish(rec)
+
+    def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:
+        return AnswerRecord(
+            query_id=req.query_id, question=req.text, status=status, status_message=message,
+            query_stamp_ns=req.stamp_ns,
+            frame_stamps_ns={c: f.stamp_ns for c, f in req.frames.frames.items()},
+        )
+
+    def _finish(self, rec: AnswerRecord) -> AnswerRecord:
+        with self._stats_lock:
+            self.status_counts[rec.status] += 1
+            if rec.status == "ok":
+                for s, ms in rec.stage_ms.items():
+                    self.latency_ms.setdefault(s, deque(maxlen=1000)).append(ms)
+                self.latency_ms["total"].append(rec.total_ms)
+                self.latency_ms["queue"].append(rec.queue_ms)
+            else:
+                self.last_error = f"{rec.query_id}: {rec.status}: {rec.status_message}"
+        try:
+            self.publish_record(rec)
+        except Exception:  # noqa: BLE001 - a failing publisher must not kill the worker
+            log.error("publishing %s failed: %s", rec.query_id, traceback.format_exc())
+        return rec
+
+    # ---- worker thread (the node) ----
+    def start_worker(self) -> None:
+        if self._worker is None:
+            self._stop.clear()
+            self._worker = threading.Thread(target=self._work, name="litevlm-pipeline", daemon=True)
+            self._worker.start()
+
+    def stop_worker(self, reason: str = "node deactivated") -> None:
+        if self._worker is not None:
+            self._stop.set()
+            self.queue.close()
+            self._worker.join()
+            self._worker = None
+            self.queue = RequestQueue(self.settings.queue_size, self.settings.overflow_policy)
+        # Nothing is lost: whatever was still queued gets its answer.
+        for req in self.queue.drain():
+            self._finish(self._record_for(req, "not_active", reason))
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            req = self.queue.get(timeout=0.2)
+            if req is not None:
+                self.serve(req)
+        for req in self.queue.drain():
+            self._finish(self._record_for(req, "not_active", "node deactivated while the query was queued"))
+
+    # ---- diagnostics ----
+    def stats(self) -> dict:
+        with self._stats_lock:
+            lat = {k: (percentile(v, 50), percentile(v, 90), len(v)) for k, v in self.latency_ms.items() if len(v)}
+            counts = dict(self.status_counts)
+        return {
+            "queue_depth": len(self.queue),
+            "queue_size": self.settings.queue_size,
+            "overflow_policy": self.settings.overflow_policy,
+            "answered": sum(counts.values()),
+            "status_counts": counts,
+            "errors": sum(n for s, n in counts.items() if s != "ok"),
+            "last_error": self.last_error,
+            "latency_ms": lat,
+            "frames_received": dict(self.frames.received),
+            "frames_out_of_order": dict(self.frames.out_of_order),
+            "frames_dropped": dict(self.frames.dropped),
+        }
