@@ -294,7 +294,9 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     clock = [0]
     server = QueryServer(settings, publish, clock_ns=lambda: clock[0])
     try:
-        server.load(lambda: Pipeline.from_pretrained(params["model_dir"], pipeline_options(params)), warmup=False)
+        # Warm-up as the node does, so that latencies are comparable between eval and a replay.
+        server.load(lambda: Pipeline.from_pretrained(params["model_dir"], pipeline_options(params)),
+                    warmup=params["warmup"])
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does
     server.active = server.pipeline is not None

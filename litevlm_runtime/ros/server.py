@@ -286,8 +286,11 @@ class QueryServer:
         try:
             ans = self.pipeline.answer(images, req.text)
         except InputError as exc:
-            # The question was validated in submit(); what is left for InputError is the images.
-            rec.status, rec.status_message = "bad_image", str(exc)
+            # The pipeline names the camera first in image errors ("CAM_BACK: cannot decode
+            # image ..."); anything else is about the question (reserved token, too many tokens).
+            msg = str(exc)
+            about_image = msg.startswith(tuple(self.settings.cameras)) or msg.startswith("no image")
+            rec.status, rec.status_message = ("bad_image" if about_image else "bad_question"), msg
             return self._finish(rec)
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             log.error("pipeline failed on %s: %s", req.query_id, traceback.format_exc())
