@@ -1,0 +1,8 @@
+"""SynthDrive: procedurally rendered six-camera driving scenes with DriveLM-format QA.
+
+world.py   scene sampling (road, ego state, objects) in the ego frame
+camera.py  pinhole cameras of the nuScenes rig, projection and near-plane clipping
+render.py  PIL rendering of one camera view + an object-ID mask
+qa.py      DriveLM v1.1 questions and answers from a world and what each camera shows
+generate.py  the `litevlm synth` driver: scenes -> JPEGs + train/val QA + ground truth
+"""

@@ -1,0 +1,227 @@
+"""`litevlm synth`: scenes -> six JPEGs each + DriveLM v1.1 QA (train/val) + per-object ground truth.
+
+Scene i of seed S is drawn from its own RNG, numpy's default_rng([S, i]): a scene does not depend
+on how many scenes are generated, on the worker that renders it, or on the image size (which
+objects count as visible is decided on a fixed 480x270 render, so the same seed gives the same
+questions at every resolution; only the pixel coordinates in the tags scale).
+
+Output layout (DIR):
+  train.json, val.json     DriveLM v1.1: {scene_token: {scene_description, key_frames: {frame_token:
+                           {key_object_infos, QA: {perception, prediction, planning, behavior},
+                           image_paths: {CAM_X: "samples/CAM_X/<file>.jpg"}}}}}; paths relative to DIR
+  ground_truth.json        {frame_token: {scene_token, split, ego, road, objects: [...]}} every visible
+                           object: kind, colour, status, distance, cameras with pixel centre and box
+  samples/CAM_X/*.jpg      the images
+  synthdrive.json          how the set was made (seed, scenes, size, version)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..cameras import CAMERAS
+from ..errors import InputError
+from .camera import rig, sector_camera
+from .qa import frame_qa
+from .render import background, render, render_alone
+from .world import VEHICLE_KINDS, World, decide_ego, sample_world
+
+VERSION = 1
+CULL_SIZE = (480, 270)           # visibility is decided at this size, whatever the output size
+MIN_VISIBLE_FRACTION = 0.5       # of the object's unoccluded footprint in its own camera
+MIN_PIXELS = {"traffic light": 6, "pedestrian": 20}   # body pixels at CULL_SIZE
+MIN_PIXELS_DEFAULT = 30
+JPEG_QUALITY = 92
+
+
+def token(*parts) -> str:
+    """A nuScenes-looking 32-hex token, deterministic in its parts."""
+    return hashlib.md5("/".join(str(p) for p in parts).encode()).hexdigest()
+
+
+@dataclass
+class View:
+    """Where an object shows in one camera at the output size."""
+    centre: tuple[float, float]   # a pixel of its body (paint, shirt, lit lamp), nearest its centroid
+    bbox: tuple[float, float, float, float]
+    pixels: int
+
+
+def _mask_stats(mask: np.ndarray, n_objects: int) -> np.ndarray:
+    return np.bincount(mask.ravel(), minlength=2 * n_objects + 2)
+
+
+def cull(world: World) -> None:
+    """Drop objects a viewer could not make out: too small, or mostly hidden behind others, in
+    the camera whose sector holds them. Dropping only ever uncovers others, so one pass does."""
+    cams = rig(*CULL_SIZE)
+    blank = np.zeros((CULL_SIZE[1], CULL_SIZE[0], 3), np.uint8)
+    counts = {name: _mask_stats(render(world, cam, blank, road=False)[1], len(world.objects))
+              for name, cam in cams.items()}
+    keep = []
+    for i, obj in enumerate(world.objects):
+        cam = sector_camera(obj.bearing)
+        body, detail = counts[cam][2 * i + 1], counts[cam][2 * i + 2]
+        if body < MIN_PIXELS.get(obj.kind, MIN_PIXELS_DEFAULT):
+            continue
+        footprint = np.count_nonzero(render_alone(world, cams[cam], i))
+        if footprint == 0 or (body + detail) / footprint < MIN_VISIBLE_FRACTION:
+            continue
+        keep.append(obj)
+    world.objects = keep
+    decide_ego(world)
+
+
+def _views(mask: np.ndarray, n_objects: int) -> dict[int, View]:
+    out = {}
+    counts = _mask_stats(mask, n_objects)
+    for i in range(n_objects):
+        if counts[2 * i + 1] == 0:
+            continue
+        ys, xs = np.nonzero(mask == 2 * i + 1)
+        cx, cy = xs.mean(), ys.mean()
+        # The body pixel nearest the body's centroid: the centroid itself can fall on a window or
+        # between a pedestrian's legs, a tag must point at the object's own colour.
+        k = int(np.argmin((xs - cx) ** 2 + (ys - cy) ** 2))
+        ay, ax = np.nonzero((mask == 2 * i + 1) | (mask == 2 * i + 2))
+        out[i] = View((float(xs[k]) + 0.5, float(ys[k]) + 0.5),
+                      (float(ax.min()), float(ay.min()), float(ax.max()) + 1, float(ay.max()) + 1),
+                      int(counts[2 * i + 1] + counts[2 * i + 2]))
+    return out
+
+
+def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | None) -> dict:
+    """Sample, cull, render and describe scene `index`; write its JPEGs when out_dir is given."""
+    rng = np.random.default_rng([seed, index])
+    world = sample_world(rng)
+    cull(world)
+    scene_token = token("synthdrive", VERSION, seed, index, "scene")
+    frame_token = token("synthdrive", VERSION, seed, index, "frame")
+    cams = rig(width, height)
+    base = background(world, width, height)
+    views: dict[str, dict[int, View]] = {}
+    image_paths = {}
+    images = {}
+    for name in CAMERAS:
+        image, mask = render(world, cams[name], base.copy())
+        views[name] = _views(mask, len(world.objects))
+        rel = f"samples/{name}/synthdrive-s{seed}-{index:06d}__{name}.jpg"
+        image_paths[name] = rel
+        images[name] = image
+        if out_dir is not None:
+            path = Path(out_dir) / rel
+            image.save(path, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    objects = []
+    for i, obj in enumerate(world.objects):
+        seen_in = {cam: views[cam][i] for cam in CAMERAS if i in views[cam]}
+        primary = sector_camera(obj.bearing)
+        if primary not in seen_in:                    # only at very small output sizes
+            if not seen_in:
+                continue
+            primary = max(seen_in, key=lambda c: seen_in[c].pixels)
+        objects.append((obj, primary, seen_in))
+    qa_rng = np.random.default_rng([seed, index, 1])
+    frame, tags = frame_qa(world, objects, qa_rng)
+    frame["image_paths"] = image_paths
+    gt_objects = []
+    for obj, primary, seen_in in objects:
+        gt_objects.append({
+            "id": tags.get(id(obj)), "kind": obj.kind, "colour": obj.colour, "status": obj.status,
+            "observed_status": obj.observed_status, "moving": obj.moving, "place": obj.place,
+            "distance_m": round(obj.distance, 2), "bearing_deg": round(obj.bearing, 1),
+            "x": round(obj.x, 3), "y": round(obj.y, 3), "s": round(obj.s, 3), "d": round(obj.d, 3),
+            "yaw_deg": round(float(np.degrees(obj.yaw)), 2), "camera": primary,
+            "cameras": {cam: {"centre": [round(v.centre[0], 1), round(v.centre[1], 1)],
+                              "bbox": [round(b, 1) for b in v.bbox], "pixels": v.pixels}
+                        for cam, v in seen_in.items()},
+        })
+    road = world.road
+    ground_truth = {
+        "scene_token": scene_token, "index": index,
+        "ego": {"speed": world.ego_speed, "direction": world.ego_direction, "behaviour": world.behaviour,
+                "light_state": world.light_state},
+        "road": {"lanes_same_direction": road.n_same, "lanes_oncoming": road.n_opposite, "ego_lane": road.ego_lane,
+                 "curvature": road.curvature, "crosswalk_s": road.crosswalk_s, "stop_line_s": road.stop_line_s},
+        "image_size": [width, height],
+        "objects": gt_objects,
+    }
+    scene = {"scene_description": describe(world), "key_frames": {frame_token: frame}}
+    return {"index": index, "scene_token": scene_token, "frame_token": frame_token, "scene": scene,
+            "ground_truth": ground_truth,
+            # In-memory callers (tests) get the world and images; workers writing files send neither back.
+            "world": None if out_dir else world, "images": None if out_dir else images}
+
+
+def describe(world: World) -> str:
+    road = world.road
+    lanes = f"{road.n_same} lane{'s' if road.n_same > 1 else ''} in its direction"
+    oncoming = f" and {road.n_opposite} oncoming lane{'s' if road.n_opposite > 1 else ''}" if road.n_opposite else ""
+    shape = "a straight road" if road.curvature == 0 else \
+        f"a road bending to the {'left' if road.curvature > 0 else 'right'}"
+    extras = []
+    if world.light_state:
+        extras.append(f"a {world.light_state} traffic light")
+    if road.crosswalk_s is not None:
+        extras.append("a zebra crossing")
+    ahead = f", with {' and '.join(extras)} ahead" if extras else ""
+    return f"The ego vehicle drives on {shape} with {lanes}{oncoming}{ahead}."
+
+
+def _work(job):
+    return build_scene(*job)
+
+
+def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, height: int = 900,
+             val_fraction: float = 0.1, workers: int | None = None, progress: bool = True) -> dict:
+    if scenes < 1:
+        raise InputError("--scenes must be at least 1")
+    if width < 64 or height < 36 or width > 8192 or height > 8192:
+        raise InputError(f"image size {width}x{height} out of range (64x36 .. 8192x8192)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise InputError("--val-fraction must be in [0, 1)")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / "synthdrive.json").exists():
+        raise InputError(f"{out} exists and is not a SynthDrive folder; choose an empty or new folder")
+    for cam in CAMERAS:
+        (out / "samples" / cam).mkdir(parents=True, exist_ok=True)
+    n_val = int(round(scenes * val_fraction))
+    n_train = scenes - n_val
+    workers = max(1, min(workers or os.cpu_count() or 1, scenes))
+    jobs = [(seed, i, width, height, str(out)) for i in range(scenes)]
+    train, val, truth = {}, {}, {}
+    n_qa = {"train": 0, "val": 0}
+    start = time.perf_counter()
+    from tqdm import tqdm
+    bar = tqdm(total=scenes, desc="synth", unit="scene", disable=not progress)
+    pool = multiprocessing.Pool(workers) if workers > 1 else None
+    try:
+        results = pool.imap(_work, jobs, chunksize=4) if pool else map(_work, jobs)
+        for result in results:            # in scene order: the JSON files do not depend on workers
+            split = "train" if result["index"] < n_train else "val"
+            (train if split == "train" else val)[result["scene_token"]] = result["scene"]
+            gt = result["ground_truth"] | {"split": split}
+            truth[result["frame_token"]] = gt
+            for frame in result["scene"]["key_frames"].values():
+                n_qa[split] += sum(len(v) for v in frame["QA"].values())
+            bar.update(1)
+    finally:
+        bar.close()
+        if pool:
+            pool.close()
+            pool.join()
+    elapsed = time.perf_counter() - start
+    (out / "train.json").write_text(json.dumps(train, indent=1))
+    (out / "val.json").write_text(json.dumps(val, indent=1))
+    (out / "ground_truth.json").write_text(json.dumps(truth, indent=1))
+    info = {"generator": "SynthDrive", "version": VERSION, "seed": seed, "scenes": scenes, "train_scenes": n_train,
+            "val_scenes": n_val, "width": width, "height": height, "qa_train": n_qa["train"], "qa_val": n_qa["val"]}
+    (out / "synthdrive.json").write_text(json.dumps(info, indent=1))
+    return info | {"seconds": round(elapsed, 2), "workers": workers}

@@ -1,0 +1,395 @@
+"""DriveLM v1.1 questions and answers for one SynthDrive frame.
+
+Every answer is decided by what the six images show (the objects that survived culling, drawn
+where the tags say), with DriveLM's own phrasings where DriveLM has the question, and a short
+answer vocabulary. Many questions name a direction ("to the back left of the ego car") or a
+tagged camera, which is what a view selector keys on. Choice questions carry four shuffled
+options like the DriveLM challenge's ("Please select the correct answer from the following
+options: A. ... D. ...") and are answered by the letter; yes/no answers are "Yes." / "No.", and
+within a frame a yes/no question template never has more than one answer more of one kind than of
+the other, so that a model that does not look cannot score by guessing the common answer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from .world import EGO_DIRECTIONS, EGO_SPEEDS, LANE_WIDTH, PLURAL, VEHICLE_KINDS, World, WorldObject
+
+DIRECTION = {"CAM_FRONT": "front", "CAM_FRONT_LEFT": "front left", "CAM_FRONT_RIGHT": "front right",
+             "CAM_BACK": "back", "CAM_BACK_LEFT": "back left", "CAM_BACK_RIGHT": "back right"}
+NUMBER = {1: "one", 2: "two", 3: "three"}
+MOVING_OPTIONS = ["Going ahead.", "Turn right.", "Turn left.", "Stopped.", "Back up.", "Reverse parking.",
+                  "Drive backward."]           # the DriveLM challenge's option pool
+STATUS_TEXT = {"going ahead": "Going ahead.", "turn left": "Turn left.", "turn right": "Turn right.",
+               "stopped": "Stopped."}
+COLOUR_OPTIONS = ["Red.", "Blue.", "Green.", "Yellow.", "White.", "Black."]
+COUNT_OPTIONS = ["None.", "One.", "Two.", "Three.", "More than three."]
+LIGHT_OPTIONS = ["Red light.", "Yellow light.", "Green light.", "There is no traffic light."]
+BEHAVIOURS = [f"The ego vehicle is {d}. The ego vehicle is {s}." for d in EGO_DIRECTIONS for s in EGO_SPEEDS
+              if s != "not moving"] + ["The ego vehicle is going straight. The ego vehicle is not moving."]
+OPTIONS_PROMPT = " Please select the correct answer from the following options:"
+IMPORTANT_Q = ("What are the important objects in the current scene? Those objects will be considered for the "
+               "future reasoning and driving decision.")
+NOTICE_Q = ("What object should the ego vehicle notice first when the ego vehicle is getting to the next possible "
+            "location? What is the state of the object that is first noticed by the ego vehicle and what action "
+            "should the ego vehicle take? What object should the ego vehicle notice second when the ego vehicle is "
+            "getting to the next possible location? What is the state of the object perceived by the ego vehicle "
+            "as second and what action should the ego vehicle take? What object should the ego vehicle notice "
+            "third? What is the state of the object perceived by the ego vehicle as third and what action should "
+            "the ego vehicle take?")
+MAX_KEY_OBJECTS = 4
+
+
+def qa(question: str, answer: str) -> dict:
+    return {"Q": question, "A": answer, "C": None, "con_up": None, "con_down": None, "cluster": None, "layer": None}
+
+
+def where(camera: str) -> str:
+    return f"to the {DIRECTION[camera]} of the ego car"
+
+
+def count_phrase(kind: str, n: int) -> str:
+    return f"{NUMBER.get(n, 'many')} {kind if n == 1 else PLURAL[kind]}"
+
+
+def join(items: list[str]) -> str:
+    if len(items) <= 2:
+        return " and ".join(items)
+    return ", ".join(items[:-1]) + ", and " + items[-1]
+
+
+def article(phrase: str) -> str:
+    return ("an " if phrase[0] in "aeiou" else "a ") + phrase
+
+
+def description(obj: WorldObject) -> str:
+    """DriveLM's Visual_description, without the full stop."""
+    if obj.kind in VEHICLE_KINDS:
+        return f"{obj.colour} {obj.kind}"
+    if obj.kind == "pedestrian":
+        return f"pedestrian in {obj.colour}"
+    if obj.kind == "barrier":
+        return f"{obj.colour} barrier"
+    return f"{obj.status} light"
+
+
+def status_word(obj: WorldObject) -> str | None:
+    """moving / parked / stopped / standing: the adjective of DriveLM's "Are there parked trucks ..."."""
+    if obj.kind in VEHICLE_KINDS:
+        return "parked" if obj.parked else ("stopped" if obj.status == "stopped" else "moving")
+    if obj.kind == "pedestrian":
+        return "moving" if obj.status == "walking" else "standing"
+    return None
+
+
+def cap(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+class _Choice:
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def __call__(self, question: str, answer: str, pool: list[str]) -> dict:
+        """A 4-option choice question: the answer plus 3 distractors from pool, shuffled."""
+        others = [p for p in pool if p != answer]
+        picks = [others[i] for i in self.rng.choice(len(others), size=3, replace=False)] + [answer]
+        order = self.rng.permutation(4)
+        options = [picks[i] for i in order]
+        letters = "ABCD"
+        text = question + OPTIONS_PROMPT + "".join(f" {letters[i]}. {opt}" for i, opt in enumerate(options))
+        return qa(text, letters[options.index(answer)])
+
+
+def _balance(items: list[tuple[str, dict]], rng: np.random.Generator) -> list[dict]:
+    """Keep per template at most one more yes than no (or no than yes), dropping at random."""
+    by_template: dict[str, list[dict]] = {}
+    for template, item in items:
+        by_template.setdefault(template, []).append(item)
+    keep_ids = set()
+    for group in by_template.values():
+        yes = [q for q in group if q["A"] == "Yes."]
+        no = [q for q in group if q["A"] == "No."]
+        limit = min(len(yes), len(no)) + 1
+        for side in (yes, no):
+            for i in sorted(rng.permutation(len(side))[:limit]):
+                keep_ids.add(id(side[i]))
+        keep_ids.update(id(q) for q in group if q["A"] not in ("Yes.", "No."))
+    return [item for _, item in items if id(item) in keep_ids]
+
+
+def _in_ego_path(obj: WorldObject) -> bool:
+    if obj.kind == "traffic light":
+        return True
+    if obj.s <= 0:
+        return False
+    if obj.kind == "pedestrian":
+        return obj.place == "crossing"
+    return abs(obj.d) < LANE_WIDTH / 2 and not obj.parked
+
+
+def _priority(obj: WorldObject) -> float:
+    """Lower first: what matters most to the ego's next move."""
+    if obj.kind == "traffic light":
+        return 0.0 + (0.5 if obj.place == "overhead" else 0.0)
+    if obj.kind == "pedestrian" and obj.place == "crossing":
+        return 1.0 + obj.distance / 100
+    if _in_ego_path(obj):
+        return 2.0 + obj.distance / 100
+    if obj.s > 0 and not obj.parked:
+        return 3.0 + obj.distance / 100
+    return 4.0 + obj.distance / 100
+
+
+def _action(world: World, obj: WorldObject) -> tuple[str, str]:
+    """(action, reason) of the ego because of obj, as DriveLM phrases them."""
+    if obj.kind == "traffic light":
+        return {"red": ("stop", "to follow the traffic rules"), "yellow": ("slow down", "to follow the traffic rules"),
+                "green": ("keep going at the same speed", "to follow the traffic rules")}[obj.status]
+    if obj.kind == "pedestrian" and obj.place == "crossing":
+        return "stop", "to yield to the pedestrian"
+    if _in_ego_path(obj) and obj.kind in VEHICLE_KINDS:
+        if obj.status == "stopped" and obj.s < 16.0:
+            return "stop", "to avoid a collision"
+        if obj.s < 20.0:
+            return "slow down", "to keep a safe distance"
+    if _in_ego_path(obj) and obj.kind == "barrier" and obj.s < 20.0:
+        return "slow down", "to avoid a collision"
+    return "keep going at the same speed", "there is no safety issue"
+
+
+def _collision_action(world: World, obj: WorldObject) -> str:
+    road = world.road
+    if _in_ego_path(obj) and obj.kind != "traffic light":
+        return "Accelerate and go straight."
+    if obj.kind in VEHICLE_KINDS and abs(obj.d) < LANE_WIDTH / 2 and obj.s < 0:
+        return "Back up."
+    if obj.kind in VEHICLE_KINDS + ("barrier",) and not obj.parked and -20.0 < obj.s < 20.0:
+        if abs(obj.d - LANE_WIDTH) < LANE_WIDTH / 2 and road.ego_lane + 1 < road.n_same + road.n_opposite:
+            return "Change to the left lane."
+        if abs(obj.d + LANE_WIDTH) < LANE_WIDTH / 2 and road.ego_lane > 0:
+            return "Change to the right lane."
+    return "No such action will lead to a collision."
+
+
+def lane_change_safe(world: World, side: str) -> bool:
+    road = world.road
+    j = road.ego_lane + (1 if side == "left" else -1)
+    if j < 0 or j >= road.n_same:       # no lane there, or it carries oncoming traffic
+        return False
+    centre = road.lane_centre(j)
+    for obj in world.objects:
+        if abs(obj.d - centre) < LANE_WIDTH / 2 and -25.0 < obj.s < 20.0 and obj.kind != "traffic light":
+            return False
+    return True
+
+
+def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np.random.Generator
+             ) -> tuple[dict, dict[int, str]]:
+    """(frame dict with key_object_infos and QA, {id(object): "cN"}). objects: (object, camera, views)."""
+    choice = _Choice(rng)
+    cam_of = {id(o): cam for o, cam, _ in objects}
+    # IDs c1.. by priority; the first MAX_KEY_OBJECTS are the key objects questions name.
+    ranked = sorted(objects, key=lambda t: _priority(t[0]))
+    tags, tag_text, infos = {}, {}, {}
+    for n, (obj, cam, views) in enumerate(ranked[:MAX_KEY_OBJECTS], start=1):
+        x, y = views[cam].centre
+        tags[id(obj)] = f"c{n}"
+        tag_text[id(obj)] = f"<c{n},{cam},{x:.1f},{y:.1f}>"
+        category = {"pedestrian": "Pedestrian", "barrier": "Barrier", "traffic light": "Traffic element"}.get(
+            obj.kind, "Vehicle")
+        infos[tag_text[id(obj)]] = {"Category": category, "Status": obj.observed_status,
+                                    "Visual_description": cap(description(obj)) + ".",
+                                    "2d_bbox": [round(v, 1) for v in views[cam].bbox]}
+    key = [t[0] for t in ranked[:MAX_KEY_OBJECTS]]
+    groups: dict[str, Counter] = {cam: Counter() for cam in DIRECTION}
+    status_groups: dict[tuple, list] = {}
+    for obj, cam, _ in objects:
+        groups[cam][obj.kind] += 1
+        status_groups.setdefault((cam, obj.kind), []).append(obj)
+
+    perception, prediction, planning, behaviour = [], [], [], []
+    yes_no: dict[str, list[tuple[str, dict]]] = {"perception": [], "prediction": [], "planning": []}
+
+    # -- perception --------------------------------------------------------------------------
+    if key:
+        phrases = [f"{article(description(o))} {where(cam_of[id(o)]).replace('ego car', 'ego vehicle')}" for o in key]
+        ids = [tag_text[id(o)] for o in key]
+        perception.append(qa(IMPORTANT_Q, f"There is {join(phrases)}. The IDs of these objects are {join(ids)}."))
+    else:
+        perception.append(qa(IMPORTANT_Q, "There are no important objects in the current scene."))
+
+    kinds_order = list(VEHICLE_KINDS) + ["pedestrian", "barrier", "traffic light"]
+    occupied = [cam for cam in DIRECTION if groups[cam]]
+    empty = [cam for cam in DIRECTION if not groups[cam]]
+    listed = occupied + ([empty[rng.integers(len(empty))]] if empty else [])
+    for cam in listed:
+        parts = [count_phrase(k, groups[cam][k]) for k in kinds_order if groups[cam][k]]
+        if parts:
+            verb = "There is" if parts[0].startswith("one ") else "There are"
+            answer = f"{verb} {join(parts)} {where(cam)}."
+        else:
+            answer = f"There are no objects {where(cam)}."
+        perception.append(qa(f"What are objects {where(cam)}?", answer))
+
+    # Status of a group: "What is the status of the cars that are to the front of the ego car?"
+    movers = [(cam, kind) for (cam, kind), objs in status_groups.items()
+              if kind in VEHICLE_KINDS + ("pedestrian",) and len(objs) <= 3]
+    for i in rng.permutation(len(movers))[:2]:
+        cam, kind = movers[i]
+        objs = status_groups[(cam, kind)]
+        words = Counter(status_word(o) for o in objs)
+        if len(objs) == 1:
+            answer = f"The {kind} {where(cam)} is {status_word(objs[0])}."
+            question = f"What is the status of the {kind} that is {where(cam)}?"
+        else:
+            question = f"What is the status of the {PLURAL[kind]} that are {where(cam)}?"
+            if len(words) == 1:
+                answer = f"{cap(NUMBER[len(objs)])} {PLURAL[kind]} are {next(iter(words))}."
+            else:
+                answer = _status_mix(kind, words)
+        perception.append(qa(question, answer))
+
+    # Yes/no: "Are there parked trucks to the back left of the ego car?"
+    present = {(cam, o.kind, status_word(o)) for o, cam, _ in objects}
+    vehicle_words = ["moving", "parked", "stopped"]
+    candidates = [(cam, kind, word) for cam in DIRECTION for kind in kinds_order
+                  for word in ({"car": vehicle_words, "truck": vehicle_words, "bus": vehicle_words,
+                                "pedestrian": ["moving", "standing"]}.get(kind, [None]))]
+    yes_c = [c for c in candidates if c in present]
+    no_c = [c for c in candidates if c not in present]
+    for pool in (yes_c, no_c):
+        for i in rng.permutation(len(pool))[:2]:
+            cam, kind, word = pool[i]
+            noun = PLURAL[kind] if word is None else f"{word} {PLURAL[kind]}"
+            yes_no["perception"].append(("are_there", qa(f"Are there {noun} {where(cam)}?",
+                                                         "Yes." if pool is yes_c else "No.")))
+
+    # Counts and colours, as choice questions.
+    count_pairs = [(cam, kind) for cam in DIRECTION for kind in kinds_order if kind != "traffic light"]
+    picks = [p for p in count_pairs if groups[p[0]][p[1]]]
+    for pool in (picks, count_pairs):
+        if pool:
+            cam, kind = pool[rng.integers(len(pool))]
+            n = groups[cam][kind]
+            answer = COUNT_OPTIONS[min(n, 4)]
+            perception.append(choice(f"How many {PLURAL[kind]} are there {where(cam)}?", answer, COUNT_OPTIONS))
+    singles = [(cam, kind) for (cam, kind), objs in status_groups.items()
+               if len(objs) == 1 and kind in VEHICLE_KINDS + ("pedestrian",)]
+    for i in rng.permutation(len(singles))[:2]:
+        cam, kind = singles[i]
+        obj = status_groups[(cam, kind)][0]
+        q = (f"What colour is the {kind} {where(cam)}?" if kind != "pedestrian"
+             else f"What colour is the shirt of the pedestrian {where(cam)}?")
+        perception.append(choice(q, cap(obj.colour) + ".", COLOUR_OPTIONS))
+
+    lights = [o for o, cam, _ in objects if o.kind == "traffic light" and cam == "CAM_FRONT"]
+    yes_no["perception"].append(("light_present", qa("Is there a traffic light in front of the ego car?",
+                                                     "Yes." if lights else "No.")))
+    state = lights[0].status if lights else None
+    perception.append(choice("What is the state of the traffic light in front of the ego car?",
+                             f"{cap(state)} light." if state else LIGHT_OPTIONS[-1], LIGHT_OPTIONS))
+
+    for obj in key:
+        t = tag_text[id(obj)]
+        perception.append(qa(f"What is the visual description of {t}?", cap(description(obj)) + "."))
+        if obj.kind in VEHICLE_KINDS + ("pedestrian",) and rng.random() < 0.6:
+            perception.append(qa(f"What is the observed status of object {t}?", obj.observed_status + "."))
+        if obj.kind in VEHICLE_KINDS:
+            perception.append(choice(f"What is the moving status of object {t}?", STATUS_TEXT[obj.status],
+                                     MOVING_OPTIONS))
+
+    # -- prediction --------------------------------------------------------------------------
+    for obj in key:
+        t = tag_text[id(obj)]
+        yes_no["prediction"].append(("sign_or_barrier", qa(
+            f"Is {t} a traffic sign or a road barrier?",
+            "Yes." if obj.kind in ("traffic light", "barrier") else "No.")))
+        yes_no["prediction"].append(("in_path", qa(
+            f"Would {t} be in the moving direction of the ego vehicle?", "Yes." if _in_ego_path(obj) else "No.")))
+        if obj.kind in VEHICLE_KINDS + ("pedestrian",):
+            yes_no["prediction"].append(("is_moving", qa(f"Is {t} moving?", "Yes." if obj.moving else "No.")))
+            if obj.kind in VEHICLE_KINDS:
+                future = STATUS_TEXT[obj.status]
+            elif obj.place == "crossing":
+                future = "Cross the road."
+            else:
+                future = "Keep walking." if obj.status == "walking" else "Keep standing."
+            if rng.random() < 0.5:
+                prediction.append(qa(f"What is the future state of {t}?", future))
+    if key:
+        ordinals = ["Firstly", "Secondly", "Thirdly"]
+        sentences = []
+        for ordinal, obj in zip(ordinals, key):
+            action, _ = _action(world, obj)
+            if obj.kind == "traffic light":
+                state_text = f"a traffic light showing {obj.status}"
+            elif obj.kind == "barrier":
+                state_text = "a road barrier"
+            elif obj.kind == "pedestrian":
+                state_text = "crossing the road" if obj.place == "crossing" else f"{status_word(obj)}"
+            else:
+                state_text = {"going ahead": "going ahead", "turn left": "turning left", "turn right": "turning right",
+                              "stopped": "parked" if obj.parked else "stopped"}[obj.status]
+            sentences.append(f"{ordinal} notice that {tag_text[id(obj)]}. The object is {state_text}, "
+                             f"so the ego vehicle should {action}.")
+        prediction.append(qa(NOTICE_Q, " ".join(sentences)))
+
+    # -- planning ----------------------------------------------------------------------------
+    for obj in key:
+        t = tag_text[id(obj)]
+        action, reason = _action(world, obj)
+        reason_text = f"The reason is {reason}"
+        if rng.random() < 0.6:
+            planning.append(qa(f"What actions could the ego vehicle take based on {t}? Why take this action and "
+                               f"what's the probability?",
+                               f"The action is to {action}. {reason_text}, which has a high probability."))
+        if obj.kind != "traffic light" and rng.random() < 0.6:
+            planning.append(qa(f"What actions taken by the ego vehicle can lead to a collision with {t}?",
+                               _collision_action(world, obj)))
+    for side in ("left", "right"):
+        yes_no["planning"].append(("lane_change", qa(
+            f"Is it safe for the ego vehicle to change to the {side} lane?",
+            "Yes." if lane_change_safe(world, side) else "No.")))
+    stop = world.ego_speed == "not moving"
+    yes_no["planning"].append(("stop", qa("Does the ego vehicle need to stop?", "Yes." if stop else "No.")))
+    planning.append(qa("What is the traffic signal that the ego vehicle should pay attention to?",
+                       f"{cap(state)} light." if state else "None."))
+    turn = world.road.curvature
+    if stop:
+        target, safe, danger = "Stop.", "Stop, keep stationary.", "Accelerate and go straight."
+    elif world.ego_speed == "driving slowly":
+        target = "Slow down."
+        safe, danger = "Slow down, decelerate gradually without braking.", "Accelerate and go straight."
+    else:
+        target = "Go straight." if turn == 0 else ("Turn left." if turn > 0 else "Turn right.")
+        safe = "Keep going at the same speed, decelerate gradually without braking."
+        danger = "Back up, brake suddenly."
+    for side in ("left", "right"):
+        if not lane_change_safe(world, side):
+            danger = danger[:-1] + f", change to the {side} lane."
+    planning.append(qa("What is the target action of the ego vehicle?", target))
+    planning.append(qa("In this scenario, what are safe actions to take for the ego vehicle?", safe))
+    planning.append(qa("In this scenario, what are dangerous actions to take for the ego vehicle?", danger))
+
+    # -- behaviour ---------------------------------------------------------------------------
+    behaviour.append(qa("Predict the behavior of the ego vehicle.", world.behaviour))
+    behaviour.append(choice("Predict the behavior of the ego vehicle.", world.behaviour, BEHAVIOURS))
+
+    perception += _balance(yes_no["perception"], rng)
+    prediction = _balance(yes_no["prediction"], rng) + prediction
+    planning = _balance(yes_no["planning"], rng) + planning
+    frame = {"key_object_infos": infos,
+             "QA": {"perception": perception, "prediction": prediction, "planning": planning, "behavior": behaviour}}
+    return frame, tags
+
+
+def _status_mix(kind: str, words: Counter) -> str:
+    """"One of the trucks is parked, and two are moving." (DriveLM's phrasing for mixed groups)."""
+    (w1, c1), *rest = sorted(words.items(), key=lambda kv: (kv[1], kv[0]))
+    first = f"{cap(NUMBER[c1])} of the {PLURAL[kind]} {'is' if c1 == 1 else 'are'} {w1}"
+    tail = [f"{NUMBER[c]} {'is' if c == 1 else 'are'} {w}" for w, c in rest]
+    return first + ", and " + ", and ".join(tail) + "."
