@@ -1,0 +1,36 @@
+"""`litevlm export`: a checkpoint -> a bundle of per-stage, per-bucket ONNX graphs + manifest.json."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .ask import add_pipeline_args, pipeline_options
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="export every stage as ONNX graphs per shape bucket (a bundle)")
+    add_pipeline_args(p)
+    p.add_argument("--out", type=Path, required=True, help="bundle folder to write")
+    p.add_argument("--buckets", help="shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
+                                     "(default: derived from the arena limits)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import logging
+
+    from ..engines.buckets import default_buckets, parse_buckets
+    from ..export import export_bundle
+    from ..pipeline import Pipeline
+
+    # The exporter logs one warning per torchvision op it cannot register; we use none of them.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    pipe = Pipeline.from_pretrained(args.model, pipeline_options(args))
+    buckets = parse_buckets(args.buckets, default_buckets(pipe.arena))
+    print(f"exporting {args.model} ({args.dtype}) -> {args.out}\nbuckets: {buckets.to_dict()}", file=sys.stderr)
+    manifest = export_bundle(pipe, args.out, buckets, progress=lambda m: print(m, file=sys.stderr))
+    for stage, why in manifest["not_present"].items():
+        print(f"{stage}: {why}", file=sys.stderr)
+    print(args.out / "manifest.json")
+    return 0

@@ -1,0 +1,395 @@
+"""ONNX export: every stage of the pipeline as its own static-shape graph per bucket, plus a
+manifest that says what each graph is, what it was made from, and how to bind it.
+
+Stage graphs (names are the graphs' input/output names; S = max_len of the arena's KV cache):
+
+  vision      pixels [n, 3, s, s]                                  -> visual [n, tokens_per_tile, D]
+  decoder     embeds [T, D], positions [T], mask_cache [T, S],
+              mask_new [T, T], k_cache, v_cache [layers, kv, S, hd] -> hidden [T, D],
+                                                                      k_new, v_new [layers, kv, T, hd]
+  head        hidden [T, D]                                        -> logits [T, V]
+  view_selector (when the model folder has one) ids, pad_mask [1, L] -> logits [1, cameras]
+
+The decoder graph is the export form of the same weights: the cache is an explicit input and
+the new K/V rows are explicit outputs (the engine stores them at their slots), so the graph has
+no in-place update and no aliasing, which both ONNX Runtime and TensorRT need. Instead of
+writing the new rows into the cache and attending over it (what the PyTorch stage does), the
+graph attends to the old cache under `mask_cache` and to the new rows under `mask_new` in one
+softmax: the same attention, with no copy of the cache and no `enable_gqa` (written out as
+grouped matmuls, which the ONNX exporters and TensorRT handle).
+
+Weights are stored once per stage (`<stage>.weights`, ONNX external data) and shared by the
+stage's bucket graphs, so more buckets cost graph bytes, not weight bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .engines.buckets import Buckets, check_fits, default_buckets
+from .errors import LiteVLMError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+TORCH_TO_ONNX_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                       torch.int64: "int64", torch.bool: "bool", torch.int32: "int32", torch.uint8: "uint8"}
+
+
+# ------------------------------------------------------------------------------------------ stages
+class VisionStage(nn.Module):
+    """pixels -> visual tokens (InternViT + pixel shuffle + mlp1), position table baked in."""
+
+    def __init__(self, model, pos_embed: torch.Tensor):
+        super().__init__()
+        self.model = model
+        self.register_buffer("pos_embed", pos_embed.detach().clone(), persistent=False)
+
+    def forward(self, pixels):
+        return self.model.encode_images(pixels, self.pos_embed)
+
+
+def attend_cache_and_new(q, k, v, k_cache, v_cache, mask_cache, mask_new):
+    """Attention of q [T, Hq, D] over this layer's old cache [Hkv, S, D] (mask_cache [T, S]) and
+    the new rows k, v [T, Hkv, D] (mask_new [T, T]); one softmax over both. Returns [T, Hq*D].
+
+    Grouped-query attention written as matmuls over [Hkv, group*T, D] so that no K/V head is
+    repeated (SDPA's enable_gqa does that internally but does not export)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    s = k_cache.shape[1]
+    qg = (q * (1.0 / math.sqrt(d))).view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
+    k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)                     # [Hkv, T, D]
+    scores = torch.cat([qg @ k_cache.transpose(1, 2), qg @ k_new.transpose(1, 2)], dim=-1)
+    scores = scores.view(hkv, group, t, s + t)
+    allowed = torch.cat([mask_cache, mask_new], dim=-1)                      # [T, S + T]
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(hkv, group * t, s + t)
+    out = probs[..., :s] @ v_cache + probs[..., s:] @ v_new                  # [Hkv, group*T, D]
+    return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
+
+
+class DecoderStage(nn.Module):
+    """The decoder over a static cache with explicit cache input and new-row outputs."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
+        from .models.decoder import apply_rope
+
+        cos, sin = self.lm.rope(positions, embeds.dtype)
+        x = embeds
+        ks, vs = [], []
+        for i, layer in enumerate(self.lm.layers):
+            q, k, v = layer.qkv(layer.attn_norm(x))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            x = x + layer.out_proj(attend_cache_and_new(q, k, v, k_cache[i], v_cache[i], mask_cache, mask_new))
+            h = layer.ffn_norm(x)
+            gate, up, down = layer.mlp_gate_up_down()
+            x = x + down(F.silu(gate(h)) * up(h))
+            ks.append(k.transpose(0, 1))
+            vs.append(v.transpose(0, 1))
+        return self.lm.norm(x), torch.stack(ks), torch.stack(vs)
+
+
+class HeadStage(nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.head = lm.head
+
+    def forward(self, hidden):
+        return self.head(hidden)
+
+
+def decoder_masks(mask: torch.Tensor, slots: torch.Tensor, max_len: int,
+                  mask_cache: torch.Tensor, mask_new: torch.Tensor) -> None:
+    """The pipeline's mask [T, L] over cache slots (rows written at `slots` this call) -> the
+    graph's two masks, written in place into bucket-sized [Tb, S] and [Tb, Tb] buffers.
+
+    mask_cache: the old cache columns a row may see (the columns being overwritten now are not old).
+    mask_new:   which of this call's rows a row may see (its mask at their slots).
+    Padding rows (T..Tb) see only themselves, so their softmax stays finite."""
+    t, width = mask.shape
+    mask_cache.zero_()
+    mask_cache[:t, :width] = mask
+    mask_new.zero_()
+    mask_new[:t, :t] = mask_cache[:t].index_select(1, slots)
+    mask_cache[:t].index_fill_(1, slots, False)
+    pad = torch.arange(t, mask_new.shape[0], device=mask_new.device)
+    mask_new[pad, pad] = True
+
+
+# ----------------------------------------------------------------------------------- graph specs
+@dataclass
+class GraphSpec:
+    stage: str
+    bucket: int
+    module: nn.Module
+    inputs: dict[str, torch.Tensor]
+    outputs: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}_{self.bucket}"
+
+
+def stage_specs(pipe, buckets: Buckets) -> list[GraphSpec]:
+    """One GraphSpec per stage and bucket, with example inputs of the exact bound shapes."""
+    cfg, a = pipe.cfg, pipe.arena
+    dtype, dev = pipe.dtype, pipe.device
+    s, d = cfg.force_image_size, cfg.llm.hidden_size
+    vision = VisionStage(pipe.model, pipe.pos_embed).eval()
+    decoder = DecoderStage(pipe.lm).eval()
+    head = HeadStage(pipe.lm).eval()
+    specs = []
+    for n in buckets.vision:
+        specs.append(GraphSpec("vision", n, vision, {"pixels": torch.randn(n, 3, s, s, dtype=dtype, device=dev)},
+                               ["visual"]))
+    for t in buckets.decoder():
+        mask_cache = torch.zeros(t, a.max_len, dtype=torch.bool, device=dev)
+        mask_cache[:, :4] = True
+        specs.append(GraphSpec("decoder", t, decoder, {
+            "embeds": torch.randn(t, d, dtype=dtype, device=dev),
+            "positions": torch.arange(t, device=dev),
+            "mask_cache": mask_cache,
+            "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
+            "k_cache": torch.randn_like(a.k_cache),
+            "v_cache": torch.randn_like(a.v_cache),
+        }, ["hidden", "k_new", "v_new"]))
+    for t in buckets.head:
+        specs.append(GraphSpec("head", t, head, {"hidden": torch.randn(t, d, dtype=dtype, device=dev)}, ["logits"]))
+    return specs
+
+
+def view_selector_spec(model_dir: Path) -> tuple[GraphSpec | None, str]:
+    """The view selector graph when the model folder carries one (`view_selector/`)."""
+    folder = model_dir / "view_selector"
+    if not (folder / "config.json").is_file():
+        return None, f"no {folder.name}/config.json in the model folder"
+    from .view_selector import load_view_selector
+
+    sel = load_view_selector(folder)
+    length = sel.cfg.max_len
+    ids = torch.zeros(1, length, dtype=torch.long)
+    pad = torch.ones(1, length, dtype=torch.bool)
+    pad[0, :4] = False
+    return GraphSpec("view_selector", length, sel.model.eval(), {"ids": ids, "pad_mask": pad}, ["logits"]), "exported"
+
+
+# ------------------------------------------------------------------------------------ hashing
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_hash(model_dir: Path) -> str:
+    """sha256 over config.json and every *.safetensors file (names and contents, sorted)."""
+    h = hashlib.sha256()
+    files = [model_dir / "config.json"] + sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        if f.is_file():
+            h.update(f.name.encode())
+            h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------ export
+class SharedWeights:
+    """Moves each graph's large initializers into one external-data file per stage, storing a
+    tensor once however many bucket graphs use it (matched by name and content)."""
+
+    def __init__(self, folder: Path, stage: str):
+        self.location = f"{stage}.weights"
+        self.path = folder / self.location
+        self.path.write_bytes(b"")
+        self.index: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def externalize(self, model) -> None:
+        from onnx.external_data_helper import set_external_data
+        from onnx import TensorProto
+
+        for tensor in model.graph.initializer:
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < 1024:
+                continue
+            raw = tensor.raw_data
+            key = (tensor.name, hashlib.sha1(raw).hexdigest())
+            if key not in self.index:
+                with open(self.path, "ab") as f:
+                    offset = f.tell()
+                    f.write(raw)
+                self.index[key] = (offset, len(raw))
+            offset, length = self.index[key]
+            set_external_data(tensor, self.location, offset, length)
+            tensor.data_location = TensorProto.EXTERNAL
+            tensor.ClearField("raw_data")
+
+
+def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
+    import onnx
+
+    tmp = path.with_suffix(".tmp.onnx")
+    names = list(spec.inputs)
+    with torch.no_grad():
+        program = torch.onnx.export(spec.module, tuple(spec.inputs.values()), dynamo=True,
+                                    input_names=names, output_names=spec.outputs,
+                                    optimize=True, verbose=False, external_data=False)
+        if program is None:
+            raise LiteVLMError(f"{spec.name}: torch.onnx.export returned nothing")
+        program.save(str(tmp), external_data=True)
+        outputs = spec.module(*spec.inputs.values())
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    model = onnx.load(str(tmp), load_external_data=True)
+    for f in tmp.parent.glob(tmp.name + "*"):
+        f.unlink()
+    weights.externalize(model)
+    onnx.save(model, str(path))
+    graph_inputs = [i.name for i in model.graph.input]
+    graph_outputs = [o.name for o in model.graph.output]
+    if graph_inputs != names or graph_outputs != spec.outputs:
+        raise LiteVLMError(f"{spec.name}: exported names {graph_inputs} -> {graph_outputs}, "
+                           f"expected {names} -> {spec.outputs}")
+    return {
+        "stage": spec.stage, "bucket": spec.bucket, "file": path.name, "weights": weights.location,
+        "inputs": [{"name": n, "shape": list(t.shape), "dtype": TORCH_TO_ONNX_DTYPE[t.dtype]}
+                   for n, t in spec.inputs.items()],
+        "outputs": [{"name": n, "shape": list(t.shape), "dtype": TORCH_TO_ONNX_DTYPE[t.dtype]}
+                    for n, t in zip(spec.outputs, outputs)],
+    }
+
+
+OPTIONAL_STAGES = {
+    # stage -> module that implements it (written by other engineers); exported when present.
+    "token_selector": "litevlm_runtime.token_selector",
+    "eagle_draft": "litevlm_runtime.eagle",
+}
+
+
+def optional_stage_status() -> dict[str, str]:
+    import importlib.util
+
+    status = {}
+    for stage, module in OPTIONAL_STAGES.items():
+        found = importlib.util.find_spec(module) is not None
+        status[stage] = (f"{module} exists but has no export form yet" if found
+                         else f"not present ({module} does not exist in this checkout)")
+    return status
+
+
+def export_bundle(pipe, out: Path, buckets: Buckets | None = None,
+                  progress: Callable[[str], None] = print) -> dict:
+    """Export `pipe`'s stages into the folder `out`; return the manifest (also written there)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    buckets = buckets or default_buckets(pipe.arena)
+    check_fits(buckets, pipe.arena)
+    model_dir = getattr(pipe, "model_dir", None)
+    specs = stage_specs(pipe, buckets)
+    not_present = optional_stage_status()
+    if model_dir is not None:
+        vs, why = view_selector_spec(Path(model_dir))
+        if vs is not None:
+            specs.insert(0, vs)
+        else:
+            not_present["view_selector"] = why
+    weights: dict[str, SharedWeights] = {}
+    graphs = []
+    t_all = time.perf_counter()
+    for i, spec in enumerate(specs):
+        t0 = time.perf_counter()
+        if spec.stage not in weights:
+            weights[spec.stage] = SharedWeights(out, spec.stage)
+        entry = export_graph(spec, out / f"{spec.name}.onnx", weights[spec.stage])
+        graphs.append(entry)
+        progress(f"[{i + 1}/{len(specs)}] {spec.name:<18} {time.perf_counter() - t0:6.1f} s")
+    for entry in graphs:
+        entry["sha256"] = sha256_file(out / entry["file"])
+    a = pipe.arena
+    manifest = {
+        "format": FORMAT_VERSION,
+        "created_by": "litevlm export",
+        "torch": torch.__version__,
+        "model": {
+            "name": pipe.name,
+            "dir": str(model_dir) if model_dir else None,
+            "checkpoint_sha256": checkpoint_hash(Path(model_dir)) if model_dir else None,
+            "architecture": pipe.cfg.llm.architecture,
+        },
+        "dtype": pipe.options.dtype,
+        "arena": {"max_len": a.max_len, "max_prompt": a.max_prompt, "max_query": a.max_query,
+                  "tiles_per_camera": a.limits.tiles_per_camera, "cameras": a.limits.cameras,
+                  "max_tiles": a.limits.max_tiles(), "tree_tokens": a.limits.tree_tokens},
+        "buckets": buckets.to_dict(),
+        "graphs": graphs,
+        "weights": {w.location: sha256_file(w.path) for w in weights.values()},
+        "not_present": not_present,
+        "engines": {},
+    }
+    write_manifest(out, manifest)
+    progress(f"exported {len(graphs)} graphs in {time.perf_counter() - t_all:.1f} s -> {out / MANIFEST}")
+    return manifest
+
+
+def write_manifest(bundle: Path, manifest: dict) -> None:
+    tmp = Path(bundle) / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(Path(bundle) / MANIFEST)
+
+
+def read_manifest(bundle: Path) -> dict:
+    path = Path(bundle) / MANIFEST
+    if not path.is_file():
+        raise LiteVLMError(f"{bundle}: no {MANIFEST} (not an export bundle; run `litevlm export` first)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LiteVLMError(f"{path}: not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise LiteVLMError(f"{path}: bundle format {manifest.get('format')!r}, this runtime reads {FORMAT_VERSION}")
+    return manifest
+
+
+def check_bundle_matches(manifest: dict, pipe, bundle: Path) -> None:
+    """The bundle must have been exported for this pipeline's arena, dtype and checkpoint."""
+    a = pipe.arena
+    want = {"max_len": a.max_len, "max_tiles": a.limits.max_tiles(), "max_query": a.max_query}
+    have = manifest["arena"]
+    for key, value in want.items():
+        if have.get(key) != value:
+            raise LiteVLMError(f"{bundle}: exported for arena {key}={have.get(key)}, this pipeline has {value} "
+                               f"(re-export with the same --tiles-per-camera/--max-new-tokens)")
+    if manifest["dtype"] != pipe.options.dtype:
+        raise LiteVLMError(f"{bundle}: exported in {manifest['dtype']}, pipeline runs {pipe.options.dtype}")
+    model_dir = getattr(pipe, "model_dir", None)
+    ck = manifest["model"].get("checkpoint_sha256")
+    if model_dir is not None and ck and checkpoint_hash(Path(model_dir)) != ck:
+        raise LiteVLMError(f"{bundle}: exported from a different checkpoint than {model_dir} (hash mismatch)")
+
+
+def verify_files(manifest: dict, bundle: Path) -> None:
+    """Every graph and weights file listed must be there with the recorded sha256."""
+    files = {g["file"]: g["sha256"] for g in manifest["graphs"]} | dict(manifest["weights"])
+    for name, digest in files.items():
+        path = Path(bundle) / name
+        if not path.is_file():
+            raise LiteVLMError(f"{bundle}: missing {name}")
+        if sha256_file(path) != digest:
+            raise LiteVLMError(f"{bundle}: {name} does not match its sha256 in {MANIFEST} (modified or corrupt)")
+
+
+def graphs_of(manifest: dict, stage: str) -> dict[int, dict]:
+    return {g["bucket"]: g for g in manifest["graphs"] if g["stage"] == stage}

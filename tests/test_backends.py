@@ -1,0 +1,134 @@
+"""ONNX Runtime backend against the PyTorch backend: stage by stage (fp32) and whole answers.
+
+Metric for stage equivalence: max |onnxruntime - torch| / max |torch| over the whole output
+tensor (relative to the output's scale), required <= 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from export_fixtures import MAX_NEW_TOKENS, exported_bundle, lively_checkpoint, pipelines
+from helpers import random_frames
+
+from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.errors import LiteVLMError
+
+TOLERANCE = 1e-4
+
+
+@torch.no_grad()
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    return pipelines(lively_checkpoint(root), exported_bundle(root))
+
+
+@pytest.mark.parametrize("tiles", [3, 4, 6])   # 3 runs in the 4-tile bucket, padded
+def test_vision_stage_matches_torch(pipes, tiles):
+    torch_pipe, ort_pipe = pipes
+    pixels = torch.randn(tiles, 3, torch_pipe.tile, torch_pipe.tile, generator=torch.Generator().manual_seed(tiles))
+    ref = torch_pipe.engines.vision.run(pixels=pixels)
+    got = ort_pipe.engines.vision.run(pixels=pixels)
+    assert got.shape == ref.shape
+    assert relative_error(got, ref) <= TOLERANCE
+
+
+def fill_caches(pipe, seed):
+    g = torch.Generator().manual_seed(seed)
+    pipe.arena.k_cache.copy_(torch.randn(pipe.arena.k_cache.shape, generator=g))
+    pipe.arena.v_cache.copy_(torch.randn(pipe.arena.v_cache.shape, generator=g))
+
+
+def test_decoder_stage_matches_torch(pipes):
+    """A prefill (100 rows in the 256 bucket), a decode step, and a 5-node tree (8 bucket) under an
+    ancestor mask in scratch slots; the hidden states and the whole KV caches must agree.
+    The caches start full of random values so that a stale entry leaking through the mask shows."""
+    torch_pipe, ort_pipe = pipes
+    for p in pipes:
+        fill_caches(p, 0)
+    d = torch_pipe.cfg.llm.hidden_size
+    g = torch.Generator().manual_seed(1)
+    n = 100
+    embeds = torch.randn(n, d, generator=g)
+    positions = torch.arange(n) * 2            # gaps, as after token selection
+    slots = torch.arange(n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    calls = [(embeds, positions, slots, mask)]
+    # decode step: one row at slot n attending to everything before it
+    calls.append((torch.randn(1, d, generator=g), torch.tensor([2 * n]), torch.tensor([n]),
+                  torch.ones(1, n + 1, dtype=torch.bool)))
+    # tree: root + two children + two grandchildren in scratch slots 130..134
+    parents = [-1, 0, 0, 1, 2]
+    tree_slots = torch.arange(130, 135)
+    tree_mask = torch.zeros(5, 135, dtype=torch.bool)
+    tree_mask[:, : n + 1] = True
+    for i, p in enumerate(parents):
+        j = i
+        while j >= 0:
+            tree_mask[i, 130 + j] = True
+            j = parents[j]
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    calls.append((torch.randn(5, d, generator=g), 2 * n + 1 + depth, tree_slots, tree_mask))
+    for embeds, positions, slots, mask in calls:
+        outs = []
+        for p in pipes:
+            a = p.arena
+            hidden = p.engines.decoder.run(embeds=embeds, positions=positions, slots=slots, mask=mask,
+                                           k_cache=a.k_cache, v_cache=a.v_cache)
+            outs.append(hidden.clone())
+        assert outs[1].shape == outs[0].shape == (embeds.shape[0], d)
+        assert relative_error(outs[1], outs[0]) <= TOLERANCE
+        assert relative_error(ort_pipe.arena.k_cache, torch_pipe.arena.k_cache) <= TOLERANCE
+        assert relative_error(ort_pipe.arena.v_cache, torch_pipe.arena.v_cache) <= TOLERANCE
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_head_stage_matches_torch(pipes, rows):
+    torch_pipe, ort_pipe = pipes
+    hidden = torch.randn(rows, torch_pipe.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(rows))
+    ref = torch_pipe.engines.head.run(hidden=hidden)
+    got = ort_pipe.engines.head.run(hidden=hidden)
+    assert got.shape == ref.shape
+    assert relative_error(got, ref) <= TOLERANCE
+
+
+def test_answers_identical_to_torch(pipes):
+    torch_pipe, ort_pipe = pipes
+    answers = []
+    for i, question in enumerate(DEFAULT_QUESTIONS[:6]):
+        frames = random_frames(i)
+        ref, got = torch_pipe.answer(frames, question), ort_pipe.answer(frames, question)
+        assert got.token_ids == ref.token_ids, question
+        assert got.text == ref.text
+        assert 1 <= len(ref.token_ids) <= MAX_NEW_TOKENS
+        answers.append(tuple(ref.token_ids))
+    # the comparison means something only if answers depend on the input
+    assert len(set(answers)) >= 4
+
+
+def test_bucket_overflow_is_a_clear_error(pipes):
+    _, ort_pipe = pipes
+    hidden = torch.zeros(9, ort_pipe.cfg.llm.hidden_size)
+    with pytest.raises(LiteVLMError, match="largest shape bucket 8"):
+        ort_pipe.engines.head.run(hidden=hidden)
+
+
+def test_backend_needs_a_bundle(tmp_path_factory):
+    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+    model = lively_checkpoint(tmp_path_factory.getbasetemp())
+    with pytest.raises(LiteVLMError, match="litevlm export"):
+        Pipeline.from_pretrained(model, PipelineOptions(backend="onnxruntime"))
+    with pytest.raises(LiteVLMError, match="unknown backend"):
+        Pipeline.from_pretrained(model, PipelineOptions(backend="tpu"))
