@@ -1,0 +1,282 @@
+"""The ROS 2 node over real DDS on loopback: node, replayer and recorder run as separate
+processes (`litevlm drive`, `litevlm bag replay`, `litevlm bag record`), each test on its own
+ROS_DOMAIN_ID, with the project's Fast DDS profile. Answers are checked against `litevlm bag
+eval` on the same bag (the same query server and pipeline without DDS)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from litevlm_runtime.answer import STAGES
+from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, compare_runs, drivelm_contents,
+                                     evaluate, load_node_params, read_jsonl, write_bag)
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "config" / "fastdds_large_data.xml"
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+def domain_id(k: int) -> int:
+    """Own DDS domain per test and per test run (several suites may share a machine)."""
+    return 1 + (os.getpid() * 5 + k) % 200
+
+
+def ros_env(domain: int) -> dict:
+    env = dict(os.environ)
+    env.update(ROS_DOMAIN_ID=str(domain), FASTDDS_DEFAULT_PROFILES_FILE=str(PROFILE), PYTHONUNBUFFERED="1")
+    env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)      # it would override the profile (ENVIRONMENT.md)
+    return env
+
+
+class Proc:
+    """A `litevlm ...` child process with its output in a log file."""
+
+    def __init__(self, args: list[str], env: dict, log: Path):
+        self.log = log
+        self.fh = log.open("w")
+        self.p = subprocess.Popen([sys.executable, "-m", "litevlm_runtime.cli", *args], env=env, cwd=ROOT,
+                                  stdout=self.fh, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            if needle in self.text():
+                return
+            if self.p.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not seen in {self.log.name}:\n{self.text()[-3000:]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.log.name} still running after {timeout} s:\n{self.text()[-3000:]}") from None
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+
+
+def write_params(path: Path, **values) -> Path:
+    lines = ["litevlm_drive:", "  ros__parameters:"]
+    for k, v in values.items():
+        lines.append(f"    {k}: {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: int, timeout: float = 150):
+    """node + recorder + replayer; returns the recorded rows and the node's log."""
+    env = ros_env(domain)
+    out = tmp_path / "recorded.jsonl"
+    recorder = Proc(["bag", "record", "--out", str(out), "--count", str(n_answers), "--timeout", str(timeout)],
+                    env, tmp_path / "record.log")
+    node = Proc(["drive", "--params", str(params)], env, tmp_path / "node.log")
+    replayer = None
+    try:
+        node.wait_for("ready (active)", timeout=120)
+        recorder.wait_for("record: ready", timeout=60)
+        replayer = Proc(["bag", "replay", str(bag)], env, tmp_path / "replay.log")
+        assert replayer.wait(timeout) == 0, replayer.text()
+        assert recorder.wait(timeout) == 0, recorder.text() + node.text()[-3000:]
+    finally:
+        for p in (replayer, recorder, node):
+            if p is not None:
+                p.stop()
+    return read_jsonl(out), node.text()
+
+
+def jpeg(seed: int, size=(192, 108)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def params_for(tiny_model, tmp_path_factory):
+    def make(**over):
+        values = dict(model_dir=str(tiny_model), max_new_tokens=4, queue_size=8, max_frame_age_s=1.0, max_skew_s=0.1)
+        values.update(over)
+        return write_params(tmp_path_factory.mktemp("params") / "drive.yaml", **values)
+    return make
+
+
+def test_replay_of_drivelm_bag_matches_eval(tmp_path, drivelm_dir, params_for):
+    bag = write_bag(drivelm_contents(drivelm_dir, max_frames=2, questions_per_frame=2, max_width=320), tmp_path / "bag")
+    params = params_for()
+    rows, node_log = run_replay(tmp_path, bag, params, n_answers=4, domain=domain_id(1))
+
+    ids = [r["query_id"] for r in rows]
+    assert sorted(ids) == ["f0q0", "f0q1", "f1q0", "f1q1"], ids            # every query, exactly once
+    assert all(r["status"] == "ok" for r in rows), [r["status_message"] for r in rows]
+    for r in rows:
+        assert list(r["stage_ms"]) == list(STAGES) and all(v > 0 for v in r["stage_ms"].values()), r["stage_ms"]
+        assert r["e2e_ms"] >= r["total_ms"] > 0
+        assert r["answer"] and r["token_ids"]
+        assert r["question"].endswith("?")                                  # the DriveLM question itself
+
+    evaluated = evaluate(bag, load_node_params(params))
+    cmp = compare_runs([e.to_json() for e in evaluated], rows)
+    assert cmp.matched == 4 and cmp.ok, cmp.differences
+    # Frames matched to each query are the same ones (offsets to the query stamp survive re-stamping).
+    by_id = {r["query_id"]: r for r in rows}
+    for e in evaluated:
+        for cam, off in e.to_json()["frame_offsets_ms"].items():
+            assert by_id[e.query_id]["frame_offsets_ms"][cam] == pytest.approx(off, abs=1e-3)
+
+    # The CLI compare agrees and exits non-zero when an answer differs.
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(e.to_json()) + "\n" for e in evaluated))
+    b.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok = subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", "bag", "compare", str(a), str(b)],
+                        capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0 and "answers identical" in ok.stdout, ok.stdout + ok.stderr
+    rows[0]["answer"] += " (changed)"
+    b.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", "bag", "compare", str(a), str(b)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 1 and "answer differs" in bad.stdout
+
+
+def fault_bag(path: Path) -> tuple[Path, dict]:
+    """Generated frames (no shared data needed) with one bad situation after another, and the
+    status each query must get. Frame sets every ~1.5 s; max_frame_age 1 s, max_skew 0.1 s."""
+    c = BagContents()
+
+    def frame_set(t_s, skip=(), shift=None, corrupt=()):
+        for i, cam in enumerate(CAMERAS):
+            if cam in skip:
+                continue
+            t = T0 + int((t_s + 0.008 * i + (shift or {}).get(cam, 0.0)) * S)
+            data = b"not an image at all" if cam in corrupt else jpeg(int(t_s * 10) * 10 + i)
+            c.frames[cam].append(CameraFrame(t, data))
+
+    expect = {}
+
+    def ask(t_s, qid, text, status, deadline_s=None):
+        c.queries.append(BagQuery(T0 + int(t_s * S), text, id=qid,
+                                  deadline_ns=T0 + int(deadline_s * S) if deadline_s is not None else 0))
+        expect[qid] = status
+
+    ask(0.00, "no_frames", "Anything in front?", "no_frames")
+    frame_set(0.10)
+    ask(0.30, "ok_first", "What is in front of the ego car?", "ok")
+    ask(0.35, "empty", "   ", "bad_question")
+    ask(0.40, "oversized", "why " * 1000, "bad_question")
+    ask(0.45, "late", "Is it too late?", "deadline_passed", deadline_s=0.40)
+    frame_set(1.50, skip=("CAM_BACK",))                                  # CAM_BACK stops publishing
+    ask(1.70, "camera_stopped", "What is behind?", "stale_frames")
+    frame_set(3.00, shift={"CAM_FRONT_LEFT": 0.30})                      # back, but one camera 300 ms off
+    ask(3.40, "out_of_sync", "What is to the front left?", "out_of_sync")
+    frame_set(4.50, corrupt=("CAM_FRONT",))
+    ask(4.70, "undecodable", "What is in front?", "bad_image")
+    frame_set(6.00)                                                       # all good again
+    ask(6.20, "ok_again", "What is behind the ego car?", "ok")
+    for i in range(6):                                                    # a burst into a queue of 1
+        ask(6.30, f"burst{i}", f"Burst question {i}?", "ok|queue_full")
+    return write_bag(c, path), expect
+
+
+def test_bad_inputs_get_error_answers_and_serving_resumes(tmp_path, params_for):
+    bag, expect = fault_bag(tmp_path / "faults")
+    params = params_for(queue_size=1, max_question_chars=2000)
+    rows, node_log = run_replay(tmp_path, bag, params, n_answers=len(expect), domain=domain_id(2))
+
+    got = {}
+    for r in rows:
+        assert r["query_id"] not in got, f"{r['query_id']} answered twice"
+        got[r["query_id"]] = r
+    assert set(got) == set(expect)
+    for qid, status in expect.items():
+        assert got[qid]["status"] in status.split("|"), (qid, got[qid]["status"], got[qid]["status_message"])
+        if got[qid]["status"] != "ok":
+            assert got[qid]["status_message"] and not got[qid]["answer"]
+    assert "CAM_BACK" in got["camera_stopped"]["status_message"]
+    assert "CAM_FRONT" in got["undecodable"]["status_message"]
+    burst = [got[f"burst{i}"]["status"] for i in range(6)]
+    assert "queue_full" in burst and "ok" in burst, burst
+    assert got["ok_again"]["status"] == "ok"
+
+    # bag eval gives the same status for every query outside the burst (it has no queue to fill).
+    evaluated = {e.query_id: e for e in evaluate(bag, load_node_params(params))}
+    for qid, r in got.items():
+        if not qid.startswith("burst"):
+            assert evaluated[qid].status == r["status"], qid
+            assert evaluated[qid].token_ids == r["token_ids"], qid
+
+
+def test_model_that_fails_to_load_answers_every_question_with_an_error(tmp_path, params_for, monkeypatch):
+    """String questions, the JSON mirror and /diagnostics, seen by a client in this process."""
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from std_msgs.msg import String
+
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"llm_config": {}, "vision_config": {}}))
+    domain = domain_id(3)
+    node = Proc(["drive", "--params", str(params_for(model_dir=str(broken)))], ros_env(domain), tmp_path / "node.log")
+    monkeypatch.setenv("FASTDDS_DEFAULT_PROFILES_FILE", str(PROFILE))
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, domain_id=domain)
+    client = rclpy.create_node("test_client", context=ctx)
+    try:
+        node.wait_for("ready (", timeout=120)
+        assert "configure failed" in node.text()
+        qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        answers, diags = [], []
+        client.create_subscription(String, "/litevlm/answer_json", lambda m: answers.append(json.loads(m.data)), qos)
+        client.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+        pub = client.create_publisher(String, "/litevlm/question", qos)
+        executor = rclpy.executors.SingleThreadedExecutor(context=ctx)
+        executor.add_node(client)
+
+        def spin_until(cond, timeout):
+            end = time.time() + timeout
+            while not cond() and time.time() < end:
+                executor.spin_once(timeout_sec=0.1)
+            return cond()
+
+        assert spin_until(lambda: pub.get_subscription_count() > 0, 30)
+        time.sleep(0.5)
+        for text in ("Is the road clear?", "What is behind?"):
+            pub.publish(String(data=text))
+        assert spin_until(lambda: len(answers) >= 2 and diags, 30), (answers, node.text()[-2000:])
+        spin_until(lambda: False, 0.5)                                   # nothing more may arrive
+        assert [a["question"] for a in answers] == ["Is the road clear?", "What is behind?"]
+        assert all(a["status"] == "pipeline_error" and "model not loaded" in a["status_message"] for a in answers)
+        assert "config.json" in answers[0]["status_message"]
+        st = diags[-1].status[0]
+        assert st.level == DiagnosticStatus.ERROR and "model not loaded" in st.message
+        values = {kv.key: kv.value for kv in st.values}
+        assert values["model"] == str(broken) and values["backend"] == "torch"
+        assert {"queue_depth", "dropped_frames", "errors", "last_error"} <= set(values)
+    finally:
+        client.destroy_node()
+        rclpy.shutdown(context=ctx)
+        node.stop()
