@@ -38,6 +38,10 @@ def register(subparsers) -> None:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--no-reference", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--backend", help="comma list of backends to run side by side in one table, first = baseline "
+                                     "(NAME or NAME=BUNDLE, e.g. torch,onnxruntime=b,onnxruntime=b-int8); "
+                                     "one backend keeps the transformers comparison")
+    p.add_argument("--bundle", type=Path, help="default export bundle for onnxruntime/tensorrt in --backend")
     p.set_defaults(func=run)
 
 
@@ -47,7 +51,18 @@ def run(args) -> int:
     from ..benchmark import DEFAULT_QUESTIONS, run_benchmark
     from ..pipeline import Pipeline
 
-    pipe = Pipeline.from_pretrained(args.model, pipeline_options(args))
+    options = pipeline_options(args)
+    if args.backend:
+        from ..backend_bench import parse_backends
+
+        backends = parse_backends(args.backend, args.bundle)
+        if len(backends) > 1:
+            return run_backends(args, options, backends)
+        from dataclasses import replace
+
+        _, name, bundle = backends[0]
+        options = replace(options, backend=name, extra={**options.extra, **({"bundle": str(bundle)} if bundle else {})})
+    pipe = Pipeline.from_pretrained(args.model, options)
     frame_sets = load_frame_sets(args.frames, args.frame_sets)
     questions = DEFAULT_QUESTIONS[: args.questions]
     res = run_benchmark(pipe, frame_sets, questions, args.repeat, reference=not args.no_reference,
@@ -69,4 +84,22 @@ def run(args) -> int:
         ]))
         print(f"\nspeed-up over transformers: {r['speedup_model']:.2f}x   identical answers: {r['identical_answers']}   "
               f"(mean new tokens: ours {s['mean_new_tokens']:.1f}, transformers {r['mean_new_tokens']:.1f})")
+    return 0
+
+
+def run_backends(args, options, backends) -> int:
+    """Several backends side by side: one table, a speed-up column against the first."""
+    import sys
+
+    from ..backend_bench import build_runs, comparison_table, compare_backends
+    from ..benchmark import DEFAULT_QUESTIONS
+
+    runs = build_runs(args.model, options, backends)
+    summary = compare_backends(runs, load_frame_sets(args.frames, args.frame_sets), DEFAULT_QUESTIONS[: args.questions],
+                               args.repeat, progress=lambda m: print(m, file=sys.stderr))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"model {args.model}  device {args.device} {args.dtype}\n")
+    print(comparison_table(summary))
     return 0
