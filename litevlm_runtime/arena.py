@@ -21,6 +21,7 @@ class Limits:
     text_tokens: int = 512        # template + camera labels + question
     new_tokens: int = 64          # answer length
     tree_tokens: int = 64         # EAGLE-2 draft tree verified in one pass (scratch slots)
+    draft_layers: int = 0         # EAGLE-2 draft head's own KV cache (0: no draft)
 
     def max_tiles(self) -> int:
         return self.cameras * self.tiles_per_camera
@@ -48,6 +49,9 @@ class Arena:
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)
+        draft_shape = (limits.draft_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
+        self.draft_k = torch.zeros(draft_shape, dtype=dtype, **alloc)
+        self.draft_v = torch.zeros(draft_shape, dtype=dtype, **alloc)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}

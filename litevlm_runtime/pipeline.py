@@ -19,6 +19,8 @@ from .arena import Arena, Limits
 from .cameras import CAMERAS
 from .checkpoint import load_model, read_config
 from .engines import make_engines
+from .models.eagle import load_draft_head
+from .speculative import Eagle2Decoder
 from .errors import InputError
 from .preprocess import Normalizer, load_image, to_tiles_uint8
 from .timing import StageTimer
@@ -36,6 +38,13 @@ class PipelineOptions:
     max_new_tokens: int = 64
     cameras: tuple[str, ...] = CAMERAS  # the rig this pipeline serves
     backend: str = "torch"              # stage engines: torch | onnxruntime | tensorrt
+    decoding: str = "greedy"            # greedy | eagle (EAGLE-2 draft tree, lossless under greedy)
+    eagle_dir: str | None = None        # draft head folder (default: <model>/eagle)
+    eagle_total: int = 60               # draft tree nodes verified per step (paper default 60)
+    eagle_depth: int = 6                # draft levels (paper 5 to 7)
+    eagle_topk: int = 10                # children expanded per node (paper 10)
+    threads: int | None = None          # torch intra-op threads (None: torch's default). On a shared
+                                        # CPU, fewer threads than cores avoids OpenMP spin contention.
     extra: dict = field(default_factory=dict)
 
     def limits(self, template_tokens: int) -> Limits:
@@ -44,13 +53,17 @@ class PipelineOptions:
             tiles_per_camera=self.tiles_per_camera,
             text_tokens=template_tokens + self.max_question_tokens,
             new_tokens=self.max_new_tokens,
+            tree_tokens=max(64, self.eagle_total + 1, (self.eagle_depth - 1) * self.eagle_topk),
+            draft_layers=1 if self.decoding == "eagle" else 0,
         )
 
 
 class Pipeline:
-    def __init__(self, model, tokenizer: Tokenizer, options: PipelineOptions, name: str = "model"):
+    def __init__(self, model, tokenizer: Tokenizer, options: PipelineOptions, name: str = "model", draft=None):
         self.name = name
         self.options = options
+        if options.threads:
+            torch.set_num_threads(options.threads)
         self.device = torch.device(options.device)
         self.dtype = DTYPES[options.dtype]
         self.model = model.to(self.device, self.dtype).eval()
@@ -71,13 +84,26 @@ class Pipeline:
             grid = self.cfg.patches_per_side
             self.pos_embed = self.model.vision_model.embeddings.position_embedding_for(grid, grid)
         self.engines = make_engines(self, options.backend)
+        self.eagle = None
+        if options.decoding == "eagle":
+            if draft is None:
+                raise InputError("decoding='eagle' needs an EAGLE-2 draft head (train one: litevlm train eagle)")
+            draft.init_rope(self.arena.max_len)
+            self.eagle = Eagle2Decoder(self, draft.to(self.device, self.dtype),
+                                       options.eagle_total, options.eagle_depth, options.eagle_topk)
+        elif options.decoding != "greedy":
+            raise InputError(f"unknown decoding {options.decoding!r} (greedy | eagle)")
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, options: PipelineOptions | None = None) -> "Pipeline":
         options = options or PipelineOptions()
         read_config(model_dir)  # fail fast on a bad folder before loading weights
         model = load_model(model_dir, DTYPES[options.dtype])
-        pipe = cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name)
+        draft = None
+        if options.decoding == "eagle":
+            draft = load_draft_head(Path(options.eagle_dir or Path(model_dir) / "eagle"), model.cfg.llm,
+                                    4096, DTYPES[options.dtype])
+        pipe = cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name, draft=draft)
         pipe.model_dir = Path(model_dir)
         return pipe
 
@@ -103,7 +129,8 @@ class Pipeline:
         with timer("prefill"):
             prompt_len, first_pos, next_id = self.prefill(cameras, question, visual, keep)
         with timer("decode"):
-            out_ids, steps, accepted = self.decode(next_id, prompt_len, first_pos, max_new)
+            decode = self.eagle.decode if self.eagle is not None else self.decode
+            out_ids, steps, accepted = decode(next_id, prompt_len, first_pos, max_new)
 
         kept = sum(len(k) for k in keep)
         return Answer(
@@ -199,7 +226,7 @@ class Pipeline:
         for row, cam_index, k in visual_rows:
             embeds[row:row + len(k)] = visual[cam_index, k]
         hidden = self.run_decoder(embeds, a.positions[:n], a.slots[:n], a.causal_mask(n))
-        self.last_hidden = hidden[n - 1:n]
+        self.prefill_hidden = hidden          # target features of the prompt (EAGLE-2 draft input)
         next_id = int(self.engines.head.run(hidden=hidden[n - 1:n]).argmax(-1))
         return n, len(full_ids), next_id
 

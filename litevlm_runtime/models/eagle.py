@@ -1,0 +1,76 @@
+"""EAGLE-2 draft head: fc(concat(token_embedding, feature)) -> one decoder layer -> the target's LM head.
+
+The layer is the target family's own decoder layer with its first input norm skipped (the fc
+output is not normalized, as in EAGLE). Features are the target's last hidden states after the
+final norm; the pair (embedding of x_(t+1), feature f_t) predicts f_(t+1). The embedding table and
+LM head are the target's and are not stored with the draft.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..config import LLMConfig
+from ..errors import CheckpointError
+from .decoder import RotaryTable
+from .internlm2 import InternLM2Layer
+from .qwen2 import Qwen2Layer
+
+LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer}
+
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: LLMConfig, max_len: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = LAYERS[cfg.architecture](cfg)
+        # EAGLE skips the first input norm: replace it by identity (it keeps no weights then).
+        if cfg.architecture == "internlm2":
+            self.layer.attention_norm = nn.Identity()
+        else:
+            self.layer.input_layernorm = nn.Identity()
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_len)
+
+    def init_rope(self, max_len: int) -> None:
+        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(self.fc.weight.device)
+
+    def forward(self, token_embeds, features, positions, slots, mask, k_cache, v_cache):
+        """token_embeds, features [T, D] -> predicted next features [T, D]. k/v_cache [1, Hkv, S, hd]."""
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        cos, sin = self.rope(positions, x.dtype)
+        return self.layer(x, cos, sin, slots, mask, k_cache[0], v_cache[0])
+
+
+def save_draft_head(draft: DraftHead, folder: Path, record: dict) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in draft.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "eagle2_draft_head",
+                                                    "llm_architecture": draft.cfg.architecture, **record}, indent=2) + "\n")
+
+
+def load_draft_head(folder: Path, cfg: LLMConfig, max_len: int, dtype: torch.dtype) -> DraftHead:
+    folder = Path(folder)
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: EAGLE-2 draft head weights missing")
+    draft = DraftHead(cfg, max_len)
+    state = load_file(str(weights))
+    expected = draft.state_dict()
+    for name, t in expected.items():
+        if name not in state:
+            raise CheckpointError(f"{weights}: tensor {name!r} missing")
+        if state[name].shape != t.shape:
+            raise CheckpointError(f"{weights}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(t.shape)}")
+    extra = set(state) - set(expected)
+    if extra:
+        raise CheckpointError(f"{weights}: unexpected tensor {sorted(extra)[0]!r}")
+    draft.load_state_dict(state)
+    return draft.to(dtype).eval()
