@@ -1,0 +1,109 @@
+"""`litevlm eval`: DriveLM-challenge scores of a model (or of a predictions file) on a QA file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="score a model the way the DriveLM challenge does")
+    p.add_argument("--model", help="model folder (InternVL2.5 layout); not needed with --from-predictions")
+    p.add_argument("--data", required=True, help="DriveLM v1.1 QA file (SynthDrive val.json, DriveLM json)")
+    p.add_argument("--frames", help="root the QA file's image paths resolve under (default: the QA file's folder)")
+    p.add_argument("--pipeline", default="baseline", help="PipelineOptions preset (baseline, eagle, ...)")
+    p.add_argument("--blank-images", action="store_true",
+                   help="replace every image by constant grey: the text-only baseline")
+    p.add_argument("--limit", type=int, help="only the first N questions")
+    p.add_argument("--max-new-tokens", type=int, help="answer length cap (default: the pipeline's)")
+    p.add_argument("--predictions", help="write per-question answers (challenge output.json fields + latency) here")
+    p.add_argument("--from-predictions", help="score this predictions file instead of running a model")
+    p.add_argument("--judge", help="GPT-score judge as module:attribute (see litevlm_runtime/evaluation/judge.py)")
+    p.add_argument("--match-threshold", type=float, default=16.0, help="match radius, L1 pixels (challenge: 16)")
+    p.add_argument("--graph-filter", action="store_true",
+                   help="the challenge's per-frame filter: skip questions about objects the first answer missed")
+    p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..errors import InputError
+    from ..evaluation.data import load_frames
+    from ..evaluation.judge import load_judge
+    from ..evaluation.metrics import score
+    from ..evaluation.runner import read_predictions, run_model, select
+
+    if args.limit is not None and args.limit < 1:
+        raise InputError("--limit must be at least 1")
+    frames_root = args.frames or str(Path(args.data).parent)
+    judge = load_judge(args.judge) if args.judge else None
+    records = None
+    if args.from_predictions:
+        predictions = read_predictions(args.from_predictions)
+        questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
+        missing = [q.id for q in questions if q.id not in predictions]
+        if missing:
+            raise InputError(f"{args.from_predictions}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
+    else:
+        if not args.model:
+            raise InputError("--model is required (or score a file with --from-predictions)")
+        records = run_model(args.model, args.data, frames_root, args.pipeline, args.blank_images, args.limit,
+                            args.max_new_tokens, progress=not args.quiet)
+        predictions = {r["id"]: r["answer"] for r in records}
+        questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
+        if args.predictions:
+            Path(args.predictions).write_text(json.dumps(records, indent=1))
+    scores = score(questions, predictions, judge, args.match_threshold, args.graph_filter).to_dict()
+    run_info = {"data": args.data, "model": args.model, "pipeline": None if args.from_predictions else args.pipeline,
+                "images": "blank" if args.blank_images else "real", "questions": len(questions)}
+    if records is not None:
+        answered = [r for r in records if "error" not in r]
+        run_info["errors"] = len(records) - len(answered)
+        if answered:
+            run_info["mean_total_ms"] = sum(r["total_ms"] for r in answered) / len(answered)
+            run_info["mean_cameras"] = sum(len(r["cameras"]) for r in answered) / len(answered)
+    if args.json:
+        print(json.dumps({"run": run_info, "scores": scores}, indent=1))
+    else:
+        print(report(run_info, scores))
+    if records is not None and run_info["errors"]:
+        print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
+              f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
+    return 0
+
+
+def report(run_info: dict, s: dict) -> str:
+    from ..report import table
+    na = "n/a"
+    c = s["counts"]
+    rows = [["accuracy (exact match)", s["accuracy"] if s["accuracy"] is not None else na, c["accuracy"]]]
+    lang = s["language"]
+    rows.append(["language score", lang["score"] if lang else na, c["language"]])
+    if lang:
+        rows += [[f"  {k}", lang[k], ""] for k in ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L", "CIDEr")]
+    m = s["match"]
+    rows.append(["match score" + (" (F1 only)" if m and m["judge"] is None else ""), m["score"] if m else na, c["match"]])
+    gpt = s["gpt"]
+    rows.append(["GPT score", gpt["score"] if gpt["available"] else "unavailable", c["gpt"]])
+    f = s["final"]
+    rows.append(["final, without GPT term (max 0.6)", f["without_gpt"], ""])
+    rows.append(["final, renormalized (/%.1f)" % (0.2 * len(f["terms_used"])), f["renormalized"] if f["renormalized"] is not None else na, ""])
+    rows.append(["final, with GPT (challenge)", f["with_gpt"] if f["with_gpt"] is not None else na, ""])
+    head = (f"DriveLM-style evaluation of {run_info['model'] or 'predictions'} on {run_info['data']}: "
+            f"{run_info['questions']} questions, pipeline {run_info['pipeline']}, images {run_info['images']}")
+    lines = [head, table(["metric", "value", "questions"], rows, floatfmt="{:.4f}")]
+    if not gpt["available"]:
+        lines.append(f"GPT score unavailable: {gpt['note']} (plug one in with --judge module:attr)")
+    if s["final"]["terms_missing"]:
+        lines.append(f"terms missing from the final score: {', '.join(s['final']['terms_missing'])}")
+    if s["skipped_by_graph"]:
+        lines.append(f"graph filter skipped {s['skipped_by_graph']} question(s)")
+    per = [[cat, v["questions"], v["accuracy_questions"], v["accuracy"] if v["accuracy"] is not None else na]
+           for cat, v in s["per_category"].items()]
+    lines.append(table(["category", "questions", "choice+yes/no", "accuracy"], per, floatfmt="{:.4f}"))
+    if "mean_total_ms" in run_info:
+        lines.append(f"mean latency {run_info['mean_total_ms']:.1f} ms per answer, "
+                     f"{run_info['mean_cameras']:.2f} cameras per question, {run_info['errors']} rejected")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Running a model over a DriveLM-format QA file: six images + one question at a time through
+the Pipeline, one frame's questions after another (so a visual feature cache can serve them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from ..cameras import CAMERAS
+from ..errors import InputError
+from .data import Frame, frame_images, load_frames, resolve_image
+from .metrics import Question
+
+# --pipeline presets: PipelineOptions field overrides. "baseline" is the plain pipeline (all
+# cameras, all visual tokens, greedy decoding); the others switch on LiteVLM's stages.
+PIPELINE_PRESETS: dict[str, dict] = {
+    "baseline": {},
+    "eagle": {"decoding": "eagle"},
+}
+BLANK_GREY = 128
+DEFAULT_SIZE = (1600, 900)
+
+
+def pipeline_options(preset: str, **overrides):
+    from ..pipeline import PipelineOptions
+    if preset not in PIPELINE_PRESETS:
+        raise InputError(f"unknown --pipeline {preset!r}; choose from {', '.join(PIPELINE_PRESETS)}")
+    values = PIPELINE_PRESETS[preset] | {k: v for k, v in overrides.items() if v is not None}
+    known = {f.name for f in dataclasses.fields(PipelineOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise InputError(f"--pipeline {preset}: this build's PipelineOptions has no {', '.join(unknown)}")
+    return PipelineOptions(**values)
+
+
+def blank_frame(root: Path, frame: Frame) -> dict[str, np.ndarray]:
+    """A constant grey image per camera, of the frame's real image size when its files are there:
+    the text-only baseline sees exactly the input shapes the real evaluation sees."""
+    out = {}
+    for cam in CAMERAS:
+        size = DEFAULT_SIZE
+        try:
+            with Image.open(resolve_image(root, frame.image_paths.get(cam, ""))) as im:
+                size = im.size
+        except (InputError, OSError):
+            pass
+        out[cam] = np.full((size[1], size[0], 3), BLANK_GREY, dtype=np.uint8)
+    return out
+
+
+def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Question]]]:
+    """The first `limit` questions in file order, grouped by frame."""
+    out, left = [], limit
+    for frame in frames:
+        qs = frame.questions if left is None else frame.questions[:left]
+        if qs:
+            out.append((frame, qs))
+        if left is not None:
+            left -= len(qs)
+            if left <= 0:
+                break
+    return out
+
+
+def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, preset: str = "baseline",
+              blank_images: bool = False, limit: int | None = None, max_new_tokens: int | None = None,
+              progress: bool = True) -> list[dict]:
+    """Answer every question; one record per question (the challenge's output.json fields
+    id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
+    (InputError) is recorded with its error and an empty answer, never dropped."""
+    from tqdm import tqdm
+
+    from ..pipeline import Pipeline
+    root = Path(frames_root)
+    work = select(load_frames(data), limit)
+    if not work:
+        raise InputError(f"{data}: no questions to evaluate")
+    options = pipeline_options(preset, max_new_tokens=max_new_tokens)
+    pipe = Pipeline.from_pretrained(model_dir, options)
+    records = []
+    bar = tqdm(total=sum(len(qs) for _, qs in work), desc="eval", unit="q", disable=not progress)
+    try:
+        for frame, questions in work:
+            if blank_images:
+                images = blank_frame(root, frame)
+            else:   # read once per frame: every question of the frame gets the very same inputs
+                images = {cam: p.read_bytes() for cam, p in frame_images(root, frame).items()}
+            for q in questions:
+                record = {"id": q.id, "question": q.question, "gt_answer": q.answer, "category": q.category,
+                          "tags": list(q.tags)}
+                try:
+                    ans = pipe.answer(images, q.question)
+                    record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
+                               "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
+                               "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,
+                               "accepted_length": ans.accepted_length}
+                except InputError as exc:
+                    record |= {"answer": "", "error": str(exc)}
+                records.append(record)
+                bar.update(1)
+    finally:
+        bar.close()
+    return records
+
+
+def read_predictions(path: str | Path) -> dict[str, str]:
+    """Predictions to score: the challenge's output.json (a list of {id, answer, ...}), this
+    command's --predictions file (same), or a plain {id: answer} object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such predictions file") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not JSON ({exc})") from None
+    if isinstance(data, dict):
+        if all(isinstance(v, str) for v in data.values()):
+            return data
+        raise InputError(f"{path}: an object of predictions must map id -> answer string")
+    if isinstance(data, list) and all(isinstance(r, dict) and "id" in r and "answer" in r for r in data):
+        return {r["id"]: r["answer"] if isinstance(r["answer"], str) else "" for r in data}
+    raise InputError(f"{path}: expected a list of {{id, answer}} records or an {{id: answer}} object")
