@@ -1,15 +1,10 @@
 """ONNX Runtime engines: the exported stage graphs (see export.py), one session per bucket, with
 every input and output bound once, at start-up, to fixed torch buffers through io_binding.
 
-Zero-copy where the pipeline's tensors are arena buffers: the vision graph reads the arena's
-pixels and writes the arena's visual tokens in place; the decoder graph reads the arena's KV
-cache in place (its new K/V rows come out into engine buffers and are stored at their slots);
-the head writes the arena's logits. Small per-call inputs (a step's embeddings, positions,
-masks) are copied into engine buffers allocated once for the largest bucket. A run therefore
-allocates nothing in torch, and ORT sees the same addresses every call.
-
-Outputs are views of those buffers: valid until the same engine runs again (as with TensorRT
-and CUDA graphs).
+Which tensor is bound to which arena buffer is shared with TensorRT and CUDA graphs (see
+bound_stages.py); here each bucket's runner is an InferenceSession plus its IOBinding over the
+torch tensors' memory, so ORT reads and writes the same addresses on every call and a run
+allocates nothing in torch.
 
 Execution providers: CPU here; on a CUDA device the CUDA provider (TensorRT's provider first
 when ONNX Runtime has it), binding device memory the same way.
@@ -23,8 +18,8 @@ import torch
 
 from ..errors import LiteVLMError
 from ..export import check_bundle_matches, decoder_masks, graphs_of, read_manifest, verify_files
-from .base import Engines, StageEngine
-from .buckets import pick
+from .base import Engines
+from .bound_stages import bound_engines
 
 ELEMENT_TYPES = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64", torch.bool: "bool"}
 
@@ -85,14 +80,9 @@ class BoundGraph:
         self.session.run_with_iobinding(self.binding)
 
 
-def flat_views(shapes: dict[int, tuple], dtype, device) -> dict[int, torch.Tensor]:
-    """One buffer for the largest bucket; each bucket gets a contiguous view of its start."""
-    numel = max(torch.Size(s).numel() for s in shapes.values())
-    flat = torch.zeros(numel, dtype=dtype, device=device)
-    return {b: flat[:torch.Size(s).numel()].view(s) for b, s in shapes.items()}
-
-
 class Bundle:
+    """An export (or calibration) bundle checked against the pipeline it is loaded into."""
+
     def __init__(self, pipe, bundle: Path):
         self.dir = Path(bundle)
         self.manifest = read_manifest(self.dir)
@@ -105,91 +95,8 @@ class Bundle:
             raise LiteVLMError(f"{self.dir}: no {stage} graphs in the bundle")
         return g
 
-
-class OrtVision(StageEngine):
-    stage, backend = "vision", "onnxruntime"
-
-    def __init__(self, pipe, bundle: Bundle, threads=None):
-        a = pipe.arena
-        self.arena = a
-        self.sizes = tuple(sorted(bundle.graphs("vision")))
-        self.graphs = {n: BoundGraph(bundle.dir / g["file"], {"pixels": a.pixels[:n]}, {"visual": a.visual[:n]},
-                                     pipe.device, threads)
-                       for n, g in bundle.graphs("vision").items()}
-
-    def run(self, pixels):
-        n = pixels.shape[0]
-        bucket = pick(self.sizes, n, "vision")
-        if pixels.data_ptr() != self.arena.pixels.data_ptr():
-            self.arena.pixels[:n].copy_(pixels)      # tiles past n are stale: independent, dropped
-        self.graphs[bucket].run()
-        return self.arena.visual[:n]
-
-
-class OrtDecoder(StageEngine):
-    stage, backend = "decoder", "onnxruntime"
-
-    def __init__(self, pipe, bundle: Bundle, threads=None):
-        a, cfg = pipe.arena, pipe.cfg.llm
-        self.arena = a
-        graphs = bundle.graphs("decoder")
-        self.sizes = tuple(sorted(graphs))
-        dev, dt = pipe.device, pipe.dtype
-        layers, kv, hd, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        s = a.max_len
-        self.embeds = flat_views({t: (t, d) for t in self.sizes}, dt, dev)
-        self.positions = flat_views({t: (t,) for t in self.sizes}, torch.long, dev)
-        self.mask_cache = flat_views({t: (t, s) for t in self.sizes}, torch.bool, dev)
-        self.mask_new = flat_views({t: (t, t) for t in self.sizes}, torch.bool, dev)
-        self.hidden = flat_views({t: (t, d) for t in self.sizes}, dt, dev)
-        self.k_new = flat_views({t: (layers, kv, t, hd) for t in self.sizes}, dt, dev)
-        self.v_new = flat_views({t: (layers, kv, t, hd) for t in self.sizes}, dt, dev)
-        self.graphs = {}
-        for t, g in graphs.items():
-            inputs = {"embeds": self.embeds[t], "positions": self.positions[t], "mask_cache": self.mask_cache[t],
-                      "mask_new": self.mask_new[t], "k_cache": a.k_cache, "v_cache": a.v_cache}
-            outputs = {"hidden": self.hidden[t], "k_new": self.k_new[t], "v_new": self.v_new[t]}
-            self.graphs[t] = BoundGraph(bundle.dir / g["file"], inputs, outputs, dev, threads)
-
-    def run(self, embeds, positions, slots, mask, k_cache, v_cache):
-        if k_cache.data_ptr() != self.arena.k_cache.data_ptr() or v_cache.data_ptr() != self.arena.v_cache.data_ptr():
-            raise LiteVLMError("backend onnxruntime: the decoder is bound to the arena's KV cache; got another cache")
-        t = embeds.shape[0]
-        b = pick(self.sizes, t, "decoder")
-        self.embeds[b][:t].copy_(embeds)
-        self.positions[b][:t].copy_(positions)
-        self.positions[b][t:].zero_()
-        decoder_masks(mask, slots, self.arena.max_len, self.mask_cache[b], self.mask_new[b])
-        self.graphs[b].run()
-        # Store this call's K/V rows at their slots (the graph reads the cache, never writes it).
-        k_cache.index_copy_(2, slots, self.k_new[b][:, :, :t])
-        v_cache.index_copy_(2, slots, self.v_new[b][:, :, :t])
-        return self.hidden[b][:t]
-
-
-class OrtHead(StageEngine):
-    stage, backend = "head", "onnxruntime"
-
-    def __init__(self, pipe, bundle: Bundle, threads=None):
-        a = pipe.arena
-        graphs = bundle.graphs("head")
-        self.sizes = tuple(sorted(graphs))
-        d, v = pipe.cfg.llm.hidden_size, pipe.cfg.llm.vocab_size
-        self.hidden = flat_views({t: (t, d) for t in self.sizes}, pipe.dtype, pipe.device)
-        # Logits go straight into the arena's logits rows where the bucket fits there.
-        big = [t for t in self.sizes if t > a.logits.shape[0]]
-        spare = flat_views({t: (t, v) for t in big}, pipe.dtype, pipe.device) if big else {}
-        self.logits = {t: spare[t] if t in spare else a.logits[:t] for t in self.sizes}
-        self.graphs = {t: BoundGraph(bundle.dir / g["file"], {"hidden": self.hidden[t]}, {"logits": self.logits[t]},
-                                     pipe.device, threads)
-                       for t, g in graphs.items()}
-
-    def run(self, hidden):
-        t = hidden.shape[0]
-        b = pick(self.sizes, t, "head")
-        self.hidden[b][:t].copy_(hidden)
-        self.graphs[b].run()
-        return self.logits[b][:t]
+    def sizes(self) -> dict[str, tuple[int, ...]]:
+        return {stage: tuple(sorted(self.graphs(stage))) for stage in ("vision", "decoder", "head")}
 
 
 def bundle_path(pipe) -> Path:
@@ -206,5 +113,8 @@ def onnxruntime_engines(pipe) -> Engines:
         raise LiteVLMError(f"backend onnxruntime: dtype {pipe.options.dtype} is not supported (float32 or float16)")
     bundle = Bundle(pipe, bundle_path(pipe))
     threads = pipe.options.extra.get("ort_threads")
-    return Engines(vision=OrtVision(pipe, bundle, threads), decoder=OrtDecoder(pipe, bundle, threads),
-                   head=OrtHead(pipe, bundle, threads))
+
+    def bind(stage, bucket, inputs, outputs):
+        return BoundGraph(bundle.dir / bundle.graphs(stage)[bucket]["file"], inputs, outputs, pipe.device, threads)
+
+    return bound_engines(pipe, bundle.sizes(), bind, "onnxruntime")
