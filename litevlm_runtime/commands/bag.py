@@ -4,6 +4,7 @@
   replay   BAG [--rate X]                 publish over DDS with the original timing
   record   --out FILE [--count N]         answers from the node -> JSON lines (+ end-to-end latency)
   eval     BAG --out FILE                 the node's query server + pipeline on the bag, no DDS
+  summary  FILE                           each answer with per-stage latency; median/p90 table
   compare  A B                            answer-by-answer differences and latency deltas;
                                           exit 1 when any answer differs (the regression check)
 """
@@ -85,6 +86,23 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_summary(args) -> int:
+    from ..answer import STAGES
+    from ..ros.bag import read_jsonl
+
+    rows = read_jsonl(args.file)
+    print(f"{len(rows)} answers in {args.file}")
+    head = "".join(f"{s[:10]:>11}" for s in STAGES)
+    print(f"\n{'query':<12}{'status':<16}{head}{'total':>9}{'e2e':>9}  question -> answer")
+    for r in rows:
+        stages = "".join(f"{r['stage_ms'].get(s, 0.0):>11.1f}" for s in STAGES) if r["status"] == "ok" else " " * 11 * len(STAGES)
+        e2e = f"{r['e2e_ms']:>9.1f}" if "e2e_ms" in r else f"{'-':>9}"
+        said = r["answer"] if r["status"] == "ok" else r["status_message"]
+        print(f"{r['query_id']:<12}{r['status']:<16}{stages}{r['total_ms']:>9.1f}{e2e}  {r['question'][:50]!r} -> {said[:60]!r}")
+    print_latency(rows, "latency over ok answers (transport = end-to-end - queue - pipeline)")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from ..ros.bag import compare_runs, read_jsonl
 
@@ -139,6 +157,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", type=Path, help="shorthand for --set model_dir=DIR")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("summary", help="each answer with its per-stage latency, then median/p90 per stage")
+    p.add_argument("file", type=Path, help="JSON lines from bag record or bag eval")
+    p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("compare", help="answer-by-answer differences and latency deltas of two JSON-lines runs")
     p.add_argument("a", type=Path)

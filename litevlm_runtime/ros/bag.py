@@ -153,8 +153,12 @@ def _drivelm_questions(qa_files: Iterable[Path]) -> dict[str, list[str]]:
     by_frame: dict[str, list[str]] = {}
     for qa_file in qa_files:
         data = json.loads(Path(qa_file).read_text())
+        if not isinstance(data, dict):
+            continue
         for scene in data.values():
-            for key_frame in scene.get("key_frames", {}).values():
+            if not isinstance(scene, dict) or not isinstance(scene.get("key_frames"), dict):
+                continue      # not DriveLM QA (SynthDrive's ground_truth.json, synthdrive.json)
+            for key_frame in scene["key_frames"].values():
                 front = Path(key_frame["image_paths"]["CAM_FRONT"]).name
                 cats = [[qa["Q"] for qa in key_frame["QA"].get(c, [])] for c in ("perception", "prediction", "planning", "behavior")]
                 interleaved = [q for group in _zip_longest(cats) for q in group]
@@ -189,12 +193,18 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
             if path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
                 continue
             m = CAPTURE_US.search(path.name)
-            scene = path.name.split("__")[0] if "__" in path.name else ""
+            # nuScenes: the log name before "__" is the scene; rendered frames have no capture
+            # time and all go on one synthetic timeline, in file-name order.
+            scene = path.name.split("__")[0] if (m and "__" in path.name) else "~synthetic"
             scenes[scene][cam].append((int(m.group(1)) * 1000 if m else None, path))
     contents = BagContents()
     cursor_ns = None          # where the next scene starts on the bag's timeline
     n_sets = 0
-    for scene in sorted(scenes, key=lambda s: min((t or 0) for c in scenes[s].values() for t, _ in c)):
+    def has_qa(scene):
+        return any(path.name in questions for _, path in scenes[scene]["CAM_FRONT"])
+
+    # Scenes with DriveLM QA first (so that --max-frames keeps real questions), then by time.
+    for scene in sorted(scenes, key=lambda s: (not has_qa(s), min((t or 0) for c in scenes[s].values() for t, _ in c))):
         per_cam = {c: sorted(scenes[scene][c], key=lambda x: (x[0] or 0, x[1].name)) for c in CAMERAS}
         counts = {len(v) for v in per_cam.values()}
         if len(counts) != 1:
