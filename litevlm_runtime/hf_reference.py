@@ -394,6 +394,6 @@ def hf_generate(
     )
     kwargs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "generation_config": gen}
     if pixel_values is not None:
-        kwargs["pixel_values"] = pixel_values.to(torch.float32)
+        kwargs["pixel_values"] = pixel_values.to(hf_model.dtype)
     out = hf_model.generate(**kwargs)
     return out[0, input_ids.shape[1]:].tolist()
