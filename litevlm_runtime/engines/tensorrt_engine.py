@@ -1,0 +1,181 @@
+"""TensorRT: engines built from the bundle's ONNX graphs, and the runtime that runs them.
+
+Build (`litevlm build-engines BUNDLE --precision fp16|fp8`): one serialized engine per graph
+(stage x bucket), built with the TensorRT Python API; the manifest records, per precision, the
+TensorRT version, the GPU (name and compute capability) and each engine's sha256. FP8 engines
+are built from a calibration bundle whose graphs carry ModelOpt's FP8 Q/DQ nodes.
+
+Load: an engine is refused, with a clear error, when its file hash, the TensorRT version or the
+GPU differs from what the manifest recorded (a serialized engine is only valid for the exact
+TensorRT version and GPU it was built with). That check is plain Python (`check_engines`).
+
+Run: each bucket's execution context has its tensor addresses set once to the bound buffers
+(arena buffers where possible, see bound_stages.py), is launched with execute_async_v3 on the
+current CUDA stream once to initialise, then captured once in a CUDA graph; every later run is a
+graph replay.
+
+TensorRT is imported lazily: nothing here needs it until an engine is built or loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import LiteVLMError
+from ..export import read_manifest, sha256_file, write_manifest
+from .bound_stages import bound_engines
+
+PRECISIONS = ("fp16", "fp8")
+WORKSPACE_BYTES = 8 << 30
+
+
+def import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError:
+        raise LiteVLMError("TensorRT is not installed (the tensorrt Python package with its libraries is needed to "
+                           "build or run engines; on the car it comes with JetPack/DriveOS). The same graphs run on "
+                           "the CPU with --backend onnxruntime.") from None
+    return tensorrt
+
+
+def gpu_identity() -> dict:
+    if not torch.cuda.is_available():
+        raise LiteVLMError("TensorRT engines need an NVIDIA GPU: torch.cuda.is_available() is False on this machine")
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"name": props.name, "compute_capability": f"{props.major}.{props.minor}"}
+
+
+def engine_file(graph_file: str, precision: str) -> str:
+    return graph_file.removesuffix(".onnx") + f".{precision}.engine"
+
+
+# ------------------------------------------------------------------------------------- build
+def build_engine(trt, onnx_path: Path, precision: str, logger):
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)       # explicit batch (the only mode in TensorRT 10)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise LiteVLMError(f"{onnx_path.name}: TensorRT could not parse the graph: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+    config.set_flag(trt.BuilderFlag.FP16)
+    if precision == "fp8":
+        # The graph carries FP8 Q/DQ from ModelOpt; the flag lets TensorRT pick FP8 kernels for them.
+        config.set_flag(trt.BuilderFlag.FP8)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise LiteVLMError(f"{onnx_path.name}: TensorRT failed to build a {precision} engine (see its log above)")
+    return bytes(serialized)
+
+
+def build_engines(bundle: Path, precision: str, progress=print) -> dict:
+    if precision not in PRECISIONS:
+        raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    if precision == "fp8" and manifest.get("precision") != "fp8":
+        raise LiteVLMError(f"{bundle}: FP8 engines are built from FP8-quantized graphs; run "
+                           f"`litevlm calibrate --precision fp8 --out DIR` and build from DIR")
+    trt = import_tensorrt()
+    gpu = gpu_identity()
+    logger = trt.Logger(trt.Logger.WARNING)
+    files = {}
+    graphs = [g for g in manifest["graphs"] if g["stage"] in ("vision", "decoder", "head")]
+    for i, g in enumerate(graphs):
+        t0 = time.perf_counter()
+        name = engine_file(g["file"], precision)
+        (bundle / name).write_bytes(build_engine(trt, bundle / g["file"], precision, logger))
+        files[g["file"]] = {"engine": name, "sha256": sha256_file(bundle / name)}
+        progress(f"[{i + 1}/{len(graphs)}] {name:<28} {time.perf_counter() - t0:6.1f} s")
+    manifest.setdefault("engines", {})[precision] = {
+        "tensorrt": trt.__version__, "gpu": gpu, "precision": precision, "files": files,
+    }
+    write_manifest(bundle, manifest)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------- check
+def check_engines(manifest: dict, bundle: Path, precision: str, tensorrt_version: str, gpu: dict) -> dict:
+    """The recorded engines for `precision`, if they were built by this TensorRT for this GPU and
+    are unmodified; otherwise a LiteVLMError that says what differs and what to do."""
+    record = manifest.get("engines", {}).get(precision)
+    if not record:
+        built = ", ".join(manifest.get("engines", {})) or "none"
+        raise LiteVLMError(f"{bundle}: no {precision} TensorRT engines (built: {built}); "
+                           f"run `litevlm build-engines {bundle} --precision {precision}`")
+    rebuild = f"rebuild them here with `litevlm build-engines {bundle} --precision {precision}`"
+    if record["tensorrt"] != tensorrt_version:
+        raise LiteVLMError(f"{bundle}: {precision} engines were built with TensorRT {record['tensorrt']}, "
+                           f"this machine has TensorRT {tensorrt_version}; {rebuild}")
+    if record["gpu"]["name"] != gpu["name"] or record["gpu"].get("compute_capability") != gpu.get("compute_capability"):
+        raise LiteVLMError(f"{bundle}: {precision} engines were built for {record['gpu']['name']} "
+                           f"(sm {record['gpu'].get('compute_capability')}), this GPU is {gpu['name']} "
+                           f"(sm {gpu.get('compute_capability')}); {rebuild}")
+    for graph, entry in record["files"].items():
+        path = Path(bundle) / entry["engine"]
+        if not path.is_file():
+            raise LiteVLMError(f"{bundle}: missing engine {entry['engine']} (for {graph}); {rebuild}")
+        if sha256_file(path) != entry["sha256"]:
+            raise LiteVLMError(f"{bundle}: engine {entry['engine']} does not match its sha256 in the manifest "
+                               f"(modified or corrupt); {rebuild}")
+    return record
+
+
+# ------------------------------------------------------------------------------------- run
+TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
+                "INT32": torch.int32, "BOOL": torch.bool}
+
+
+class CapturedEngine:
+    """One bucket's engine: addresses bound once, launched once, then captured and replayed."""
+
+    def __init__(self, trt, runtime, path: Path, inputs: dict, outputs: dict, pool):
+        self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise LiteVLMError(f"{path.name}: TensorRT could not deserialize the engine")
+        self.context = self.engine.create_execution_context()
+        self.tensors = {**inputs, **outputs}
+        names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        if names != set(self.tensors):
+            raise LiteVLMError(f"{path.name}: engine tensors {sorted(names)}, bound {sorted(self.tensors)}")
+        for name, t in self.tensors.items():
+            shape = tuple(self.engine.get_tensor_shape(name))
+            dtype = TORCH_DTYPES.get(self.engine.get_tensor_dtype(name).name)
+            if shape != tuple(t.shape) or dtype != t.dtype:
+                raise LiteVLMError(f"{path.name}: {name} is {shape} {dtype} in the engine, bound {tuple(t.shape)} {t.dtype}")
+            self.context.set_tensor_address(name, t.data_ptr())
+        stream = torch.cuda.current_stream()
+        # The first launch does TensorRT's lazy initialisation, which must not happen under capture.
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise LiteVLMError(f"{path.name}: execute_async_v3 failed")
+        stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.context.execute_async_v3(torch.cuda.current_stream().cuda_stream)
+
+    def run(self) -> None:
+        self.graph.replay()
+
+
+def tensorrt_engines(pipe):
+    from .onnxruntime_engine import Bundle, bundle_path
+
+    trt = import_tensorrt()
+    if pipe.device.type != "cuda":
+        raise LiteVLMError(f"backend tensorrt runs on a CUDA device, the pipeline is on {pipe.device}")
+    precision = pipe.options.extra.get("precision", "fp16")
+    bundle = Bundle(pipe, bundle_path(pipe))
+    record = check_engines(bundle.manifest, bundle.dir, precision, trt.__version__, gpu_identity())
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    pool = torch.cuda.graph_pool_handle()
+
+    def bind(stage, bucket, inputs, outputs):
+        graph = bundle.graphs(stage)[bucket]["file"]
+        return CapturedEngine(trt, runtime, bundle.dir / record["files"][graph]["engine"], inputs, outputs, pool)
+
+    return bound_engines(pipe, bundle.sizes(), bind, "tensorrt")

@@ -1,0 +1,126 @@
+"""The GPU-only backends on a machine without a GPU: everything but the CUDA capture and the
+TensorRT calls runs here; where those are needed the error says so plainly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from export_fixtures import MAX_NEW_TOKENS, lively_checkpoint
+from helpers import random_frames
+
+from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.engines.buckets import Buckets
+from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
+from litevlm_runtime.engines.tensorrt_engine import check_engines
+from litevlm_runtime.errors import LiteVLMError
+from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return lively_checkpoint(tmp_path_factory.getbasetemp())
+
+
+def test_static_stages_give_the_torch_answers(model):
+    """The modules and bound buffers the CUDA-graph backend captures, run without capture."""
+    opts = PipelineOptions(max_new_tokens=MAX_NEW_TOKENS)
+    ref = Pipeline.from_pretrained(model, opts)
+    static = Pipeline.from_pretrained(model, opts)
+    static.engines = cuda_graph_engines(static, capture=False,
+                                        buckets=Buckets(vision=(4, 6), prefill=(256,), step=(1, 8), head=(1, 8)))
+    assert static.engines.decoder.backend == "torch-static"
+    for i, q in enumerate(DEFAULT_QUESTIONS[:4]):
+        frames = random_frames(10 + i)
+        assert static.answer(frames, q).token_ids == ref.answer(frames, q).token_ids
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message on machines without CUDA")
+def test_cuda_graph_backend_without_cuda_is_a_clear_error(model):
+    with pytest.raises(LiteVLMError, match="needs CUDA"):
+        Pipeline.from_pretrained(model, PipelineOptions(backend="torch-cudagraph"))
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message on machines without CUDA")
+def test_gpu_check_script_without_cuda_says_so():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs an NVIDIA GPU" in r.stderr
+
+
+def test_gpu_check_script_logic_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--allow-cpu", "--preset", "tiny",
+                        "--dtype", "float32", "--tiles-per-camera", "1", "--questions", "2", "--max-new-tokens", "4"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "cuda graph == static eager (capture changes nothing): 2/2" in r.stdout
+    assert "PASS" in r.stdout
+
+
+def tensorrt_installed() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(tensorrt_installed(), reason="checks the message where TensorRT is absent")
+def test_tensorrt_absent_is_a_clear_error(model, tmp_path):
+    from litevlm_runtime.engines.tensorrt_engine import build_engines
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "graphs": [], "engines": {}}))
+    with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
+        build_engines(tmp_path, "fp16")
+    with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
+        Pipeline.from_pretrained(model, PipelineOptions(backend="tensorrt", extra={"bundle": str(tmp_path)}))
+
+
+GPU = {"name": "NVIDIA Jetson AGX Thor", "compute_capability": "11.0"}
+
+
+def fabricated_bundle(tmp_path: Path) -> tuple[dict, Path]:
+    from litevlm_runtime.export import sha256_file
+
+    engine = tmp_path / "decoder_1.fp16.engine"
+    engine.write_bytes(b"serialized engine bytes")
+    manifest = {"format": 1, "engines": {"fp16": {
+        "tensorrt": "10.13.3", "gpu": dict(GPU), "precision": "fp16",
+        "files": {"decoder_1.onnx": {"engine": engine.name, "sha256": sha256_file(engine)}}}}}
+    return manifest, tmp_path
+
+
+def test_engine_check_accepts_matching_engines(tmp_path):
+    manifest, bundle = fabricated_bundle(tmp_path)
+    record = check_engines(manifest, bundle, "fp16", "10.13.3", dict(GPU))
+    assert record["files"]["decoder_1.onnx"]["engine"] == "decoder_1.fp16.engine"
+
+
+@pytest.mark.parametrize("change, message", [
+    ("version", "built with TensorRT 10.13.3, this machine has TensorRT 10.14.1"),
+    ("gpu", "built for NVIDIA Jetson AGX Thor .* this GPU is NVIDIA H100"),
+    ("hash", "does not match its sha256"),
+    ("missing", "missing engine decoder_1.fp16.engine"),
+    ("precision", "no fp8 TensorRT engines"),
+])
+def test_engine_check_refuses_mismatches(tmp_path, change, message):
+    manifest, bundle = fabricated_bundle(tmp_path)
+    version, gpu, precision = "10.13.3", dict(GPU), "fp16"
+    if change == "version":
+        version = "10.14.1"
+    elif change == "gpu":
+        gpu = {"name": "NVIDIA H100", "compute_capability": "9.0"}
+    elif change == "hash":
+        (bundle / "decoder_1.fp16.engine").write_bytes(b"tampered")
+    elif change == "missing":
+        (bundle / "decoder_1.fp16.engine").unlink()
+    elif change == "precision":
+        precision = "fp8"
+    with pytest.raises(LiteVLMError, match=message):
+        check_engines(manifest, bundle, precision, version, gpu)
