@@ -70,6 +70,12 @@ def test_presets_and_bad_input(tmp_path):
     from litevlm_runtime.pipeline import PipelineOptions
     assert pipeline_options("baseline") == PipelineOptions()
     assert pipeline_options("eagle", max_new_tokens=7) == PipelineOptions(decoding="eagle", max_new_tokens=7)
+    opts = pipeline_options("tokens", ["token_keep_ratio=0.5", "decoding=eagle", "eagle_dir=none"])
+    assert (opts.token_keep_ratio, opts.decoding, opts.eagle_dir) == (0.5, "eagle", None)
+    with pytest.raises(InputError, match="not a float"):
+        pipeline_options("baseline", ["token_keep_ratio=lots"])
+    with pytest.raises(InputError, match="NAME=VALUE"):
+        pipeline_options("baseline", ["no_such_field=1"])
     with pytest.raises(InputError, match="unknown --pipeline"):
         pipeline_options("nonsense")
     with pytest.raises(InputError, match="no such QA file"):

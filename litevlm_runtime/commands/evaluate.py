@@ -12,7 +12,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="model folder (InternVL2.5 layout); not needed with --from-predictions")
     p.add_argument("--data", required=True, help="DriveLM v1.1 QA file (SynthDrive val.json, DriveLM json)")
     p.add_argument("--frames", help="root the QA file's image paths resolve under (default: the QA file's folder)")
-    p.add_argument("--pipeline", default="baseline", help="PipelineOptions preset (baseline, eagle, ...)")
+    p.add_argument("--pipeline", default="baseline",
+                   help="PipelineOptions preset: baseline (default options), eagle, tokens, fastv")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one PipelineOptions field after the preset (repeatable), e.g. token_keep_ratio=0.9")
     p.add_argument("--blank-images", action="store_true",
                    help="replace every image by constant grey: the text-only baseline")
     p.add_argument("--limit", type=int, help="only the first N questions")
@@ -50,13 +53,14 @@ def run(args) -> int:
         if not args.model:
             raise InputError("--model is required (or score a file with --from-predictions)")
         records = run_model(args.model, args.data, frames_root, args.pipeline, args.blank_images, args.limit,
-                            args.max_new_tokens, progress=not args.quiet)
+                            args.max_new_tokens, progress=not args.quiet, options=args.option)
         predictions = {r["id"]: r["answer"] for r in records}
         questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
         if args.predictions:
             Path(args.predictions).write_text(json.dumps(records, indent=1))
     scores = score(questions, predictions, judge, args.match_threshold, args.graph_filter).to_dict()
-    run_info = {"data": args.data, "model": args.model, "pipeline": None if args.from_predictions else args.pipeline,
+    pipeline = None if args.from_predictions else " ".join([args.pipeline] + args.option)
+    run_info = {"data": args.data, "model": args.model, "pipeline": pipeline,
                 "images": "blank" if args.blank_images else "real", "questions": len(questions)}
     if records is not None:
         answered = [r for r in records if "error" not in r]

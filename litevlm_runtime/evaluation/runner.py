@@ -19,17 +19,44 @@ from .metrics import Question
 # cameras, all visual tokens, greedy decoding); the others switch on LiteVLM's stages.
 PIPELINE_PRESETS: dict[str, dict] = {
     "baseline": {},
-    "eagle": {"decoding": "eagle"},
+    "eagle": {"decoding": "eagle"},                   # EAGLE-2 draft tree (needs <model>/eagle)
+    "tokens": {"token_keep_ratio": 0.8},              # token selector, the paper's FP16 r
+    "fastv": {"fastv_ratio": 0.7},                    # the paper's "FastV r=0.3" baseline
 }
 BLANK_GREY = 128
 DEFAULT_SIZE = (1600, 900)
 
 
-def pipeline_options(preset: str, **overrides):
+def parse_option(text: str) -> tuple[str, object]:
+    """--option NAME=VALUE -> (name, value typed like the PipelineOptions field's default)."""
+    from ..pipeline import PipelineOptions
+    name, sep, raw = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(PipelineOptions)}
+    if not sep or name not in fields or name in ("extra", "cameras"):
+        raise InputError(f"--option {text!r}: expected NAME=VALUE with NAME one of "
+                         f"{', '.join(n for n in fields if n not in ('extra', 'cameras'))}")
+    default = fields[name].default
+    if raw.lower() in ("none", "null"):
+        return name, None
+    try:
+        if isinstance(default, bool):
+            return name, raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return name, int(raw)
+        if isinstance(default, float):
+            return name, float(raw)
+    except ValueError:
+        raise InputError(f"--option {text!r}: {raw!r} is not a {type(default).__name__}") from None
+    return name, raw
+
+
+def pipeline_options(preset: str, options: list[str] | None = None, **overrides):
+    """A preset's PipelineOptions, then `--option NAME=VALUE` overrides, then keyword overrides."""
     from ..pipeline import PipelineOptions
     if preset not in PIPELINE_PRESETS:
         raise InputError(f"unknown --pipeline {preset!r}; choose from {', '.join(PIPELINE_PRESETS)}")
-    values = PIPELINE_PRESETS[preset] | {k: v for k, v in overrides.items() if v is not None}
+    values = PIPELINE_PRESETS[preset] | dict(parse_option(o) for o in options or [])
+    values |= {k: v for k, v in overrides.items() if v is not None}
     known = {f.name for f in dataclasses.fields(PipelineOptions)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -68,7 +95,7 @@ def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Que
 
 def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, preset: str = "baseline",
               blank_images: bool = False, limit: int | None = None, max_new_tokens: int | None = None,
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, options: list[str] | None = None) -> list[dict]:
     """Answer every question; one record per question (the challenge's output.json fields
     id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
     (InputError) is recorded with its error and an empty answer, never dropped."""
@@ -79,8 +106,7 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
     work = select(load_frames(data), limit)
     if not work:
         raise InputError(f"{data}: no questions to evaluate")
-    options = pipeline_options(preset, max_new_tokens=max_new_tokens)
-    pipe = Pipeline.from_pretrained(model_dir, options)
+    pipe = Pipeline.from_pretrained(model_dir, pipeline_options(preset, options, max_new_tokens=max_new_tokens))
     records = []
     bar = tqdm(total=sum(len(qs) for _, qs in work), desc="eval", unit="q", disable=not progress)
     try:

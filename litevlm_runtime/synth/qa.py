@@ -6,8 +6,9 @@ answer vocabulary. Many questions name a direction ("to the back left of the ego
 tagged camera, which is what a view selector keys on. Choice questions carry four shuffled
 options like the DriveLM challenge's ("Please select the correct answer from the following
 options: A. ... D. ...") and are answered by the letter; yes/no answers are "Yes." / "No.", and
-within a frame a yes/no question template never has more than one answer more of one kind than of
-the other, so that a model that does not look cannot score by guessing the common answer.
+within a frame a yes/no question template about several objects keeps as many "Yes." as "No."
+answers, so that a model that does not look at the images cannot score by guessing the common
+answer.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from .world import EGO_DIRECTIONS, EGO_SPEEDS, LANE_WIDTH, PLURAL, VEHICLE_KINDS
 DIRECTION = {"CAM_FRONT": "front", "CAM_FRONT_LEFT": "front left", "CAM_FRONT_RIGHT": "front right",
              "CAM_BACK": "back", "CAM_BACK_LEFT": "back left", "CAM_BACK_RIGHT": "back right"}
 NUMBER = {1: "one", 2: "two", 3: "three"}
-MOVING_OPTIONS = ["Going ahead.", "Turn right.", "Turn left.", "Stopped.", "Back up.", "Reverse parking.",
-                  "Drive backward."]           # the DriveLM challenge's option pool
+# The DriveLM challenge draws distractors from "Going ahead.", "Turn right.", "Turn left.",
+# "Stopped.", "Back up.", "Reverse parking.", "Drive backward."; SynthDrive vehicles only ever do
+# the first four, and offering the others would let a model that never looks at the images rule
+# them out, so the options are those four, shuffled.
+MOVING_OPTIONS = ["Going ahead.", "Turn right.", "Turn left.", "Stopped."]
 STATUS_TEXT = {"going ahead": "Going ahead.", "turn left": "Turn left.", "turn right": "Turn right.",
                "stopped": "Stopped."}
 COLOUR_OPTIONS = ["Red.", "Blue.", "Green.", "Yellow.", "White.", "Black."]
@@ -105,15 +109,19 @@ class _Choice:
 
 
 def _balance(items: list[tuple[str, dict]], rng: np.random.Generator) -> list[dict]:
-    """Keep per template at most one more yes than no (or no than yes), dropping at random."""
+    """Keep per template as many yes as no answers, dropping at random; templates whose name
+    starts with "=" are asked once per frame and kept as they are."""
     by_template: dict[str, list[dict]] = {}
     for template, item in items:
         by_template.setdefault(template, []).append(item)
     keep_ids = set()
-    for group in by_template.values():
+    for template, group in by_template.items():
+        if template.startswith("="):
+            keep_ids.update(id(q) for q in group)
+            continue
         yes = [q for q in group if q["A"] == "Yes."]
         no = [q for q in group if q["A"] == "No."]
-        limit = min(len(yes), len(no)) + 1
+        limit = min(len(yes), len(no))
         for side in (yes, no):
             for i in sorted(rng.permutation(len(side))[:limit]):
                 keep_ids.add(id(side[i]))
@@ -261,12 +269,17 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
                                 "pedestrian": ["moving", "standing"]}.get(kind, [None]))]
     yes_c = [c for c in candidates if c in present]
     no_c = [c for c in candidates if c not in present]
-    for pool in (yes_c, no_c):
-        for i in rng.permutation(len(pool))[:2]:
-            cam, kind, word = pool[i]
-            noun = PLURAL[kind] if word is None else f"{word} {PLURAL[kind]}"
-            yes_no["perception"].append(("are_there", qa(f"Are there {noun} {where(cam)}?",
-                                                         "Yes." if pool is yes_c else "No.")))
+    for i in rng.permutation(len(yes_c))[:1]:
+        cam, kind, word = yes_c[i]
+        # Its "no" twin asks about the same direction and another kind or status that is absent
+        # there, else about the same kind and status elsewhere: one yes and one no per frame.
+        twins = [c for c in no_c if c[0] == cam] or [c for c in no_c if c[1:] == (kind, word)]
+        if not twins:
+            continue
+        twin = twins[rng.integers(len(twins))]
+        for (c, k, w), answer in (((cam, kind, word), "Yes."), (twin, "No.")):
+            noun = PLURAL[k] if w is None else f"{w} {PLURAL[k]}"
+            yes_no["perception"].append(("are_there", qa(f"Are there {noun} {where(c)}?", answer)))
 
     # Counts and colours, as choice questions.
     count_pairs = [(cam, kind) for cam in DIRECTION for kind in kinds_order if kind != "traffic light"]
@@ -287,7 +300,7 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
         perception.append(choice(q, cap(obj.colour) + ".", COLOUR_OPTIONS))
 
     lights = [o for o, cam, _ in objects if o.kind == "traffic light" and cam == "CAM_FRONT"]
-    yes_no["perception"].append(("light_present", qa("Is there a traffic light in front of the ego car?",
+    yes_no["perception"].append(("=light_present", qa("Is there a traffic light in front of the ego car?",
                                                      "Yes." if lights else "No.")))
     state = lights[0].status if lights else None
     perception.append(choice("What is the state of the traffic light in front of the ego car?",
@@ -355,7 +368,10 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
             f"Is it safe for the ego vehicle to change to the {side} lane?",
             "Yes." if lane_change_safe(world, side) else "No.")))
     stop = world.ego_speed == "not moving"
-    yes_no["planning"].append(("stop", qa("Does the ego vehicle need to stop?", "Yes." if stop else "No.")))
+    # Asked both ways round, so that the pair is always one yes and one no.
+    yes_no["planning"].append(("=stop", qa("Does the ego vehicle need to stop?", "Yes." if stop else "No.")))
+    yes_no["planning"].append(("=stop", qa("Can the ego vehicle keep going without stopping?",
+                                           "No." if stop else "Yes.")))
     planning.append(qa("What is the traffic signal that the ego vehicle should pay attention to?",
                        f"{cap(state)} light." if state else "None."))
     turn = world.road.curvature

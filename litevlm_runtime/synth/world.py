@@ -229,7 +229,7 @@ def sample_world(rng: np.random.Generator) -> World:
     if has_light:
         light_s = crosswalk_s + 5.0 if crosswalk_s is not None else float(rng.uniform(14.0, 30.0))
     stop_line_s = (crosswalk_s - 1.5) if crosswalk_s is not None else (light_s - 3.0 if light_s else None)
-    light_state = str(rng.choice(LIGHT_STATES, p=[0.4, 0.2, 0.4])) if has_light else None
+    light_state = str(rng.choice(LIGHT_STATES, p=[0.5, 0.15, 0.35])) if has_light else None
     road = Road(n_same, n_opposite, ego_lane, CURVATURES[direction], crosswalk_s, stop_line_s)
     world = World(road, [], sample_appearance(rng), light_state=light_state, light_s=light_s)
     slots = _Slots()
@@ -279,12 +279,12 @@ def sample_world(rng: np.random.Generator) -> World:
                 if ahead_of_light and light_state == "red":
                     status = "stopped"
                 else:
-                    status = str(rng.choice(VEHICLE_STATUS, p=[0.55, 0.15, 0.15, 0.15]))
+                    status = str(rng.choice(VEHICLE_STATUS, p=[0.4, 0.2, 0.2, 0.2]))
                     if status == "stopped" and s < 0:               # brake lamps only show from behind
                         status = "going ahead"
             else:
                 yaw_base, place = math.pi, "oncoming lane"
-                status = str(rng.choice(VEHICLE_STATUS[:3], p=[0.7, 0.15, 0.15]))
+                status = str(rng.choice(VEHICLE_STATUS[:3], p=[0.5, 0.25, 0.25]))
         if not slots.free(slot, lo, hi) or blocked_by_crossing(lo, hi) or not _placeable(road, s, d):
             continue
         if place == "ego lane" and s > 0 and light_s is not None and s > light_s - 4.0:
@@ -312,7 +312,7 @@ def sample_world(rng: np.random.Generator) -> World:
 
     # Pedestrians: crossing ahead on the zebra (only when traffic must stop for them), and
     # walking or standing on the sidewalks.
-    if crosswalk_s is not None and light_state in (None, "red") and rng.random() < 0.75:
+    if crosswalk_s is not None and light_state in (None, "red") and rng.random() < 0.9:
         for _ in range(int(rng.integers(1, 4))):
             d = float(rng.uniform(road.right_edge + 0.5, road.left_edge - 0.5))
             s = crosswalk_s + float(rng.uniform(0.8, 2.2))
