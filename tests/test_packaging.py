@@ -55,3 +55,17 @@ def test_drive_yaml_declares_only_known_parameters():
     assert set(params) == set(PARAMETERS)
     for k, v in params.items():
         assert type(v) is type(PARAMETERS[k]) or (isinstance(v, float) and isinstance(PARAMETERS[k], float)), k
+
+
+def test_node_parameters_map_onto_pipeline_options():
+    from dataclasses import fields
+
+    from litevlm_runtime.pipeline import PipelineOptions
+    from litevlm_runtime.ros.node import OPTION_MAP, PARAMETERS, pipeline_options
+
+    opts = pipeline_options(dict(PARAMETERS, precision="fp16", eagle_enabled=True, eagle_top_k=7, threads=0))
+    assert opts.dtype == "float16" and opts.decoding == "eagle" and opts.eagle_topk == 7 and opts.threads is None
+    known = {f.name for f in fields(PipelineOptions)}
+    # Every parameter either reaches its option or is carried in `extra` (never dropped).
+    for param, (option, _) in OPTION_MAP.items():
+        assert option in known or param in opts.extra, param

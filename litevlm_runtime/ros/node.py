@@ -51,9 +51,13 @@ PARAMETERS = {
     "tiles_per_camera": 1,
     "max_new_tokens": 64,
     "max_question_tokens": 256,
-    "view_select_threshold": 0.5,     # view selector: keep a camera whose score reaches this
-    "token_keep_ratio": 1.0,          # token selector: fraction of visual tokens kept
-    "eagle_enabled": False,           # EAGLE-2 speculative decoding
+    "threads": 0,                     # torch intra-op threads (0: torch's default)
+    "view_select_threshold": 0.4,     # view selector: keep a camera whose fused score reaches this
+    "view_selector": "",              # view selector folder ("": the model folder's, if any)
+    "token_keep_ratio": 1.0,          # token selector: fraction of visual tokens kept (1.0: selector off)
+    "token_selector": "",             # token selector folder ("": the model folder's, if any)
+    "eagle_enabled": False,           # EAGLE-2 speculative decoding (lossless under greedy)
+    "eagle_dir": "",                  # draft head folder ("": <model_dir>/eagle)
     "eagle_total_tokens": 60,
     "eagle_depth": 6,
     "eagle_top_k": 10,
@@ -101,23 +105,43 @@ def time_of(ns: int) -> Time:
     return Time(sec=int(ns // 1_000_000_000), nanosec=int(ns % 1_000_000_000))
 
 
+# Node parameter -> (PipelineOptions field, conversion). A field the pipeline in this checkout
+# does not have yet travels in PipelineOptions.extra under the parameter's name.
+OPTION_MAP = {
+    "backend": ("backend", str),
+    "device": ("device", str),
+    "precision": ("dtype", lambda v: PRECISIONS.get(v, v)),
+    "tiles_per_camera": ("tiles_per_camera", int),
+    "max_new_tokens": ("max_new_tokens", int),
+    "max_question_tokens": ("max_question_tokens", int),
+    "threads": ("threads", lambda v: int(v) or None),
+    "view_select_threshold": ("view_threshold", float),
+    "view_selector": ("view_selector", lambda v: v or None),
+    "token_keep_ratio": ("token_keep_ratio", float),
+    "token_selector": ("token_selector", lambda v: v or None),
+    "eagle_enabled": ("decoding", lambda v: "eagle" if v else "greedy"),
+    "eagle_dir": ("eagle_dir", lambda v: v or None),
+    "eagle_total_tokens": ("eagle_total", int),
+    "eagle_depth": ("eagle_depth", int),
+    "eagle_top_k": ("eagle_topk", int),
+}
+
+
 def pipeline_options(p: dict):
-    """Node parameters -> PipelineOptions. Options the current pipeline has no field for travel
-    in `extra` (the selection and EAGLE stages read them from there)."""
+    """Node parameters -> PipelineOptions (see OPTION_MAP)."""
     from dataclasses import fields
 
     from ..pipeline import PipelineOptions
 
     known = {f.name for f in fields(PipelineOptions)}
-    dtype = PRECISIONS.get(p["precision"], p["precision"])
-    values = {"device": p["device"], "dtype": dtype, "tiles_per_camera": p["tiles_per_camera"],
-              "max_new_tokens": p["max_new_tokens"], "max_question_tokens": p["max_question_tokens"]}
-    extra = {k: p[k] for k in ("backend", "view_select_threshold", "token_keep_ratio", "eagle_enabled",
-                               "eagle_total_tokens", "eagle_depth", "eagle_top_k")}
-    for k, v in list(extra.items()):
-        if k in known:
-            values[k] = extra.pop(k)
-    values = {k: v for k, v in values.items() if k in known}
+    values, extra = {}, {}
+    for param, (option, convert) in OPTION_MAP.items():
+        if param not in p:
+            continue
+        if option in known:
+            values[option] = convert(p[param])
+        else:
+            extra[param] = p[param]
     if "extra" in known:
         values["extra"] = extra
     return PipelineOptions(**values)
@@ -180,9 +204,6 @@ class DriveNode(LifecycleNode):
         self.get_logger().info(f"configure: loading {model_dir or '(model_dir not set)'} "
                                f"({self.p['backend']}, {self.p['device']}, {self.p['precision']})")
         try:
-            if self.p["backend"] != "torch":
-                raise ValueError(f"backend {self.p['backend']!r} is not available in this build (torch)")
-
             def factory():
                 from ..pipeline import Pipeline
                 if not model_dir:
