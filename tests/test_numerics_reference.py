@@ -199,3 +199,27 @@ def test_pipeline_answer_matches_transformers_generate(real_width):
     assert ans.input_tokens == t
     assert e_prompt < TOL
     assert ans.token_ids == ref_ids
+
+
+@torch.inference_mode()
+def test_tied_qwen2_head_matches_transformers(tmp_path, tokenizer_file):
+    """Qwen2.5-0.5B ties its LM head to the embedding: the folder then has no lm_head tensor and
+    both sides must reuse the embedding (real decoder width; a narrow ViT, unused here)."""
+    vocab = Tokenizer(tokenizer_file.parent).vocab_size
+    cfg = ModelConfig(VisionConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=128,
+                                   image_size=56, patch_size=14),
+                      LLMConfig(num_hidden_layers=2, vocab_size=vocab, tie_word_embeddings=True, **REAL_LLM["qwen2"]),
+                      force_image_size=56)
+    model = InternVL(cfg, max_len=64)
+    randomize(model, seed=13)
+    write_checkpoint(tmp_path, model, tokenizer_file)
+    config, state = load_upstream_state_dict(tmp_path)
+    assert "language_model.lm_head.weight" not in state and config["llm_config"]["tie_word_embeddings"]
+    ours = load_model(tmp_path, torch.float32, max_len=64).language_model
+    ref = build_hf_text_model(config, state)
+    prompt = torch.randint(0, vocab, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    prefill, _, ours_ids = run_ours_decoder(ours, prompt, NEW_TOKENS)
+    e = rel_err(prefill, ref(input_ids=torch.tensor([prompt])).logits[0])
+    print(f"\nqwen2 tied head: prefill logits rel err {e:.2e}")
+    assert e < TOL
+    assert ours_ids == hf_generate(ref, torch.tensor([prompt]), None, NEW_TOKENS)
