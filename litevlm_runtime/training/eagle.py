@@ -1,0 +1,220 @@
+"""`litevlm train eagle`: distill an EAGLE-2 draft head from the target model.
+
+Data: the target's own greedy answers to the training questions (what the draft will be asked to
+predict at run time), with the target's features over prompt + answer. Loss per position whose
+next token is text: SmoothL1 between the draft's predicted feature and the target's next feature
+(weight 1.0) + soft cross-entropy between the LM head on the prediction and on the target feature
+(weight 0.1); uniform noise on the input features, as EAGLE trains. Metric: mean accepted length
+(tokens per target pass) on held-out questions, untrained vs trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.eagle import DraftHead, save_draft_head
+from .distributed import setup
+
+
+@dataclass
+class Sequence:
+    embeds: torch.Tensor       # [L, D] input embeddings (visual spliced), prompt + answer
+    features: torch.Tensor     # [L, D] target final-norm hidden states
+    positions: torch.Tensor    # [L]
+    text_next: torch.Tensor    # [L-1] bool: the next token (t+1) is text, so position t is trained
+
+
+def load_samples(data: list[Path], frames_root: Path, limit: int | None, seed: int):
+    """(images, question) pairs from DriveLM-format QA files."""
+    from ..evaluation.data import frame_images, load_frames
+
+    pairs = []
+    for path in data:
+        for frame in load_frames(path):
+            images = frame_images(frames_root, frame)
+            pairs += [(images, q.question) for q in frame.questions]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:limit] if limit else pairs
+
+
+@torch.inference_mode()
+def collect(pipe, pairs, progress=None) -> list[Sequence]:
+    """Run the target greedily on each pair; keep its features over prompt + its own answer."""
+    seqs = []
+    for i, (images, question) in enumerate(pairs):
+        imgs = {c: Path(p).read_bytes() if isinstance(p, (str, Path)) else p for c, p in images.items()}
+        ans = pipe.answer(imgs, question)
+        n = ans.input_tokens
+        a = pipe.arena
+        answer_ids = torch.tensor(ans.token_ids + [pipe.tok.im_end_id], dtype=torch.long)
+        embeds = torch.cat([a.embeds[:n], pipe.lm.embed(answer_ids)])
+        last = int(a.positions[n - 1])
+        positions = torch.cat([a.positions[:n], last + 1 + torch.arange(len(answer_ids))])
+        L = embeds.shape[0]
+        k = torch.zeros(pipe.lm.cfg.num_hidden_layers, pipe.lm.cfg.num_key_value_heads, L, pipe.lm.cfg.head_dim)
+        v = torch.zeros_like(k)
+        hidden = pipe.lm(embeds, positions, torch.arange(L), torch.ones(L, L, dtype=torch.bool).tril(), k, v)
+        ids = torch.cat([a.token_ids[:n], answer_ids])
+        text_next = ids[1:] != pipe.tok.img_context_id
+        seqs.append(Sequence(embeds.clone(), hidden.clone(), positions.clone(), text_next))
+        if progress:
+            progress(i + 1, len(pairs))
+    return seqs
+
+
+def draft_loss(draft, head, seq: Sequence, noise: float, gen: torch.Generator | None = None):
+    L = seq.embeds.shape[0]
+    feats = seq.features[:-1]
+    if noise:
+        feats = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * noise
+    k = torch.zeros(1, draft.cfg.num_key_value_heads, L - 1, draft.cfg.head_dim)
+    v = torch.zeros_like(k)
+    pred = draft(seq.embeds[1:], feats, seq.positions[:-1], torch.arange(L - 1),
+                 torch.ones(L - 1, L - 1, dtype=torch.bool).tril(), k, v)
+    m = seq.text_next
+    target = seq.features[1:][m]
+    p = pred[m]
+    feat_loss = F.smooth_l1_loss(p, target)
+    with torch.no_grad():
+        target_prob = torch.softmax(head(target), dim=-1)
+    ce = -(target_prob * torch.log_softmax(head(p), dim=-1)).sum(-1).mean()
+    return feat_loss + 0.1 * ce, feat_loss.detach(), ce.detach()
+
+
+def mean_accepted_length(pipe, eagle, pairs) -> float:
+    """Tokens per target pass after the first token, over `pairs`, decoding with `eagle`."""
+    saved, pipe.eagle = pipe.eagle, eagle
+    try:
+        tokens = steps = 0
+        for images, question in pairs:
+            ans = pipe.answer(images, question)
+            tokens += max(len(ans.token_ids) - 1, 0)
+            steps += ans.decode_steps
+        return tokens / steps if steps else 1.0
+    finally:
+        pipe.eagle = saved
+
+
+def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path | None = None, *,
+                samples: int | None = 400, holdout: int = 20, epochs: int = 4, lr: float = 1e-3,
+                noise: float = 0.05, seed: int = 0, max_new_tokens: int = 48, threads: int | None = None,
+                tree: dict | None = None, log=print) -> dict:
+    from ..checkpoint import load_model
+    from ..pipeline import Pipeline, PipelineOptions
+    from ..tokenizer import Tokenizer
+
+    d = setup()
+    torch.manual_seed(seed)
+    tree = tree or {"total": 60, "depth": 6, "topk": 10}
+    opts = PipelineOptions(max_new_tokens=max_new_tokens, threads=threads, decoding="eagle",
+                           eagle_total=tree["total"], eagle_depth=tree["depth"], eagle_topk=tree["topk"])
+    model = load_model(model_dir)
+    draft = DraftHead(model.cfg.llm)
+    # Start the draft's layer from the target's last layer: same shapes, a better start than random.
+    src = model.language_model.layers[-1].state_dict()
+    draft.layer.load_state_dict({k: v for k, v in src.items() if k in draft.layer.state_dict()})
+    pipe = Pipeline(model, Tokenizer(model_dir), opts, draft=draft)
+    eagle, pipe.eagle = pipe.eagle, None          # collect with plain greedy decoding
+
+    pairs = load_samples(data, frames_root, (samples + holdout) if samples else None, seed)
+    pairs = [({c: Path(p).read_bytes() for c, p in im.items()}, q) for im, q in pairs]
+    held, train_pairs = pairs[:holdout], pairs[holdout:]
+    t0 = time.time()
+    mine = d.shard(train_pairs)
+    log(f"[rank {d.rank}] collecting target features for {len(mine)} questions ...")
+    seqs = collect(pipe, mine, progress=lambda i, n: log(f"  features {i}/{n}") if i % 25 == 0 or i == n else None)
+    # Tensors made under inference_mode cannot enter autograd: take ordinary copies.
+    seqs = [Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in seqs]
+
+    untrained = mean_accepted_length(pipe, eagle, held) if d.main else float("nan")
+    for p in pipe.lm.parameters():
+        p.requires_grad_(False)
+    wrapped = d.wrap(draft.train())
+    forward = wrapped if d.world == 1 else _DDPForward(wrapped)
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    total_steps = max(1, epochs * len(seqs))
+    warmup = min(20, total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    gen = torch.Generator().manual_seed(seed + d.rank)
+    step = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(seqs), generator=gen).tolist()
+        sums = [0.0, 0.0, 0.0]
+        for j, i in enumerate(order):
+            loss, feat_loss, ce = draft_loss(forward, pipe.lm.head, seqs[i], noise, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            sums = [a + float(b) for a, b in zip(sums, (loss, feat_loss, ce))]
+            if (j + 1) % 50 == 0 or j + 1 == len(order):
+                k = (j % 50) + 1
+                log(f"epoch {epoch + 1}/{epochs} step {step}/{total_steps} loss {sums[0] / k:.4f} "
+                    f"(feature {sums[1] / k:.4f}, ce {sums[2] / k:.4f}) elapsed {time.time() - t0:.0f}s")
+                sums = [0.0, 0.0, 0.0]
+    draft.eval()
+    trained = mean_accepted_length(pipe, eagle, held) if d.main else float("nan")
+    record = {
+        "command": " ".join(sys.argv), "data": [str(p) for p in data], "frames": str(frames_root),
+        "samples": len(train_pairs), "holdout": holdout, "epochs": epochs, "lr": lr, "noise": noise,
+        "seed": seed, "world_size": d.world, "loss_weights": {"feature_smooth_l1": 1.0, "soft_ce": 0.1},
+        "tree": tree, "metrics": {"mean_accepted_length_untrained": untrained,
+                                  "mean_accepted_length_trained": trained},
+        "train_seconds": round(time.time() - t0, 1),
+    }
+    if d.main:
+        out = Path(out or Path(model_dir) / "eagle")
+        save_draft_head(draft, out, record)
+        log(f"mean accepted length on {len(held)} held-out questions: untrained {untrained:.2f} -> trained {trained:.2f}")
+        log(f"wrote {out}")
+    d.close()
+    return record
+
+
+class _DDPForward:
+    """Calls the draft through DDP's forward (so gradients sync) while exposing the draft's config."""
+
+    def __init__(self, ddp):
+        self.ddp, self.cfg = ddp, ddp.module.cfg
+
+    def __call__(self, *args):
+        return self.ddp(*args)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eagle", help="distill an EAGLE-2 draft head from the target model")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--data", type=Path, action="append", required=True, help="DriveLM-format QA json (repeatable)")
+    p.add_argument("--frames", type=Path, required=True, help="root the QA image paths resolve under")
+    p.add_argument("--out", type=Path, help="default: <model>/eagle")
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--holdout", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--noise", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--tree", default="60,6,10", help="total,depth,topk of the draft tree for the held-out metric")
+
+    def run(args):
+        total, depth, topk = (int(x) for x in args.tree.split(","))
+        train_eagle(args.model, args.data, args.frames, args.out, samples=args.samples, holdout=args.holdout,
+                    epochs=args.epochs, lr=args.lr, noise=args.noise, seed=args.seed,
+                    max_new_tokens=args.max_new_tokens, threads=args.threads,
+                    tree={"total": total, "depth": depth, "topk": topk})
+        return 0
+
+    p.set_defaults(func=run)

@@ -1,0 +1,105 @@
+"""EAGLE-2: greedy speculative decoding is lossless (token for token equal to plain greedy), the
+draft tree is well formed, and distillation raises the mean accepted length."""
+
+import pytest
+import torch
+
+from helpers import random_frames
+from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.checkpoint import load_model
+from litevlm_runtime.models.eagle import DraftHead, load_draft_head, save_draft_head
+from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.tokenizer import Tokenizer
+from litevlm_runtime.training.eagle import Sequence, collect, draft_loss, mean_accepted_length
+
+TREES = [dict(eagle_total=60, eagle_depth=6, eagle_topk=10), dict(eagle_total=12, eagle_depth=4, eagle_topk=3),
+         dict(eagle_total=1, eagle_depth=2, eagle_topk=1)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """A tiny target and a draft distilled from it for a few epochs (enough to accept > 1 token)."""
+    torch.manual_seed(0)
+    model = load_model(tiny_model)
+    draft = DraftHead(model.cfg.llm)
+    pipe = Pipeline(model, Tokenizer(tiny_model), PipelineOptions(max_new_tokens=24, decoding="eagle"), draft=draft)
+    eagle, pipe.eagle = pipe.eagle, None
+    pairs = [(random_frames(s), DEFAULT_QUESTIONS[s % len(DEFAULT_QUESTIONS)]) for s in range(16)]
+    seqs = [Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in collect(pipe, pairs)]
+    held = [(random_frames(100 + s), DEFAULT_QUESTIONS[(s + 3) % len(DEFAULT_QUESTIONS)]) for s in range(6)]
+    before = mean_accepted_length(pipe, eagle, held)
+    opt = torch.optim.AdamW(draft.parameters(), lr=2e-3)
+    for p in pipe.lm.parameters():
+        p.requires_grad_(False)
+    draft.train()
+    losses = []
+    for epoch in range(3):
+        for seq in seqs:
+            loss, _, _ = draft_loss(draft, pipe.lm.head, seq, 0.05)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    draft.eval()
+    after = mean_accepted_length(pipe, eagle, held)
+    folder = tmp_path_factory.mktemp("eagle") / "eagle"
+    save_draft_head(draft, folder, {"test": True})
+    return {"dir": folder, "before": before, "after": after, "losses": losses}
+
+
+def test_distillation_improves_acceptance(trained):
+    first, last = sum(trained["losses"][:16]) / 16, sum(trained["losses"][-16:]) / 16
+    assert last < first
+    assert trained["after"] > trained["before"] + 0.3, (trained["before"], trained["after"])
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["60-6-10", "12-4-3", "1-2-1"])
+def test_greedy_eagle_is_lossless(tiny_model, trained, tree):
+    greedy = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=24))
+    eagle = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=24, decoding="eagle",
+                                                                 eagle_dir=str(trained["dir"]), **tree))
+    accepted = []
+    for s in range(6):
+        frames, q = random_frames(200 + s), DEFAULT_QUESTIONS[s % len(DEFAULT_QUESTIONS)]
+        a, b = greedy.answer(frames, q), eagle.answer(frames, q)
+        assert b.token_ids == a.token_ids, f"question {s}: EAGLE-2 output differs from greedy"
+        assert b.decode_steps <= a.decode_steps
+        accepted.append(b.accepted_length)
+    if tree["eagle_total"] > 1:
+        assert max(accepted) > 1.5     # the tree path (KV compaction) was really exercised
+
+
+def test_tree_is_ancestor_closed(tiny_model, trained):
+    pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=8, decoding="eagle",
+                                                                eagle_dir=str(trained["dir"]), eagle_total=20,
+                                                                eagle_depth=5, eagle_topk=4))
+    pipe.answer(random_frames(7), "What is ahead?")       # fills the caches
+    p = 50
+    with torch.inference_mode():
+        tree = pipe.eagle.build_tree(pipe.prefill_hidden[-1:], 5, p, p)
+    assert len(tree.tokens) == 21 and tree.parents[0] == -1
+    for i, parent in enumerate(tree.parents[1:], start=1):
+        assert 0 <= parent < i                              # parents come first (closure + order)
+        assert tree.depths[i] == tree.depths[parent] + 1
+    siblings = {}
+    for i, parent in enumerate(tree.parents[1:], start=1):
+        siblings.setdefault(parent, []).append(tree.tokens[i])
+    assert all(len(v) == len(set(v)) for v in siblings.values())   # no duplicate child tokens
+
+
+def test_draft_head_checkpoint_errors(tiny_model, trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from litevlm_runtime.checkpoint import read_config
+    from litevlm_runtime.errors import CheckpointError
+
+    cfg = read_config(tiny_model).llm
+    state = load_file(trained["dir"] / "model.safetensors")
+    state["fc.weight"] = state["fc.weight"][:, :-1].contiguous()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(state, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match="fc.weight"):
+        load_draft_head(bad, cfg, 512, torch.float32)
+    with pytest.raises(Exception, match="draft head"):
+        Pipeline.from_pretrained(tiny_model, PipelineOptions(decoding="eagle", eagle_dir=str(tmp_path / "none")))
