@@ -368,6 +368,20 @@ def object_depth(camera: Camera, obj: WorldObject) -> float:
     return float(camera.to_camera(np.array([[obj.x, obj.y, obj.size[2] / 2]]))[0, 2])
 
 
+def outside_view(camera: Camera, obj: WorldObject) -> bool:
+    """True when the object's bounding sphere lies wholly behind the camera or left/right of
+    its field of view (a cheap, conservative cull; most objects show in one or two of six views)."""
+    L, W, H = obj.size
+    z_top = LIGHT_HEAD_Z["overhead"] + 1.0 if obj.kind == "traffic light" else H
+    radius = 0.5 * math.sqrt(L * L + W * W + z_top * z_top) + (abs(obj.d - obj.mount_d) if obj.kind == "traffic light" else 0.0)
+    x, _, z = camera.to_camera(np.array([[obj.x, obj.y, z_top / 2]]))[0]
+    if z + radius < NEAR_M:
+        return True
+    half_width = camera.width / 2 / camera.focal            # tan(hfov / 2)
+    # Distance from the sphere's centre to the frustum's side plane |x| = z * tan: beyond radius -> outside.
+    return (abs(x) - z * half_width) / math.sqrt(1 + half_width ** 2) > radius
+
+
 def draw_object(canvas: Canvas, world: World, obj: WorldObject, index: int) -> None:
     if obj.kind in VEHICLE_KINDS:
         _draw_boxes(canvas, obj, _vehicle_parts(obj), index, sort=obj.kind == "truck")
@@ -391,10 +405,8 @@ def render(world: World, camera: Camera, base: np.ndarray | None = None, objects
     if objects:
         far_to_near = sorted(range(len(world.objects)), key=lambda i: -object_depth(camera, world.objects[i]))
         for i in far_to_near:
-            # Whole objects far behind the camera cannot show; nearer ones are clipped per polygon.
-            if object_depth(camera, world.objects[i]) < -15.0:
-                continue
-            draw_object(canvas, world, world.objects[i], i)
+            if not outside_view(camera, world.objects[i]):
+                draw_object(canvas, world, world.objects[i], i)
     return canvas.image, np.asarray(canvas.mask)
 
 
