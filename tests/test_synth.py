@@ -129,6 +129,8 @@ def test_same_seed_same_bytes(tmp_path):
     a, b, c = _digest(tmp_path / "a"), _digest(tmp_path / "b"), _digest(tmp_path / "c")
     assert len(a) == 4 * 6 + 4 and a == b
     assert a["train.json"] != c["train.json"]
+    generate(tmp_path / "b", 2, 11, 224, 126, val_fraction=0.0, workers=1, progress=False)   # rerun, fewer scenes
+    assert len(list((tmp_path / "b" / "samples").rglob("*.jpg"))) == 2 * 6
 
 
 def test_questions_do_not_depend_on_resolution():

@@ -192,6 +192,11 @@ def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, hei
         raise InputError(f"{out} exists and is not a SynthDrive folder; choose an empty or new folder")
     for cam in CAMERAS:
         (out / "samples" / cam).mkdir(parents=True, exist_ok=True)
+        for stale in (out / "samples" / cam).glob("synthdrive-*.jpg"):   # an earlier run into this folder
+            stale.unlink()
+    info = {"generator": "SynthDrive", "version": VERSION, "seed": seed, "scenes": scenes, "width": width,
+            "height": height, "complete": False}
+    (out / "synthdrive.json").write_text(json.dumps(info, indent=1))    # marks the folder as ours at once
     n_val = int(round(scenes * val_fraction))
     n_train = scenes - n_val
     workers = max(1, min(workers or os.cpu_count() or 1, scenes))
@@ -221,7 +226,7 @@ def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, hei
     (out / "train.json").write_text(json.dumps(train, indent=1))
     (out / "val.json").write_text(json.dumps(val, indent=1))
     (out / "ground_truth.json").write_text(json.dumps(truth, indent=1))
-    info = {"generator": "SynthDrive", "version": VERSION, "seed": seed, "scenes": scenes, "train_scenes": n_train,
-            "val_scenes": n_val, "width": width, "height": height, "qa_train": n_qa["train"], "qa_val": n_qa["val"]}
+    info |= {"complete": True, "train_scenes": n_train, "val_scenes": n_val, "qa_train": n_qa["train"],
+             "qa_val": n_qa["val"]}
     (out / "synthdrive.json").write_text(json.dumps(info, indent=1))
     return info | {"seconds": round(elapsed, 2), "workers": workers}
