@@ -92,8 +92,8 @@ def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: 
     """node + recorder + replayer; returns the recorded rows and the node's log."""
     env = ros_env(domain)
     out = tmp_path / "recorded.jsonl"
-    recorder = Proc(["bag", "record", "--out", str(out), "--count", str(n_answers), "--timeout", str(timeout)],
-                    env, tmp_path / "record.log")
+    recorder = Proc(["bag", "record", "--out", str(out), "--bag", str(tmp_path / "answers_bag"),
+                     "--count", str(n_answers), "--timeout", str(timeout)], env, tmp_path / "record.log")
     node = Proc(["drive", "--params", str(params)], env, tmp_path / "node.log")
     replayer = None
     try:
@@ -140,6 +140,12 @@ def test_replay_of_drivelm_bag_matches_eval(tmp_path, drivelm_dir, params_for):
     drivelm_questions = {qa["Q"] for scene in json.loads((drivelm_dir / "qa_scene_n008.json").read_text()).values()
                          for kf in scene["key_frames"].values() for qas in kf["QA"].values() for qa in qas}
     assert all(r["question"] in drivelm_questions for r in rows)          # real DriveLM questions
+
+    # The recorded answer bag holds the same answers (rclpy CDR read back by rosbags).
+    from litevlm_runtime.ros.bag import read_bag
+    bagged = [reader.deserialize(raw, mt) for _, _, mt, raw, reader in read_bag(tmp_path / "answers_bag")]
+    assert sorted((m.query_id, m.answer, list(m.token_ids)) for m in bagged) == \
+        sorted((r["query_id"], r["answer"], r["token_ids"]) for r in rows)
 
     evaluated = evaluate(bag, load_node_params(params))
     cmp = compare_runs([e.to_json() for e in evaluated], rows)

@@ -2,7 +2,7 @@
 
   make     --from-drivelm DIR | --from-synth DIR  --out BAG   six camera streams + timed questions
   replay   BAG [--rate X]                 publish over DDS with the original timing
-  record   --out FILE [--count N]         answers from the node -> JSON lines (+ end-to-end latency)
+  record   --out FILE [--bag BAG] [--count N]  answers -> JSON lines (+ end-to-end latency), and a bag
   eval     BAG --out FILE                 the node's query server + pipeline on the bag, no DDS
   summary  FILE                           each answer with per-stage latency; median/p90 table
   compare  A B                            answer-by-answer differences and latency deltas;
@@ -49,7 +49,7 @@ def cmd_replay(args) -> int:
 def cmd_record(args) -> int:
     from ..ros.bag import record
 
-    return record(args.out, topic=args.topic, count=args.count, timeout_s=args.timeout)
+    return record(args.out, topic=args.topic, count=args.count, timeout_s=args.timeout, bag_out=args.bag)
 
 
 def print_latency(rows, title: str) -> None:
@@ -146,6 +146,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("record", help="write the node's answers to JSON lines")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--topic", default="/litevlm/answer")
+    p.add_argument("--bag", type=Path, help="also write the Answer messages to this rosbag2 (MCAP)")
     p.add_argument("--count", type=int, help="stop after this many answers")
     p.add_argument("--timeout", type=float, help="stop after this many seconds")
     p.set_defaults(func=cmd_record)

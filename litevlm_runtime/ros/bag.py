@@ -495,11 +495,13 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, wait_s: float = 3
 
 
 def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, timeout_s: float | None = None,
-           progress=print) -> int:
-    """Append every litevlm_msgs/Answer on `topic` to a JSON-lines file until `count` answers,
-    `timeout_s` seconds, or Ctrl-C. Prints "record: ready" once an answer publisher is matched."""
+           progress=print, bag_out: Path | None = None, storage: str = "mcap") -> int:
+    """Append every litevlm_msgs/Answer on `topic` to a JSON-lines file (and, with bag_out, to a
+    rosbag2 as received) until `count` answers, `timeout_s` seconds, or Ctrl-C. Prints
+    "record: ready" once an answer publisher is matched."""
     import rclpy
     from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from rclpy.serialization import serialize_message
 
     from litevlm_msgs.msg import Answer
 
@@ -512,6 +514,17 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fh = out.open("w")
+    writer = conn = None
+    if bag_out is not None:
+        from rosbags.rosbag2 import StoragePlugin, Writer
+
+        if Path(bag_out).exists():
+            raise InputError(f"{bag_out} exists; rosbag2 will not overwrite a bag")
+        store = typestore()
+        writer = Writer(Path(bag_out), version=9,
+                        storage_plugin={"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}[storage])
+        writer.open()
+        conn = writer.add_connection(topic, "litevlm_msgs/msg/Answer", typestore=store)
 
     def on_answer(msg: Answer) -> None:
         now = node.get_clock().now().nanoseconds
@@ -530,6 +543,8 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
         row["e2e_ms"] = (now - stamp) / 1e6
         fh.write(json.dumps(row) + "\n")
         fh.flush()
+        if writer is not None:
+            writer.write(conn, now, serialize_message(msg))     # rclpy's CDR is rosbag2's CDR
         received[0] += 1
         progress(f"record: {msg.query_id} [{row['status']}] e2e {row['e2e_ms']:.1f} ms "
                  f"(pipeline {row['total_ms']:.1f}, queue {row['queue_ms']:.1f})")
@@ -552,6 +567,8 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
         pass
     finally:
         fh.close()
+        if writer is not None:
+            writer.close()
         node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
