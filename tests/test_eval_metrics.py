@@ -201,3 +201,17 @@ def test_real_drivelm_file_loads_and_resolves(drivelm_dir):
     for frame in frames:
         paths = frame_images(drivelm_dir, frame)           # ../nuscenes/samples/CAM_X/f.jpg -> samples/CAM_X/f.jpg
         assert all(p.is_file() and p.parent.name == cam for cam, p in paths.items())
+
+
+@needs_java
+def test_challenge_tags_are_kept_and_empty_answers_score_zero(tmp_path):
+    qa = json.loads(json.dumps(QA))
+    frame = qa["scene1"]["key_frames"]["frame1"]["QA"]
+    frame["planning"][0]["tag"] = [0]          # the challenge's test file may put any question under accuracy
+    (tmp_path / "qa.json").write_text(json.dumps(qa))
+    questions = [q for f in load_frames(tmp_path / "qa.json") for q in f.questions]
+    assert questions[6].tags == (ACCURACY,)
+    s = score(questions, {q.id: "" for q in questions})
+    assert s.counts["accuracy"] == 5 and s.accuracy == 0.0
+    assert s.language["score"] == 0.0 and s.match["f1"] == pytest.approx(0.0, abs=1e-6)
+    assert s.final["without_gpt"] == pytest.approx(0.0, abs=1e-6)
