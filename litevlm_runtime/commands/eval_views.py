@@ -1,0 +1,65 @@
+"""`litevlm eval-views`: recall of tagged cameras and mean cameras kept for a trained view selector.
+
+    litevlm eval-views --selector DIR --data QA.json [--data ...] [--frames eval|all|TOKEN,...]
+                       [--keyword-weight W] [--threshold T] [--json]
+
+Compares the selector against the same architecture at a random initialisation and against the
+keyword map alone, on the same questions (see litevlm_runtime.training.views.evaluate).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval-views", help="evaluate a view selector on DriveLM-format QA")
+    p.add_argument("--selector", required=True, help="view selector folder (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)")
+    p.add_argument(
+        "--frames",
+        default="all",
+        help="'all' key frames, 'eval' (the frames held out when the selector was trained), or a comma-separated list",
+    )
+    p.add_argument("--keyword-weight", type=float, help="override the saved fusion weight")
+    p.add_argument("--threshold", type=float, help="override the saved threshold")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from ..training.views import compare, format_table, load_qa
+    from ..view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
+
+    selector = load_view_selector(args.selector, keyword_weight=args.keyword_weight, threshold=args.threshold)
+    config = json.loads((Path(args.selector) / CONFIG_FILE).read_text())
+    records = load_qa(args.data)
+    if args.frames == "eval":
+        frames = set(config.get("training", {}).get("eval_frames") or [])
+        if not frames:
+            raise InputError(f"{args.selector}: no held-out frames recorded (trained with --frames-holdout 0)")
+    elif args.frames == "all":
+        frames = {r.frame for r in records}
+    else:
+        frames = {f.strip() for f in args.frames.split(",") if f.strip()}
+    records = [r for r in records if r.frame in frames]
+    if not records:
+        raise InputError(f"eval-views: none of the frames {sorted(frames)} are in {args.data}")
+
+    # The untrained baseline: the same architecture at the initialisation its training started
+    # from (training seeds torch right before building the model).
+    torch.manual_seed(int(config.get("training", {}).get("seed", 0)))
+    untrained = LoadedViewSelector(ViewSelector(selector.cfg), selector.tokenizer)
+    rows = compare(selector, untrained, records)
+    if args.json:
+        print(json.dumps({"frames": sorted({r.frame for r in records}), "metrics": rows}, indent=2))
+    else:
+        print(f"{len(records)} questions from {len({r.frame for r in records})} key frame(s); "
+              f"keyword weight {selector.cfg.keyword_weight:g}, threshold {selector.cfg.threshold:g}")
+        print(format_table(rows))
+    return 0

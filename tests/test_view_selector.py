@@ -1,0 +1,261 @@
+"""View selector: keyword map, tags, fusion rules, checkpoint round trip, training (1 process and DDP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.cli import build_parser, main
+from litevlm_runtime.errors import CheckpointError, InputError
+from litevlm_runtime.training.views import QARecord, camera_labels, evaluate, load_qa, split_by_frame, train
+from litevlm_runtime.view_selector import (
+    WEIGHTS_FILE,
+    LoadedViewSelector,
+    ViewSelector,
+    ViewSelectorConfig,
+    fuse,
+    keyword_map,
+    load_view_selector,
+    save_view_selector,
+    spatial_phrases,
+    tagged_cameras,
+    train_tokenizer,
+)
+
+F, FL, FR, B, BL, BR = CAMERAS
+ROOT = Path(__file__).resolve().parents[1]
+
+QUESTIONS = [
+    "Are there barriers to the front left of the ego car?",
+    "What are objects to the back of the ego car?",
+    "What is the target action of the ego vehicle?",
+    "What is the moving status of object <c1,CAM_BACK,1568.3,505.0>?",
+]
+
+
+def kept(question: str) -> set[str]:
+    return {c for c, s in keyword_map(question).items() if s >= 1.0}
+
+
+# --- keyword map and tags ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "question, cameras",
+    [
+        ("Are there barriers to the front left of the ego car?", {FL}),
+        ("Any cars in the front-left?", {FL}),
+        ("What are objects to the front right of the ego car?", {FR}),
+        ("Is there a truck at the rear right?", {BR}),
+        ("What is to the back left of the ego car?", {BL}),
+        ("Is there a pedestrian behind us?", {B}),
+        ("What are objects to the back of the ego car?", {B}),
+        ("Is the road ahead clear?", {F}),
+        ("Anything in front of the ego vehicle?", {F}),
+        ("What is on the left side of the car?", {FL, BL}),
+        ("Should the ego vehicle turn left?", set()),  # manoeuvre, not a view
+        ("What is the target action of the ego vehicle?", set()),
+        ("Show me CAM_BACK_RIGHT", {BR}),
+    ],
+)
+def test_keyword_map_certain_cameras(question, cameras):
+    assert kept(question) == cameras
+
+
+def test_longest_match_first_does_not_also_fire_the_shorter_phrase():
+    assert spatial_phrases("barriers to the front left and the rear right") == ["front left", "rear right"]
+    scores = keyword_map("barriers to the front left")
+    assert scores[FL] == 1.0 and scores[F] == 0.0 and scores[FR] == 0.0
+
+
+def test_straight_back_gives_the_back_corners_a_partial_score():
+    scores = keyword_map("Is there a pedestrian behind us?")
+    assert scores[B] == 1.0 and 0 < scores[BL] < 1 and 0 < scores[BR] < 1 and scores[F] == 0.0
+
+
+def test_tag_parsing():
+    q = "Would <c2,CAM_FRONT_LEFT,836.3,398.3> affect <c1,CAM_BACK,1088.3,497.5> and <c3,CAM_NOSE,1.0,2.0>?"
+    assert tagged_cameras(q) == [FL, B]  # CAMERAS order, unknown camera names ignored
+    assert keyword_map(q) == {F: 0.0, FL: 1.0, FR: 0.0, B: 1.0, BL: 0.0, BR: 0.0}
+    # Coordinates and ids are not spatial words; the tag is removed before phrase matching.
+    assert spatial_phrases("<c1,CAM_BACK,1.0,2.0> is it moving?") == []
+
+
+# --- fusion rules -----------------------------------------------------------------------------
+
+
+def zeros():
+    return {c: 0.0 for c in CAMERAS}
+
+
+def test_at_least_one_camera_is_kept_when_there_is_a_cue():
+    keyword = {**zeros(), BL: 0.5, B: 1.0}
+    module = {**zeros(), F: 0.3}
+    sel = fuse(keyword, module, [], keyword_weight=0.5, threshold=0.99)
+    assert sel.cameras == [B] and sel.reason == "argmax"
+
+
+def test_tagged_cameras_are_always_kept():
+    keyword = {**zeros(), FR: 1.0}
+    sel = fuse(keyword, zeros(), [FR], keyword_weight=0.0, threshold=0.5)
+    assert sel.cameras == [FR]
+
+
+def test_no_cue_and_unconfident_module_keeps_all_cameras():
+    module = {c: 0.2 for c in CAMERAS}
+    sel = fuse(zeros(), module, [], keyword_weight=0.4, threshold=0.4)
+    assert sel.cameras == list(CAMERAS) and sel.reason == "no_cue"
+
+
+def test_confident_module_selects_without_keyword():
+    module = {**{c: 0.1 for c in CAMERAS}, BR: 0.95}
+    sel = fuse(zeros(), module, [], keyword_weight=0.4, threshold=0.4)
+    assert sel.cameras == [BR] and sel.reason == "selected"
+
+
+def tiny_selector(seed: int = 0, **overrides) -> LoadedViewSelector:
+    torch.manual_seed(seed)
+    tok = train_tokenizer(QUESTIONS)
+    cfg = ViewSelectorConfig(vocab_size=tok.get_vocab_size(), width=32, layers=2, heads=2, ffn=64, **overrides)
+    return LoadedViewSelector(ViewSelector(cfg), tok)
+
+
+def test_select_order_and_rules_through_the_module():
+    sel = tiny_selector(keyword_weight=0.5, threshold=0.5)
+    for q in QUESTIONS + ["zebra unicorn?"]:
+        cams = sel.select(q)
+        assert cams and cams == [c for c in CAMERAS if c in cams]
+    assert FL in sel.select(QUESTIONS[0])
+    assert B in sel.select(QUESTIONS[3])  # tag: certain
+    # A keyword-weight-0.5 keyword camera scores >= 0.5 whatever the module says.
+    assert sel.scores(QUESTIONS[0])[FL] >= 0.5
+    with pytest.raises(InputError):
+        sel.select("   ")
+
+
+def test_untrained_module_is_not_confident_so_no_cue_keeps_all():
+    # Random init gives sigmoids near 0.5: (1 - 0.4) * 0.5 < 0.4, so nothing passes.
+    sel = tiny_selector(keyword_weight=0.4, threshold=0.4)
+    assert sel.select("What is the target action of the ego vehicle?") == list(CAMERAS)
+    assert sel.explain("What is the target action of the ego vehicle?").reason == "no_cue"
+
+
+# --- checkpoint -------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip(tmp_path):
+    sel = tiny_selector(seed=3, keyword_weight=0.3, threshold=0.45)
+    save_view_selector(tmp_path, sel.model, sel.tokenizer, {"training": {"seed": 3}})
+    loaded = load_view_selector(tmp_path)
+    assert loaded.cfg == sel.cfg
+    saved = load_file(str(tmp_path / WEIGHTS_FILE))
+    for name, tensor in sel.model.state_dict().items():
+        assert torch.equal(saved[name], tensor), name
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+    for q in QUESTIONS:
+        assert loaded.scores(q) == sel.scores(q)
+        assert loaded.select(q) == sel.select(q)
+    assert load_view_selector(tmp_path, threshold=0.9).cfg.threshold == 0.9
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_view_selector(tmp_path)
+    sel = tiny_selector()
+    save_view_selector(tmp_path, sel.model, sel.tokenizer)
+    (tmp_path / WEIGHTS_FILE).unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_view_selector(tmp_path)
+    save_view_selector(tmp_path, sel.model, sel.tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architecture"]["vocab_size"] += 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        load_view_selector(tmp_path)
+
+
+# --- data, labels, split ----------------------------------------------------------------------
+
+
+def test_labels_tags_in_q_and_a_plus_certain_keywords():
+    r = QARecord("f", "s", "fr", "prediction", "What would <c2,CAM_FRONT,1.0,2.0> consider relevant?", "<c1,CAM_BACK,3.0,4.0>.")
+    assert camera_labels(r) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    r = QARecord("f", "s", "fr", "perception", "What is behind the ego car?", "A bus.")
+    assert camera_labels(r) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    r = QARecord("f", "s", "fr", "planning", "What is the target action of the ego vehicle?", "Go straight.")
+    assert camera_labels(r) == [1.0] * 6
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"scene": {"frames": {}}}))
+    with pytest.raises(InputError, match="key_frames"):
+        load_qa([bad])
+    bad.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_qa([bad])
+    with pytest.raises(InputError, match="no such QA file"):
+        load_qa([tmp_path / "missing.json"])
+    assert main(["train", "views", "--data", str(bad)]) == 2  # neither --out nor --model
+
+
+def test_split_is_by_frame(drivelm_dir):
+    records = load_qa([drivelm_dir / "qa_scene_n008.json"])
+    train_records, eval_records, eval_frames = split_by_frame(records, 2, 1, 0)
+    assert len(eval_frames) == 2
+    assert {r.frame for r in eval_records} == set(eval_frames)
+    assert not {r.frame for r in train_records} & set(eval_frames)
+    assert len(train_records) + len(eval_records) == len(records)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+SMALL = ["--width", "64", "--layers", "2", "--heads", "2", "--max-len", "64", "--batch-size", "16"]
+
+
+def test_training_beats_the_untrained_module_on_held_out_frames(drivelm_dir, tmp_path):
+    data = str(drivelm_dir / "qa_scene_n008.json")
+    out = tmp_path / "vs"
+    args = build_parser().parse_args(
+        ["train", "views", "--data", data, "--out", str(out), "--frames-holdout", "2", "--epochs", "30", *SMALL]
+    )
+    metrics = train(args)["eval"]
+    trained, untrained = metrics["trained (fused)"], metrics["untrained (fused)"]
+    # Fewer cameras at (almost) the same recall of the tagged cameras.
+    assert trained["mean_cameras_kept"] <= untrained["mean_cameras_kept"] - 0.2
+    assert trained["recall"] >= untrained["recall"] - 0.02
+    assert trained["recall"] >= 0.95
+    # What was written is what was evaluated.
+    config = json.loads((out / "config.json").read_text())
+    assert config["metrics"]["eval"]["trained (fused)"] == trained
+    assert config["training"]["epochs"] == 30 and config["training"]["data_files"] == [data]
+    loaded = load_view_selector(out)
+    eval_records = [r for r in load_qa([data]) if r.frame in set(config["training"]["eval_frames"])]
+    assert evaluate(loaded, eval_records) == trained
+
+
+def test_ddp_two_processes_on_gloo(drivelm_dir, tmp_path):
+    out = tmp_path / "vs_ddp"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [
+        str(torchrun), "--nproc_per_node=2", "--standalone", "-m", "litevlm_runtime.cli", "train", "views",
+        "--data", str(drivelm_dir / "qa_scene_n008.json"), "--out", str(out), "--frames-holdout", "2",
+        "--epochs", "3", *SMALL,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("wrote ") == 1  # only rank 0 writes and reports
+    config = json.loads((out / "config.json").read_text())
+    assert config["training"]["world_size"] == 2
+    assert len(config["training"]["loss_history"]) == 3
+    loaded = load_view_selector(out)
+    assert loaded.select("Are there barriers to the front left of the ego car?")
