@@ -98,3 +98,25 @@ def test_latency_table_splits_transport():
             {"status": "queue_full", "stage_ms": {}, "total_ms": 0.0, "queue_ms": 0.0, "e2e_ms": 1.0}]
     table = {name: (p50, n) for name, p50, _, n in latency_table(rows)}
     assert table["transport"] == (3.0, 1) and table["e2e"] == (15.0, 1)
+
+
+def test_raw_image_bag_round_trip(tmp_path):
+    """--raw: sensor_msgs/Image on .../image_raw, pixels as the node will convert them back."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from litevlm_runtime.ros.images import RawPayload, to_pipeline_image
+
+    for cam in CAMERAS:
+        (tmp_path / "samples" / cam).mkdir(parents=True)
+        Image.new("RGB", (40, 20), (200, 30, 10)).save(tmp_path / "samples" / cam / f"s-000__{cam}.png")
+    bag = write_bag(drivelm_contents(tmp_path, raw_encoding="bgr8"), tmp_path / "bag")
+    assert set(bag_topics(bag)) == {f"/{c.lower()}/image_raw" for c in CAMERAS} | {"/litevlm/query"}
+    for _, topic, msgtype, raw, reader in read_bag(bag):
+        if msgtype == "sensor_msgs/msg/Image":
+            m = reader.deserialize(raw, msgtype)
+            assert (m.encoding, m.width, m.height, m.step) == ("bgr8", 40, 20, 120)
+            rgb = to_pipeline_image("CAM_FRONT", RawPayload(m.encoding, m.height, m.width, m.step, bytes(m.data)))
+            assert rgb.shape == (20, 40, 3) and tuple(rgb[0, 0]) == (200, 30, 10)

@@ -20,8 +20,8 @@ from PIL import Image
 
 from litevlm_runtime.answer import STAGES
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, compare_runs, drivelm_contents,
-                                     evaluate, load_node_params, read_jsonl, write_bag)
+from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, camera_topic, compare_runs,
+                                     drivelm_contents, evaluate, load_node_params, raw_frame, read_jsonl, write_bag)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"
@@ -170,9 +170,12 @@ def test_replay_of_drivelm_bag_matches_eval(tmp_path, drivelm_dir, params_for):
     assert bad.returncode == 1 and "answer differs" in bad.stdout
 
 
+RAW_CAMERAS = {"CAM_BACK_LEFT": "bgr8", "CAM_BACK_RIGHT": "mono8"}
+
+
 def fault_bag(path: Path) -> tuple[Path, dict]:
-    """Generated frames (no shared data needed) with one bad situation after another, and the
-    status each query must get. Frame sets every ~1.5 s; max_frame_age 1 s, max_skew 0.1 s."""
+    """Generated frames (no shared data needed; two cameras as raw sensor_msgs/Image) with one bad
+    situation after another, and the status each query must get. Frame sets every ~1.5 s; max_frame_age 1 s, max_skew 0.1 s."""
     c = BagContents()
 
     def frame_set(t_s, skip=(), shift=None, corrupt=()):
@@ -181,7 +184,10 @@ def fault_bag(path: Path) -> tuple[Path, dict]:
                 continue
             t = T0 + int((t_s + 0.008 * i + (shift or {}).get(cam, 0.0)) * S)
             data = b"not an image at all" if cam in corrupt else jpeg(int(t_s * 10) * 10 + i)
-            c.frames[cam].append(CameraFrame(t, data))
+            if cam in RAW_CAMERAS and cam not in corrupt:          # these two send sensor_msgs/Image
+                c.frames[cam].append(raw_frame(t, data, RAW_CAMERAS[cam]))
+            else:
+                c.frames[cam].append(CameraFrame(t, data))
 
     expect = {}
 
@@ -211,7 +217,8 @@ def fault_bag(path: Path) -> tuple[Path, dict]:
 
 def test_bad_inputs_get_error_answers_and_serving_resumes(tmp_path, params_for):
     bag, expect = fault_bag(tmp_path / "faults")
-    params = params_for(queue_size=1, max_question_chars=2000)
+    topics = [camera_topic(c, c in RAW_CAMERAS) for c in CAMERAS]
+    params = params_for(queue_size=1, max_question_chars=2000, camera_topics=topics)
     rows, node_log = run_replay(tmp_path, bag, params, n_answers=len(expect), domain=domain_id(2))
 
     got = {}

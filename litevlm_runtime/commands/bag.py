@@ -32,7 +32,7 @@ def cmd_make(args) -> int:
 
     src = args.from_drivelm or args.from_synth
     contents = drivelm_contents(src, max_frames=args.max_frames, questions_per_frame=args.questions_per_frame,
-                                max_width=args.max_width, query_delay_s=args.query_delay)
+                                max_width=args.max_width, query_delay_s=args.query_delay, raw_encoding=args.raw)
     write_bag(contents, args.out, storage=args.storage)
     n_frames = sum(len(v) for v in contents.frames.values())
     print(f"wrote {args.out}: {n_frames} camera frames ({n_frames // 6} sets), {len(contents.queries)} queries, "
@@ -133,6 +133,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-frames", type=int, help="at most this many six-camera frame sets")
     p.add_argument("--questions-per-frame", type=int, default=2)
     p.add_argument("--max-width", type=int, help="downscale frames wider than this (re-encoded JPEG)")
+    p.add_argument("--raw", choices=("rgb8", "bgr8", "mono8"),
+                   help="write sensor_msgs/Image in this encoding on .../image_raw (default: CompressedImage)")
     p.add_argument("--query-delay", type=float, default=0.2, help="seconds after a frame set that its first question comes")
     p.set_defaults(func=cmd_make)
 

@@ -37,7 +37,6 @@ from ..errors import InputError
 from .server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
 
 QUERY_TOPIC = "/litevlm/query"
-DEFAULT_CAMERA_TOPICS = {c: f"/{c.lower()}/image_raw/compressed" for c in CAMERAS}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 # Questions for frames that come without DriveLM QA (the sample's n015 scene).
 GENERIC_QUESTIONS = (
@@ -51,9 +50,42 @@ CAPTURE_US = re.compile(r"__(\d{16})\.(jpg|jpeg|png)$", re.IGNORECASE)
 # What goes into a bag
 @dataclass
 class CameraFrame:
+    """One camera message: sensor_msgs/CompressedImage (data = JPEG/PNG bytes, or anything for
+    fault-injection bags), or sensor_msgs/Image when `encoding` is set (data = rows of pixels)."""
     stamp_ns: int
-    data: bytes                     # JPEG or PNG bytes (anything, for fault-injection bags)
+    data: bytes
     format: str = "jpeg"
+    encoding: str | None = None     # rgb8 | bgr8 | mono8 -> sensor_msgs/Image
+    width: int = 0
+    height: int = 0
+
+    @property
+    def raw(self) -> bool:
+        return self.encoding is not None
+
+
+def raw_frame(stamp_ns: int, jpeg_or_png: bytes, encoding: str) -> CameraFrame:
+    """Decode an image into a sensor_msgs/Image payload (rgb8, bgr8 or mono8, no row padding)."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(jpeg_or_png))
+    if encoding == "mono8":
+        pixels = np.asarray(img.convert("L"))
+    else:
+        pixels = np.asarray(img.convert("RGB"))
+        if encoding == "bgr8":
+            pixels = pixels[:, :, ::-1]
+        elif encoding != "rgb8":
+            raise InputError(f"raw encoding {encoding!r}: use rgb8, bgr8 or mono8")
+    return CameraFrame(stamp_ns, np.ascontiguousarray(pixels).tobytes(), "", encoding, img.width, img.height)
+
+
+def camera_topic(camera: str, raw: bool) -> str:
+    """Default topic names, as image_transport names them: .../image_raw and .../image_raw/compressed."""
+    return f"/{camera.lower()}/image_raw" + ("" if raw else "/compressed")
+
+
+DEFAULT_CAMERA_TOPICS = {c: camera_topic(c, raw=False) for c in CAMERAS}
 
 
 @dataclass
@@ -104,10 +136,12 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
     out = Path(out)
     if out.exists():
         raise InputError(f"{out} exists; rosbag2 will not overwrite a bag")
-    topics = camera_topics or DEFAULT_CAMERA_TOPICS
+    raw = {cam: bool(frames) and frames[0].raw for cam, frames in contents.frames.items()}
+    topics = camera_topics or {cam: camera_topic(cam, raw.get(cam, False)) for cam in CAMERAS}
     store = typestore()
     Header = store.types["std_msgs/msg/Header"]
     CompressedImage = store.types["sensor_msgs/msg/CompressedImage"]
+    RawImage = store.types["sensor_msgs/msg/Image"]
     Query = store.types["litevlm_msgs/msg/Query"]
     plugin = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}[storage]
     events = []   # (time, order, kind, camera/query, payload)
@@ -118,11 +152,19 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
         events.append((q.stamp_ns, 1, "query", i, q))
     events.sort(key=lambda e: (e[0], e[1], str(e[3])))
     with Writer(out, version=9, storage_plugin=plugin) as writer:
-        conns = {cam: writer.add_connection(topics[cam], CompressedImage.__msgtype__, typestore=store) for cam in CAMERAS}
+        conns = {cam: writer.add_connection(topics[cam], (RawImage if raw.get(cam) else CompressedImage).__msgtype__,
+                                            typestore=store) for cam in CAMERAS}
         qconn = writer.add_connection(query_topic, Query.__msgtype__, typestore=store)
         for t, _, kind, key, item in events:
             header = Header(stamp=_time(store, t), frame_id="" if kind == "query" else key.lower())
-            if kind == "frame":
+            if kind == "frame" and raw.get(key):
+                if not item.raw:
+                    raise InputError(f"{key}: a camera topic carries one type; mixed raw and compressed frames")
+                step = len(item.data) // max(item.height, 1)
+                msg = RawImage(header=header, height=item.height, width=item.width, encoding=item.encoding,
+                               is_bigendian=0, step=step, data=np.frombuffer(item.data, dtype=np.uint8))
+                writer.write(conns[key], t, store.serialize_cdr(msg, RawImage.__msgtype__))
+            elif kind == "frame":
                 msg = CompressedImage(header=header, format=item.format, data=np.frombuffer(item.data, dtype=np.uint8))
                 writer.write(conns[key], t, store.serialize_cdr(msg, CompressedImage.__msgtype__))
             else:
@@ -173,7 +215,8 @@ def _zip_longest(lists):
 
 def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_frame: int = 2,
                      max_width: int | None = None, query_delay_s: float = 0.2, query_spacing_s: float = 0.15,
-                     scene_gap_s: float = 2.0, synthetic_period_s: float = 0.5) -> BagContents:
+                     scene_gap_s: float = 2.0, synthetic_period_s: float = 0.5,
+                     raw_encoding: str | None = None) -> BagContents:
     """Key frames of a DriveLM-layout folder (samples/CAM_X/*.jpg + QA json files) as six
     camera streams at their capture times, with that frame's DriveLM questions asked
     `query_delay_s` after the frame set (then every `query_spacing_s`).
@@ -225,8 +268,11 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
                 stamps[cam] = t
                 original = path.read_bytes()
                 data = _downscale(original, max_width)
-                fmt = "jpeg" if (data is not original or path.suffix.lower() != ".png") else "png"
-                contents.frames[cam].append(CameraFrame(t, data, fmt))
+                if raw_encoding:
+                    contents.frames[cam].append(raw_frame(t, data, raw_encoding))
+                else:
+                    fmt = "jpeg" if (data is not original or path.suffix.lower() != ".png") else "png"
+                    contents.frames[cam].append(CameraFrame(t, data, fmt))
             set_ns = max(stamps.values())
             front = per_cam["CAM_FRONT"][k][1].name
             qs = questions.get(front) or list(GENERIC_QUESTIONS)
