@@ -43,9 +43,17 @@ class Arena:
         self.visual = torch.zeros(tiles, cfg.tokens_per_tile, d, dtype=dtype, **alloc)
         self.token_ids = torch.zeros(self.max_len, dtype=torch.long, **alloc)
         self.embeds = torch.zeros(self.max_prompt, d, dtype=dtype, **alloc)
+        # The full prompt (every visual token present) the token selector reads; prefill gathers the
+        # kept rows from it into token_ids/embeds/positions (kept_rows: their full-prompt indices).
+        self.prompt_ids = torch.zeros(self.max_prompt, dtype=torch.long, **alloc)
+        self.prompt_embeds = torch.zeros(self.max_prompt, d, dtype=dtype, **alloc)
+        self.kept_rows = torch.zeros(self.max_prompt, dtype=torch.long, **alloc)
+        # FastV: which cache slots layers >= K may see, and the masks of those layers.
+        self.slot_visible = torch.ones(self.max_len, dtype=torch.bool, **alloc)
         self.positions = torch.zeros(self.max_len, dtype=torch.long, **alloc)
         self.slots = torch.arange(self.max_len, dtype=torch.long, **alloc)
         self.mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
+        self.layer_mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)

@@ -22,6 +22,8 @@ from .engines import make_engines
 from .models.eagle import load_draft_head
 from .speculative import Eagle2Decoder
 from .errors import InputError
+from .fastv import FastV
+from .token_selector import SCOPES, PromptLayout, check_keep_ratio, load_token_selector
 from .preprocess import Normalizer, load_image, to_tiles_uint8
 from .timing import StageTimer
 from .tokenizer import SPECIAL_TOKENS, Tokenizer, chat_segments, segment_ids
@@ -43,6 +45,15 @@ class PipelineOptions:
     eagle_total: int = 60               # draft tree nodes verified per step (paper default 60)
     eagle_depth: int = 6                # draft levels (paper 5 to 7)
     eagle_topk: int = 10                # children expanded per node (paper 10)
+    token_keep_ratio: float = 1.0       # token selector: keep this fraction of visual tokens (1.0 = all,
+                                        # selector off; paper 0.8 FP16, 0.9 FP8)
+    token_selector: str | None = None   # selector folder (default: <model>/token_selector if present);
+                                        # "layer0" = the untrained copy of the decoder's first layer
+    token_reduce: str | None = None     # over question tokens: max | mean (None: the selector's own)
+    token_scope: str = "camera"         # top r of each camera (camera) or of all visual tokens (global)
+    fastv_k: int = 2                    # FastV baseline: prune inside the decoder from layer K on
+    fastv_ratio: float = 0.0            # FastV drop ratio R (0 = off; the paper's "FastV r=0.3" keeps
+                                        # 0.3 of the visual tokens, i.e. R = 0.7)
     threads: int | None = None          # torch intra-op threads (None: torch's default). On a shared
                                         # CPU, fewer threads than cores avoids OpenMP spin contention.
     extra: dict = field(default_factory=dict)
@@ -59,7 +70,8 @@ class PipelineOptions:
 
 
 class Pipeline:
-    def __init__(self, model, tokenizer: Tokenizer, options: PipelineOptions, name: str = "model", draft=None):
+    def __init__(self, model, tokenizer: Tokenizer, options: PipelineOptions, name: str = "model", draft=None,
+                 token_selector=None):
         self.name = name
         self.options = options
         if options.threads:
@@ -93,6 +105,20 @@ class Pipeline:
                                        options.eagle_total, options.eagle_depth, options.eagle_topk)
         elif options.decoding != "greedy":
             raise InputError(f"unknown decoding {options.decoding!r} (greedy | eagle)")
+        self.token_selector = None        # token selection stage (None: keep every visual token)
+        check_keep_ratio(options.token_keep_ratio)
+        if options.token_scope not in SCOPES:
+            raise InputError(f"token_scope must be one of {SCOPES}, got {options.token_scope!r}")
+        if options.token_keep_ratio < 1.0:
+            self.token_selector = token_selector or load_token_selector(None, self.lm, options.token_reduce)
+            self.token_selector.to(self.device, self.dtype).init_rope(self.arena.max_len)
+        self.fastv = None
+        if options.fastv_ratio > 0:
+            if options.backend != "torch":
+                raise InputError("FastV prunes inside the decoder: it needs backend 'torch'")
+            if self.eagle is not None:
+                raise InputError("FastV and EAGLE-2 decoding are separate ablation rows; choose one")
+            self.fastv = FastV(self.lm, self.arena, options.fastv_k, options.fastv_ratio)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, options: PipelineOptions | None = None) -> "Pipeline":
@@ -103,7 +129,14 @@ class Pipeline:
         if options.decoding == "eagle":
             draft = load_draft_head(Path(options.eagle_dir or Path(model_dir) / "eagle"), model.cfg.llm,
                                     4096, DTYPES[options.dtype])
-        pipe = cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name, draft=draft)
+        selector = None
+        if options.token_keep_ratio < 1.0 and options.token_selector != "layer0":
+            folder = Path(options.token_selector or Path(model_dir) / "token_selector")
+            if options.token_selector is not None or folder.is_dir():
+                selector = load_token_selector(folder, model.language_model, options.token_reduce,
+                                               DTYPES[options.dtype])
+        pipe = cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name, draft=draft,
+                   token_selector=selector)
         pipe.model_dir = Path(model_dir)
         return pipe
 
@@ -125,14 +158,15 @@ class Pipeline:
         with timer("vision"):
             visual = self.encode(pixels)                       # [cams, tokens_per_camera, D]
         with timer("token_select"):
-            keep = self.select_tokens(visual, question_ids)   # per camera: kept token indices
+            prompt = self.assemble_prompt(cameras, question, visual)   # full prompt, in the arena
+            keep = self.select_tokens(prompt)                  # per camera: kept token indices
         with timer("prefill"):
-            prompt_len, first_pos, next_id = self.prefill(cameras, question, visual, keep)
+            prompt_len, first_pos, next_id = self.prefill(prompt, keep)
         with timer("decode"):
             decode = self.eagle.decode if self.eagle is not None else self.decode
             out_ids, steps, accepted = decode(next_id, prompt_len, first_pos, max_new)
 
-        kept = sum(len(k) for k in keep)
+        input_tokens, kept = self.prefill_counts
         return Answer(
             question=question,
             text=self.tok.decode(out_ids).strip(),
@@ -141,7 +175,7 @@ class Pipeline:
             cameras=list(cameras),
             visual_tokens=len(cameras) * self.tokens_per_camera,
             kept_tokens=kept,
-            input_tokens=prompt_len,
+            input_tokens=input_tokens,
             decode_steps=steps,
             accepted_length=accepted,
         )
@@ -175,8 +209,31 @@ class Pipeline:
         out.copy_(self.engines.vision.run(pixels=pixels))
         return out.view(n_cams, self.tokens_per_camera, -1)
 
-    def select_tokens(self, visual: torch.Tensor, question_ids: list[int]) -> list[torch.Tensor]:
-        return [self.arena.slots[:visual.shape[1]] for _ in range(visual.shape[0])]
+    def assemble_prompt(self, cameras: list[str], question: str, visual: torch.Tensor) -> PromptLayout:
+        """Write the full prompt, [template, <img> every visual token </img> per camera, question],
+        as ids + embeddings into the arena once: the token selector reads it, prefill gathers the
+        kept rows from it. Row index = original position id."""
+        a = self.arena
+        full_ids, spans = self.prompt_ids(cameras, question)
+        n = len(full_ids)
+        a.prompt_ids[:n].copy_(torch.tensor(full_ids, dtype=torch.long))
+        embeds = a.prompt_embeds[:n]
+        torch.index_select(self.lm.embed.weight, 0, a.prompt_ids[:n], out=embeds)
+        for cam_index, (start, count) in enumerate(spans):
+            embeds[start:start + count] = visual[cam_index]
+        # The question: the text after the last </img> up to the <|im_end|> that closes the user turn.
+        q_start = spans[-1][0] + spans[-1][1] + 1
+        q_end = q_start + full_ids[q_start:].index(self.tok.im_end_id)
+        return PromptLayout(n, list(spans), (q_start, q_end))
+
+    def select_tokens(self, prompt: PromptLayout) -> list[torch.Tensor]:
+        """Per camera, the indices of the visual tokens to keep (ascending)."""
+        a = self.arena
+        if self.token_selector is None:
+            return [a.slots[:count] for _, count in prompt.spans]
+        n = prompt.length
+        return self.token_selector.select(a.prompt_embeds[:n], a.slots[:n], prompt,
+                                          self.options.token_keep_ratio, self.options.token_scope)
 
     @torch.inference_mode()
     def reference_inputs(self, images: dict, question: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,47 +248,49 @@ class Pipeline:
         return segment_ids(self.tok, chat_segments(self.cfg.system_message, cameras, question),
                            [self.tokens_per_camera] * len(cameras))
 
-    def prefill(self, cameras, question, visual, keep) -> tuple[int, int, int]:
-        """Build [template, <img> kept visual </img> per camera, question] as ids + embeddings
-        directly in the arena, run the decoder over it, and return (length, next position, first token).
+    def prefill(self, prompt: PromptLayout, keep: list[torch.Tensor]) -> tuple[int, int, int]:
+        """Gather [template, <img> kept visual </img> per camera, question] from the assembled full
+        prompt into the arena, run the decoder over it, and return (length, next position, first token).
 
-        Kept visual tokens keep their original position ids: the prompt is laid out as if every
-        visual token were present, and only the kept ones are written.
+        Kept visual tokens keep their original position ids: a row's position is its index in the
+        full prompt, as if every visual token were present.
         """
         a = self.arena
-        full_ids, spans = self.prompt_ids(cameras, question)
-        n = 0
-        cursor = 0
-        visual_rows = []          # (arena row, camera, kept token indices)
-        full = torch.tensor(full_ids, dtype=torch.long)
-        for cam_index, (start, count) in enumerate(spans):
-            text = slice(cursor, start)
+        rows = a.kept_rows                    # full-prompt row of each prefill row
+        n = cursor = 0
+        visual_ranges = []                    # (first prefill row, count) of each camera's kept tokens
+        for (start, count), k in zip(prompt.spans, keep):
             m = start - cursor
-            a.token_ids[n:n + m].copy_(full[text])
-            a.positions[n:n + m] = torch.arange(cursor, start)
+            rows[n:n + m] = a.slots[cursor:start]
             n += m
-            k = keep[cam_index]
-            a.token_ids[n:n + len(k)] = self.tok.img_context_id
-            a.positions[n:n + len(k)] = k + start
-            visual_rows.append((n, cam_index, k))
+            rows[n:n + len(k)] = k + start
+            visual_ranges.append((n, len(k)))
             n += len(k)
             cursor = start + count
-        m = len(full_ids) - cursor
-        a.token_ids[n:n + m].copy_(full[cursor:])
-        a.positions[n:n + m] = torch.arange(cursor, len(full_ids))
+        m = prompt.length - cursor
+        rows[n:n + m] = a.slots[cursor:prompt.length]
         n += m
-
-        embeds = a.embeds[:n]
-        torch.index_select(self.lm.embed.weight, 0, a.token_ids[:n], out=embeds)
-        for row, cam_index, k in visual_rows:
-            embeds[row:row + len(k)] = visual[cam_index, k]
-        hidden = self.run_decoder(embeds, a.positions[:n], a.slots[:n], a.causal_mask(n))
+        rows = rows[:n]
+        torch.index_select(a.prompt_ids[:prompt.length], 0, rows, out=a.token_ids[:n])
+        torch.index_select(a.prompt_embeds[:prompt.length], 0, rows, out=a.embeds[:n])
+        a.positions[:n].copy_(rows)
+        embeds, positions, slots, mask = a.embeds[:n], a.positions[:n], a.slots[:n], a.causal_mask(n)
+        kept = sum(c for _, c in visual_ranges)
+        if self.fastv is not None:
+            visual_rows = torch.cat([a.slots[s:s + c] for s, c in visual_ranges])
+            hidden, fastv_rows, kept = self.fastv.prefill(embeds, positions, slots, mask, visual_rows)
+            self.prefill_counts = (len(fastv_rows), kept)     # rows the layers >= K see
+        else:
+            hidden = self.run_decoder(embeds, positions, slots, mask)
+            self.prefill_counts = (n, kept)
         self.prefill_hidden = hidden          # target features of the prompt (EAGLE-2 draft input)
-        next_id = int(self.engines.head.run(hidden=hidden[n - 1:n]).argmax(-1))
-        return n, len(full_ids), next_id
+        next_id = int(self.engines.head.run(hidden=hidden[-1:]).argmax(-1))
+        return n, prompt.length, next_id
 
     def run_decoder(self, embeds, positions, slots, mask) -> torch.Tensor:
         a = self.arena
+        if self.fastv is not None:            # per-layer masks: dropped visual slots hidden from layers >= K
+            return self.fastv.run(embeds, positions, slots, mask)
         return self.engines.decoder.run(embeds=embeds, positions=positions, slots=slots, mask=mask,
                                         k_cache=a.k_cache, v_cache=a.v_cache)
 

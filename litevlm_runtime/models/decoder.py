@@ -106,16 +106,21 @@ class CausalLM(nn.Module):
     def init_rope(self, max_len: int) -> None:
         self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len)
 
-    def forward(self, embeds, positions, slots, mask, k_cache, v_cache, *, num_layers=None, probe=None):
+    def forward(self, embeds, positions, slots, mask, k_cache, v_cache, *, num_layers=None, probe=None,
+                first_layer=0, layer_masks=None):
         """embeds [T, D] -> final-norm hidden states [T, D] (the EAGLE-2 feature).
 
         `num_layers` runs only the first layers and returns their raw (un-normed) output: the token
         selector is this with num_layers=1. `probe(layer_index, q, k)` sees post-RoPE q/k.
+        `first_layer` starts the stack there (`embeds` are then that layer's input hidden states),
+        and `layer_masks[i]`, where given and not None, replaces `mask` in layer i: FastV runs
+        layers >= K on the kept rows only, under masks that hide the dropped visual slots.
         """
         cos, sin = self.rope(positions, embeds.dtype)
         x = embeds
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for i, layer in enumerate(layers):
+        end = len(self.layers) if num_layers is None else num_layers
+        for i in range(first_layer, end):
             layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
-            x = layer(x, cos, sin, slots, mask, k_cache[i], v_cache[i], layer_probe)
+            layer_mask = mask if layer_masks is None or layer_masks[i] is None else layer_masks[i]
+            x = self.layers[i](x, cos, sin, slots, layer_mask, k_cache[i], v_cache[i], layer_probe)
         return x if num_layers is not None else self.norm(x)
