@@ -252,11 +252,26 @@ class DriveNode(LifecycleNode):
 
     # ---- callbacks (executor thread: cheap work only) ----
     def _on_compressed(self, camera: str, msg: CompressedImage) -> None:
-        self.server.frames.add(Frame(camera, ns_of(msg.header.stamp), CompressedPayload(msg.format, bytes(msg.data))))
+        self._add_frame(camera, ns_of(msg.header.stamp), CompressedPayload(msg.format, bytes(msg.data)))
 
     def _on_raw(self, camera: str, msg: Image) -> None:
-        payload = RawPayload(msg.encoding, msg.height, msg.width, msg.step, bytes(msg.data))
-        self.server.frames.add(Frame(camera, ns_of(msg.header.stamp), payload))
+        self._add_frame(camera, ns_of(msg.header.stamp), RawPayload(msg.encoding, msg.height, msg.width, msg.step,
+                                                                    bytes(msg.data)))
+
+    def _add_frame(self, camera: str, stamp_ns: int, payload) -> None:
+        self.server.frame_delay_ms.append((self._now_ns() - stamp_ns) / 1e6)
+        self.server.frames.add(Frame(camera, stamp_ns, payload))
+
+    def log_summary(self) -> None:
+        s = self.server.stats()
+        d50, d90, n = s["frame_delay_ms"]
+        lat = s["latency_ms"].get("total")
+        self.get_logger().info(
+            f"summary: {s['answered']} answered ({s['errors']} errors: "
+            + ", ".join(f"{k} {v}" for k, v in s["status_counts"].items() if v and k != "ok")
+            + f"); frames {sum(s['frames_received'].values())} received, stamp->arrival p50 {d50:.2f} ms "
+            f"p90 {d90:.2f} ms; pipeline total "
+            + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-"))
 
     def _on_query(self, msg: Query) -> None:
         self.server.submit(msg.text, query_id=msg.id, stamp_ns=ns_of(msg.header.stamp), deadline_ns=ns_of(msg.deadline))
@@ -295,6 +310,8 @@ class DriveNode(LifecycleNode):
             "errors": s["errors"],
             "last_error": s["last_error"],
             "dropped_frames": sum(s["frames_dropped"].values()),
+            "frame_delay_ms.p50": f"{s['frame_delay_ms'][0]:.2f}",
+            "frame_delay_ms.p90": f"{s['frame_delay_ms'][1]:.2f}",
         }
         for st, n in s["status_counts"].items():
             values[f"status.{st}"] = n
@@ -340,6 +357,7 @@ def run_node(params_file: str | None = None, overrides: dict | None = None, node
     finally:
         node.server.active = False
         node.server.stop_worker("node shutting down")
+        node.log_summary()
         node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()

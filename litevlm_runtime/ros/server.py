@@ -211,6 +211,8 @@ class QueryServer:
         self.status_counts = {s: 0 for s in STATUS_CODES}
         self.latency_ms: dict[str, deque] = {s: deque(maxlen=1000) for s in (*STAGES, "total", "queue")}
         self.last_error = ""
+        # Camera stamp -> arrival at the node: DDS transport (plus the camera's own delay on a live rig).
+        self.frame_delay_ms: deque = deque(maxlen=1000)
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -371,4 +373,6 @@ class QueryServer:
             "frames_received": dict(self.frames.received),
             "frames_out_of_order": dict(self.frames.out_of_order),
             "frames_dropped": dict(self.frames.dropped),
+            "frame_delay_ms": (percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90),
+                               len(self.frame_delay_ms)),
         }
