@@ -1,0 +1,624 @@
+"""`litevlm train vlm`: train an InternVL2.5-layout model (InternViT + mlp1 + InternLM2) from
+scratch on DriveLM-format QA (SynthDrive), and write it as a checkpoint the pipeline loads.
+
+    litevlm train vlm --data TRAIN.json --frames ROOT --out DIR [--val VAL.json] [--preset bundled]
+    torchrun --nproc_per_node=N -m litevlm_runtime.cli train vlm ...   # same command, DDP (gloo on CPU)
+
+Train and inference see the same inputs bit for bit: every frame is decoded and resized with the
+pipeline's own `load_image` / `to_tiles_uint8` / `Normalizer`, and every prompt is built with the
+pipeline's `chat_segments` / `segment_ids` (so its token ids equal `Pipeline.prompt_ids`). The loss
+is the cross-entropy of the answer tokens and the `<|im_end|>` that stops generation.
+
+Packing. A key frame carries many questions about the same six images, and the prompt up to the
+question (system, six `<img>` blocks of visual tokens) is identical for all of them. So one training
+sequence is a tree: the shared prefix once, then each question+answer as its own branch, attending
+to the prefix and causally to itself, with the position ids it would have on its own. Several such
+trees are packed side by side under a block-diagonal mask. The decoder's forward already takes
+explicit positions, cache slots and a boolean mask (the same machinery EAGLE-2 tree verification
+uses), so this needs no model change, and every branch's logits equal those of that sample run
+alone (tests/test_train_vlm.py checks the loss against per-sample runs in float64). It saves the
+vision encoder and the prefix of the decoder for all but one question per frame.
+
+Frames repeat across questions and epochs: each camera's uint8 tile is decoded and resized once
+and cached; only the float normalisation runs per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..cameras import CAMERAS
+from ..checkpoint import write_checkpoint
+from ..commands.make_checkpoint import init_weights
+from ..errors import InputError
+from ..evaluation.metrics import ACCURACY, derive_tags
+from ..models.internvl import InternVL
+from ..preprocess import Normalizer, load_image, to_tiles_uint8
+from ..presets import PRESETS, preset
+from ..tokenizer import Tokenizer, chat_segments, segment_ids, train_bpe_tokenizer
+
+CATEGORIES = ("perception", "prediction", "planning", "behavior")
+RECORD_FILE = "training_record.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: DriveLM v1.1 files -> key frames with their six image paths and QA
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QA:
+    question: str
+    answer: str
+    category: str
+
+
+@dataclass
+class Frame:
+    key: str                      # "scene/frame"
+    images: dict[str, Path]       # camera -> image file
+    qa: list[QA] = field(default_factory=list)
+
+
+def resolve_image(root: Path, rel: str, camera: str) -> Path:
+    """An `image_paths` entry -> a file under `root`.
+
+    DriveLM paths are relative to its data root (`../nuscenes/samples/CAM_X/file.jpg`); SynthDrive
+    writes paths relative to its output folder. Try the path as given, then with leading `..`
+    parts dropped, then `samples/CAM_X/<name>` and `CAM_X/<name>` under the root.
+    """
+    rel_path = Path(rel)
+    parts = [p for p in rel_path.parts if p not in ("..", ".")]
+    candidates = [root / rel_path, root / Path(*parts) if parts else root,
+                  root / "samples" / camera / rel_path.name, root / camera / rel_path.name]
+    if len(parts) > 1:
+        candidates.insert(2, root / Path(*parts[1:]))
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise InputError(f"image {rel!r} for {camera} not found under {root}")
+
+
+def load_frames(data: Path, frames_root: Path) -> list[Frame]:
+    try:
+        doc = json.loads(Path(data).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{data}: cannot read DriveLM JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{data}: expected a DriveLM object {{scene: {{key_frames: ...}}}}")
+    frames: list[Frame] = []
+    for scene, scene_data in doc.items():
+        key_frames = scene_data.get("key_frames") if isinstance(scene_data, dict) else None
+        if not isinstance(key_frames, dict):
+            raise InputError(f"{data}: scene {scene!r} has no 'key_frames' object (not DriveLM layout)")
+        for frame_id, fd in key_frames.items():
+            paths = fd.get("image_paths") or {}
+            missing = [c for c in CAMERAS if c not in paths]
+            if missing:
+                raise InputError(f"{data}: frame {frame_id!r} lacks image_paths for {missing}")
+            frame = Frame(f"{scene}/{frame_id}", {c: resolve_image(frames_root, paths[c], c) for c in CAMERAS})
+            for category in CATEGORIES:
+                for item in fd.get("QA", {}).get(category, []):
+                    frame.qa.append(QA(str(item["Q"]).strip(), str(item["A"]).strip(), category))
+            if frame.qa:
+                frames.append(frame)
+    if not frames:
+        raise InputError(f"{data}: no key frame with QA")
+    return frames
+
+
+def is_closed_form(question: str, answer: str) -> bool:
+    """Choice and yes/no questions: scored by exact-match accuracy, as `litevlm eval` does."""
+    return derive_tags(question, answer) == (ACCURACY,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding: prompts exactly as Pipeline.prompt_ids builds them, answers + <|im_end|>
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Encoded:
+    prompt: list[int]                   # Pipeline.prompt_ids: template, <IMG_CONTEXT> placeholders, question
+    spans: list[tuple[int, int]]        # (start, count) of each camera's visual tokens in `prompt`
+    answer: list[int]                   # answer tokens followed by <|im_end|>
+
+
+def encode_qa(tok: Tokenizer, system: str, tokens_per_camera: int, qa: QA) -> Encoded:
+    prompt, spans = segment_ids(tok, chat_segments(system, list(CAMERAS), qa.question),
+                                [tokens_per_camera] * len(CAMERAS))
+    return Encoded(prompt, spans, tok.encode(qa.answer) + [tok.im_end_id])
+
+
+class TileCache:
+    """uint8 tiles [frames, cameras * tiles_per_camera, 3, S, S], each frame decoded and resized once,
+    on first use, with the pipeline's preprocessing (so a training tile equals what
+    `Pipeline.preprocess` produces). Filled lazily: a run shorter than an epoch decodes only the
+    frames it sees, and decoding is spread over the run instead of stalling its start."""
+
+    def __init__(self, frames: list[Frame], tile: int, tiles_per_camera: int = 1):
+        self.frames, self.tile, self.tiles_per_camera = frames, tile, tiles_per_camera
+        n = len(CAMERAS) * tiles_per_camera
+        self.tiles = torch.empty(len(frames), n, 3, tile, tile, dtype=torch.uint8)
+        self.filled = torch.zeros(len(frames), dtype=torch.bool)
+
+    def _fill(self, i: int) -> None:
+        tpc, s = self.tiles_per_camera, self.tile
+        for j, cam in enumerate(CAMERAS):
+            img = load_image(self.frames[i].images[cam], cam, (s * tpc, s))
+            to_tiles_uint8(img, s, tpc, self.tiles[i, j * tpc:(j + 1) * tpc])
+        self.filled[i] = True
+
+    def batch(self, indices: list[int]) -> torch.Tensor:
+        """[len(indices) * cameras * tiles_per_camera, 3, S, S] uint8."""
+        for i in indices:
+            if not self.filled[i]:
+                self._fill(i)
+        return self.tiles[indices].flatten(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: prefix trees side by side under one boolean mask
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedBatch:
+    ids: torch.Tensor            # [T] token ids (<IMG_CONTEXT> where visual tokens go)
+    positions: torch.Tensor      # [T] RoPE positions, as each sample would have them alone
+    mask: torch.Tensor           # [T, T] bool, True = may attend
+    visual_rows: torch.Tensor    # [V] rows receiving visual tokens, ordered group, camera, token
+    target_rows: torch.Tensor    # [N] rows whose next token is an answer token (or <|im_end|>)
+    targets: torch.Tensor        # [N] those next tokens
+    frames: list[int]            # frame index of each group (order of the visual tokens)
+    samples: int                 # QA count
+
+
+def common_prefix_len(seqs: list[list[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs[1:]):
+            return i
+    return n
+
+
+def pack(groups: list[tuple[int, list[Encoded]]]) -> PackedBatch:
+    """groups: (frame index, encoded QA of that frame). One prefix tree per group."""
+    ids: list[int] = []
+    pos: list[int] = []
+    visual_rows: list[int] = []
+    target_rows: list[int] = []
+    targets: list[int] = []
+    blocks: list[tuple[int, int, list[int]]] = []
+    for _, items in groups:
+        # Each branch keeps at least its last prompt token: its logits predict the first answer token.
+        shared = min(common_prefix_len([e.prompt for e in items]), min(len(e.prompt) for e in items) - 1)
+        off = len(ids)
+        for start, count in items[0].spans:
+            if start + count > shared:
+                raise ValueError("visual tokens must lie in the shared prefix")
+            visual_rows.extend(range(off + start, off + start + count))
+        ids += items[0].prompt[:shared]
+        pos += range(shared)
+        lengths = []
+        for e in items:
+            branch = e.prompt[shared:] + e.answer
+            base = len(ids)
+            first = len(e.prompt) - shared - 1          # branch index of the last prompt token
+            for j in range(first, len(branch) - 1):
+                target_rows.append(base + j)
+                targets.append(branch[j + 1])
+            ids += branch
+            pos += range(shared, shared + len(branch))
+            lengths.append(len(branch))
+        blocks.append((off, shared, lengths))
+    t = len(ids)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    for off, shared, lengths in blocks:
+        mask[off:off + shared, off:off + shared] = torch.ones(shared, shared, dtype=torch.bool).tril()
+        b = off + shared
+        for n in lengths:
+            mask[b:b + n, off:off + shared] = True
+            mask[b:b + n, b:b + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            b += n
+    as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    return PackedBatch(as_long(ids), as_long(pos), mask, as_long(visual_rows), as_long(target_rows),
+                       as_long(targets), [f for f, _ in groups], sum(len(items) for _, items in groups))
+
+
+def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: int) -> list[list[tuple[int, list[Encoded]]]]:
+    """Consecutive groups packed greedily into sequences of at most max_tokens (a group longer than
+    that is split into several groups of the same frame)."""
+    def group_len(items):
+        shared = min(common_prefix_len([e.prompt for e in items]), min(len(e.prompt) for e in items) - 1)
+        return shared + sum(len(e.prompt) - shared + len(e.answer) for e in items)
+
+    pieces = []
+    for frame, items in groups:
+        part: list[Encoded] = []
+        for e in items:
+            if part and group_len(part + [e]) > max_tokens:
+                pieces.append((frame, part))
+                part = []
+            part.append(e)
+        pieces.append((frame, part))
+    sequences, current, used = [], [], 0
+    for frame, items in pieces:
+        n = group_len(items)
+        if current and used + n > max_tokens:
+            sequences.append(current)
+            current, used = [], 0
+        current.append((frame, items))
+        used += n
+    if current:
+        sequences.append(current)
+    return sequences
+
+
+class PackedLoss(nn.Module):
+    """Summed answer-token cross-entropy of a packed batch (the module DDP wraps)."""
+
+    def __init__(self, model: InternVL):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        lm = self.model.language_model
+        visual = self.model.encode_images(pixels)                     # [tiles, tokens_per_tile, D]
+        embeds = lm.embed(batch.ids)
+        embeds = embeds.index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]).to(embeds.dtype))
+        t = embeds.shape[0]
+        cfg = lm.cfg
+        # A scratch cache per layer as separate tensors: the forward writes k/v in place, and views
+        # of one shared buffer would share a version counter that autograd checks on backward.
+        shape = (cfg.num_key_value_heads, t, cfg.head_dim)
+        k_cache = [embeds.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
+        v_cache = [embeds.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
+        slots = torch.arange(t)
+        hidden = lm(embeds, batch.positions, slots, batch.mask, k_cache, v_cache)
+        logits = lm.head(hidden[batch.target_rows])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp16/bf16 -> fp32, fp64 stays
+        return F.cross_entropy(logits, batch.targets, reduction="sum")
+
+
+def pixels_for(cache: TileCache, frames: list[int], normalize: Normalizer) -> torch.Tensor:
+    u8 = cache.batch(frames)
+    return normalize(u8, torch.empty(u8.shape, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule and held-out evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up, then cosine decay to floor * peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def epoch_groups(frames: list[list[Encoded]], per_group: int, rng: np.random.Generator,
+                 per_visit: int = 0) -> list[tuple[int, list[Encoded]]]:
+    """One pass over the frames in random order, as groups of at most `per_group` questions of one
+    frame: every QA once, or (per_visit > 0) only that many random QA of each frame, so that more
+    distinct images are seen for the same compute (later passes draw other questions)."""
+    groups = []
+    for f, items in enumerate(frames):
+        order = rng.permutation(len(items))
+        if per_visit:
+            order = order[:per_visit]
+        for i in range(0, len(order), per_group):
+            groups.append((f, [items[j] for j in order[i:i + per_group]]))
+    return [groups[i] for i in rng.permutation(len(groups))]
+
+
+def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_questions: int,
+                      seed: int) -> dict:
+    """Exact-match accuracy on closed-form (choice, yes/no) questions through the real Pipeline
+    (the same answer path and the same match rule as `litevlm eval`)."""
+    from ..pipeline import Pipeline, PipelineOptions
+
+    items = [(f, qa) for f in frames for qa in f.qa if is_closed_form(qa.question, qa.answer)]
+    rng = np.random.default_rng(seed)
+    if len(items) > max_questions:
+        items = [items[i] for i in sorted(rng.choice(len(items), max_questions, replace=False))]
+    if not items:
+        return {"accuracy": None, "questions": 0}
+    pipe = Pipeline(copy.deepcopy(model), Tokenizer(tok_dir), PipelineOptions(max_new_tokens=8))
+    by_category: dict[str, list[int]] = {}
+    for frame, qa in items:
+        ans = pipe.answer(frame.images, qa.question, max_new_tokens=8)
+        by_category.setdefault(qa.category, []).append(int(ans.text.strip() == qa.answer.strip()))
+    hits = [h for v in by_category.values() for h in v]
+    return {"accuracy": sum(hits) / len(hits), "questions": len(hits),
+            "by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (one process, or one of N under torchrun)
+# ---------------------------------------------------------------------------------------------
+
+
+def _setup_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group(backend="gloo")
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _set_threads(requested: int | None) -> None:
+    """Intra-op threads per process: as asked, else the cores divided among the local ranks
+    (more threads than free cores makes OpenMP workers spin against each other)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(requested or max(1, (os.cpu_count() or 1) // local))
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def data_provenance(data: Path) -> dict:
+    """What the training data was: its hash, and the generator's settings when it left them."""
+    info = {"file": str(data), "sha256": file_sha256(data)}
+    for name in ("synthdrive.json", "synth.json", "meta.json"):
+        meta = Path(data).parent / name
+        if meta.is_file():
+            try:
+                info["generator"] = json.loads(meta.read_text())
+            except json.JSONDecodeError:
+                pass
+            break
+    return info
+
+
+def reproduce_command(args) -> str:
+    """The `litevlm train vlm` command line that repeats this run (every setting spelled out)."""
+    parts = ["litevlm", "train", "vlm"]
+    for k, v in vars(args).items():
+        if k in ("func", "command", "trainer") or v is None or v is False:
+            continue
+        parts += [f"--{k.replace('_', '-')}"] + ([] if v is True else [shlex.quote(str(v))])
+    return " ".join(parts)
+
+
+def train(args) -> dict | None:
+    rank, world = _setup_distributed()
+    _set_threads(args.threads)
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    try:
+        return _train(args, rank, world, log)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _train(args, rank: int, world: int, log) -> dict | None:
+    t_start = time.monotonic()
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    frames = load_frames(args.data, args.frames)
+    if args.val:
+        val_frames = load_frames(args.val, args.val_frames or args.frames)
+    else:
+        # Hold out whole key frames (never trained on) for the periodic accuracy check.
+        order = rng.permutation(len(frames))
+        n_val = max(1, int(round(args.holdout * len(frames)))) if len(frames) > 1 else 0
+        val_frames = [frames[i] for i in sorted(order[:n_val])]
+        frames = [frames[i] for i in sorted(order[n_val:])]
+    cfg_probe = preset(args.preset)
+    system = cfg_probe.system_message
+
+    # The tokenizer: byte-level BPE on the training text (rank 0 trains it, every rank reads it).
+    out = Path(args.out)
+    work = Path(tempfile.mkdtemp(prefix="litevlm_vlm_"))
+    tok_file = work / "tokenizer.json"
+    if rank == 0:
+        corpus = [system] + [f"{c}: " for c in CAMERAS]
+        corpus += [t for f in frames for qa in f.qa for t in (qa.question, qa.answer)]
+        train_bpe_tokenizer(corpus, args.vocab_size, tok_file)
+        payload = [tok_file.read_text()]
+    else:
+        payload = [None]
+    if world > 1:
+        dist.broadcast_object_list(payload, src=0)
+        tok_file.write_text(payload[0])
+    tok = Tokenizer(work)
+    cfg = preset(args.preset, vocab_size=tok.vocab_size)
+    tokens_per_camera = cfg.tokens_per_tile
+
+    encoded: list[list[Encoded]] = []
+    skipped = 0
+    for f in frames:
+        items = []
+        for qa in f.qa:
+            e = encode_qa(tok, system, tokens_per_camera, qa)
+            if len(e.answer) > args.max_answer_tokens + 1:
+                skipped += 1
+                continue
+            items.append(e)
+        encoded.append(items)
+    n_samples = sum(len(x) for x in encoded)
+    log(f"data: {n_samples} QA over {len(frames)} training frames ({skipped} skipped: answer > "
+        f"{args.max_answer_tokens} tokens), {sum(len(f.qa) for f in val_frames)} QA over {len(val_frames)} "
+        f"held-out frames; tokenizer vocab {tok.vocab_size}")
+
+    model = InternVL(cfg)
+    init_weights(model, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, tile {cfg.force_image_size}, "
+        f"{tokens_per_camera} visual tokens per camera; world size {world}, {torch.get_num_threads()} threads/rank")
+    cache = TileCache(frames, cfg.force_image_size)
+    normalize = Normalizer(torch.float32, torch.device("cpu"))
+
+    loss_module = PackedLoss(model)
+    if world > 1:
+        loss_module = DistributedDataParallel(loss_module)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+
+    per_step = args.frames_per_step
+    if per_step < world:
+        raise InputError(f"--frames-per-step {per_step} is less than the world size {world}")
+    per_frame = [min(len(x), args.questions_per_visit or len(x)) for x in encoded]
+    steps_per_epoch = math.ceil(sum(math.ceil(n / args.questions_per_frame) for n in per_frame) / per_step)
+    total = args.steps or max(1, int(round(args.epochs * steps_per_epoch)))
+    warmup = max(1, int(args.warmup * total))
+    log(f"training: {total} steps of {per_step} frame groups (<= {args.questions_per_frame} questions each), "
+        f"{steps_per_epoch} steps per epoch, lr {args.lr} warm-up {warmup}")
+
+    history = []
+    queue: list[tuple[int, list[Encoded]]] = []
+    loss_sum = tok_sum = samples_done = 0
+    window_t0 = time.monotonic()
+    window_samples = 0
+    train_t0 = time.monotonic()
+    last_eval: dict = {}
+    for step in range(total):
+        while len(queue) < per_step:
+            queue += epoch_groups(encoded, args.questions_per_frame, rng, args.questions_per_visit)
+        groups, queue = queue[:per_step], queue[per_step:]
+        mine = groups[rank::world]
+        n_targets_global = sum(len(e.answer) for _, items in groups for e in items)
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(step, total, args.lr, warmup)
+        # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
+        # over a packed sequence is dense (T x T under the mask), so very long packs waste time
+        # on masked-out pairs; gradients of the sequences accumulate.
+        sequences = split_into_sequences(mine, args.max_sequence_tokens)
+        loss_sum_local = torch.zeros(())
+        n_targets_local = n_samples_local = 0
+        for i, seq in enumerate(sequences):
+            batch = pack(seq)
+            sync = contextlib.nullcontext() if (world == 1 or i == len(sequences) - 1) else loss_module.no_sync()
+            with sync:
+                seq_loss = loss_module(pixels_for(cache, batch.frames, normalize), batch)
+                # Normalised by the global token count, times world because DDP averages over
+                # ranks: the gradient equals that of one process seeing the whole global batch.
+                (seq_loss * (world / n_targets_global)).backward()
+            loss_sum_local += seq_loss.detach()
+            n_targets_local += len(batch.targets)
+            n_samples_local += batch.samples
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+        stats = torch.tensor([float(loss_sum_local), float(n_targets_local), float(n_samples_local)])
+        if world > 1:
+            dist.all_reduce(stats)
+        loss_sum += stats[0].item()
+        tok_sum += stats[1].item()
+        samples_done += int(stats[2].item())
+        window_samples += int(stats[2].item())
+        if (step + 1) % args.log_every == 0 or step + 1 == total:
+            elapsed = time.monotonic() - window_t0
+            rate = window_samples / max(elapsed, 1e-9)
+            mean_step = (time.monotonic() - train_t0) / (step + 1)
+            eta = mean_step * (total - step - 1)
+            loss = loss_sum / max(tok_sum, 1)
+            log(f"step {step + 1:5d}/{total}  loss {loss:.4f}  grad {grad_norm:.2f}  "
+                f"lr {opt.param_groups[0]['lr']:.2e}  {rate:.1f} samples/s  ETA {eta / 60:.1f} min")
+            history.append({"step": step + 1, "loss": loss, "samples": samples_done,
+                            "elapsed_s": time.monotonic() - train_t0})
+            loss_sum = tok_sum = 0
+            window_t0, window_samples = time.monotonic(), 0
+        if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == total):
+            model.eval()
+            t0 = time.monotonic()
+            write_checkpoint(out, model, tok_file)   # the latest weights survive an interrupted run
+            last_eval = held_out_accuracy(model, work, val_frames, args.eval_questions, args.seed)
+            model.train()
+            last_eval["step"] = step + 1
+            history.append({"step": step + 1, "held_out": last_eval})
+            cats = " ".join(f"{k} {v:.3f}" for k, v in last_eval.get("by_category", {}).items())
+            acc = last_eval["accuracy"]
+            log(f"  held-out accuracy {'n/a' if acc is None else f'{acc:.4f}'} on {last_eval['questions']} "
+                f"closed-form questions ({cats}) [{time.monotonic() - t0:.0f} s]")
+            window_t0 = time.monotonic()   # keep eval time out of the samples/s figure
+
+    train_s = time.monotonic() - train_t0
+    if rank != 0:
+        return None
+    write_checkpoint(out, model, tok_file)
+    record = {
+        "command": reproduce_command(args),
+        "argv": " ".join(shlex.quote(a) for a in sys.argv),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "world_size": world,
+        "threads_per_rank": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "data": data_provenance(args.data),
+        "val_data": data_provenance(args.val) if args.val else {"held_out_frames": [f.key for f in val_frames]},
+        "model": {"preset": args.preset, "parameters": n_params, "config": cfg.to_dict(),
+                  "tokenizer_vocab": tok.vocab_size},
+        "train_qa": n_samples, "train_frames": len(frames), "skipped_long_answers": skipped,
+        "steps": total,
+        "final": {"loss": history[-1]["loss"] if history and "loss" in history[-1] else
+                  next((h["loss"] for h in reversed(history) if "loss" in h), None),
+                  "held_out": last_eval, "train_seconds": round(train_s, 1),
+                  "total_seconds": round(time.monotonic() - t_start, 1)},
+        "history": history,
+    }
+    (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    log(f"wrote {out} ({train_s / 60:.1f} min training); record in {out / RECORD_FILE}")
+    return record
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("vlm", help="train an InternVL2.5-layout model from scratch on DriveLM-format QA",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="training QA (DriveLM v1.1 JSON)")
+    p.add_argument("--frames", type=Path, required=True, help="root the image_paths are relative to")
+    p.add_argument("--val", type=Path, help="held-out QA for the periodic accuracy (default: --holdout of --data's frames)")
+    p.add_argument("--val-frames", type=Path, help="image root of --val (default: --frames)")
+    p.add_argument("--holdout", type=float, default=0.05, help="fraction of frames held out when no --val")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--preset", choices=PRESETS, default="bundled")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--frames-per-step", type=int, default=8, help="frame groups per optimizer step (global)")
+    p.add_argument("--questions-per-frame", type=int, default=16, help="questions per frame group (one prefix tree)")
+    p.add_argument("--questions-per-visit", type=int, default=0,
+                   help="random questions of each frame per pass over the data (0: all)")
+    p.add_argument("--max-sequence-tokens", type=int, default=1024, help="longest packed sequence per forward")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--max-answer-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads per process (default: cores / local ranks)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=200, help="steps between held-out accuracy checks (0: off)")
+    p.add_argument("--eval-questions", type=int, default=200)
+
+    def run(args) -> int:
+        train(args)
+        return 0
+
+    p.set_defaults(func=run)

@@ -1,0 +1,160 @@
+"""`litevlm train vlm`: packing is exact, a tiny run learns, and what it writes is what the pipeline runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.commands.make_checkpoint import init_weights
+from litevlm_runtime.models.internvl import InternVL
+from litevlm_runtime.preprocess import Normalizer
+from litevlm_runtime.presets import preset
+from litevlm_runtime.tokenizer import Tokenizer, train_bpe_tokenizer
+from litevlm_runtime.training import vlm
+
+
+@pytest.fixture(scope="module")
+def synth_set(tmp_path_factory) -> Path:
+    """Four SynthDrive scenes at 160x90 (seconds to render)."""
+    from litevlm_runtime.synth.generate import generate
+
+    out = tmp_path_factory.mktemp("synth") / "set"
+    generate(out, 4, seed=7, width=160, height=90, val_fraction=0.25, workers=1, progress=False)
+    return out
+
+
+def _reference_loss(model: InternVL, pixels: torch.Tensor, e: vlm.Encoded) -> torch.Tensor:
+    """One sample on its own, as inference lays it out: prompt + answer, causal, positions 0..T-1."""
+    lm = model.language_model
+    ids = torch.tensor(e.prompt + e.answer)
+    t = len(ids)
+    visual = model.encode_images(pixels)
+    embeds = lm.embed(ids).clone()
+    flat = visual.reshape(len(CAMERAS), -1, visual.shape[-1])
+    for cam, (start, count) in enumerate(e.spans):
+        embeds[start:start + count] = flat[cam]
+    cfg = lm.cfg
+    cache = lambda: [embeds.new_zeros(cfg.num_key_value_heads, t, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]  # noqa: E731
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    hidden = lm(embeds, torch.arange(t), torch.arange(t), mask, cache(), cache())
+    rows = torch.arange(len(e.prompt) - 1, t - 1)
+    return F.cross_entropy(lm.head(hidden[rows]), ids[rows + 1], reduction="sum")
+
+
+def test_packed_loss_equals_sum_of_separate_losses(synth_set, tmp_path):
+    """Two frames x three questions packed as prefix trees in one sequence: the loss equals the
+    sum of the six per-sample losses in float64 to 1e-10 relative (only summation order differs)."""
+    frames = vlm.load_frames(synth_set / "train.json", synth_set)[:2]
+    train_bpe_tokenizer([t for f in frames for qa in f.qa for t in (qa.question, qa.answer)], 600,
+                        tmp_path / "tokenizer.json")
+    tok = Tokenizer(tmp_path)
+    cfg = preset("tiny", vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    model = InternVL(cfg)
+    init_weights(model, seed=3, std=0.05)
+    model = model.double()
+    picks = [[frames[0].qa[i] for i in (0, 5, 9)], [frames[1].qa[i] for i in (1, 2, 7)]]
+    enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in qs] for qs in picks]
+    pixels = torch.randn(2, len(CAMERAS), 3, cfg.force_image_size, cfg.force_image_size, dtype=torch.float64)
+
+    batch = vlm.pack([(0, enc[0]), (1, enc[1])])
+    assert batch.samples == 6
+    # The shared prefixes are really shared: the packed sequence is shorter than the six samples.
+    assert len(batch.ids) < sum(len(e.prompt) + len(e.answer) for es in enc for e in es)
+    packed = vlm.PackedLoss(model)(pixels.flatten(0, 1), batch)
+    separate = sum(_reference_loss(model, pixels[f], e) for f in range(2) for e in enc[f])
+    assert torch.allclose(packed, separate, rtol=1e-10, atol=0), (packed.item(), separate.item())
+    # ... and a wrong mask would show: letting branches see each other changes the loss.
+    leaky = vlm.pack([(0, enc[0]), (1, enc[1])])
+    leaky.mask = leaky.mask | torch.ones_like(leaky.mask).tril()
+    assert not torch.allclose(vlm.PackedLoss(model)(pixels.flatten(0, 1), leaky), separate, rtol=1e-6)
+
+
+def test_split_into_sequences_keeps_every_sample(synth_set, tmp_path):
+    frames = vlm.load_frames(synth_set / "train.json", synth_set)
+    tok_dir = tmp_path
+    train_bpe_tokenizer([t for f in frames for qa in f.qa for t in (qa.question, qa.answer)], 500,
+                        tok_dir / "tokenizer.json")
+    tok = Tokenizer(tok_dir)
+    cfg = preset("tiny", vocab_size=tok.vocab_size)
+    groups = [(i, [vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:10]])
+              for i, f in enumerate(frames)]
+    seqs = vlm.split_into_sequences(groups, 400)
+    packed = [vlm.pack(s) for s in seqs]
+    assert sum(b.samples for b in packed) == sum(len(items) for _, items in groups)
+    # At most 400 tokens, unless one sample alone is longer (it is never dropped).
+    assert all(len(b.ids) <= 400 or b.samples == 1 for b in packed)
+    assert len(packed) > 1
+
+
+@pytest.fixture(scope="module")
+def tiny_run(synth_set, tmp_path_factory):
+    from litevlm_runtime.cli import build_parser
+
+    out = tmp_path_factory.mktemp("vlm") / "model"
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--val", str(synth_set / "val.json"), "--out", str(out), "--preset", "tiny", "--vocab-size", "600",
+        "--steps", "24", "--frames-per-step", "2", "--questions-per-frame", "8", "--lr", "3e-3",
+        "--log-every", "4", "--eval-every", "24", "--eval-questions", "4", "--seed", "1", "--threads", "1"])
+    record = vlm.train(args)
+    return out, record
+
+
+def test_tiny_training_run_reduces_loss_and_writes_record(tiny_run):
+    out, record = tiny_run
+    losses = [h["loss"] for h in record["history"] if "loss" in h]
+    assert len(losses) == 6
+    assert losses[-1] < 0.7 * losses[0], losses
+    saved = json.loads((out / vlm.RECORD_FILE).read_text())
+    assert saved["steps"] == 24 and saved["settings"]["seed"] == 1
+    assert saved["data"]["generator"]["seed"] == 7          # the SynthDrive set's own settings
+    assert saved["final"]["held_out"]["questions"] == 4
+    assert saved["command"].startswith("litevlm train vlm --data ") and "--steps 24" in saved["command"]
+
+
+def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
+    """The written folder loads with Pipeline.from_pretrained and answers; the pipeline's logits for
+    the first answer token equal the training forward's on the same frame and question (same
+    preprocessing, same prompt ids)."""
+    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+    out, _ = tiny_run
+    pipe = Pipeline.from_pretrained(out, PipelineOptions())
+    frame = vlm.load_frames(synth_set / "val.json", synth_set)[0]
+    qa = frame.qa[0]
+    ans = pipe.answer(frame.images, qa.question, max_new_tokens=12)
+    assert isinstance(ans.text, str) and ans.visual_tokens == 6 * pipe.tokens_per_camera
+    assert ans.token_ids and ans.text.strip()
+    # One token only: no decoder pass after prefill, so the prefill features are the last ones.
+    first_only = pipe.answer(frame.images, qa.question, max_new_tokens=1)
+    assert first_only.token_ids == ans.token_ids[:1]
+    with torch.inference_mode():
+        pipeline_logits = pipe.engines.head.run(hidden=pipe.prefill_hidden[-1:])[0].clone()
+    ref_ids, ref_pixels = pipe.reference_inputs(frame.images, qa.question)
+
+    model = pipe.model
+    tok = pipe.tok
+    e = vlm.encode_qa(tok, pipe.cfg.system_message, pipe.tokens_per_camera, qa)
+    assert e.prompt == ref_ids[0].tolist()
+    cache = vlm.TileCache([frame], pipe.tile)
+    batch = vlm.pack([(0, [e])])
+    pixels = vlm.pixels_for(cache, [0], Normalizer(torch.float32, torch.device("cpu")))
+    assert torch.equal(pixels, ref_pixels)
+    with torch.inference_mode():
+        lm = model.language_model
+        lm.init_rope(4096)
+        visual = model.encode_images(pixels)
+        embeds = lm.embed(batch.ids).index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]))
+        t = len(batch.ids)
+        cfg = lm.cfg
+        cache_kv = lambda: [torch.zeros(cfg.num_key_value_heads, t, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]  # noqa: E731
+        hidden = lm(embeds, batch.positions, torch.arange(t), batch.mask, cache_kv(), cache_kv())
+        train_logits = lm.head(hidden[batch.target_rows[0]])
+    assert torch.allclose(train_logits, pipeline_logits, atol=1e-4, rtol=1e-4)
+    assert int(train_logits.argmax()) == ans.token_ids[0]
