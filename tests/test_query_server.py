@@ -165,3 +165,30 @@ def test_worker_thread_answers_every_query_exactly_once(pipeline):
     assert {r.status for r in records} <= {"ok", "queue_full"} and any(r.status == "ok" for r in records)
     stats = server.stats()
     assert stats["answered"] == 6 and stats["queue_depth"] == 0
+
+
+def test_query_waits_for_frames_in_flight_then_gives_up(pipeline):
+    server, records = make_server(pipeline, match_wait_s=0.2)
+    add_frames(server, 0)
+    server.frames.add(Frame("CAM_BACK", 900 * MS, CompressedPayload("jpeg", jpeg(9))))
+    # At 1.05 s five cameras are stale; their new frames are "in flight" and arrive at 1.1 s.
+    assert server.submit("early?", query_id="wait_ok", now_ns=1050 * MS) is None and not records
+    server.retry_pending(now_ns=1080 * MS)
+    assert not records and server.stats()["waiting_for_frames"] == 1
+    add_frames(server, 1000 * MS)
+    server.retry_pending(now_ns=1100 * MS)
+    req = server.queue.drain()
+    assert [r.query_id for r in req] == ["wait_ok"] and req[0].received_ns == 1050 * MS
+    # A camera that never comes: refused once the wait is over, with the match error.
+    server.frames = type(server.frames)(CAMERAS, server.frames.max_skew_ns, server.frames.max_age_ns)
+    add_frames(server, 2000 * MS, None)
+    server.submit("nothing behind?", query_id="wait_fail", now_ns=3100 * MS)
+    server.retry_pending(now_ns=3200 * MS)
+    assert not records
+    server.retry_pending(now_ns=3301 * MS)
+    assert [(r.query_id, r.status) for r in records] == [("wait_fail", "stale_frames")]
+    assert "after waiting 0.20 s" in records[0].status_message
+    # Shutting down answers whatever still waits.
+    server.submit("last?", query_id="wait_stop", now_ns=3400 * MS)
+    server.stop_worker("node shutting down")
+    assert records[-1].query_id == "wait_stop" and records[-1].status == "not_active"

@@ -196,22 +196,22 @@ def fault_bag(path: Path) -> tuple[Path, dict]:
                                   deadline_ns=T0 + int(deadline_s * S) if deadline_s is not None else 0))
         expect[qid] = status
 
-    ask(0.00, "no_frames", "Anything in front?", "no_frames")
-    frame_set(0.10)
-    ask(0.30, "ok_first", "What is in front of the ego car?", "ok")
-    ask(0.35, "empty", "   ", "bad_question")
-    ask(0.40, "oversized", "why " * 1000, "bad_question")
-    ask(0.45, "late", "Is it too late?", "deadline_passed", deadline_s=0.40)
-    frame_set(1.50, skip=("CAM_BACK",))                                  # CAM_BACK stops publishing
-    ask(1.70, "camera_stopped", "What is behind?", "stale_frames")
-    frame_set(3.00, shift={"CAM_FRONT_LEFT": 0.30})                      # back, but one camera 300 ms off
-    ask(3.40, "out_of_sync", "What is to the front left?", "out_of_sync")
-    frame_set(4.50, corrupt=("CAM_FRONT",))
-    ask(4.70, "undecodable", "What is in front?", "bad_image")
-    frame_set(6.00)                                                       # all good again
-    ask(6.20, "ok_again", "What is behind the ego car?", "ok")
+    ask(0.00, "no_frames", "Anything in front?", "no_frames")          # (the node waits 0.2 s for frames)
+    frame_set(0.50)
+    ask(0.70, "ok_first", "What is in front of the ego car?", "ok")
+    ask(0.75, "empty", "   ", "bad_question")
+    ask(0.80, "oversized", "why " * 1000, "bad_question")
+    ask(0.85, "late", "Is it too late?", "deadline_passed", deadline_s=0.80)
+    frame_set(2.00, skip=("CAM_BACK",))                                  # CAM_BACK stops publishing
+    ask(2.20, "camera_stopped", "What is behind?", "stale_frames")
+    frame_set(3.50, shift={"CAM_FRONT_LEFT": 0.30})                      # back, but one camera 300 ms off
+    ask(3.90, "out_of_sync", "What is to the front left?", "out_of_sync")
+    frame_set(5.00, corrupt=("CAM_FRONT",))
+    ask(5.20, "undecodable", "What is in front?", "bad_image")
+    frame_set(6.50)                                                       # all good again
+    ask(6.70, "ok_again", "What is behind the ego car?", "ok")
     for i in range(6):                                                    # a burst into a queue of 1
-        ask(6.30, f"burst{i}", f"Burst question {i}?", "ok|queue_full")
+        ask(6.80, f"burst{i}", f"Burst question {i}?", "ok|queue_full")
     return write_bag(c, path), expect
 
 

@@ -346,7 +346,8 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
 
     settings = ServerSettings(cameras=CAMERAS, max_skew_s=params["max_skew_s"], max_frame_age_s=params["max_frame_age_s"],
                               frame_history=params["frame_history"], queue_size=params["queue_size"],
-                              overflow_policy=params["overflow_policy"], max_question_chars=params["max_question_chars"])
+                              overflow_policy=params["overflow_policy"], max_question_chars=params["max_question_chars"],
+                              match_wait_s=params["match_wait_s"])
     clock = [0]
     server = QueryServer(settings, publish, clock_ns=lambda: clock[0])
     try:
@@ -370,13 +371,15 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
             msg = reader.deserialize(raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             deadline = msg.deadline.sec * 1_000_000_000 + msg.deadline.nanosec
-            req = server.submit(msg.text, query_id=msg.id, stamp_ns=stamp, deadline_ns=deadline, now_ns=t)
+            # No frames are in flight in a bag: a failed match is final (allow_wait=False).
+            req = server.submit(msg.text, query_id=msg.id, stamp_ns=stamp, deadline_ns=deadline, now_ns=t,
+                                allow_wait=False)
             if req is not None:
                 server.queue.drain()        # no DDS, no waiting: serve it now
                 server.serve(req, now_ns=t)
         elif topic == params["question_topic"]:
             msg = reader.deserialize(raw, msgtype)
-            req = server.submit(msg.data, now_ns=t)
+            req = server.submit(msg.data, now_ns=t, allow_wait=False)
             if req is not None:
                 server.queue.drain()
                 server.serve(req, now_ns=t)

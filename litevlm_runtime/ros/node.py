@@ -74,6 +74,7 @@ PARAMETERS = {
     "queue_size": 4,
     "overflow_policy": "reject_new",
     "max_question_chars": 2000,
+    "match_wait_s": 0.2,
 }
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -181,6 +182,7 @@ class DriveNode(LifecycleNode):
         self.create_subscription(Query, self.p["query_topic"], self._on_query, RELIABLE)
         self.create_subscription(String, self.p["question_topic"], self._on_question, RELIABLE)
         self.create_timer(self.p["diagnostics_period_s"], self._publish_diagnostics)
+        self.create_timer(0.01, self.server.retry_pending)     # queries waiting for frames in flight
         self._camera_subs = []
         self._state = "unconfigured"
 
@@ -191,7 +193,8 @@ class DriveNode(LifecycleNode):
         p = self.p
         return ServerSettings(cameras=CAMERAS, max_skew_s=p["max_skew_s"], max_frame_age_s=p["max_frame_age_s"],
                               frame_history=p["frame_history"], queue_size=p["queue_size"],
-                              overflow_policy=p["overflow_policy"], max_question_chars=p["max_question_chars"])
+                              overflow_policy=p["overflow_policy"], max_question_chars=p["max_question_chars"],
+                              match_wait_s=p["match_wait_s"])
 
     def _now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
@@ -266,10 +269,9 @@ class DriveNode(LifecycleNode):
         s = self.server.stats()
         d50, d90, n = s["frame_delay_ms"]
         lat = s["latency_ms"].get("total")
+        errors = ", ".join(f"{k} {v}" for k, v in s["status_counts"].items() if v and k != "ok")
         self.get_logger().info(
-            f"summary: {s['answered']} answered ({s['errors']} errors: "
-            + ", ".join(f"{k} {v}" for k, v in s["status_counts"].items() if v and k != "ok")
-            + f"); frames {sum(s['frames_received'].values())} received, stamp->arrival p50 {d50:.2f} ms "
+            f"summary: {s['answered']} answered ({s['errors']} errors{': ' + errors if errors else ''}); frames {sum(s['frames_received'].values())} received, stamp->arrival p50 {d50:.2f} ms "
             f"p90 {d90:.2f} ms; pipeline total "
             + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-"))
 
@@ -305,6 +307,7 @@ class DriveNode(LifecycleNode):
             "precision": self.p["precision"],
             "queue_depth": s["queue_depth"],
             "queue_size": s["queue_size"],
+            "waiting_for_frames": s["waiting_for_frames"],
             "overflow_policy": s["overflow_policy"],
             "answered": s["answered"],
             "errors": s["errors"],

@@ -65,6 +65,10 @@ class ServerSettings:
     queue_size: int = 4
     overflow_policy: str = "reject_new"
     max_question_chars: int = 2000
+    # A query whose frame match fails (a camera missing, stale or out of sync) is retried for up
+    # to this long before it is refused: the frames it needs may still be in flight (a large
+    # frame published before the question can arrive after it). 0: refuse at once.
+    match_wait_s: float = 0.0
 
     def __post_init__(self):
         if self.overflow_policy not in OVERFLOW_POLICIES:
@@ -213,6 +217,8 @@ class QueryServer:
         self.last_error = ""
         # Camera stamp -> arrival at the node: DDS transport (plus the camera's own delay on a live rig).
         self.frame_delay_ms: deque = deque(maxlen=1000)
+        self._pending: list[tuple] = []       # queries waiting for frames (match_wait_s)
+        self._pending_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -234,8 +240,9 @@ class QueryServer:
 
     # ---- queries ----
     def submit(self, text: str, query_id: str = "", stamp_ns: int = 0, deadline_ns: int = 0,
-               now_ns: int | None = None) -> Request | None:
-        """Accept one query. Returns the queued Request, or None when it was answered at once."""
+               now_ns: int | None = None, allow_wait: bool = True) -> Request | None:
+        """Accept one query. Returns the queued Request, or None when it was answered at once
+        or is waiting for frames (see match_wait_s and retry_pending)."""
         now = self.clock_ns() if now_ns is None else now_ns
         query_id = query_id or f"q{next(self._ids)}"
         rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp_ns or now)
@@ -260,16 +267,48 @@ class QueryServer:
         try:
             frames = self.frames.match(now)
         except FrameMatchError as exc:
+            if allow_wait and self.settings.match_wait_s > 0:
+                with self._pending_lock:
+                    self._pending.append((now + int(self.settings.match_wait_s * 1e9), query_id, text,
+                                          stamp_ns or now, deadline_ns, now))
+                return None
             return refuse(exc.status, str(exc))
-        req = Request(query_id, text, stamp_ns or now, deadline_ns, now, frames)
+        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames))
+
+    def _enqueue(self, req: Request) -> Request | None:
         queue = self.queue
         refused = queue.put(req)
         if refused is req and queue.closed:
-            return refuse("not_active", "node is shutting down")
+            self._finish(self._record_for(req, "not_active", "node is shutting down"))
+            return None
         if refused is not None:
             self._finish(self._record_for(refused, "queue_full",
                                           f"request queue full ({self.settings.queue_size}, policy {self.settings.overflow_policy})"))
         return None if refused is req else req
+
+    def retry_pending(self, now_ns: int | None = None) -> None:
+        """Re-match the queries waiting for frames (the node calls this from a short timer):
+        matched ones are queued, those whose wait is over are refused with the match error."""
+        if not self._pending:
+            return
+        now = self.clock_ns() if now_ns is None else now_ns
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for item in pending:
+            until, query_id, text, stamp, deadline, received = item
+            try:
+                frames = self.frames.match(now)
+            except FrameMatchError as exc:
+                if now < until:
+                    with self._pending_lock:
+                        self._pending.append(item)
+                    continue
+                rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp, status=exc.status,
+                                   status_message=f"{exc} (after waiting {self.settings.match_wait_s:.2f} s for frames)")
+                rec.queue_ms = (now - received) / 1e6
+                self._finish(rec)
+                continue
+            self._enqueue(Request(query_id, text, stamp, deadline, received, frames))
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
@@ -344,9 +383,14 @@ class QueryServer:
             self._worker.join()
             self._worker = None
             self.queue = RequestQueue(self.settings.queue_size, self.settings.overflow_policy)
-        # Nothing is lost: whatever was still queued gets its answer.
+        # Nothing is lost: whatever was still queued or waiting for frames gets its answer.
         for req in self.queue.drain():
             self._finish(self._record_for(req, "not_active", reason))
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for _, query_id, text, stamp, _, _ in pending:
+            self._finish(AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp,
+                                      status="not_active", status_message=reason))
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -363,6 +407,7 @@ class QueryServer:
             counts = dict(self.status_counts)
         return {
             "queue_depth": len(self.queue),
+            "waiting_for_frames": len(self._pending),
             "queue_size": self.settings.queue_size,
             "overflow_policy": self.settings.overflow_policy,
             "answered": sum(counts.values()),
