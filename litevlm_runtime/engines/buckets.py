@@ -62,8 +62,9 @@ def pick(sizes: tuple[int, ...], n: int, stage: str) -> int:
     for size in sizes:
         if size >= n:
             return size
+    keys = "prefill=...;step=..." if stage == "decoder" else f"{stage}=..."
     raise LiteVLMError(f"{stage}: {n} exceeds the largest shape bucket {max(sizes)}; "
-                       f"re-export with a larger bucket (litevlm export --buckets {stage}=...)")
+                       f"re-export with a larger bucket (litevlm export --buckets '{keys}')")
 
 
 def default_buckets(arena) -> Buckets:

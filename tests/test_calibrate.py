@@ -1,0 +1,155 @@
+"""Calibration: traffic recording, bucket fitting, ModelOpt INT8 quantization of a real export,
+and the INT8 bundle running in the ONNX Runtime backend with its accuracy change reported."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from export_fixtures import MAX_NEW_TOKENS, exported_bundle, lively_checkpoint
+from helpers import random_frames
+
+from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.errors import InputError
+
+pytest.importorskip("modelopt.onnx.quantization", reason="nvidia-modelopt (see requirements.txt)")
+
+QUESTIONS = ["What is in front of the ego car?", "Is there a car behind?", "What should the ego car do?",
+             "Are there pedestrians on the left?", "Is the road clear?", "What is to the front right?",
+             "Is it safe to turn left?"]
+
+
+def png(array: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_qa(folder):
+    """A DriveLM v1.1 file with two key frames of random images and short questions."""
+    data = {"scene0": {"scene_description": "", "key_frames": {}}}
+    for f in range(2):
+        frames = random_frames(100 + f)
+        paths = {}
+        for cam in CAMERAS:
+            p = folder / "samples" / cam / f"frame{f}.png"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(png(frames[cam]))
+            paths[cam] = f"../nuscenes/samples/{cam}/frame{f}.png"
+        qa = [{"Q": q, "A": "Yes." if i % 2 else "No."} for i, q in enumerate(QUESTIONS)]
+        data["scene0"]["key_frames"][f"frame{f}"] = {"QA": {"perception": qa}, "image_paths": paths}
+    path = folder / "qa.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    from litevlm_runtime.calibration import calibrate
+    from litevlm_runtime.pipeline import PipelineOptions
+
+    root = tmp_path_factory.getbasetemp()
+    model, bundle = lively_checkpoint(root), exported_bundle(root)
+    work = tmp_path_factory.mktemp("calibration")
+    qa = write_qa(work)
+    manifest, report = calibrate(model, qa, "int8", work / "out", PipelineOptions(max_new_tokens=MAX_NEW_TOKENS),
+                                 bundle=bundle, calib_questions=4, eval_questions=3, samples_per_graph=4,
+                                 progress=lambda m: None)
+    return model, bundle, work / "out" / "int8", manifest, report
+
+
+def test_int8_bundle_has_qdq_graphs_and_keeps_its_interface(calibrated):
+    import onnx
+
+    _, bundle, out, manifest, _ = calibrated
+    source = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["precision"] == "int8"
+    assert [(g["stage"], g["bucket"]) for g in manifest["graphs"]] == [(g["stage"], g["bucket"]) for g in source["graphs"]]
+    for g, src in zip(manifest["graphs"], source["graphs"]):
+        assert g["inputs"] == src["inputs"] and g["outputs"] == src["outputs"]
+        ops = {n.op_type for n in onnx.load(str(out / g["file"]), load_external_data=False).graph.node}
+        if g["stage"] == "head":
+            assert "QuantizeLinear" not in ops      # LM head kept in full precision
+        else:
+            assert {"QuantizeLinear", "DequantizeLinear"} <= ops, g["file"]
+            assert g["calibration_samples"] >= 1
+    report = json.loads((out.parent / "calibration_report.json").read_text())
+    assert report["precision"] == "int8"
+
+
+def test_int8_bundle_runs_in_onnxruntime_close_to_fp32(calibrated):
+    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+    model, bundle, out, _, report = calibrated
+    make = lambda b: Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS, backend="onnxruntime",
+                                                                     extra={"bundle": str(b)}))
+    fp32, int8 = make(bundle), make(out)
+    pixels = torch.randn(6, 3, fp32.tile, fp32.tile, generator=torch.Generator().manual_seed(0)).clamp(-2, 2)
+    ref = fp32.engines.vision.run(pixels=pixels).clone()
+    got = int8.engines.vision.run(pixels=pixels).clone()
+    rel = float((got - ref).abs().max() / ref.abs().max())
+    assert 0 < rel < 0.25          # quantized (not bit-identical), and still the same function
+    ans = int8.answer(random_frames(3), QUESTIONS[0])
+    assert 1 <= len(ans.token_ids) <= MAX_NEW_TOKENS
+    assert report.questions == 3
+    assert 0.0 <= report.token_agreement <= 1.0 and report.reference_tokens > 0
+
+
+def test_recorder_reservoir_is_bounded_and_deterministic():
+    from litevlm_runtime.calibration import Recorder
+
+    def run():
+        r = Recorder(per_graph=3, seed=0)
+        for i in range(50):
+            r.record("g.onnx", {"x": torch.full((2,), float(i))})
+        return [int(s["x"][0]) for s in r.samples["g.onnx"]]
+
+    kept = run()
+    assert len(kept) == 3 and kept == run() and max(kept) > 2   # later calls can replace early ones
+
+
+def test_fit_sample_prefix_and_padding():
+    from litevlm_runtime.calibration import fit_sample
+
+    t, s = 5, 9
+    sample = {"embeds": np.arange(t * 2, dtype=np.float32).reshape(t, 2), "positions": np.arange(t),
+              "mask_cache": np.ones((t, s), dtype=bool), "mask_new": np.tril(np.ones((t, t), dtype=bool)),
+              "k_cache": np.zeros((1, 1, s, 2), np.float32), "v_cache": np.zeros((1, 1, s, 2), np.float32)}
+    short = fit_sample("decoder", sample, 3)
+    assert short["embeds"].shape == (3, 2) and short["mask_new"].shape == (3, 3) and short["mask_cache"].shape == (3, s)
+    long = fit_sample("decoder", sample, 8)
+    assert long["embeds"].shape == (8, 2) and not long["embeds"][t:].any()
+    assert not long["mask_cache"][t:].any()
+    assert long["mask_new"][t:, t:].diagonal().all() and long["mask_new"][t:, :t].sum() == 0
+    tiles = fit_sample("vision", {"pixels": np.ones((2, 3, 4, 4), np.float32)}, 5)
+    assert tiles["pixels"].shape == (5, 3, 4, 4)
+
+
+def test_queries_from_a_rosbag(tmp_path):
+    from litevlm_runtime.calibration import load_queries
+    from litevlm_runtime.ros.bag import BagContents, BagQuery, CameraFrame, write_bag
+
+    contents = BagContents()
+    frames = random_frames(7)
+    for cam in CAMERAS:
+        contents.frames[cam].append(CameraFrame(1_000, png(frames[cam]), "png"))
+    contents.queries.append(BagQuery(2_000, "Is there a car behind?", "q1"))
+    bag = write_bag(contents, tmp_path / "bag")
+    queries = load_queries(bag)
+    assert [q.question for q in queries] == ["Is there a car behind?"]
+    assert set(queries[0].images) == set(CAMERAS)
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    from litevlm_runtime.calibration import load_queries
+
+    with pytest.raises(InputError, match="expected a DriveLM QA"):
+        load_queries(tmp_path / "data.txt")
+    (tmp_path / "qa.json").write_text("[1, 2]")
+    with pytest.raises(InputError):
+        load_queries(tmp_path / "qa.json")
