@@ -40,6 +40,10 @@ class PipelineOptions:
     max_new_tokens: int = 64
     cameras: tuple[str, ...] = CAMERAS  # the rig this pipeline serves
     backend: str = "torch"              # stage engines: torch | onnxruntime | tensorrt
+    view_selection: str = "all"         # all | selector (text-only view selector, <model>/view_selector)
+    view_selector_dir: str | None = None
+    view_keyword_weight: float | None = None   # override the selector's saved fusion weight
+    view_threshold: float | None = None        # override the selector's saved threshold
     decoding: str = "greedy"            # greedy | eagle (EAGLE-2 draft tree, lossless under greedy)
     eagle_dir: str | None = None        # draft head folder (default: <model>/eagle)
     eagle_total: int = 60               # draft tree nodes verified per step (paper default 60)
@@ -71,8 +75,9 @@ class PipelineOptions:
 
 class Pipeline:
     def __init__(self, model, tokenizer: Tokenizer, options: PipelineOptions, name: str = "model", draft=None,
-                 token_selector=None):
+                 token_selector=None, model_dir: str | Path | None = None):
         self.name = name
+        self.model_dir = Path(model_dir) if model_dir else None
         self.options = options
         if options.threads:
             torch.set_num_threads(options.threads)
@@ -96,6 +101,17 @@ class Pipeline:
             grid = self.cfg.patches_per_side
             self.pos_embed = self.model.vision_model.embeddings.position_embedding_for(grid, grid)
         self.engines = make_engines(self, options.backend)
+        self.view_selector = None
+        if options.view_selection == "selector":
+            from .view_selector import load_view_selector
+
+            folder = options.view_selector_dir or (Path(self.model_dir) / "view_selector" if self.model_dir else None)
+            if folder is None:
+                raise InputError("view_selection='selector' needs view_selector_dir")
+            self.view_selector = load_view_selector(folder, keyword_weight=options.view_keyword_weight,
+                                                    threshold=options.view_threshold)
+        elif options.view_selection != "all":
+            raise InputError(f"unknown view_selection {options.view_selection!r} (all | selector)")
         self.eagle = None
         if options.decoding == "eagle":
             if draft is None:
@@ -135,10 +151,8 @@ class Pipeline:
             if options.token_selector is not None or folder.is_dir():
                 selector = load_token_selector(folder, model.language_model, options.token_reduce,
                                                DTYPES[options.dtype])
-        pipe = cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name, draft=draft,
-                   token_selector=selector)
-        pipe.model_dir = Path(model_dir)
-        return pipe
+        return cls(model, Tokenizer(model_dir), options, name=Path(model_dir).name, draft=draft,
+                   token_selector=selector, model_dir=model_dir)
 
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
@@ -193,7 +207,9 @@ class Pipeline:
         return ids
 
     def select_views(self, question: str) -> list[str]:
-        return list(self.options.cameras)
+        if self.view_selector is None:
+            return list(self.options.cameras)
+        return [c for c in self.view_selector.select(question) if c in self.options.cameras] or list(self.options.cameras)
 
     def preprocess(self, images: dict, cameras: list[str]) -> torch.Tensor:
         tpc, s = self.tiles_per_camera, self.tile

@@ -26,6 +26,17 @@ class DraftTree:
     depths: list[int]
 
 
+def tree_ancestors(tree: DraftTree) -> torch.Tensor:
+    """[T, T] bool: row i marks node i and its ancestors (what node i may attend to in the tree)."""
+    t = len(tree.tokens)
+    anc = torch.eye(t, dtype=torch.bool)
+    parents, depths = torch.tensor(tree.parents), torch.tensor(tree.depths)
+    for d in range(1, int(depths.max()) + 1):            # parents are complete before their children
+        rows = (depths == d).nonzero().flatten()
+        anc[rows] |= anc[parents[rows]]
+    return anc
+
+
 class Eagle2Decoder:
     def __init__(self, pipe, draft, total: int = 60, depth: int = 6, topk: int = 10):
         self.pipe, self.draft = pipe, draft
@@ -44,61 +55,59 @@ class Eagle2Decoder:
         return torch.log_softmax(self.pipe.engines.head.run(hidden=hidden).float(), dim=-1)
 
     def build_tree(self, h_root: torch.Tensor, root: int, p: int, root_pos: int) -> DraftTree:
-        """Expand the tree with the draft; `p` is the accepted length (draft scratch starts there)."""
+        """Expand the tree with the draft; `p` is the accepted length (draft scratch starts there).
+
+        Candidates live in flat tensors in creation order (a node's id is larger than its
+        parent's), so reranking and ancestor bookkeeping are a few tensor ops per level rather
+        than Python loops over nodes: on a CPU this loop is the draft's whole overhead.
+        """
         a, k = self.pipe.arena, self.topk
         embed = self.pipe.lm.embed
-        tokens, parents, depths, scores = [root], [-1], [0], [0.0]
-        draft_slot: dict[int, int] = {}          # node -> draft scratch slot (expanded nodes only)
-        hidden_of: dict[int, torch.Tensor] = {0: h_root[0]}
-        logp = self.draft_logprobs(h_root)[0]
-        top_lp, top_tok = logp.topk(k)
-        frontier = []
-        for lp, tok in zip(top_lp.tolist(), top_tok.tolist()):
-            tokens.append(tok), parents.append(0), depths.append(1), scores.append(lp)
-            frontier.append(len(tokens) - 1)
-        next_slot = p
+        top_lp, top_tok = self.draft_logprobs(h_root)[0].topk(k)
+        # Candidate arrays (node 0 = root).
+        tok = [torch.tensor([root]), top_tok]
+        score = [torch.zeros(1), top_lp]
+        parent = [torch.tensor([-1]), torch.zeros(k, dtype=torch.long)]
+        depth = [torch.zeros(1, dtype=torch.long), torch.ones(k, dtype=torch.long)]
+        count = 1 + k
+        # The frontier: nodes to expand next, with their parent's feature estimate and the draft
+        # scratch slots of their expanded ancestors.
+        f_ids = torch.arange(1, 1 + k)
+        f_tok, f_score = top_tok, top_lp
+        f_feat = h_root.expand(k, -1)
+        scratch = (self.depth - 1) * k
+        f_anc = torch.zeros(k, scratch, dtype=torch.bool)
         for level in range(2, self.depth + 1):
-            # Run the draft on the frontier: pair (embedding of the node, feature estimate of its parent).
-            rows = len(frontier)
-            slots = torch.arange(next_slot, next_slot + rows)
-            for i, n in enumerate(frontier):
-                draft_slot[n] = next_slot + i
-            next_slot += rows
-            mask = a.mask[:rows, :next_slot]
-            mask.fill_(False)
+            used = (level - 2) * k                       # scratch slots taken by earlier levels
+            f_anc[:, used:used + k] = torch.eye(k, dtype=torch.bool)
+            mask = a.mask[:k, :p + used + k]
             mask[:, :p] = True
-            for i, n in enumerate(frontier):
-                m = n
-                while m > 0:
-                    mask[i, draft_slot[m]] = True
-                    m = parents[m]
-            emb = embed(torch.tensor([tokens[n] for n in frontier]))
-            feats = torch.stack([hidden_of[parents[n]] for n in frontier])
-            positions = torch.tensor([root_pos + depths[n] - 1 for n in frontier])
-            h = self.run_draft(emb, feats, slots, positions, mask)
-            for i, n in enumerate(frontier):
-                hidden_of[n] = h[i]
-            lp_children, tok_children = self.draft_logprobs(h).topk(k, dim=-1)          # [rows, k]
-            cand_scores = torch.tensor([scores[n] for n in frontier])[:, None] + lp_children
-            flat = cand_scores.flatten()
-            new_nodes = []
-            for idx, (sc, tok) in enumerate(zip(flat.tolist(), tok_children.flatten().tolist())):
-                parent = frontier[idx // k]
-                tokens.append(tok), parents.append(parent), depths.append(level), scores.append(sc)
-                new_nodes.append(len(tokens) - 1)
-            best = flat.topk(min(k, flat.numel())).indices.tolist()
-            frontier = [new_nodes[i] for i in best]
-        # Rerank: best `total` nodes by cumulative score; ties go to the shallower node, so a child
-        # (score <= its parent's) never enters without its parent: the set is ancestor-closed.
-        order = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))[: self.total]
-        keep = sorted(order, key=lambda n: (depths[n], n))           # parents before children
-        index = {0: 0}
-        for i, n in enumerate(keep):
-            index[n] = i + 1
+            mask[:, p:] = f_anc[:, :used + k]
+            slots = a.slots[p + used:p + used + k]
+            positions = torch.full((k,), root_pos + level - 2)
+            h = self.run_draft(embed(f_tok), f_feat, slots, positions, mask)
+            lp, child_tok = self.draft_logprobs(h).topk(k, dim=-1)               # [k, k]
+            child_score = (f_score[:, None] + lp).flatten()
+            tok.append(child_tok.flatten()), score.append(child_score)
+            parent.append(f_ids.repeat_interleave(k)), depth.append(torch.full((k * k,), level))
+            best = child_score.topk(k).indices
+            f_ids = count + best
+            f_tok, f_score = child_tok.flatten()[best], child_score[best]
+            f_feat, f_anc = h[best // k], f_anc[best // k]
+            count += k * k
+        tok, score, parent, depth = (torch.cat(x) for x in (tok, score, parent, depth))
+        # Rerank: best `total` nodes by cumulative score. A child's score never exceeds its
+        # parent's (log-probabilities are <= 0) and a stable sort breaks ties by id, parent first:
+        # the kept set is ancestor-closed.
+        order = torch.sort(score[1:], descending=True, stable=True).indices[: self.total] + 1
+        keep = torch.sort(order).values                                          # parents first
+        index = torch.full((count,), -1, dtype=torch.long)
+        index[0] = 0
+        index[keep] = torch.arange(1, len(keep) + 1)
         return DraftTree(
-            tokens=[root] + [tokens[n] for n in keep],
-            parents=[-1] + [index[parents[n]] for n in keep],
-            depths=[0] + [depths[n] for n in keep],
+            tokens=[root] + tok[keep].tolist(),
+            parents=[-1] + index[parent[keep]].tolist(),
+            depths=[0] + depth[keep].tolist(),
         )
 
     # ------------------------------------------------------------------ verify + accept
@@ -126,12 +135,8 @@ class Eagle2Decoder:
             ids = torch.tensor(tree.tokens)
             a.positions[p:p + t] = torch.tensor(tree.depths) + root_pos
             vmask = a.mask[:t, :p + t]
-            vmask.fill_(False)
             vmask[:, :p] = True
-            for i, parent in enumerate(tree.parents):
-                if parent >= 0:
-                    vmask[i, p:p + t] = vmask[parent, p:p + t]
-                vmask[i, p + i] = True
+            vmask[:, p:] = tree_ancestors(tree)
             hidden = pipe.run_decoder(pipe.lm.embed(ids), a.positions[p:p + t], a.slots[p:p + t], vmask)
             pred = pipe.engines.head.run(hidden=hidden).argmax(-1).tolist()
             steps += 1

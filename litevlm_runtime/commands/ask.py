@@ -18,13 +18,14 @@ def add_pipeline_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
 def pipeline_options(args):
     from ..pipeline import PipelineOptions
 
     return PipelineOptions(device=args.device, dtype=args.dtype, tiles_per_camera=args.tiles_per_camera,
-                           max_new_tokens=args.max_new_tokens)
+                           max_new_tokens=args.max_new_tokens, threads=args.threads)
 
 
 def register(subparsers) -> None:

@@ -42,7 +42,31 @@ def register(subparsers) -> None:
                                      "(NAME or NAME=BUNDLE, e.g. torch,onnxruntime=b,onnxruntime=b-int8); "
                                      "one backend keeps the transformers comparison")
     p.add_argument("--bundle", type=Path, help="default export bundle for onnxruntime/tensorrt in --backend")
+    p.add_argument("--ablation", action="store_true",
+                   help="baseline / +FastV / +EAGLE / LiteVLM on --data questions (needs the model's trained modules)")
+    p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
+    p.add_argument("--limit", type=int, default=40, help="--ablation: first N questions")
+    p.add_argument("--plot", type=Path, help="--ablation: write the per-stage bar chart (PNG) here")
     p.set_defaults(func=run)
+
+
+def run_ablation_command(args) -> int:
+    import json
+    import sys
+
+    from ..ablation import ablation_plot, ablation_table, run_ablation
+    from ..errors import InputError
+
+    if not args.data or not args.frames:
+        raise InputError("--ablation needs --data QA.json and --frames ROOT")
+    result = run_ablation(args.model, args.data, args.frames, pipeline_options(args), args.limit,
+                          progress=lambda m: print(m, file=sys.stderr))
+    if args.plot:
+        ablation_plot(result, args.plot)
+    print(json.dumps(result, indent=2) if args.json else ablation_table(result))
+    if args.plot and not args.json:
+        print(f"plot: {args.plot}")
+    return 0
 
 
 def run(args) -> int:
@@ -51,6 +75,8 @@ def run(args) -> int:
     from ..benchmark import DEFAULT_QUESTIONS, run_benchmark
     from ..pipeline import Pipeline
 
+    if args.ablation:
+        return run_ablation_command(args)
     options = pipeline_options(args)
     if args.backend:
         from ..backend_bench import parse_backends

@@ -22,6 +22,7 @@ PIPELINE_PRESETS: dict[str, dict] = {
     "eagle": {"decoding": "eagle"},                   # EAGLE-2 draft tree (needs <model>/eagle)
     "tokens": {"token_keep_ratio": 0.8},              # token selector, the paper's FP16 r
     "fastv": {"fastv_ratio": 0.7},                    # the paper's "FastV r=0.3" baseline
+    "litevlm": {"view_selection": "selector", "token_keep_ratio": 0.8, "decoding": "eagle"},  # all three modules
 }
 BLANK_GREY = 128
 DEFAULT_SIZE = (1600, 900)
