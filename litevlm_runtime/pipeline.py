@@ -49,6 +49,8 @@ class PipelineOptions:
     eagle_total: int = 60               # draft tree nodes verified per step (paper default 60)
     eagle_depth: int = 6                # draft levels (paper 5 to 7)
     eagle_topk: int = 10                # children expanded per node (paper 10)
+    temperature: float = 0.0            # 0: greedy; > 0: sampling (EAGLE-2 verifies by rejection sampling)
+    seed: int = 0                       # sampling generator seed
     token_keep_ratio: float = 1.0       # token selector: keep this fraction of visual tokens (1.0 = all,
                                         # selector off; paper 0.8 FP16, 0.9 FP8)
     token_selector: str | None = None   # selector folder (default: <model>/token_selector if present);
@@ -112,13 +114,15 @@ class Pipeline:
                                                     threshold=options.view_threshold)
         elif options.view_selection != "all":
             raise InputError(f"unknown view_selection {options.view_selection!r} (all | selector)")
+        self.sampler = torch.Generator().manual_seed(options.seed)
         self.eagle = None
         if options.decoding == "eagle":
             if draft is None:
                 raise InputError("decoding='eagle' needs an EAGLE-2 draft head (train one: litevlm train eagle)")
             draft.init_rope(self.arena.max_len)
             self.eagle = Eagle2Decoder(self, draft.to(self.device, self.dtype),
-                                       options.eagle_total, options.eagle_depth, options.eagle_topk)
+                                       options.eagle_total, options.eagle_depth, options.eagle_topk,
+                                       options.temperature, self.sampler)
         elif options.decoding != "greedy":
             raise InputError(f"unknown decoding {options.decoding!r} (greedy | eagle)")
         self.token_selector = None        # token selection stage (None: keep every visual token)
@@ -300,8 +304,15 @@ class Pipeline:
             hidden = self.run_decoder(embeds, positions, slots, mask)
             self.prefill_counts = (n, kept)
         self.prefill_hidden = hidden          # target features of the prompt (EAGLE-2 draft input)
-        next_id = int(self.engines.head.run(hidden=hidden[-1:]).argmax(-1))
+        next_id = self.choose(self.engines.head.run(hidden=hidden[-1:]))
         return n, prompt.length, next_id
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from one row of logits: argmax, or a draw at the configured temperature."""
+        if self.options.temperature <= 0:
+            return int(logits.argmax(-1))
+        probs = torch.softmax(logits[-1].float() / self.options.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.sampler))
 
     def run_decoder(self, embeds, positions, slots, mask) -> torch.Tensor:
         a = self.arena
@@ -327,7 +338,7 @@ class Pipeline:
             mask.fill_(True)
             emb = self.lm.embed(a.token_ids[slot:slot + 1])
             hidden = self.run_decoder(emb, a.positions[slot:slot + 1], a.slots[slot:slot + 1], mask)
-            next_id = int(self.engines.head.run(hidden=hidden).argmax(-1))
+            next_id = self.choose(self.engines.head.run(hidden=hidden))
             steps += 1
             slot += 1
             next_pos += 1

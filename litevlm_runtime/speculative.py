@@ -24,6 +24,10 @@ class DraftTree:
     tokens: list[int]        # node 0 is the root (the last emitted token)
     parents: list[int]       # parent index per node (-1 for the root)
     depths: list[int]
+    # Sampling mode only: per expanded tree node, the draft distribution q and the i.i.d. samples
+    # drawn from it (duplicates kept: the verification walks the samples in draw order).
+    draft_probs: dict[int, torch.Tensor] | None = None
+    samples: dict[int, list[int]] | None = None
 
 
 def tree_ancestors(tree: DraftTree) -> torch.Tensor:
@@ -37,10 +41,47 @@ def tree_ancestors(tree: DraftTree) -> torch.Tensor:
     return anc
 
 
+def speculative_sample(children: dict[tuple[int, int], int], samples: dict[int, list[int]],
+                       draft_probs: dict[int, torch.Tensor], target_probs: torch.Tensor,
+                       gen: torch.Generator | None) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling over a draft tree (SpecInfer's multi-step rejection
+    sampling): at each node with target distribution p, walk the draft's i.i.d. samples from q in
+    draw order; accept sample s with probability min(1, r(s)/q(s)), else set the residual
+    r <- norm(max(r - q, 0)) and try the next; if none is accepted, draw from r. Every emitted
+    token is then distributed exactly as the target's own sampling would give.
+
+    Returns (accepted tree path starting at the root 0, the next token): the next token is the
+    accepted sample that has no node in the tree, the residual draw, or a draw from p at a leaf.
+    """
+    path = [0]
+    while True:
+        node = path[-1]
+        r = target_probs[node]
+        draws = samples.get(node) if samples else None
+        if not draws:
+            return path, int(torch.multinomial(r, 1, generator=gen))
+        q = draft_probs[node]
+        for s in draws:
+            if float(torch.rand(1, generator=gen)) < float(r[s]) / float(q[s]):      # u < r(s)/q(s)
+                child = children.get((node, s))
+                if child is None:
+                    return path, s
+                path.append(child)
+                break
+            residual = torch.clamp(r - q, min=0)
+            total = float(residual.sum())
+            if total > 1e-12:        # total == 0 only when r == q, where the draw is always accepted
+                r = residual / total
+        else:
+            return path, int(torch.multinomial(r, 1, generator=gen))
+
+
 class Eagle2Decoder:
-    def __init__(self, pipe, draft, total: int = 60, depth: int = 6, topk: int = 10):
+    def __init__(self, pipe, draft, total: int = 60, depth: int = 6, topk: int = 10, temperature: float = 0.0,
+                 generator: torch.Generator | None = None):
         self.pipe, self.draft = pipe, draft
         self.total, self.depth, self.topk = total, depth, topk
+        self.temperature, self.gen = temperature, generator
         a = pipe.arena
         if total + 1 > a.limits.tree_tokens or (depth - 1) * topk > a.limits.tree_tokens:
             raise ValueError(f"tree (total {total}, depth {depth}, top-k {topk}) exceeds the arena's "
@@ -63,7 +104,11 @@ class Eagle2Decoder:
         """
         a, k = self.pipe.arena, self.topk
         embed = self.pipe.lm.embed
-        top_lp, top_tok = self.draft_logprobs(h_root)[0].topk(k)
+        sampling = self.temperature > 0
+        q_of: dict[int, torch.Tensor] = {}
+        samples_of: dict[int, list[int]] = {}
+        top_lp, top_tok = self.propose(self.draft_logprobs(h_root), torch.zeros(1, dtype=torch.long), q_of, samples_of)
+        top_lp, top_tok = top_lp[0], top_tok[0]
         # Candidate arrays (node 0 = root).
         tok = [torch.tensor([root]), top_tok]
         score = [torch.zeros(1), top_lp]
@@ -86,7 +131,7 @@ class Eagle2Decoder:
             slots = a.slots[p + used:p + used + k]
             positions = torch.full((k,), root_pos + level - 2)
             h = self.run_draft(embed(f_tok), f_feat, slots, positions, mask)
-            lp, child_tok = self.draft_logprobs(h).topk(k, dim=-1)               # [k, k]
+            lp, child_tok = self.propose(self.draft_logprobs(h), f_ids, q_of, samples_of)   # [k, k]
             child_score = (f_score[:, None] + lp).flatten()
             tok.append(child_tok.flatten()), score.append(child_score)
             parent.append(f_ids.repeat_interleave(k)), depth.append(torch.full((k * k,), level))
@@ -99,16 +144,42 @@ class Eagle2Decoder:
         # Rerank: best `total` nodes by cumulative score. A child's score never exceeds its
         # parent's (log-probabilities are <= 0) and a stable sort breaks ties by id, parent first:
         # the kept set is ancestor-closed.
-        order = torch.sort(score[1:], descending=True, stable=True).indices[: self.total] + 1
+        valid = int(torch.isfinite(score[1:]).sum())          # sampling: duplicate draws are -inf
+        order = torch.sort(score[1:], descending=True, stable=True).indices[: min(self.total, valid)] + 1
         keep = torch.sort(order).values                                          # parents first
         index = torch.full((count,), -1, dtype=torch.long)
         index[0] = 0
         index[keep] = torch.arange(1, len(keep) + 1)
-        return DraftTree(
+        tree = DraftTree(
             tokens=[root] + tok[keep].tolist(),
             parents=[-1] + index[parent[keep]].tolist(),
             depths=[0] + depth[keep].tolist(),
         )
+        if sampling:
+            tree.draft_probs = {int(index[g]): q for g, q in q_of.items() if index[g] >= 0}
+            tree.samples = {int(index[g]): v for g, v in samples_of.items() if index[g] >= 0}
+        return tree
+
+    def propose(self, logprobs: torch.Tensor, node_ids: torch.Tensor, q_of: dict, samples_of: dict):
+        """Children of each expanded node: (log-prob under the draft, token), each [rows, k].
+
+        Greedy: the top-k tokens. Sampling: k i.i.d. draws from the temperature-scaled draft
+        distribution q (what multi-candidate rejection sampling requires); a token drawn twice
+        becomes one node, its repeats get score -inf so they are never kept.
+        """
+        if self.temperature <= 0:
+            return logprobs.topk(self.topk, dim=-1)
+        q = torch.softmax(logprobs / self.temperature, dim=-1)
+        draws = torch.multinomial(q, self.topk, replacement=True, generator=self.gen)     # [rows, k]
+        lp = torch.log(q.gather(1, draws))
+        for r, g in enumerate(node_ids.tolist()):
+            q_of[g], samples_of[g] = q[r], draws[r].tolist()
+            seen = set()
+            for j, t in enumerate(samples_of[g]):
+                if t in seen:
+                    lp[r, j] = float("-inf")
+                seen.add(t)
+        return lp, draws
 
     # ------------------------------------------------------------------ verify + accept
     def decode(self, root: int, p: int, root_pos: int, max_new: int) -> tuple[list[int], int, float]:
@@ -138,14 +209,18 @@ class Eagle2Decoder:
             vmask[:, :p] = True
             vmask[:, p:] = tree_ancestors(tree)
             hidden = pipe.run_decoder(pipe.lm.embed(ids), a.positions[p:p + t], a.slots[p:p + t], vmask)
-            pred = pipe.engines.head.run(hidden=hidden).argmax(-1).tolist()
+            logits = pipe.engines.head.run(hidden=hidden)
             steps += 1
-
             children: dict[tuple[int, int], int] = {(par, tree.tokens[i]): i for i, par in enumerate(tree.parents) if par >= 0}
-            path = [0]
-            while (path[-1], pred[path[-1]]) in children:
-                path.append(children[(path[-1], pred[path[-1]])])
-            bonus = pred[path[-1]]
+            if self.temperature > 0:
+                probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+                path, bonus = speculative_sample(children, tree.samples, tree.draft_probs, probs, self.gen)
+            else:
+                pred = logits.argmax(-1).tolist()
+                path = [0]
+                while (path[-1], pred[path[-1]]) in children:
+                    path.append(children[(path[-1], pred[path[-1]])])
+                bonus = pred[path[-1]]
             new_tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
 
             # Copy the accepted rows' KV from their tree slots down into place (src index >= dst).
