@@ -129,7 +129,8 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
     pairs = [({c: Path(p).read_bytes() for c, p in im.items()}, q) for im, q in pairs]
     held, train_pairs = pairs[:holdout], pairs[holdout:]
     t0 = time.time()
-    mine = d.shard(train_pairs)
+    # Every rank takes the same number of steps (DDP's all-reduce pairs them up one to one).
+    mine = d.shard(train_pairs[: len(train_pairs) - len(train_pairs) % d.world])
     log(f"[rank {d.rank}] collecting target features for {len(mine)} questions ...")
     seqs = collect(pipe, mine, progress=lambda i, n: log(f"  features {i}/{n}") if i % 25 == 0 or i == n else None)
     # Tensors made under inference_mode cannot enter autograd: take ordinary copies.
