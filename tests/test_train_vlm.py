@@ -69,6 +69,10 @@ def test_packed_loss_equals_sum_of_separate_losses(synth_set, tmp_path):
     packed = vlm.PackedLoss(model)(pixels.flatten(0, 1), batch)
     separate = sum(_reference_loss(model, pixels[f], e) for f in range(2) for e in enc[f])
     assert torch.allclose(packed, separate, rtol=1e-10, atol=0), (packed.item(), separate.item())
+    # Per-sample weighting: every QA's weights sum to 1.
+    weighted = vlm.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
+    assert torch.equal(weighted.target_rows, batch.target_rows)
+    assert abs(float(weighted.weights.sum()) - 6) < 1e-12
     # ... and a wrong mask would show: letting branches see each other changes the loss.
     leaky = vlm.pack([(0, enc[0]), (1, enc[1])])
     leaky.mask = leaky.mask | torch.ones_like(leaky.mask).tril()

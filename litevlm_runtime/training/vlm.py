@@ -189,6 +189,7 @@ class PackedBatch:
     visual_rows: torch.Tensor    # [V] rows receiving visual tokens, ordered group, camera, token
     target_rows: torch.Tensor    # [N] rows whose next token is an answer token (or <|im_end|>)
     targets: torch.Tensor        # [N] those next tokens
+    weights: torch.Tensor        # [N] loss weight of each target (1, or 1/answer length per sample)
     frames: list[int]            # frame index of each group (order of the visual tokens)
     samples: int                 # QA count
 
@@ -202,13 +203,17 @@ def common_prefix_len(seqs: list[list[int]]) -> int:
     return n
 
 
-def pack(groups: list[tuple[int, list[Encoded]]]) -> PackedBatch:
-    """groups: (frame index, encoded QA of that frame). One prefix tree per group."""
+def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> PackedBatch:
+    """groups: (frame index, encoded QA of that frame). One prefix tree per group.
+
+    per_sample: weight each target by 1/(its answer's length), so that every QA counts the same
+    in the loss (a one-token "Yes." as much as a 40-token description) instead of every token."""
     ids: list[int] = []
     pos: list[int] = []
     visual_rows: list[int] = []
     target_rows: list[int] = []
     targets: list[int] = []
+    weights: list[float] = []
     blocks: list[tuple[int, int, list[int]]] = []
     for _, items in groups:
         # Each branch keeps at least its last prompt token: its logits predict the first answer token.
@@ -228,6 +233,7 @@ def pack(groups: list[tuple[int, list[Encoded]]]) -> PackedBatch:
             for j in range(first, len(branch) - 1):
                 target_rows.append(base + j)
                 targets.append(branch[j + 1])
+                weights.append(1.0 / len(e.answer) if per_sample else 1.0)
             ids += branch
             pos += range(shared, shared + len(branch))
             lengths.append(len(branch))
@@ -243,7 +249,7 @@ def pack(groups: list[tuple[int, list[Encoded]]]) -> PackedBatch:
             b += n
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
     return PackedBatch(as_long(ids), as_long(pos), mask, as_long(visual_rows), as_long(target_rows),
-                       as_long(targets), [f for f, _ in groups], sum(len(items) for _, items in groups))
+                       as_long(targets), torch.tensor(weights, dtype=torch.float64), [f for f, _ in groups], sum(len(items) for _, items in groups))
 
 
 def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: int) -> list[list[tuple[int, list[Encoded]]]]:
@@ -276,7 +282,7 @@ def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: in
 
 
 class PackedLoss(nn.Module):
-    """Summed answer-token cross-entropy of a packed batch (the module DDP wraps)."""
+    """Weighted sum of the answer-token cross-entropies of a packed batch (the module DDP wraps)."""
 
     def __init__(self, model: InternVL):
         super().__init__()
@@ -298,7 +304,8 @@ class PackedLoss(nn.Module):
         hidden = lm(embeds, batch.positions, slots, batch.mask, k_cache, v_cache)
         logits = lm.head(hidden[batch.target_rows])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp16/bf16 -> fp32, fp64 stays
-        return F.cross_entropy(logits, batch.targets, reduction="sum")
+        ce = F.cross_entropy(logits, batch.targets, reduction="none")
+        return (ce * batch.weights.to(ce.dtype)).sum()
 
 
 def pixels_for(cache: TileCache, frames: list[int], normalize: Normalizer) -> torch.Tensor:
@@ -503,7 +510,9 @@ def _train(args, rank: int, world: int, log) -> dict | None:
             queue += epoch_groups(encoded, args.questions_per_frame, rng, args.questions_per_visit)
         groups, queue = queue[:per_step], queue[per_step:]
         mine = groups[rank::world]
-        n_targets_global = sum(len(e.answer) for _, items in groups for e in items)
+        # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
+        per_sample = args.loss_per == "sample"
+        n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
         for g in opt.param_groups:
             g["lr"] = learning_rate(step, total, args.lr, warmup)
         # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
@@ -513,7 +522,7 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         loss_sum_local = torch.zeros(())
         n_targets_local = n_samples_local = 0
         for i, seq in enumerate(sequences):
-            batch = pack(seq)
+            batch = pack(seq, per_sample)
             sync = contextlib.nullcontext() if (world == 1 or i == len(sequences) - 1) else loss_module.no_sync()
             with sync:
                 seq_loss = loss_module(pixels_for(cache, batch.frames, normalize), batch)
@@ -521,7 +530,7 @@ def _train(args, rank: int, world: int, log) -> dict | None:
                 # ranks: the gradient equals that of one process seeing the whole global batch.
                 (seq_loss * (world / n_targets_global)).backward()
             loss_sum_local += seq_loss.detach()
-            n_targets_local += len(batch.targets)
+            n_targets_local += float(batch.weights.sum())
             n_samples_local += batch.samples
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
         opt.step()
@@ -606,6 +615,8 @@ def register(subparsers) -> None:
     p.add_argument("--questions-per-visit", type=int, default=0,
                    help="random questions of each frame per pass over the data (0: all)")
     p.add_argument("--max-sequence-tokens", type=int, default=1024, help="longest packed sequence per forward")
+    p.add_argument("--loss-per", choices=("token", "sample"), default="sample",
+                   help="mean the loss over answer tokens, or over QA (short yes/no answers weigh as much as long ones)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
     p.add_argument("--weight-decay", type=float, default=0.05)
