@@ -108,7 +108,7 @@ def ablation_plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     left = [0.0] * len(rows)
     for stage in STAGES:
         vals = [r["stage_ms"][stage] for r in rows]
@@ -119,7 +119,7 @@ def ablation_plot(result: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("median milliseconds per query")
     ax.set_title(f"LiteVLM ablation: {Path(result['model']).name}, {result['questions']} questions")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(STAGES), fontsize=8, frameon=False)
     ax.set_xlim(0, max(left) * 1.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -19,13 +19,17 @@ def add_pipeline_args(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--eagle-tree", default="60,6,10", metavar="TOTAL,DEPTH,TOPK",
+                   help="EAGLE-2 draft tree where EAGLE decoding is used (paper defaults 60,6,10)")
 
 
 def pipeline_options(args):
     from ..pipeline import PipelineOptions
 
+    total, depth, topk = (int(x) for x in args.eagle_tree.split(","))
     return PipelineOptions(device=args.device, dtype=args.dtype, tiles_per_camera=args.tiles_per_camera,
-                           max_new_tokens=args.max_new_tokens, threads=args.threads)
+                           max_new_tokens=args.max_new_tokens, threads=args.threads,
+                           eagle_total=total, eagle_depth=depth, eagle_topk=topk)
 
 
 def register(subparsers) -> None:
