@@ -275,7 +275,7 @@ def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
 OPTIONAL_STAGES = {
     # stage -> module that implements it (written by other engineers); exported when present.
     "token_selector": "litevlm_runtime.token_selector",
-    "eagle_draft": "litevlm_runtime.eagle",
+    "eagle_draft": "litevlm_runtime.models.eagle",
 }
 
 
@@ -285,8 +285,8 @@ def optional_stage_status() -> dict[str, str]:
     status = {}
     for stage, module in OPTIONAL_STAGES.items():
         found = importlib.util.find_spec(module) is not None
-        status[stage] = (f"{module} exists but has no export form yet" if found
-                         else f"not present ({module} does not exist in this checkout)")
+        status[stage] = (f"not exported: {module} exists but has no static-shape export form yet (runs in PyTorch)"
+                         if found else f"not present ({module} does not exist in this checkout)")
     return status
 
 
@@ -393,3 +393,55 @@ def verify_files(manifest: dict, bundle: Path) -> None:
 
 def graphs_of(manifest: dict, stage: str) -> dict[int, dict]:
     return {g["bucket"]: g for g in manifest["graphs"] if g["stage"] == stage}
+
+
+# ------------------------------------------------------------------------------------ verify
+@torch.no_grad()
+def verify_bundle(pipe, bundle: Path, seed: int = 0) -> list[dict]:
+    """Every bucket of every stage through the bundle's graphs (ONNX Runtime) and through the
+    PyTorch stage, on the same random inputs; returns the relative errors
+    max |onnx - torch| / max |torch| of each output (decoder: hidden states and the stored K/V)."""
+    from dataclasses import replace
+
+    from .engines.onnxruntime_engine import onnxruntime_engines
+    from .engines.torch_engine import torch_engines
+
+    a = pipe.arena
+    ref = torch_engines(pipe)
+    saved_options = pipe.options
+    pipe.options = replace(pipe.options, extra={**pipe.options.extra, "bundle": str(bundle)})
+    try:
+        ort = onnxruntime_engines(pipe)
+    finally:
+        pipe.options = saved_options
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(pipe.dtype)
+    rel = lambda got, want: float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    rows = []
+    s, d = pipe.cfg.force_image_size, pipe.cfg.llm.hidden_size
+    for n in ort.vision.sizes:
+        pixels = rand(n, 3, s, s)
+        want = ref.vision.run(pixels=pixels).clone()
+        rows.append({"stage": "vision", "bucket": n, "output": "visual", "rel_error": rel(ort.vision.run(pixels=pixels), want)})
+    for t in ort.decoder.sizes:
+        history = min(16, a.max_len - t)                 # some earlier cache rows to attend to
+        slots = torch.arange(history, history + t)
+        mask = torch.zeros(t, history + t, dtype=torch.bool)
+        mask[:, :history] = True
+        mask[:, history:] = torch.ones(t, t, dtype=torch.bool).tril_()
+        embeds, positions = rand(t, d), torch.arange(history, history + t)
+        cache = (rand(*a.k_cache.shape), rand(*a.v_cache.shape))
+        out = {}
+        for name, engines in (("torch", ref), ("onnx", ort)):
+            a.k_cache.copy_(cache[0])
+            a.v_cache.copy_(cache[1])
+            hidden = engines.decoder.run(embeds=embeds, positions=positions, slots=slots, mask=mask,
+                                         k_cache=a.k_cache, v_cache=a.v_cache).clone()
+            out[name] = (hidden, a.k_cache[:, :, slots].clone(), a.v_cache[:, :, slots].clone())
+        for i, output in enumerate(("hidden", "k rows", "v rows")):
+            rows.append({"stage": "decoder", "bucket": t, "output": output, "rel_error": rel(out["onnx"][i], out["torch"][i])})
+    for t in ort.head.sizes:
+        hidden = rand(t, d)
+        want = ref.head.run(hidden=hidden).clone()
+        rows.append({"stage": "head", "bucket": t, "output": "logits", "rel_error": rel(ort.head.run(hidden=hidden), want)})
+    return rows

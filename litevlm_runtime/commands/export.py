@@ -14,6 +14,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, required=True, help="bundle folder to write")
     p.add_argument("--buckets", help="shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
                                      "(default: derived from the arena limits)")
+    p.add_argument("--verify", action="store_true", help="then run every graph in ONNX Runtime against the "
+                                                         "PyTorch stage and print the relative errors")
     p.set_defaults(func=run)
 
 
@@ -33,4 +35,16 @@ def run(args) -> int:
     for stage, why in manifest["not_present"].items():
         print(f"{stage}: {why}", file=sys.stderr)
     print(args.out / "manifest.json")
+    if args.verify:
+        from ..export import verify_bundle
+        from ..report import table
+
+        rows = verify_bundle(pipe, args.out)
+        print()
+        print(table(["stage", "bucket", "output", "rel error"],
+                    [[r["stage"], r["bucket"], r["output"], f"{r['rel_error']:.2e}"] for r in rows]))
+        print("\nrel error = max |onnxruntime - torch| / max |torch| on random inputs (fp32 target: <= 1e-4)")
+        if max(r["rel_error"] for r in rows) > (1e-4 if args.dtype == "float32" else 1e-2):
+            print("verify: FAILED", file=sys.stderr)
+            return 1
     return 0

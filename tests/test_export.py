@@ -1,0 +1,110 @@
+"""`litevlm export`: the bundle's manifest, its integrity checks, and every graph against the
+PyTorch stage (relative error max |onnx - torch| / max |torch| <= 1e-4 in fp32)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from export_fixtures import MAX_NEW_TOKENS, TEST_BUCKETS, exported_bundle, lively_checkpoint
+
+from litevlm_runtime.engines.buckets import Buckets, default_buckets, parse_buckets, pick
+from litevlm_runtime.errors import LiteVLMError
+from litevlm_runtime.export import checkpoint_hash, read_manifest, sha256_file, verify_bundle
+from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    return lively_checkpoint(root), exported_bundle(root)
+
+
+def test_manifest_describes_every_graph(exported):
+    model, bundle = exported
+    m = read_manifest(bundle)
+    assert m["model"]["checkpoint_sha256"] == checkpoint_hash(model)
+    assert m["buckets"] == TEST_BUCKETS.to_dict()
+    want = ([("vision", n) for n in TEST_BUCKETS.vision] + [("decoder", t) for t in TEST_BUCKETS.decoder()]
+            + [("head", t) for t in TEST_BUCKETS.head])
+    assert [(g["stage"], g["bucket"]) for g in m["graphs"]] == want
+    names = {"vision": (["pixels"], ["visual"]), "head": (["hidden"], ["logits"]),
+             "decoder": (["embeds", "positions", "mask_cache", "mask_new", "k_cache", "v_cache"],
+                         ["hidden", "k_new", "v_new"])}
+    for g in m["graphs"]:
+        assert ([i["name"] for i in g["inputs"]], [o["name"] for o in g["outputs"]]) == names[g["stage"]]
+        assert sha256_file(bundle / g["file"]) == g["sha256"]
+        rows = g["inputs"][0]["shape"][0]
+        assert rows == g["bucket"]
+        if g["stage"] == "decoder":
+            shapes = {i["name"]: i["shape"] for i in g["inputs"]}
+            assert shapes["mask_cache"] == [rows, m["arena"]["max_len"]] and shapes["mask_new"] == [rows, rows]
+            assert {i["name"]: i["dtype"] for i in g["inputs"]}["mask_new"] == "bool"
+            assert g["outputs"][1]["shape"][2] == rows
+    for name, digest in m["weights"].items():
+        assert sha256_file(bundle / name) == digest
+    # weights are stored once per stage, however many buckets use them
+    decoder_weights = (bundle / "decoder.weights").stat().st_size
+    assert decoder_weights < 1.5 * sum(p.numel() * 4 for n, p in _lm_params(model))
+    assert set(m["not_present"]) >= {"token_selector", "eagle_draft"}
+
+
+def _lm_params(model):
+    from litevlm_runtime.checkpoint import load_model
+
+    return [(n, p) for n, p in load_model(model).language_model.named_parameters() if "embed" not in n and "output" not in n]
+
+
+def test_every_graph_matches_the_torch_stage(exported):
+    model, bundle = exported
+    pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
+    rows = verify_bundle(pipe, bundle)
+    assert len(rows) == len(TEST_BUCKETS.vision) + 3 * len(TEST_BUCKETS.decoder()) + len(TEST_BUCKETS.head)
+    worst = max(rows, key=lambda r: r["rel_error"])
+    assert worst["rel_error"] <= 1e-4, worst
+
+
+def test_tampered_or_mismatched_bundle_is_refused(exported, tmp_path):
+    model, bundle = exported
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    g = read_manifest(copy)["graphs"][0]
+    data = bytearray((copy / g["file"]).read_bytes())
+    data[-1] ^= 0xFF
+    (copy / g["file"]).write_bytes(bytes(data))
+    opts = lambda **kw: PipelineOptions(backend="onnxruntime", extra={"bundle": str(copy)}, **kw)
+    with pytest.raises(LiteVLMError, match="does not match its sha256"):
+        Pipeline.from_pretrained(model, opts(max_new_tokens=MAX_NEW_TOKENS))
+    with pytest.raises(LiteVLMError, match="exported for arena max_len"):
+        Pipeline.from_pretrained(model, opts(max_new_tokens=MAX_NEW_TOKENS + 5))
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(LiteVLMError, match="not valid JSON"):
+        Pipeline.from_pretrained(model, opts(max_new_tokens=MAX_NEW_TOKENS))
+
+
+def test_bucket_parsing_and_picking(exported):
+    model, _ = exported
+    pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
+    d = default_buckets(pipe.arena)
+    assert d.vision == (1, 2, 3, 6) and d.step == (1, 64) and max(d.prefill) == pipe.arena.max_prompt
+    b = parse_buckets("vision=2,6; step=1,8", d)
+    assert b.vision == (2, 6) and b.step == (1, 8) and b.prefill == d.prefill
+    assert b.decoder() == tuple(sorted(set(d.prefill) | {1, 8}))
+    with pytest.raises(LiteVLMError, match="KEY=N"):
+        parse_buckets("tiles=3", d)
+    with pytest.raises(LiteVLMError, match="positive"):
+        Buckets(vision=(0,), prefill=(8,), step=(1,), head=(1,))
+    assert pick((4, 6), 3, "vision") == 4 and pick((4, 6), 6, "vision") == 6
+    with pytest.raises(LiteVLMError, match="--buckets 'prefill=...;step=...'"):
+        pick((1, 8), 9, "decoder")
+
+
+def test_export_refuses_buckets_larger_than_the_arena(exported, tmp_path):
+    from litevlm_runtime.export import export_bundle
+
+    model, _ = exported
+    pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
+    too_big = Buckets(vision=(7,), prefill=(8,), step=(1,), head=(1,))
+    with pytest.raises(LiteVLMError, match="exceed the arena's maximum 6"):
+        export_bundle(pipe, tmp_path / "b", too_big, progress=lambda m: None)
+    assert not list((tmp_path / "b").glob("*.onnx"))       # refused before exporting anything
