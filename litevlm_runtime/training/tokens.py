@@ -1,0 +1,427 @@
+"""`litevlm train tokens`: train the token selector (a copy of the decoder's layer 0) so that its
+question->visual attention ranks visual tokens the way the full model uses them.
+
+    litevlm train tokens --model DIR --data QA.json --frames ROOT [--steps 300] [--keep-ratio 0.8]
+    torchrun --nproc_per_node=N -m litevlm_runtime.cli train tokens ...   # same command, DDP
+
+Labels (the teacher is the full model, frozen): run it on prompt + reference answer (+ <|im_end|>);
+in each layer of the deeper half, take the attention probabilities of the rows that generate the
+answer (the last prompt row and every answer row but the last) to the visual columns; average
+over those rows, heads and layers. That is how much each visual token feeds the answer. Per
+camera, the masses are normalised into a target distribution t_c.
+
+Student: the selector's own score (question rows -> visual columns, mean over heads, max or mean
+over question rows, exactly what the pipeline ranks by), normalised per camera into p_c.
+
+Loss: KL(t_c || p_c), averaged over cameras and samples. KL rather than a listwise ranking loss
+because the target is itself a distribution (attention mass) and KL to it is the listwise
+softmax loss (ListNet) with the teacher's masses as the target; it needs no top-r cut-off, so one
+selector serves every keep ratio.
+
+Metric: recall@r, the share of the target's top round(r * count) tokens of each camera that the
+selector's top round(r * count) also keeps (random choice scores r), on held-out key frames;
+plus, through the real pipeline, how often the answer with keep ratio r is token-for-token the
+keep-all answer, and closed-form accuracy, for the untrained (layer-0 copy) and trained selector.
+
+Output: <model>/token_selector/{model.safetensors, config.json} (settings, data hash, metrics).
+Visual features are cached per key frame (frames x cameras x tokens x width floats in memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..cameras import CAMERAS
+from ..checkpoint import load_model
+from ..errors import InputError
+from ..pipeline import Pipeline, PipelineOptions
+from ..token_selector import TokenSelector, kept_count, save_token_selector
+from ..tokenizer import Tokenizer
+
+
+def closed_form(answer: str) -> bool:
+    """Answers scored by exact match: a choice letter (A-D) or yes/no."""
+    a = answer.strip().rstrip(".").strip("()").lower()
+    return a in ("a", "b", "c", "d", "yes", "no")
+
+
+def same_answer(predicted: str, reference: str) -> bool:
+    norm = lambda t: t.strip().rstrip(".").strip("()").strip().lower()  # noqa: E731
+    return norm(predicted) == norm(reference)
+
+
+@dataclass
+class Sample:
+    frame: int                     # index into the frame list (its cached visual tokens)
+    question: str
+    answer: str
+    length: int = 0                # full prompt length
+    question_span: tuple[int, int] = (0, 0)
+    spans: list = None             # per camera (first row, count)
+    target: torch.Tensor = None    # [V] teacher attention mass on the visual tokens (camera order)
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher labels
+# ---------------------------------------------------------------------------------------------
+
+
+def visual_rows_of(spans, device=None) -> torch.Tensor:
+    return torch.cat([torch.arange(s, s + c, device=device) for s, c in spans])
+
+
+def answer_attention_to_visual(lm, embeds: torch.Tensor, prompt_len: int, visual_rows: torch.Tensor,
+                               layers: range) -> torch.Tensor:
+    """Mean attention probability from the answer-generating rows (prompt_len-1 .. T-2) to each
+    visual row, over `layers`, heads and rows. embeds: prompt + answer embeddings [T, D]."""
+    t = embeds.shape[0]
+    cfg = lm.cfg
+    cache = embeds.new_zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, t, cfg.head_dim)
+    cache_v = torch.zeros_like(cache)
+    rows = torch.arange(prompt_len - 1, t - 1, device=embeds.device)
+    total = torch.zeros(visual_rows.numel(), dtype=torch.float32, device=embeds.device)
+
+    def probe(layer, q, k):
+        nonlocal total
+        if layer not in layers:
+            return
+        group = q.shape[1] // k.shape[1]
+        kk = k.repeat_interleave(group, dim=1).float()
+        logits = torch.einsum("qhd,khd->hqk", q[rows].float(), kk) / math.sqrt(q.shape[-1])
+        causal = torch.arange(t, device=embeds.device)[None, None, :] > rows[None, :, None]
+        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
+        total = total + probs[:, :, visual_rows].mean(dim=(0, 1))
+
+    mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
+    positions = torch.arange(t, device=embeds.device)
+    lm(embeds, positions, positions, mask, cache, cache_v, num_layers=layers.stop, probe=probe)
+    return total / len(layers)
+
+
+def per_camera_distribution(mass: torch.Tensor, spans) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for _, count in spans:
+        m = mass[offset:offset + count]
+        out.append(m / m.sum().clamp_min(1e-30))
+        offset += count
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and metric
+# ---------------------------------------------------------------------------------------------
+
+
+class SelectorLoss(nn.Module):
+    """Per-camera KL(target || selector) of one sample (the module DDP wraps)."""
+
+    def __init__(self, selector: TokenSelector):
+        super().__init__()
+        self.selector = selector
+
+    def forward(self, embeds, positions, sample: Sample) -> torch.Tensor:
+        rows = visual_rows_of(sample.spans, embeds.device)
+        score = self.selector.scores(embeds, positions, sample.question_span, rows)
+        loss, offset = 0.0, 0
+        for target in per_camera_distribution(sample.target.to(embeds.device), sample.spans):
+            s = score[offset:offset + len(target)]
+            log_p = torch.log(s.clamp_min(1e-30)) - torch.log(s.sum().clamp_min(1e-30))
+            loss = loss + (target * (torch.log(target.clamp_min(1e-30)) - log_p)).sum()
+            offset += len(target)
+        return loss / len(sample.spans)
+
+
+def recall_at(score: torch.Tensor, target: torch.Tensor, spans, keep_ratio: float) -> float:
+    """Mean over cameras of |top-r(score) & top-r(target)| / |top-r(target)|."""
+    hits, offset = [], 0
+    for _, count in spans:
+        k = kept_count(count, keep_ratio)
+        mine = set(score[offset:offset + count].topk(k).indices.tolist())
+        theirs = set(target[offset:offset + count].topk(k).indices.tolist())
+        hits.append(len(mine & theirs) / k)
+        offset += count
+    return sum(hits) / len(hits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data preparation
+# ---------------------------------------------------------------------------------------------
+
+
+class Prepared:
+    """Cached visual tokens per frame, prompts and teacher labels per sample."""
+
+    def __init__(self, pipe: Pipeline, frames, samples: list[Sample], max_answer_tokens: int, log):
+        self.pipe = pipe
+        lm = pipe.lm
+        layers = lm.cfg.num_hidden_layers
+        self.teacher_layers = range(layers // 2, layers)      # the deeper half
+        needed = sorted({s.frame for s in samples})
+        self.visual: dict[int, torch.Tensor] = {}
+        t0 = time.monotonic()
+        with torch.no_grad():
+            for i, f in enumerate(needed):
+                pixels = pipe.preprocess(frames[f].images, list(CAMERAS))
+                self.visual[f] = pipe.encode(pixels).clone()
+            log(f"  encoded {len(needed)} frames ({time.monotonic() - t0:.0f} s)")
+            t0 = time.monotonic()
+            for i, s in enumerate(samples):
+                embeds = self.prompt(s)
+                answer = pipe.tok.encode(s.answer)[:max_answer_tokens] + [pipe.tok.im_end_id]
+                full = torch.cat([embeds, lm.embed(torch.tensor(answer, device=embeds.device))])
+                rows = visual_rows_of(s.spans, embeds.device)
+                s.target = answer_attention_to_visual(lm, full, s.length, rows, self.teacher_layers).cpu()
+                if (i + 1) % 50 == 0 or i + 1 == len(samples):
+                    log(f"  teacher labels {i + 1}/{len(samples)} ({time.monotonic() - t0:.0f} s)")
+        self.samples = samples
+
+    def prompt(self, s: Sample) -> torch.Tensor:
+        """Full prompt embeddings of a sample (fills its layout fields), a fresh tensor."""
+        layout = self.pipe.assemble_prompt(list(CAMERAS), s.question, self.visual[s.frame])
+        s.length, s.question_span, s.spans = layout.length, layout.question, layout.spans
+        return self.pipe.arena.prompt_embeds[:layout.length].clone()
+
+
+def evaluate(selector: TokenSelector, data: Prepared, keep_ratio: float) -> dict:
+    """Held-out KL loss and recall@r of the selector's ranking against the teacher's."""
+    loss_fn = SelectorLoss(selector)
+    losses, recalls = [], []
+    with torch.no_grad():
+        for s in data.samples:
+            embeds = data.prompt(s)
+            positions = torch.arange(s.length, device=embeds.device)
+            losses.append(float(loss_fn(embeds, positions, s)))
+            score = selector.scores(embeds, positions, s.question_span, visual_rows_of(s.spans, embeds.device))
+            recalls.append(recall_at(score.cpu(), s.target, s.spans, keep_ratio))
+    n = max(1, len(losses))
+    return {"kl": sum(losses) / n, f"recall@{keep_ratio:g}": sum(recalls) / n, "samples": len(losses)}
+
+
+def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], selectors: dict, keep_ratio: float,
+                       scope: str, max_new: int, device: str, log) -> dict:
+    """Answers through the real pipeline: keep-all vs keep ratio r with each selector.
+    Returns per selector: share of questions answered token-for-token as keep-all, and closed-form
+    accuracy; plus keep-all's accuracy."""
+    tok = Tokenizer(tok_dir)
+    base = Pipeline(model, tok, PipelineOptions(device=device, max_new_tokens=max_new))
+    reference = [base.answer(frames[s.frame].images, s.question) for s in samples]
+    closed = [i for i, s in enumerate(samples) if closed_form(s.answer)]
+
+    def accuracy(answers):
+        if not closed:
+            return None
+        return sum(same_answer(answers[i].text, samples[i].answer) for i in closed) / len(closed)
+
+    out = {"questions": len(samples), "closed_form_questions": len(closed),
+           "keep_all": {"accuracy": accuracy(reference), "kept_tokens": reference[0].kept_tokens if reference else 0}}
+    for name, sel in selectors.items():
+        pipe = Pipeline(model, tok, PipelineOptions(device=device, max_new_tokens=max_new, token_keep_ratio=keep_ratio,
+                                                    token_scope=scope), token_selector=sel)
+        answers = [pipe.answer(frames[s.frame].images, s.question) for s in samples]
+        same = sum(a.token_ids == r.token_ids for a, r in zip(answers, reference))
+        out[name] = {"identical_answers": same / max(1, len(samples)), "accuracy": accuracy(answers),
+                     "kept_tokens": answers[0].kept_tokens if answers else 0}
+        log(f"  pipeline keep {keep_ratio:g} with the {name} selector: {same}/{len(samples)} answers identical to keep-all")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (one process, or one of N under torchrun)
+# ---------------------------------------------------------------------------------------------
+
+
+def _setup_distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
+    dist.init_process_group("gloo")
+    # The machine's cores are shared between the ranks.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+
+
+def train(args) -> dict | None:
+    rank, world, device = _setup_distributed()
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    try:
+        return _train(args, rank, world, device, log)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def split_samples(frames, args, rng: random.Random) -> tuple[list[Sample], list[Sample]]:
+    """Training / held-out samples; the split is by key frame (held-out frames are never trained on)."""
+    order = list(range(len(frames)))
+    rng.shuffle(order)
+    if len(frames) < 2:
+        raise InputError("train tokens needs at least 2 key frames (one is held out for evaluation)")
+    n_val = min(len(frames) - 1, max(1, int(round(args.holdout * len(frames)))))
+    val_frames = set(order[:n_val])
+
+    def samples_of(idx, limit):
+        out = [Sample(i, qa.question, qa.answer) for i in idx for qa in frames[i].qa]
+        rng.shuffle(out)
+        return out[:limit] if limit else out
+
+    train_idx = [i for i in range(len(frames)) if i not in val_frames]
+    return samples_of(train_idx, args.max_samples), samples_of(sorted(val_frames), args.eval_samples)
+
+
+def _train(args, rank: int, world: int, device: torch.device, log) -> dict | None:
+    t_start = time.monotonic()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    if not 0 < args.keep_ratio < 1:
+        raise InputError(f"--keep-ratio must lie in (0, 1), got {args.keep_ratio}")
+    # DriveLM reading and image-path resolution are shared with `train vlm` (imported here so
+    # that the CLI's parser never depends on that module).
+    from .vlm import data_provenance, load_frames
+
+    model_dir = Path(args.model)
+    frames = load_frames(args.data, args.frames)
+    train_samples, val_samples = split_samples(frames, args, rng)
+    log(f"data: {len(train_samples)} training QA, {len(val_samples)} held-out QA "
+        f"({len(frames)} key frames; split by frame); world size {world}")
+
+    model = load_model(model_dir).to(device)
+    model.requires_grad_(False)
+    pipe = Pipeline(model, Tokenizer(model_dir), PipelineOptions(device=str(device), max_new_tokens=args.max_new_tokens))
+    untrained = TokenSelector.from_decoder(pipe.lm, args.reduce).eval()
+    selector = TokenSelector.from_decoder(pipe.lm, args.reduce)
+    selector.requires_grad_(False)
+    trainable = selector.score_parameters()
+    for param in trainable:
+        param.requires_grad_(True)
+    log(f"selector: copy of decoder layer 0 ({sum(p.numel() for p in trainable) / 1e6:.2f} M trainable parameters), "
+        f"reduce {args.reduce}; teacher: answer->visual attention of layers "
+        f"{model.cfg.llm.num_hidden_layers // 2}..{model.cfg.llm.num_hidden_layers - 1}")
+
+    log("labels (training shard):")
+    mine = train_samples[rank::world]          # each rank labels and trains on its own shard
+    train_data = Prepared(pipe, frames, mine, args.max_answer_tokens, log)
+    val_data = None
+    if rank == 0:
+        log("labels (held-out):")
+        val_data = Prepared(pipe, frames, val_samples, args.max_answer_tokens, log)
+        before = evaluate(untrained, val_data, args.keep_ratio)
+        log(f"untrained (layer-0 copy): held-out KL {before['kl']:.4f}  recall@{args.keep_ratio:g} "
+            f"{before[f'recall@{args.keep_ratio:g}']:.4f}")
+
+    loss_module = SelectorLoss(selector)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        loss_module = DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
+    per_rank = max(1, args.batch // world)
+    history = []
+    window, window_t0, train_t0 = [], time.monotonic(), time.monotonic()
+    for step in range(args.steps):
+        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))   # cosine decay to 0
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = [train_data.samples[rng.randrange(len(train_data.samples))] for _ in range(per_rank)]
+        total = 0.0
+        for s in batch:
+            embeds = train_data.prompt(s)
+            loss = loss_module(embeds, torch.arange(s.length, device=embeds.device), s) / per_rank
+            loss.backward()            # DDP averages the ranks' gradients: the global batch mean
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(trainable, args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            t = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(t)
+            total = float(t) / world
+        window.append(total)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            mean_step = (time.monotonic() - train_t0) / (step + 1)
+            log(f"step {step + 1:5d}/{args.steps}  loss {sum(window) / len(window):.4f}  lr {lr:.2e}  "
+                f"{(time.monotonic() - window_t0) / len(window):.2f} s/step  ETA {mean_step * (args.steps - step - 1):.0f} s")
+            history.append({"step": step + 1, "loss": sum(window) / len(window)})
+            window, window_t0 = [], time.monotonic()
+    train_s = time.monotonic() - train_t0
+    if rank != 0:
+        return None
+
+    selector.eval()
+    after = evaluate(selector, val_data, args.keep_ratio)
+    key = f"recall@{args.keep_ratio:g}"
+    log(f"trained: held-out KL {after['kl']:.4f}  {key} {after[key]:.4f}   "
+        f"(untrained: KL {before['kl']:.4f}  {key} {before[key]:.4f}; random choice: {args.keep_ratio:g})")
+    agreement = None
+    if args.eval_questions:
+        log("pipeline answers on held-out questions:")
+        questions = val_samples[:args.eval_questions]
+        agreement = pipeline_agreement(model, model_dir, frames, questions,
+                                       {"untrained": untrained, "trained": selector}, args.keep_ratio,
+                                       args.scope, args.max_new_tokens, str(device), log)
+    out = Path(args.out) if args.out else model_dir / "token_selector"
+    record = {
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "world_size": world, "torch": torch.__version__,
+        "model": str(model_dir), "data": data_provenance(args.data),
+        "teacher_layers": [model.cfg.llm.num_hidden_layers // 2, model.cfg.llm.num_hidden_layers - 1],
+        "loss": "per-camera KL(teacher answer->visual attention || selector question->visual attention)",
+        "train_samples": len(train_samples), "held_out_samples": len(val_samples),
+        "metrics": {"untrained": before, "trained": after, "random_recall": args.keep_ratio,
+                    "pipeline": agreement},
+        "train_seconds": round(train_s, 1), "total_seconds": round(time.monotonic() - t_start, 1),
+        "history": history,
+    }
+    save_token_selector(selector, out, record)
+    log(f"wrote {out}")
+    if args.json:
+        print(json.dumps(record["metrics"], indent=2))
+    return record
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("tokens", help="train the token selector (layer-0 copy) on the full model's attention",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="InternVL2.5-layout model folder (the teacher)")
+    p.add_argument("--data", type=Path, required=True, help="QA (DriveLM v1.1 JSON)")
+    p.add_argument("--frames", type=Path, required=True, help="root the image_paths are relative to")
+    p.add_argument("--out", type=Path, help="output folder (default: <model>/token_selector)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8, help="samples per optimizer step (global)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--keep-ratio", type=float, default=0.8, help="r of the recall metric and pipeline check")
+    p.add_argument("--reduce", choices=("max", "mean"), default="max", help="over question tokens")
+    p.add_argument("--scope", choices=("camera", "global"), default="camera", help="pipeline check's selection scope")
+    p.add_argument("--holdout", type=float, default=0.25, help="fraction of key frames held out")
+    p.add_argument("--max-samples", type=int, default=0, help="cap on training QA (0: all)")
+    p.add_argument("--eval-samples", type=int, default=200, help="cap on held-out QA for the recall metric")
+    p.add_argument("--eval-questions", type=int, default=40, help="held-out questions through the pipeline (0: skip)")
+    p.add_argument("--max-answer-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON at the end")
+
+    def run(args) -> int:
+        train(args)
+        return 0
+
+    p.set_defaults(func=run)
