@@ -249,3 +249,21 @@ def test_bad_options(tiny_model):
                       (dict(fastv_ratio=1.0, fastv_k=1), "drop ratio")]:
         with pytest.raises(InputError, match=msg):
             Pipeline.from_pretrained(tiny_model, PipelineOptions(**opts))
+
+
+def test_eagle_after_token_selection_is_lossless(tiny_model, tmp_path, frames):
+    """EAGLE-2 reads the prefill's compacted rows (embeddings, features, original positions): its
+    greedy output under token selection equals plain greedy under the same selection."""
+    from litevlm_runtime.checkpoint import read_config
+    from litevlm_runtime.models.eagle import DraftHead, save_draft_head
+
+    torch.manual_seed(0)
+    save_draft_head(DraftHead(read_config(tiny_model).llm), tmp_path / "eagle", {"test": True})
+    opts = dict(max_new_tokens=12, token_keep_ratio=0.5)
+    greedy = Pipeline.from_pretrained(tiny_model, PipelineOptions(**opts))
+    eagle = Pipeline.from_pretrained(tiny_model, PipelineOptions(**opts, decoding="eagle", eagle_dir=str(tmp_path / "eagle"),
+                                                                 eagle_total=12, eagle_depth=4, eagle_topk=3))
+    for q in (QUESTION, "What should the ego vehicle do?"):
+        a, b = greedy.answer(frames, q), eagle.answer(frames, q)
+        assert b.kept_tokens == a.kept_tokens < a.visual_tokens
+        assert b.token_ids == a.token_ids
