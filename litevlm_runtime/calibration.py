@@ -34,9 +34,11 @@ from .export import MANIFEST, read_manifest, sha256_file, write_manifest
 
 PRECISIONS = ("int8", "fp8")
 METHODS = ("entropy", "max")
-# The LM head stays in the export's precision, as ModelOpt's LLM PTQ configurations leave
-# `lm_head` unquantized: greedy decoding reads its argmax directly.
-KEEP_FULL_PRECISION = ("head",)
+# Stages quantized from recorded traffic. The LM head stays in the export's precision, as
+# ModelOpt's LLM PTQ configurations leave `lm_head` unquantized (greedy decoding reads its argmax
+# directly); graphs of stages the PyTorch pipeline runs itself (EAGLE draft, view selector) are
+# carried over unchanged.
+QUANTIZED_STAGES = ("vision", "decoder")
 MAX_SAMPLE_BYTES = 1 << 30          # per graph: a decoder sample carries the whole KV cache
 
 
@@ -293,7 +295,7 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
     weights = {}
     for i, g in enumerate(manifest["graphs"]):
         t0 = time.perf_counter()
-        if g["stage"] in KEEP_FULL_PRECISION:
+        if g["stage"] not in QUANTIZED_STAGES:
             shutil.copy2(src_bundle / g["file"], out / g["file"])
             shutil.copy2(src_bundle / g["weights"], out / g["weights"])
             weights[g["weights"]] = sha256_file(out / g["weights"])
@@ -428,7 +430,7 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
     if method not in METHODS:
         raise LiteVLMError(f"calibration method {method!r}: one of {', '.join(METHODS)}")
     info = {"data": str(data), "questions": len(calib), "samples_per_graph": samples_per_graph, "method": method,
-            "kept_full_precision": list(KEEP_FULL_PRECISION)}
+            "quantized_stages": list(QUANTIZED_STAGES)}
     manifest = quantize_bundle(Path(bundle), quant_dir, precision, recorder, info, progress)
     if precision == "fp8":
         report = AccuracyReport()

@@ -8,6 +8,8 @@ Stage graphs (names are the graphs' input/output names; S = max_len of the arena
               mask_new [T, T], k_cache, v_cache [layers, kv, S, hd] -> hidden [T, D],
                                                                       k_new, v_new [layers, kv, T, hd]
   head        hidden [T, D]                                        -> logits [T, V]
+  eagle_draft (when the model has a draft head) token_embeds, features [T, D], positions, the two
+              masks, k_cache, v_cache [1, kv, S, hd]       -> features_out [T, D], k_new, v_new
   view_selector (when the model folder has one) ids, pad_mask [1, L] -> logits [1, cameras]
 
 The decoder graph is the export form of the same weights: the cache is an explicit input and
@@ -79,6 +81,19 @@ def attend_cache_and_new(q, k, v, k_cache, v_cache, mask_cache, mask_new):
     return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
 
 
+def layer_step(layer, x, cos, sin, k_cache, v_cache, mask_cache, mask_new):
+    """One decoder layer (models/decoder.py DecoderLayer.forward) in export form: returns the
+    layer output and this call's K/V rows [Hkv, T, D] instead of writing them into the cache."""
+    from .models.decoder import apply_rope
+
+    q, k, v = layer.qkv(layer.attn_norm(x))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    x = x + layer.out_proj(attend_cache_and_new(q, k, v, k_cache, v_cache, mask_cache, mask_new))
+    h = layer.ffn_norm(x)
+    gate, up, down = layer.mlp_gate_up_down()
+    return x + down(F.silu(gate(h)) * up(h)), k.transpose(0, 1), v.transpose(0, 1)
+
+
 class DecoderStage(nn.Module):
     """The decoder over a static cache with explicit cache input and new-row outputs."""
 
@@ -87,21 +102,29 @@ class DecoderStage(nn.Module):
         self.lm = lm
 
     def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
-        from .models.decoder import apply_rope
-
         cos, sin = self.lm.rope(positions, embeds.dtype)
         x = embeds
         ks, vs = [], []
         for i, layer in enumerate(self.lm.layers):
-            q, k, v = layer.qkv(layer.attn_norm(x))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            x = x + layer.out_proj(attend_cache_and_new(q, k, v, k_cache[i], v_cache[i], mask_cache, mask_new))
-            h = layer.ffn_norm(x)
-            gate, up, down = layer.mlp_gate_up_down()
-            x = x + down(F.silu(gate(h)) * up(h))
-            ks.append(k.transpose(0, 1))
-            vs.append(v.transpose(0, 1))
+            x, k, v = layer_step(layer, x, cos, sin, k_cache[i], v_cache[i], mask_cache, mask_new)
+            ks.append(k)
+            vs.append(v)
         return self.lm.norm(x), torch.stack(ks), torch.stack(vs)
+
+
+class DraftStage(nn.Module):
+    """One EAGLE-2 draft step (models/eagle.py DraftHead) in export form: its own one-layer KV
+    cache [1, Hkv, S, D] as input, the new rows as outputs. Its logits come from the head graph."""
+
+    def __init__(self, draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, token_embeds, features, positions, mask_cache, mask_new, k_cache, v_cache):
+        x = self.draft.fc(torch.cat([token_embeds, features], dim=-1))
+        cos, sin = self.draft.rope(positions, x.dtype)
+        x, k, v = layer_step(self.draft.layer, x, cos, sin, k_cache[0], v_cache[0], mask_cache, mask_new)
+        return x, k[None], v[None]
 
 
 class HeadStage(nn.Module):
@@ -171,6 +194,38 @@ def stage_specs(pipe, buckets: Buckets) -> list[GraphSpec]:
     for t in buckets.head:
         specs.append(GraphSpec("head", t, head, {"hidden": torch.randn(t, d, dtype=dtype, device=dev)}, ["logits"]))
     return specs
+
+
+def draft_specs(pipe, buckets: Buckets) -> tuple[list[GraphSpec], str]:
+    """The EAGLE-2 draft step per decoder bucket, when the pipeline decodes with EAGLE or the model
+    folder carries a draft head (`eagle/`)."""
+    draft = getattr(getattr(pipe, "eagle", None), "draft", None)
+    model_dir = getattr(pipe, "model_dir", None)
+    if draft is None:
+        folder = Path(model_dir) / "eagle" if model_dir else None
+        if folder is None or not (folder / "model.safetensors").is_file():
+            return [], "no eagle/model.safetensors in the model folder (train one: litevlm train eagle)"
+        from .models.eagle import load_draft_head
+
+        draft = load_draft_head(folder, pipe.cfg.llm, pipe.arena.max_len, pipe.dtype).to(pipe.device)
+        draft.init_rope(pipe.arena.max_len)
+    cfg, a = pipe.cfg.llm, pipe.arena
+    stage = DraftStage(draft).eval()
+    cache_shape = (1, cfg.num_key_value_heads, a.max_len, cfg.head_dim)
+    specs = []
+    for t in buckets.decoder():
+        mask_cache = torch.zeros(t, a.max_len, dtype=torch.bool, device=pipe.device)
+        mask_cache[:, :4] = True
+        specs.append(GraphSpec("eagle_draft", t, stage, {
+            "token_embeds": torch.randn(t, cfg.hidden_size, dtype=pipe.dtype, device=pipe.device),
+            "features": torch.randn(t, cfg.hidden_size, dtype=pipe.dtype, device=pipe.device),
+            "positions": torch.arange(t, device=pipe.device),
+            "mask_cache": mask_cache,
+            "mask_new": torch.ones(t, t, dtype=torch.bool, device=pipe.device).tril_(),
+            "k_cache": torch.randn(cache_shape, dtype=pipe.dtype, device=pipe.device),
+            "v_cache": torch.randn(cache_shape, dtype=pipe.dtype, device=pipe.device),
+        }, ["features_out", "k_new", "v_new"]))
+    return specs, "exported"
 
 
 def view_selector_spec(model_dir: Path) -> tuple[GraphSpec | None, str]:
@@ -275,7 +330,6 @@ def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
 OPTIONAL_STAGES = {
     # stage -> module that implements it (written by other engineers); exported when present.
     "token_selector": "litevlm_runtime.token_selector",
-    "eagle_draft": "litevlm_runtime.models.eagle",
 }
 
 
@@ -300,6 +354,12 @@ def export_bundle(pipe, out: Path, buckets: Buckets | None = None,
     model_dir = getattr(pipe, "model_dir", None)
     specs = stage_specs(pipe, buckets)
     not_present = optional_stage_status()
+    drafts, why = draft_specs(pipe, buckets)
+    specs += drafts
+    if drafts:
+        not_present.pop("eagle_draft", None)
+    else:
+        not_present["eagle_draft"] = why
     if model_dir is not None:
         vs, why = view_selector_spec(Path(model_dir))
         if vs is not None:

@@ -108,3 +108,52 @@ def test_export_refuses_buckets_larger_than_the_arena(exported, tmp_path):
     with pytest.raises(LiteVLMError, match="exceed the arena's maximum 6"):
         export_bundle(pipe, tmp_path / "b", too_big, progress=lambda m: None)
     assert not list((tmp_path / "b").glob("*.onnx"))       # refused before exporting anything
+
+
+def test_eagle_draft_step_exports_and_matches(exported, tmp_path):
+    """The EAGLE-2 draft step's graph (from a draft head in the model folder) in ONNX Runtime
+    against DraftHead.forward, which writes its cache in place."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from litevlm_runtime.export import SharedWeights, draft_specs, export_graph
+    from litevlm_runtime.models.eagle import DraftHead, save_draft_head
+
+    model, _ = exported
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    pipe = Pipeline.from_pretrained(folder, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
+    assert draft_specs(pipe, TEST_BUCKETS)[0] == []
+    torch.manual_seed(0)
+    draft = DraftHead(pipe.cfg.llm)
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    save_draft_head(draft, folder / "eagle", {"test": True})
+    specs, status = draft_specs(pipe, Buckets(vision=(1,), prefill=(4,), step=(1,), head=(1,)))
+    assert status == "exported" and [s.bucket for s in specs] == [1, 4]
+    spec = specs[1]
+    entry = export_graph(spec, tmp_path / "eagle_draft_4.onnx", SharedWeights(tmp_path, "eagle_draft"))
+    assert [o["name"] for o in entry["outputs"]] == ["features_out", "k_new", "v_new"]
+    g = torch.Generator().manual_seed(1)
+    t, s = 4, pipe.arena.max_len
+    inputs = dict(spec.inputs)
+    inputs["k_cache"] = torch.randn(inputs["k_cache"].shape, generator=g)
+    inputs["v_cache"] = torch.randn(inputs["v_cache"].shape, generator=g)
+    inputs["positions"] = torch.arange(10, 10 + t)
+    history, slots = 10, torch.arange(10, 10 + t)
+    mask = torch.zeros(t, history + t, dtype=torch.bool)
+    mask[:, :history] = True
+    mask[:, history:] = torch.ones(t, t, dtype=torch.bool).tril_()
+    inputs["mask_cache"] = torch.zeros(t, s, dtype=torch.bool)
+    inputs["mask_cache"][:, :history] = True
+    inputs["mask_new"] = mask[:, history:].clone()
+    session = ort.InferenceSession(str(tmp_path / "eagle_draft_4.onnx"), providers=["CPUExecutionProvider"])
+    feats, k_new, _ = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+    loaded = specs[1].module.draft
+    k_ref, v_ref = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+    with torch.no_grad():
+        want = loaded(inputs["token_embeds"], inputs["features"], inputs["positions"], slots, mask, k_ref, v_ref)
+    rel = lambda got, ref: float(np.abs(got - ref.numpy()).max() / np.abs(ref.numpy()).max())
+    assert rel(feats, want) <= 1e-4
+    assert rel(k_new, k_ref[:, :, slots]) <= 1e-4
