@@ -202,7 +202,7 @@ class DriveNode(LifecycleNode):
     # ---- lifecycle ----
     def on_configure(self, state: State) -> TransitionCallbackReturn:
         self.p = self._params()
-        self.server.settings = self._settings()
+        self.server.apply_settings(self._settings())    # parameters may have changed since construction
         model_dir = self.p["model_dir"]
         self.get_logger().info(f"configure: loading {model_dir or '(model_dir not set)'} "
                                f"({self.p['backend']}, {self.p['device']}, {self.p['precision']})")

@@ -201,12 +201,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 class QueryServer:
     def __init__(self, settings: ServerSettings, publish: Callable[[AnswerRecord], None],
                  clock_ns: Callable[[], int] = time.time_ns):
-        self.settings = settings
         self.publish_record = publish
         self.clock_ns = clock_ns
-        self.frames = FrameStore(settings.cameras, int(settings.max_skew_s * 1e9), int(settings.max_frame_age_s * 1e9),
-                                 settings.frame_history)
-        self.queue = RequestQueue(settings.queue_size, settings.overflow_policy)
+        self.apply_settings(settings)
         self.pipeline = None          # set by load(); None while not configured
         self.load_error = ""          # why the model could not be loaded
         self.active = False
@@ -221,6 +218,13 @@ class QueryServer:
         self._pending_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def apply_settings(self, settings: ServerSettings) -> None:
+        """(Re)build the frame store and the queue for new limits (the node does this on configure)."""
+        self.settings = settings
+        self.frames = FrameStore(settings.cameras, int(settings.max_skew_s * 1e9), int(settings.max_frame_age_s * 1e9),
+                                 settings.frame_history)
+        self.queue = RequestQueue(settings.queue_size, settings.overflow_policy)
 
     # ---- model ----
     def load(self, factory: Callable[[], object], warmup: bool = True) -> None:
