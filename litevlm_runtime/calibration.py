@@ -219,23 +219,37 @@ def weight_nodes(path: Path) -> list[str]:
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str, np.ndarray]],
-                   method: str = "entropy") -> None:
+                   method: str = "entropy", export_dtype: str = "float32") -> None:
     try:
         from modelopt.onnx.quantization import quantize
     except ImportError as exc:
         raise LiteVLMError(f"NVIDIA ModelOpt's ONNX quantization is not importable ({exc}); "
                            f"pip install nvidia-modelopt onnx-graphsurgeon lief (see requirements.txt)") from None
+    import contextlib
+    import io
+
     model_bytes = src.stat().st_size + sum(f.stat().st_size for f in src.parent.glob("*.weights"))
+    # ModelOpt and onnxruntime's calibrator print a histogram progress bar per tensor; our own
+    # progress line per graph replaces them, and their output is shown if quantization fails.
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype)
+    except Exception as exc:
+        raise LiteVLMError(f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}") from exc
+    if not dst.is_file():
+        raise LiteVLMError(f"{src.name}: ModelOpt wrote no quantized graph")
+
+
+def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype):
     quantize(str(src), quantize_mode=precision, calibration_data_reader=SamplesReader(samples),
              nodes_to_quantize=weight_nodes(src),
              calibration_method=method, calibration_eps=["cpu"],
-             high_precision_dtype="fp32", output_path=str(dst), log_level="ERROR",
+             high_precision_dtype={"float16": "fp16", "bfloat16": "bf16"}.get(export_dtype, "fp32"), output_path=str(dst), log_level="ERROR",
              use_external_data_format=model_bytes > (1 << 31) - (1 << 28),
              # ModelOpt skips GEMV-shaped products (a decode step's T=1 rows) because TensorRT
              # runs them no faster in INT8; on the CPU they are the memory-bound part INT8 helps.
              enable_gemv_detection_for_trt=(precision == "fp8"))
-    if not dst.is_file():
-        raise LiteVLMError(f"{src.name}: ModelOpt wrote no quantized graph")
 
 
 ROW_INPUTS = {"vision": ("pixels",), "decoder": ("embeds", "positions", "mask_cache", "mask_new"),
@@ -303,7 +317,8 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
             progress(f"[quantize {i + 1}/{len(manifest['graphs'])}] {g['file']:<18} kept in {manifest['dtype']}")
             continue
         samples, source = samples_for(g, manifest, recorder)
-        quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"])
+        quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
+                       manifest["dtype"])
         entry = dict(g, sha256=sha256_file(out / g["file"]), calibration_samples=len(samples), precision=precision,
                      calibration_source=source, calibration_calls=recorder.calls.get(g["file"], 0))
         entry.pop("weights", None)

@@ -153,3 +153,21 @@ def test_bad_data_is_a_clear_error(tmp_path):
     (tmp_path / "qa.json").write_text("[1, 2]")
     with pytest.raises(InputError):
         load_queries(tmp_path / "qa.json")
+
+
+def test_fp8_qdq_graph_for_tensorrt(calibrated, tmp_path):
+    """FP8 Q/DQ (ModelOpt) of a vision graph: float8 e4m3 scales' zero points, interface kept.
+    It cannot run here (TensorRT-only operators); `build-engines --precision fp8` consumes it."""
+    import onnx
+
+    from litevlm_runtime.calibration import quantize_graph
+
+    _, bundle, _, _, _ = calibrated
+    g = next(g for g in json.loads((bundle / "manifest.json").read_text())["graphs"] if g["stage"] == "vision")
+    rng = np.random.default_rng(0)
+    samples = [{"pixels": rng.standard_normal(g["inputs"][0]["shape"]).astype(np.float32)} for _ in range(2)]
+    quantize_graph(bundle / g["file"], tmp_path / g["file"], "fp8", samples, "max")
+    model = onnx.load(str(tmp_path / g["file"]), load_external_data=False)
+    zero_points = [t for t in model.graph.initializer if t.name.endswith("zero_point")]
+    assert zero_points and all(t.data_type == onnx.TensorProto.FLOAT8E4M3FN for t in zero_points)
+    assert [i.name for i in model.graph.input] == ["pixels"] and [o.name for o in model.graph.output] == ["visual"]

@@ -48,6 +48,9 @@ def run(args) -> int:
           f"{manifest['calibration']['modelopt']})")
     if report.questions:
         print("\n".join(report.lines(args.precision)))
-    print(f"\nspeed, {args.precision} vs fp32 in one run: litevlm bench --model {args.model} "
-          f"--backend onnxruntime={args.bundle or args.out / 'fp32'},onnxruntime={args.out / args.precision}")
+    if args.precision == "int8":
+        print(f"\nspeed, int8 vs fp32 in one run: litevlm bench --model {args.model} "
+              f"--backend onnxruntime={args.bundle or args.out / 'fp32'},onnxruntime={args.out / 'int8'}")
+    else:
+        print(f"\nTensorRT FP8 engines (on the GPU): litevlm build-engines {args.out / 'fp8'} --precision fp8")
     return 0
