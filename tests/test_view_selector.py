@@ -188,8 +188,15 @@ def test_load_errors_name_the_problem(tmp_path):
 def test_labels_tags_in_q_and_a_plus_certain_keywords():
     r = QARecord("f", "s", "fr", "prediction", "What would <c2,CAM_FRONT,1.0,2.0> consider relevant?", "<c1,CAM_BACK,3.0,4.0>.")
     assert camera_labels(r) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert camera_labels(r, "never") == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     r = QARecord("f", "s", "fr", "perception", "What is behind the ego car?", "A bus.")
     assert camera_labels(r) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    # No cue in the question: answer tags are used only under "always".
+    r = QARecord("f", "s", "fr", "planning", "What is the priority of the objects?", "<c1,CAM_BACK_LEFT,3.0,4.0>.")
+    assert camera_labels(r) == [1.0] * 6
+    assert camera_labels(r, "always") == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    with pytest.raises(InputError):
+        camera_labels(r, "sometimes")
     r = QARecord("f", "s", "fr", "planning", "What is the target action of the ego vehicle?", "Go straight.")
     assert camera_labels(r) == [1.0] * 6
 
@@ -225,18 +232,21 @@ def test_training_beats_the_untrained_module_on_held_out_frames(drivelm_dir, tmp
     data = str(drivelm_dir / "qa_scene_n008.json")
     out = tmp_path / "vs"
     args = build_parser().parse_args(
-        ["train", "views", "--data", data, "--out", str(out), "--frames-holdout", "2", "--epochs", "30", *SMALL]
+        ["train", "views", "--data", data, "--out", str(out), "--frames-holdout", "2", "--epochs", "40", "--lr", "2e-3", *SMALL]
     )
     metrics = train(args)["eval"]
     trained, untrained = metrics["trained (fused)"], metrics["untrained (fused)"]
-    # Fewer cameras at (almost) the same recall of the tagged cameras.
-    assert trained["mean_cameras_kept"] <= untrained["mean_cameras_kept"] - 0.2
-    assert trained["recall"] >= untrained["recall"] - 0.02
-    assert trained["recall"] >= 0.95
+    # Fewer cameras at the same recall of the tagged cameras (this small, seeded run: 1.895 ->
+    # 1.772 cameras at recall 0.990; the full-size default run: 1.895 -> 1.747).
+    assert trained["mean_cameras_kept"] <= untrained["mean_cameras_kept"] - 0.08
+    assert trained["recall"] >= untrained["recall"] - 0.01
+    assert trained["recall"] >= 0.98
     # What was written is what was evaluated.
     config = json.loads((out / "config.json").read_text())
+    history = config["training"]["loss_history"]
+    assert history[-1] < 0.6 * history[0]
     assert config["metrics"]["eval"]["trained (fused)"] == trained
-    assert config["training"]["epochs"] == 30 and config["training"]["data_files"] == [data]
+    assert config["training"]["epochs"] == 40 and config["training"]["data_files"] == [data]
     loaded = load_view_selector(out)
     eval_records = [r for r in load_qa([data]) if r.frame in set(config["training"]["eval_frames"])]
     assert evaluate(loaded, eval_records) == trained

@@ -6,11 +6,11 @@
 Data: DriveLM v1.1 layout `{scene: {key_frames: {frame: {QA: {perception|prediction|planning|
 behavior: [{Q, A, ...}]}}}}}` (DriveLM-nuScenes and SynthDrive both use it).
 
-Labels (per camera, CAMERAS order): cameras named in object tags `<cN,CAM_X,x,y>` in the question
-or in the answer, plus the cameras the keyword map is certain of (score 1.0) for the question. A
-question with neither is labelled "all cameras": from its text alone nothing says which view is
-enough, which is exactly the selector's no-cue rule. The selector itself only ever sees the
-question.
+Labels (per camera, CAMERAS order; see `camera_labels`): cameras named in object tags
+`<cN,CAM_X,x,y>` in the question, the cameras the keyword map is certain of (score 1.0), and
+cameras tagged in the answer (by default only when the question itself has a cue). A question
+with no camera is labelled "all cameras": from its text alone nothing says which view is enough,
+which is exactly the selector's no-cue rule. The selector itself only ever sees the question.
 
 Evaluation splits by key frame (held-out frames are never trained on). Metrics:
 - recall: over every (question, camera tagged in its Q or A) pair, the fraction whose camera is
@@ -101,10 +101,32 @@ def load_qa(paths: list[str | Path]) -> list[QARecord]:
     return records
 
 
-def camera_labels(record: QARecord) -> list[float]:
-    """Training target per camera: tags in Q or A, plus certain keyword cameras; none -> all."""
-    needed = set(tagged_cameras(record.question)) | set(tagged_cameras(record.answer))
-    needed |= {c for c, s in keyword_map(record.question).items() if s >= 1.0}
+ANSWER_TAG_POLICIES = ("cued", "always", "never")
+
+
+def camera_labels(record: QARecord, answer_tags: str = "cued") -> list[float]:
+    """Training target per camera (1 = the question needs this view).
+
+    Always: cameras tagged in the question and cameras the keyword map is certain of (1.0).
+    Cameras tagged only in the answer, by `answer_tags`:
+      "cued"   (default) added when the question itself has a cue (a tag or a spatial phrase);
+               a question with no cue is labelled all cameras. Why: from "What is the priority
+               of the objects?" alone no text says where the objects are; answer tags there
+               teach the module where objects happened to be in the training scenes, which
+               does not carry over to other scenes (measured: see the README/report).
+      "always" always added (the literal "tags in Q and A" labelling).
+      "never"  ignored.
+    A question left with no camera is labelled all cameras (nothing says which view is enough,
+    which is the selector's no-cue rule).
+    """
+    if answer_tags not in ANSWER_TAG_POLICIES:
+        raise InputError(f"answer-tag policy {answer_tags!r}: expected one of {', '.join(ANSWER_TAG_POLICIES)}")
+    keyword = keyword_map(record.question)
+    question_tags = set(tagged_cameras(record.question))
+    needed = question_tags | {c for c, s in keyword.items() if s >= 1.0}
+    has_cue = bool(question_tags) or any(s > 0 for s in keyword.values())
+    if answer_tags == "always" or (answer_tags == "cued" and has_cue):
+        needed |= set(tagged_cameras(record.answer))
     if not needed:
         return [1.0] * len(CAMERAS)
     return [1.0 if c in needed else 0.0 for c in CAMERAS]
@@ -133,9 +155,9 @@ def split_by_frame(records: list[QARecord], holdout: float, fold: int, seed: int
 
 
 class QuestionDataset(Dataset):
-    def __init__(self, records: list[QARecord]):
+    def __init__(self, records: list[QARecord], answer_tags: str = "cued"):
         self.questions = [r.question for r in records]
-        self.labels = torch.tensor([camera_labels(r) for r in records], dtype=torch.float32)
+        self.labels = torch.tensor([camera_labels(r, answer_tags) for r in records], dtype=torch.float32)
 
     def __len__(self) -> int:
         return len(self.questions)
@@ -268,6 +290,8 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
     out_dir = Path(args.out) if args.out else Path(args.model) / "view_selector"
     records = load_qa(args.data)
     train_records, eval_records, eval_frames = split_by_frame(records, args.frames_holdout, args.fold, args.seed)
+    # Separate evaluation files (other scenes, another data set) are never trained on.
+    extra_eval = load_qa(args.eval_data) if args.eval_data else []
     log(
         f"view selector: {len(records)} questions from {len(args.data)} file(s); training on "
         f"{len(train_records)} ({len({r.frame for r in train_records})} frames), evaluating on "
@@ -290,7 +314,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
     initial_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
 
-    dataset = QuestionDataset(train_records)
+    dataset = QuestionDataset(train_records, args.answer_tags)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed) if world > 1 else None
     loader = DataLoader(
         dataset,
@@ -342,6 +366,8 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         metrics = {"train": compare(trained, untrained, train_records)}
         if eval_records:
             metrics["eval"] = compare(trained, untrained, eval_records)
+        if extra_eval:
+            metrics["eval_data"] = compare(trained, untrained, extra_eval)
         settings = {
             "data_files": [str(p) for p in args.data],
             "frames_holdout": args.frames_holdout,
@@ -349,13 +375,15 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
             "eval_frames": eval_frames,
             "train_questions": len(train_records),
             "eval_questions": len(eval_records),
+            "eval_data_files": [str(p) for p in args.eval_data or []],
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "lr": args.lr,
             "weight_decay": args.weight_decay,
             "seed": args.seed,
             "world_size": world,
-            "labels": "tags in Q or A + keyword cameras with score 1.0; none -> all cameras",
+            "labels": "tags in Q + keyword cameras with score 1.0 + tags in A (policy answer_tags); none -> all cameras",
+            "answer_tags": args.answer_tags,
             "loss_history": history,
             "train_seconds": round(time.monotonic() - start, 2),
             "tokenizer_source": args.tokenizer or "trained on the training questions",
@@ -363,7 +391,12 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         save_view_selector(out_dir, model, tokenizer, {"training": settings, "metrics": metrics})
         log(f"wrote {out_dir}/ (config.json, model.safetensors, tokenizer.json)")
         for split, rows in metrics.items():
-            log(f"\n{split} ({'held-out frames ' + ', '.join(eval_frames) if split == 'eval' else 'training frames'}):")
+            where = {
+                "train": "training frames",
+                "eval": "held-out frames " + ", ".join(eval_frames),
+                "eval_data": "--eval-data " + " ".join(str(p) for p in args.eval_data or []),
+            }[split]
+            log(f"\n{split} ({where}):")
             log(format_table(rows))
         result = metrics
     if world > 1:
@@ -388,7 +421,11 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--frames-holdout", type=float, default=0.25,
                    help="key frames held out for evaluation: a fraction (<1) or a count (>=1); 0 trains on all")
+    p.add_argument("--eval-data", action="append", metavar="QA.json",
+                   help="also evaluate on this DriveLM-format file, never trained on (repeatable)")
     p.add_argument("--fold", type=int, default=0, help="which block of held-out frames (k-fold cross-validation)")
+    p.add_argument("--answer-tags", choices=ANSWER_TAG_POLICIES, default="cued",
+                   help="when cameras tagged only in the answer become labels (see camera_labels)")
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
