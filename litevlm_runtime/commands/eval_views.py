@@ -29,13 +29,45 @@ def register(subparsers) -> None:
     p.add_argument("--keyword-weight", type=float, help="override the saved fusion weight")
     p.add_argument("--threshold", type=float, help="override the saved threshold")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--bench", action="store_true",
+                   help="also time one-question selection (selector vs keyword map alone) on these questions")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.set_defaults(func=_run)
+
+
+def _bench(selector, questions: list[str]) -> str:
+    """Median/p90 milliseconds per single-question selection, selector vs keyword map alone."""
+    import statistics
+    import time
+
+    from ..view_selector import fuse, keyword_map, tagged_cameras
+
+    def keyword_only(q):
+        return fuse(keyword_map(q), None, tagged_cameras(q), 0.0, selector.cfg.threshold)
+
+    rows = {}
+    for name, fn in (("keyword map only", keyword_only), ("selector (tokenize+model+fuse)", selector.explain)):
+        for q in questions[:10]:
+            fn(q)  # warm-up
+        times = []
+        for q in questions:
+            t0 = time.perf_counter()
+            fn(q)
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        rows[name] = (statistics.median(times), times[int(0.9 * (len(times) - 1))])
+    base = rows["keyword map only"][0]
+    lines = [f"{'selection, one question':<32} {'median ms':>9} {'p90 ms':>8} {'x keyword':>9}"]
+    for name, (med, p90) in rows.items():
+        lines.append(f"{name:<32} {med:>9.3f} {p90:>8.3f} {med / base:>9.1f}")
+    return "\n".join(lines)
 
 
 def _run(args) -> int:
     from ..training.views import compare, format_table, load_qa
     from ..view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
 
+    torch.set_num_threads(args.threads)
     selector = load_view_selector(args.selector, keyword_weight=args.keyword_weight, threshold=args.threshold)
     config = json.loads((Path(args.selector) / CONFIG_FILE).read_text())
     records = load_qa(args.data)
@@ -62,4 +94,8 @@ def _run(args) -> int:
         print(f"{len(records)} questions from {len({r.frame for r in records})} key frame(s); "
               f"keyword weight {selector.cfg.keyword_weight:g}, threshold {selector.cfg.threshold:g}")
         print(format_table(rows))
+    if args.bench:
+        print()
+        print(f"{len(records)} questions, torch threads {torch.get_num_threads()}")
+        print(_bench(selector, [r.question for r in records]))
     return 0
