@@ -269,3 +269,14 @@ def test_ddp_two_processes_on_gloo(drivelm_dir, tmp_path):
     assert len(config["training"]["loss_history"]) == 3
     loaded = load_view_selector(out)
     assert loaded.select("Are there barriers to the front left of the ego car?")
+
+
+def test_model_option_writes_beside_the_model(drivelm_dir, tmp_path):
+    model_dir = tmp_path / "InternVL2_5-2B"
+    model_dir.mkdir()
+    data = str(drivelm_dir / "qa_scene_n008.json")
+    assert main(["train", "views", "--data", data, "--model", str(model_dir), "--frames-holdout", "0",
+                 "--epochs", "1", *SMALL]) == 0  # fmt: skip
+    config = json.loads((model_dir / "view_selector" / "config.json").read_text())
+    assert config["training"]["eval_frames"] == [] and "eval" not in config["metrics"]
+    assert load_view_selector(model_dir / "view_selector").select("What is behind the ego car?")
