@@ -157,3 +157,32 @@ def test_eagle_draft_step_exports_and_matches(exported, tmp_path):
     rel = lambda got, ref: float(np.abs(got - ref.numpy()).max() / np.abs(ref.numpy()).max())
     assert rel(feats, want) <= 1e-4
     assert rel(k_new, k_ref[:, :, slots]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_view_selector_exports_and_matches(tmp_path):
+    """The view selector graph (model folder's view_selector/) in ONNX Runtime vs the module."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from litevlm_runtime.export import SharedWeights, export_graph, view_selector_spec
+    from litevlm_runtime.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer
+
+    tok = train_tokenizer(["is there a car behind the ego vehicle", "what is in front left of the ego car"])
+    torch.manual_seed(0)
+    save_view_selector(tmp_path / "view_selector",
+                       ViewSelector(ViewSelectorConfig(vocab_size=tok.get_vocab_size(), width=32, layers=1, heads=2,
+                                                       ffn=64, max_len=24)), tok)
+    spec, status = view_selector_spec(tmp_path)
+    assert status == "exported" and spec.bucket == 24
+    entry = export_graph(spec, tmp_path / "view_selector_24.onnx", SharedWeights(tmp_path, "view_selector"))
+    assert entry["outputs"][0]["shape"] == [1, 6]
+    ids = torch.randint(0, tok.get_vocab_size(), (1, 24), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(1, 24, dtype=torch.bool)
+    pad[0, :9] = False
+    session = ort.InferenceSession(str(tmp_path / "view_selector_24.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"ids": ids.numpy(), "pad_mask": pad.numpy()})[0]
+    with torch.no_grad():
+        want = spec.module(ids, pad).numpy()
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
