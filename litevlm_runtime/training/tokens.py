@@ -30,6 +30,7 @@ Visual features are cached per key frame (frames x cameras x tokens x width floa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -260,6 +261,8 @@ def _setup_distributed() -> tuple[int, int, torch.device]:
 
 def train(args) -> dict | None:
     rank, world, device = _setup_distributed()
+    if args.threads:
+        torch.set_num_threads(args.threads)     # on a shared CPU, fewer threads avoid OpenMP spin contention
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     try:
         return _train(args, rank, world, device, log)
@@ -268,14 +271,18 @@ def train(args) -> dict | None:
             dist.destroy_process_group()
 
 
-def split_samples(frames, args, rng: random.Random) -> tuple[list[Sample], list[Sample]]:
-    """Training / held-out samples; the split is by key frame (held-out frames are never trained on)."""
-    order = list(range(len(frames)))
-    rng.shuffle(order)
-    if len(frames) < 2:
-        raise InputError("train tokens needs at least 2 key frames (one is held out for evaluation)")
-    n_val = min(len(frames) - 1, max(1, int(round(args.holdout * len(frames)))))
-    val_frames = set(order[:n_val])
+def split_samples(frames, args, rng: random.Random, n_val_file: int = 0) -> tuple[list[Sample], list[Sample]]:
+    """Training / held-out samples; the split is by key frame (held-out frames are never trained on).
+    With --val, the last `n_val_file` frames are that file's and are the held-out set."""
+    if n_val_file:
+        val_frames = set(range(len(frames) - n_val_file, len(frames)))
+    else:
+        order = list(range(len(frames)))
+        rng.shuffle(order)
+        if len(frames) < 2:
+            raise InputError("train tokens needs at least 2 key frames (one is held out for evaluation)")
+        n_val = min(len(frames) - 1, max(1, int(round(args.holdout * len(frames)))))
+        val_frames = set(order[:n_val])
 
     def samples_of(idx, limit):
         out = [Sample(i, qa.question, qa.answer) for i in idx for qa in frames[i].qa]
@@ -283,6 +290,9 @@ def split_samples(frames, args, rng: random.Random) -> tuple[list[Sample], list[
         return out[:limit] if limit else out
 
     train_idx = [i for i in range(len(frames)) if i not in val_frames]
+    if args.max_frames:                     # fewer frames, more questions each: less vision encoding
+        rng.shuffle(train_idx)
+        train_idx = sorted(train_idx[:args.max_frames])
     return samples_of(train_idx, args.max_samples), samples_of(sorted(val_frames), args.eval_samples)
 
 
@@ -298,7 +308,11 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
 
     model_dir = Path(args.model)
     frames = load_frames(args.data, args.frames)
-    train_samples, val_samples = split_samples(frames, args, rng)
+    n_val_file = 0
+    if args.val:
+        val = load_frames(args.val, args.val_frames or args.frames)
+        frames, n_val_file = frames + val, len(val)
+    train_samples, val_samples = split_samples(frames, args, rng, n_val_file)
     log(f"data: {len(train_samples)} training QA, {len(val_samples)} held-out QA "
         f"({len(frames)} key frames; split by frame); world size {world}")
 
@@ -340,10 +354,14 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
             g["lr"] = lr
         batch = [train_data.samples[rng.randrange(len(train_data.samples))] for _ in range(per_rank)]
         total = 0.0
-        for s in batch:
+        for j, s in enumerate(batch):
             embeds = train_data.prompt(s)
-            loss = loss_module(embeds, torch.arange(s.length, device=embeds.device), s) / per_rank
-            loss.backward()            # DDP averages the ranks' gradients: the global batch mean
+            # Under DDP, gradients are all-reduced once per step (on the last sample's backward) and
+            # averaged over ranks: the gradient of the global batch mean.
+            last = j == len(batch) - 1
+            with loss_module.no_sync() if world > 1 and not last else contextlib.nullcontext():
+                loss = loss_module(embeds, torch.arange(s.length, device=embeds.device), s) / per_rank
+                loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(trainable, args.clip)
         opt.step()
@@ -381,6 +399,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
         "world_size": world, "torch": torch.__version__,
         "model": str(model_dir), "data": data_provenance(args.data),
+        "val_data": data_provenance(args.val) if args.val else None,
         "teacher_layers": [model.cfg.llm.num_hidden_layers // 2, model.cfg.llm.num_hidden_layers - 1],
         "loss": "per-camera KL(teacher answer->visual attention || selector question->visual attention)",
         "train_samples": len(train_samples), "held_out_samples": len(val_samples),
@@ -402,6 +421,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", type=Path, required=True, help="InternVL2.5-layout model folder (the teacher)")
     p.add_argument("--data", type=Path, required=True, help="QA (DriveLM v1.1 JSON)")
     p.add_argument("--frames", type=Path, required=True, help="root the image_paths are relative to")
+    p.add_argument("--val", type=Path, help="held-out QA (default: --holdout of --data's key frames)")
+    p.add_argument("--val-frames", type=Path, help="image root of --val (default: --frames)")
     p.add_argument("--out", type=Path, help="output folder (default: <model>/token_selector)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=8, help="samples per optimizer step (global)")
@@ -412,10 +433,12 @@ def register(subparsers) -> None:
     p.add_argument("--scope", choices=("camera", "global"), default="camera", help="pipeline check's selection scope")
     p.add_argument("--holdout", type=float, default=0.25, help="fraction of key frames held out")
     p.add_argument("--max-samples", type=int, default=0, help="cap on training QA (0: all)")
+    p.add_argument("--max-frames", type=int, default=0, help="cap on training key frames (0: all)")
     p.add_argument("--eval-samples", type=int, default=200, help="cap on held-out QA for the recall metric")
     p.add_argument("--eval-questions", type=int, default=40, help="held-out questions through the pipeline (0: skip)")
     p.add_argument("--max-answer-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print the metrics as JSON at the end")
