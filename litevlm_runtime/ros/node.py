@@ -52,6 +52,7 @@ PARAMETERS = {
     "max_new_tokens": 64,
     "max_question_tokens": 256,
     "threads": 0,                     # torch intra-op threads (0: torch's default)
+    "view_selection": "all",          # all | selector (text-only view selector before any image decode)
     "view_select_threshold": 0.4,     # view selector: keep a camera whose fused score reaches this
     "view_selector": "",              # view selector folder ("": the model folder's, if any)
     "token_keep_ratio": 1.0,          # token selector: fraction of visual tokens kept (1.0: selector off)
@@ -116,8 +117,9 @@ OPTION_MAP = {
     "max_new_tokens": ("max_new_tokens", int),
     "max_question_tokens": ("max_question_tokens", int),
     "threads": ("threads", lambda v: int(v) or None),
+    "view_selection": ("view_selection", str),
     "view_select_threshold": ("view_threshold", float),
-    "view_selector": ("view_selector", lambda v: v or None),
+    "view_selector": ("view_selector_dir", lambda v: v or None),
     "token_keep_ratio": ("token_keep_ratio", float),
     "token_selector": ("token_selector", lambda v: v or None),
     "eagle_enabled": ("decoding", lambda v: "eagle" if v else "greedy"),
