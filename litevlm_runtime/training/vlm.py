@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..cameras import CAMERAS
-from ..checkpoint import write_checkpoint
+from ..checkpoint import load_model, write_checkpoint
 from ..commands.make_checkpoint import init_weights
 from ..errors import InputError
 from ..evaluation.metrics import ACCURACY, derive_tags
@@ -438,11 +438,15 @@ def _train(args, rank: int, world: int, log) -> dict | None:
     cfg_probe = preset(args.preset)
     system = cfg_probe.system_message
 
-    # The tokenizer: byte-level BPE on the training text (rank 0 trains it, every rank reads it).
+    # The tokenizer: byte-level BPE on the training text (rank 0 trains it, every rank reads it),
+    # or the --init checkpoint's own when training continues from one.
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="litevlm_vlm_"))
     tok_file = work / "tokenizer.json"
-    if rank == 0:
+    if args.init:
+        tok_file.write_bytes((Path(args.init) / "tokenizer.json").read_bytes())
+        payload = [tok_file.read_text()]
+    elif rank == 0:
         corpus = [system] + [f"{c}: " for c in CAMERAS]
         corpus += [t for f in frames for qa in f.qa for t in (qa.question, qa.answer)]
         train_bpe_tokenizer(corpus, args.vocab_size, tok_file)
@@ -472,8 +476,14 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         f"{args.max_answer_tokens} tokens), {sum(len(f.qa) for f in val_frames)} QA over {len(val_frames)} "
         f"held-out frames; tokenizer vocab {tok.vocab_size}")
 
-    model = InternVL(cfg)
-    init_weights(model, args.seed)
+    if args.init:
+        model = load_model(args.init)
+        model.train()
+        if model.cfg != cfg:
+            raise InputError(f"--init {args.init}: its config differs from --preset {args.preset}")
+    else:
+        model = InternVL(cfg)
+        init_weights(model, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, tile {cfg.force_image_size}, "
         f"{tokens_per_camera} visual tokens per camera; world size {world}, {torch.get_num_threads()} threads/rank")
@@ -607,6 +617,7 @@ def register(subparsers) -> None:
     p.add_argument("--holdout", type=float, default=0.05, help="fraction of frames held out when no --val")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--preset", choices=PRESETS, default="bundled")
+    p.add_argument("--init", type=Path, help="continue from this checkpoint (its weights and tokenizer) instead of random weights")
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
     p.add_argument("--epochs", type=float, default=1.0)
