@@ -38,7 +38,7 @@ METHODS = ("entropy", "max")
 # ModelOpt's LLM PTQ configurations leave `lm_head` unquantized (greedy decoding reads its argmax
 # directly); graphs of stages the PyTorch pipeline runs itself (EAGLE draft, view selector) are
 # carried over unchanged.
-QUANTIZED_STAGES = ("vision", "decoder")
+QUANTIZED_STAGES = ("vision", "prefill", "decoder")
 MAX_SAMPLE_BYTES = 1 << 30          # per graph: a decoder sample carries the whole KV cache
 
 
@@ -154,10 +154,10 @@ def collect_traffic(pipe, bundle, queries: list[Query], recorder: Recorder, prog
     """Answer `queries` with `pipe` (torch) on the bundle's buckets, recording every graph's inputs."""
     from .engines.bound_stages import bound_engines
     from .engines.cuda_graph import StaticStage
-    from .export import DecoderStage, HeadStage, VisionStage
+    from .export import DecoderStage, HeadStage, PrefillStage, VisionStage
 
     modules = {"vision": VisionStage(pipe.model, pipe.pos_embed).eval(), "decoder": DecoderStage(pipe.lm).eval(),
-               "head": HeadStage(pipe.lm).eval()}
+               "prefill": PrefillStage(pipe.lm).eval(), "head": HeadStage(pipe.lm).eval()}
 
     def bind(stage, bucket, inputs, outputs):
         graph = bundle.graphs(stage)[bucket]["file"]
@@ -219,7 +219,7 @@ def weight_nodes(path: Path) -> list[str]:
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str, np.ndarray]],
-                   method: str = "entropy", export_dtype: str = "float32") -> None:
+                   method: str = "entropy", export_dtype: str = "float32", weights_file: str | None = None) -> None:
     try:
         from modelopt.onnx.quantization import quantize
     except ImportError as exc:
@@ -228,13 +228,23 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
     import contextlib
     import io
 
-    model_bytes = src.stat().st_size + sum(f.stat().st_size for f in src.parent.glob("*.weights"))
+    own = [src.parent / weights_file] if weights_file else list(src.parent.glob("*.weights"))
+    model_bytes = src.stat().st_size + sum(f.stat().st_size for f in own)
     # ModelOpt and onnxruntime's calibrator print a histogram progress bar per tensor; our own
     # progress line per graph replaces them, and their output is shown if quantization fails.
     chatter = io.StringIO()
+    # ModelOpt may rewrite its input graph in place (shape inference, opset updates): quantize a
+    # copy in a scratch folder so that the source bundle keeps matching its manifest.
+    import tempfile
+
     try:
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype)
+        with tempfile.TemporaryDirectory(dir=dst.parent) as scratch, \
+                contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            work = Path(scratch) / src.name
+            shutil.copy2(src, work)
+            for weights in own:
+                shutil.copy2(weights, Path(scratch) / weights.name)
+            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype)
     except Exception as exc:
         raise LiteVLMError(f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}") from exc
     if not dst.is_file():
@@ -253,7 +263,7 @@ def _quantize(quantize, src, dst, precision, samples, method, model_bytes, expor
 
 
 ROW_INPUTS = {"vision": ("pixels",), "decoder": ("embeds", "positions", "mask_cache", "mask_new"),
-              "head": ("hidden",)}
+              "prefill": ("embeds", "positions", "mask_new"), "head": ("hidden",)}
 
 
 def fit_sample(stage: str, sample: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
@@ -265,7 +275,7 @@ def fit_sample(stage: str, sample: dict[str, np.ndarray], rows: int) -> dict[str
     if rows <= have:
         for name in ROW_INPUTS[stage]:
             out[name] = sample[name][:rows]
-        if stage == "decoder":
+        if "mask_new" in sample:
             out["mask_new"] = sample["mask_new"][:rows, :rows]
         return out
     if stage == "vision":
@@ -276,7 +286,7 @@ def fit_sample(stage: str, sample: dict[str, np.ndarray], rows: int) -> dict[str
             continue
         pad = np.zeros((rows - have,) + sample[name].shape[1:], dtype=sample[name].dtype)
         out[name] = np.concatenate([sample[name], pad])
-    if stage == "decoder":
+    if "mask_new" in sample:
         mask_new = np.eye(rows, dtype=bool)
         mask_new[:have, :have] = sample["mask_new"]
         out["mask_new"] = mask_new
@@ -318,7 +328,7 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
             continue
         samples, source = samples_for(g, manifest, recorder)
         quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
-                       manifest["dtype"])
+                       manifest["dtype"], g.get("weights"))
         entry = dict(g, sha256=sha256_file(out / g["file"]), calibration_samples=len(samples), precision=precision,
                      calibration_source=source, calibration_calls=recorder.calls.get(g["file"], 0))
         entry.pop("weights", None)

@@ -25,10 +25,11 @@ def test_manifest_describes_every_graph(exported):
     m = read_manifest(bundle)
     assert m["model"]["checkpoint_sha256"] == checkpoint_hash(model)
     assert m["buckets"] == TEST_BUCKETS.to_dict()
-    want = ([("vision", n) for n in TEST_BUCKETS.vision] + [("decoder", t) for t in TEST_BUCKETS.decoder()]
-            + [("head", t) for t in TEST_BUCKETS.head])
+    want = ([("vision", n) for n in TEST_BUCKETS.vision] + [("prefill", t) for t in TEST_BUCKETS.prefill]
+            + [("decoder", t) for t in TEST_BUCKETS.step] + [("head", t) for t in TEST_BUCKETS.head])
     assert [(g["stage"], g["bucket"]) for g in m["graphs"]] == want
     names = {"vision": (["pixels"], ["visual"]), "head": (["hidden"], ["logits"]),
+             "prefill": (["embeds", "positions", "mask_new"], ["hidden", "k_new", "v_new"]),
              "decoder": (["embeds", "positions", "mask_cache", "mask_new", "k_cache", "v_cache"],
                          ["hidden", "k_new", "v_new"])}
     for g in m["graphs"]:
@@ -36,6 +37,8 @@ def test_manifest_describes_every_graph(exported):
         assert sha256_file(bundle / g["file"]) == g["sha256"]
         rows = g["inputs"][0]["shape"][0]
         assert rows == g["bucket"]
+        if g["stage"] in ("decoder", "prefill"):
+            assert g["outputs"][1]["shape"][2] == rows
         if g["stage"] == "decoder":
             shapes = {i["name"]: i["shape"] for i in g["inputs"]}
             assert shapes["mask_cache"] == [rows, m["arena"]["max_len"]] and shapes["mask_new"] == [rows, rows]
@@ -59,7 +62,8 @@ def test_every_graph_matches_the_torch_stage(exported):
     model, bundle = exported
     pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
     rows = verify_bundle(pipe, bundle)
-    assert len(rows) == len(TEST_BUCKETS.vision) + 3 * len(TEST_BUCKETS.decoder()) + len(TEST_BUCKETS.head)
+    assert len(rows) == (len(TEST_BUCKETS.vision) + 3 * (len(TEST_BUCKETS.prefill) + len(TEST_BUCKETS.step))
+                         + len(TEST_BUCKETS.head))
     worst = max(rows, key=lambda r: r["rel_error"])
     assert worst["rel_error"] <= 1e-4, worst
 
@@ -95,7 +99,7 @@ def test_bucket_parsing_and_picking(exported):
     with pytest.raises(LiteVLMError, match="positive"):
         Buckets(vision=(0,), prefill=(8,), step=(1,), head=(1,))
     assert pick((4, 6), 3, "vision") == 4 and pick((4, 6), 6, "vision") == 6
-    with pytest.raises(LiteVLMError, match="--buckets 'prefill=...;step=...'"):
+    with pytest.raises(LiteVLMError, match="--buckets 'step=...'"):
         pick((1, 8), 9, "decoder")
 
 

@@ -7,7 +7,8 @@ Binding (see export.py for the graphs' tensors):
   vision   pixels -> the arena's pixels, visual -> the arena's visual tokens (zero copy)
   decoder  k_cache, v_cache -> the arena's KV cache (read in place); embeds, positions and the two
            masks are copied into engine buffers; the new K/V rows come out into engine buffers
-           and are stored at their slots after the run
+           and are stored at their slots after the run. A call that sees no earlier cache row
+           (the prompt) runs the prefill graph instead, which has no cache input.
   head     logits -> the arena's logits rows where the bucket fits, else an engine buffer
 Engine buffers are allocated once, for the largest bucket, each bucket using a prefix view.
 
@@ -60,19 +61,27 @@ class BoundVision(StageEngine):
 class BoundDecoder(StageEngine):
     stage = "decoder"
 
-    def __init__(self, pipe, sizes, bind: Bind, backend: str):
+    def __init__(self, pipe, sizes, bind: Bind, backend: str, prefill_sizes=()):
         a, cfg = pipe.arena, pipe.cfg.llm
         self.arena, self.backend, self.sizes = a, backend, tuple(sorted(sizes))
+        self.prefill_sizes = tuple(sorted(prefill_sizes))
         dev, dt = pipe.device, pipe.dtype
         layers, kv, hd, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         s = a.max_len
-        self.embeds = flat_views({t: (t, d) for t in self.sizes}, dt, dev)
-        self.positions = flat_views({t: (t,) for t in self.sizes}, torch.long, dev)
+        every = sorted(set(self.sizes) | set(self.prefill_sizes))
+        self.embeds = flat_views({t: (t, d) for t in every}, dt, dev)
+        self.positions = flat_views({t: (t,) for t in every}, torch.long, dev)
         self.mask_cache = flat_views({t: (t, s) for t in self.sizes}, torch.bool, dev)
-        self.mask_new = flat_views({t: (t, t) for t in self.sizes}, torch.bool, dev)
-        self.hidden = flat_views({t: (t, d) for t in self.sizes}, dt, dev)
-        self.k_new = flat_views({t: (layers, kv, t, hd) for t in self.sizes}, dt, dev)
-        self.v_new = flat_views({t: (layers, kv, t, hd) for t in self.sizes}, dt, dev)
+        self.mask_new = flat_views({t: (t, t) for t in every}, torch.bool, dev)
+        self.hidden = flat_views({t: (t, d) for t in every}, dt, dev)
+        self.k_new = flat_views({t: (layers, kv, t, hd) for t in every}, dt, dev)
+        self.v_new = flat_views({t: (layers, kv, t, hd) for t in every}, dt, dev)
+        self.prefill_runners = {}
+        for t in self.prefill_sizes:
+            self.mask_new[t].copy_(torch.eye(t, dtype=torch.bool, device=dev))
+            inputs = {"embeds": self.embeds[t], "positions": self.positions[t], "mask_new": self.mask_new[t]}
+            outputs = {"hidden": self.hidden[t], "k_new": self.k_new[t], "v_new": self.v_new[t]}
+            self.prefill_runners[t] = bind("prefill", t, inputs, outputs)
         self.runners = {}
         for t in self.sizes:
             # Valid masks before any capture/warm-up run: each row sees itself only.
@@ -87,12 +96,24 @@ class BoundDecoder(StageEngine):
         if k_cache.data_ptr() != self.arena.k_cache.data_ptr() or v_cache.data_ptr() != self.arena.v_cache.data_ptr():
             raise LiteVLMError(f"backend {self.backend}: the decoder is bound to the arena's KV cache; got another cache")
         t = embeds.shape[0]
-        b = pick(self.sizes, t, "decoder")
+        # No earlier cache row visible (every allowed column is one of this call's own slots):
+        # the prompt, run by the prefill graph, which has no cache input.
+        prompt = bool(self.prefill_sizes) and t <= self.prefill_sizes[-1] and bool((slots < mask.shape[1]).all())
+        prompt = prompt and int(mask.sum()) == int(mask.index_select(1, slots).sum())
+        b = pick(self.prefill_sizes, t, "prefill") if prompt else pick(self.sizes, t, "decoder")
         self.embeds[b][:t].copy_(embeds)
         self.positions[b][:t].copy_(positions)
         self.positions[b][t:].zero_()
-        decoder_masks(mask, slots, self.arena.max_len, self.mask_cache[b], self.mask_new[b])
-        self.runners[b].run()
+        if prompt:
+            new = self.mask_new[b]
+            new.zero_()
+            new[:t, :t] = mask.index_select(1, slots)
+            pad = torch.arange(t, b, device=new.device)
+            new[pad, pad] = True
+            self.prefill_runners[b].run()
+        else:
+            decoder_masks(mask, slots, self.arena.max_len, self.mask_cache[b], self.mask_new[b])
+            self.runners[b].run()
         # Store this call's K/V rows at their slots (the graph reads the cache, never writes it).
         k_cache.index_copy_(2, slots, self.k_new[b][:, :, :t])
         v_cache.index_copy_(2, slots, self.v_new[b][:, :, :t])
@@ -122,7 +143,7 @@ class BoundHead(StageEngine):
 
 
 def bound_engines(pipe, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
-    """sizes: stage -> its buckets (decoder = prefill and step sizes together)."""
+    """sizes: graph stage (vision, prefill, decoder, head) -> its buckets."""
     return Engines(vision=BoundVision(pipe, sizes["vision"], bind, backend),
-                   decoder=BoundDecoder(pipe, sizes["decoder"], bind, backend),
+                   decoder=BoundDecoder(pipe, sizes["decoder"], bind, backend, sizes.get("prefill", ())),
                    head=BoundHead(pipe, sizes["head"], bind, backend))

@@ -5,11 +5,13 @@ count (selected tiles, prompt rows after token selection, draft-tree size) runs 
 bucket that holds it; the engine pads the rest and the padding is masked or ignored:
 
   vision   tiles    padded tiles are zeros; tiles are independent, their outputs are dropped
-  decoder  rows     padded rows attend only to themselves (mask), their K/V rows are not stored
+  prefill  rows     the prompt (no earlier cache rows): padded rows attend only to themselves
+  decoder  rows     decode / tree-verify steps over the cache: padded rows likewise
   head     rows     padded rows are independent, their logits are dropped
 
-The decoder graph always attends over the whole static KV cache (max_len columns); the mask
-says which columns are live, so the cache length is not a bucket dimension.
+The decoder step graph always attends over the whole static KV cache (max_len columns); the mask
+says which columns are live, so the cache length is not a bucket dimension. The prefill graph
+has no cache input at all: a prompt attends only to itself.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ class Buckets:
             object.__setattr__(self, key, tuple(sorted({int(v) for v in values})))
 
     def decoder(self) -> tuple[int, ...]:
-        """Every decoder row count a graph exists for (prefill and step share one graph per size)."""
+        """Every row count of a decoder call (prefill and step sizes together)."""
         return tuple(sorted(set(self.prefill) | set(self.step)))
 
     def for_stage(self, stage: str) -> tuple[int, ...]:
-        return self.decoder() if stage == "decoder" else getattr(self, stage)
+        """Graph stage -> its buckets: `prefill` (the prompt, no history), `decoder` (steps over the
+        cache), `vision`, `head`."""
+        return self.step if stage == "decoder" else getattr(self, stage)
 
     def to_dict(self) -> dict:
         return {k: list(v) for k, v in asdict(self).items()}
@@ -62,7 +66,7 @@ def pick(sizes: tuple[int, ...], n: int, stage: str) -> int:
     for size in sizes:
         if size >= n:
             return size
-    keys = "prefill=...;step=..." if stage == "decoder" else f"{stage}=..."
+    keys = "step=..." if stage == "decoder" else f"{stage}=..."
     raise LiteVLMError(f"{stage}: {n} exceeds the largest shape bucket {max(sizes)}; "
                        f"re-export with a larger bucket (litevlm export --buckets '{keys}')")
 

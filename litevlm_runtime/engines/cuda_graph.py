@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LiteVLMError
-from ..export import DecoderStage, HeadStage, VisionStage
+from ..export import DecoderStage, HeadStage, PrefillStage, VisionStage
 from .bound_stages import bound_engines
 from .buckets import default_buckets
 
@@ -71,7 +71,7 @@ def cuda_graph_engines(pipe, capture: bool = True, buckets=None):
         require_cuda(pipe)
     buckets = buckets or pipe.options.extra.get("buckets") or default_buckets(pipe.arena)
     modules = {"vision": VisionStage(pipe.model, pipe.pos_embed).eval(), "decoder": DecoderStage(pipe.lm).eval(),
-               "head": HeadStage(pipe.lm).eval()}
+               "prefill": PrefillStage(pipe.lm).eval(), "head": HeadStage(pipe.lm).eval()}
     pool = torch.cuda.graph_pool_handle() if capture else None
 
     def bind(stage, bucket, inputs, outputs):
@@ -80,5 +80,5 @@ def cuda_graph_engines(pipe, capture: bool = True, buckets=None):
                 return CapturedStage(modules[stage], inputs, outputs, pool)
             return StaticStage(modules[stage], inputs, outputs)
 
-    sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "decoder", "head")}
+    sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "prefill", "decoder", "head")}
     return bound_engines(pipe, sizes, bind, "torch-cudagraph" if capture else "torch-static")

@@ -96,7 +96,7 @@ class Bundle:
         return g
 
     def sizes(self) -> dict[str, tuple[int, ...]]:
-        return {stage: tuple(sorted(self.graphs(stage))) for stage in ("vision", "decoder", "head")}
+        return {stage: tuple(sorted(self.graphs(stage))) for stage in ("vision", "prefill", "decoder", "head")}
 
 
 def bundle_path(pipe) -> Path:

@@ -85,7 +85,7 @@ def build_engines(bundle: Path, precision: str, progress=print) -> dict:
     gpu = gpu_identity()
     logger = trt.Logger(trt.Logger.WARNING)
     files = {}
-    graphs = [g for g in manifest["graphs"] if g["stage"] in ("vision", "decoder", "head")]
+    graphs = [g for g in manifest["graphs"] if g["stage"] in ("vision", "prefill", "decoder", "head")]
     for i, g in enumerate(graphs):
         t0 = time.perf_counter()
         name = engine_file(g["file"], precision)
