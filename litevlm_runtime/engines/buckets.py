@@ -73,13 +73,15 @@ def pick(sizes: tuple[int, ...], n: int, stage: str) -> int:
 
 def default_buckets(arena) -> Buckets:
     """Buckets derived from the arena's maxima: tiles for 1, 2, 3 and 6 cameras (what the view
-    selector typically keeps), prompts at a quarter, half and all of the longest prompt (rounded
-    to 64 rows), decode steps of 1 row and of the draft tree."""
+    selector typically keeps); prompts at a quarter, half and all of the longest prompt and at
+    every camera's visual tokens plus 64 or 192 text rows (the common full-rig prompt), rounded
+    to 64 rows; decode steps of 1 row and of the draft tree."""
     lim = arena.limits
     tpc = lim.tiles_per_camera
     vision = tuple(sorted({c * tpc for c in (1, 2, 3, lim.cameras) if c <= lim.cameras}))
     longest = arena.max_prompt
-    prefill = tuple(sorted({min(round_up(longest * f // 4, 64), longest) for f in (1, 2, 4)}))
+    sizes = [longest * f // 4 for f in (1, 2, 4)] + [arena.max_visual + 64, arena.max_visual + 192]
+    prefill = tuple(sorted({min(round_up(n, 64), longest) for n in sizes}))
     step = tuple(sorted({1, lim.tree_tokens}))
     return Buckets(vision=vision, prefill=prefill, step=step, head=step)
 

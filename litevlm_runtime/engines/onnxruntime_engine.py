@@ -57,6 +57,9 @@ class BoundGraph:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
+        # ORT's worker threads spin after each run by default; between graph runs the pipeline
+        # does its own work on the same cores (preprocessing, embedding lookups, sampling).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(path), opts, providers=providers_for(device))
         self.binding = self.session.io_binding()
         device_type = "cuda" if device.type == "cuda" else "cpu"
