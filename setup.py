@@ -8,6 +8,8 @@ setup(
     name="litevlm",
     version="0.1.0",
     packages=find_packages(include=["litevlm_runtime", "litevlm_runtime.*"]),
+    # The bundled default model's weights, tokenizer and card travel with the package.
+    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/litevlm"]),
         ("share/litevlm", ["package.xml"]),
