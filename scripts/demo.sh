@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job, one command: the LiteVLM ROS 2 node answering questions about six camera streams.
 #   1. set-up (skipped when up to date)
-#   2. the model: $LITEVLM_MODEL, else runs/models/small (made with `litevlm make-checkpoint
-#      --preset small` when absent: random weights, so the answers are not meaningful text)
+#   2. the model: $LITEVLM_MODEL, else the bundled SynthDrive model (litevlm_runtime/bundled/,
+#      trained by `litevlm train vlm`; see its MODEL_CARD.md)
 #   3. a bag: six camera streams + DriveLM questions from ../shared/drivelm_sample, or, when that
 #      is absent, from SynthDrive frames rendered here (`litevlm synth`)
 #   4. `litevlm drive` (the node), `litevlm bag record`, `litevlm bag replay`: three processes
@@ -11,7 +11,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LITEVLM_VENV:-$ROOT/.venv}"
-MODEL="${LITEVLM_MODEL:-$ROOT/runs/models/small}"
+MODEL="${LITEVLM_MODEL:-$ROOT/litevlm_runtime/bundled/synthdrive-internvl2_5-3m}"
 DRIVELM="${LITEVLM_DRIVELM:-$ROOT/../shared/drivelm_sample}"
 WORK="$ROOT/runs/demo"
 L="$VENV/bin/litevlm"
@@ -20,8 +20,8 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 mkdir -p "$WORK"
 if [ ! -f "$MODEL/config.json" ]; then
-    echo "[demo] making the small model in $MODEL"
-    "$L" make-checkpoint --preset small "$MODEL"
+    echo "[demo] no model at $MODEL (set LITEVLM_MODEL to an InternVL2.5 folder)" >&2
+    exit 2
 fi
 
 BAG="$WORK/drive_bag"   # a rosbag2 folder (a name ending .bag would read as ROS 1)

@@ -206,13 +206,15 @@ class DriveNode(LifecycleNode):
         self.p = self._params()
         self.server.apply_settings(self._settings())    # parameters may have changed since construction
         model_dir = self.p["model_dir"]
-        self.get_logger().info(f"configure: loading {model_dir or '(model_dir not set)'} "
+        self.get_logger().info(f"configure: loading {model_dir or '(the bundled default model)'} "
                                f"({self.p['backend']}, {self.p['device']}, {self.p['precision']})")
         try:
             def factory():
                 from ..pipeline import Pipeline
-                if not model_dir:
-                    raise ValueError("parameter model_dir is not set")
+                if not model_dir:      # "": the bundled default model
+                    from ..bundled import DEFAULT_MODEL
+
+                    model_dir = str(DEFAULT_MODEL)
                 return Pipeline.from_pretrained(model_dir, pipeline_options(self.p))
             self.server.load(factory, warmup=self.p["warmup"])
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
