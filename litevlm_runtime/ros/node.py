@@ -211,11 +211,10 @@ class DriveNode(LifecycleNode):
         try:
             def factory():
                 from ..pipeline import Pipeline
-                if not model_dir:      # "": the bundled default model
-                    from ..bundled import DEFAULT_MODEL
+                from ..bundled import DEFAULT_MODEL
 
-                    model_dir = str(DEFAULT_MODEL)
-                return Pipeline.from_pretrained(model_dir, pipeline_options(self.p))
+                # "": the bundled default model
+                return Pipeline.from_pretrained(model_dir or DEFAULT_MODEL, pipeline_options(self.p))
             self.server.load(factory, warmup=self.p["warmup"])
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
             self.get_logger().error(f"configure failed: {type(exc).__name__}: {exc}")
