@@ -46,15 +46,27 @@ class Dist:
             dist.destroy_process_group()
 
 
-def setup() -> Dist:
+def setup(device: str | None = None) -> Dist:
+    """Initialize the process group when launched by torchrun. `device` pins the device (a CPU
+    trainer passes "cpu": then the ranks talk over gloo even where a GPU exists); by default a GPU
+    is used when there is one (one per local rank, NCCL), else the CPU (gloo)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device:
+        dev = torch.device(device)
+    elif torch.cuda.is_available():
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        dev = torch.device("cpu")
     if world == 1:
-        return Dist()
-    rank = int(os.environ["RANK"])
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return Dist(rank, world, torch.device("cuda", local))
-    dist.init_process_group("gloo")
-    return Dist(rank, world, torch.device("cpu"))
+        return Dist(device=dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), dev)
+
+
+def threads_per_rank() -> int:
+    """The machine's cores divided among the local ranks: more threads than free cores makes
+    OpenMP workers spin against each other."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, (os.cpu_count() or 1) // local)

@@ -10,7 +10,6 @@ next token is text: SmoothL1 between the draft's predicted feature and the targe
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -112,7 +111,7 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
     from ..pipeline import Pipeline, PipelineOptions
     from ..tokenizer import Tokenizer
 
-    d = setup()
+    d = setup("cpu")                   # the target and draft run on the CPU pipeline here
     torch.manual_seed(seed)
     tree = tree or {"total": 60, "depth": 6, "topk": 10}
     opts = PipelineOptions(max_new_tokens=max_new_tokens, threads=threads, decoding="eagle",

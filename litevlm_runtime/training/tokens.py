@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import random
 import shlex
 import sys
@@ -50,6 +49,7 @@ from ..checkpoint import load_model
 from ..errors import InputError
 from ..pipeline import Pipeline, PipelineOptions
 from ..token_selector import TokenSelector, kept_count, save_token_selector
+from .distributed import setup, threads_per_rank
 from ..tokenizer import Tokenizer
 
 
@@ -244,23 +244,11 @@ def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], sele
 # ---------------------------------------------------------------------------------------------
 
 
-def _setup_distributed() -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
-    dist.init_process_group("gloo")
-    # The machine's cores are shared between the ranks.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
-
-
 def train(args) -> dict | None:
-    rank, world, device = _setup_distributed()
+    d = setup()
+    rank, world, device = d.rank, d.world, d.device
+    if world > 1 and device.type == "cpu":
+        torch.set_num_threads(threads_per_rank())     # the machine's cores are shared between the ranks
     if args.threads:
         torch.set_num_threads(args.threads)     # on a shared CPU, fewer threads avoid OpenMP spin contention
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

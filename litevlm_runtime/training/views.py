@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -39,6 +38,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from .distributed import setup
 from ..view_selector import (
     TOKENIZER_FILE,
     LoadedViewSelector,
@@ -235,24 +235,6 @@ def compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, records:
 # ---------------------------------------------------------------------------------------------
 
 
-def _setup_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Initialises the process group when launched by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if device_arg:
-        device = torch.device(device_arg)
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend)
-        return dist.get_rank(), dist.get_world_size(), device
-    return 0, 1, device
-
-
 def _tokenizer_for(args, questions: list[str], rank: int, world: int):
     """The selector's tokenizer: given (--tokenizer) or trained on the training questions.
 
@@ -277,7 +259,8 @@ def train(args) -> dict | None:
     # The selector is tiny: intra-op threads gain little, and on a busy CPU OpenMP spin-waiting
     # makes them far slower (measured on a loaded 2-core machine: 2 s vs 35 s per epoch).
     torch.set_num_threads(args.threads)
-    rank, world, device = _setup_distributed(args.device)
+    d = setup(args.device)
+    rank, world, device = d.rank, d.world, d.device
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     try:
         return _train(args, rank, world, device, log)

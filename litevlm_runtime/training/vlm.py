@@ -31,7 +31,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from ..models.internvl import InternVL
 from ..preprocess import Normalizer, load_image, to_tiles_uint8
 from ..presets import PRESETS, preset
 from ..tokenizer import Tokenizer, chat_segments, segment_ids, train_bpe_tokenizer
+from .distributed import setup, threads_per_rank
 
 CATEGORIES = ("perception", "prediction", "planning", "behavior")
 RECORD_FILE = "training_record.json"
@@ -368,19 +368,9 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
 # ---------------------------------------------------------------------------------------------
 
 
-def _setup_distributed() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group(backend="gloo")
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _set_threads(requested: int | None) -> None:
-    """Intra-op threads per process: as asked, else the cores divided among the local ranks
-    (more threads than free cores makes OpenMP workers spin against each other)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    torch.set_num_threads(requested or max(1, (os.cpu_count() or 1) // local))
+    """Intra-op threads per process: as asked, else the cores divided among the local ranks."""
+    torch.set_num_threads(requested or threads_per_rank())
 
 
 def file_sha256(path: Path) -> str:
@@ -412,7 +402,8 @@ def reproduce_command(args) -> str:
 
 
 def train(args) -> dict | None:
-    rank, world = _setup_distributed()
+    d = setup("cpu")                    # trained on the CPU; ranks talk over gloo
+    rank, world = d.rank, d.world
     _set_threads(args.threads)
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     try:
