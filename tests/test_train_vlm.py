@@ -29,26 +29,24 @@ def synth_set(tmp_path_factory) -> Path:
 
 
 def _reference_loss(model: InternVL, pixels: torch.Tensor, e: vlm.Encoded) -> torch.Tensor:
-    """One sample on its own, as inference lays it out: prompt + answer, causal, positions 0..T-1."""
+    """One sample on its own, as inference lays it out: prompt + answer, causal, positions 0..T-1;
+    pixels holds one tile per camera of the prompt, in its order."""
     lm = model.language_model
     ids = torch.tensor(e.prompt + e.answer)
     t = len(ids)
     visual = model.encode_images(pixels)
     embeds = lm.embed(ids).clone()
-    flat = visual.reshape(len(CAMERAS), -1, visual.shape[-1])
     for cam, (start, count) in enumerate(e.spans):
-        embeds[start:start + count] = flat[cam]
+        embeds[start:start + count] = visual[cam]
     cfg = lm.cfg
     cache = lambda: [embeds.new_zeros(cfg.num_key_value_heads, t, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]  # noqa: E731
-    mask = torch.ones(t, t, dtype=torch.bool).tril()
-    hidden = lm(embeds, torch.arange(t), torch.arange(t), mask, cache(), cache())
+    hidden = lm(embeds, torch.arange(t), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), cache(), cache())
     rows = torch.arange(len(e.prompt) - 1, t - 1)
     return F.cross_entropy(lm.head(hidden[rows]), ids[rows + 1], reduction="sum")
 
 
-def test_packed_loss_equals_sum_of_separate_losses(synth_set, tmp_path):
-    """Two frames x three questions packed as prefix trees in one sequence: the loss equals the
-    sum of the six per-sample losses in float64 to 1e-10 relative (only summation order differs)."""
+def _two_frames_tiny_float64_model(synth_set: Path, tmp_path: Path):
+    """Two SynthDrive frames, a BPE tokenizer on their text and a random tiny model in float64."""
     frames = vlm.load_frames(synth_set / "train.json", synth_set)[:2]
     train_bpe_tokenizer([t for f in frames for qa in f.qa for t in (qa.question, qa.answer)], 600,
                         tmp_path / "tokenizer.json")
@@ -58,6 +56,13 @@ def test_packed_loss_equals_sum_of_separate_losses(synth_set, tmp_path):
     model = InternVL(cfg)
     init_weights(model, seed=3, std=0.05)
     model = model.double()
+    return frames, tok, cfg, model
+
+
+def test_packed_loss_equals_sum_of_separate_losses(synth_set, tmp_path):
+    """Two frames x three questions packed as prefix trees in one sequence: the loss equals the
+    sum of the six per-sample losses in float64 to 1e-10 relative (only summation order differs)."""
+    frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
     picks = [[frames[0].qa[i] for i in (0, 5, 9)], [frames[1].qa[i] for i in (1, 2, 7)]]
     enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in qs] for qs in picks]
     pixels = torch.randn(2, len(CAMERAS), 3, cfg.force_image_size, cfg.force_image_size, dtype=torch.float64)
@@ -162,3 +167,64 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
         train_logits = lm.head(hidden[batch.target_rows[0]])
     assert torch.allclose(train_logits, pipeline_logits, atol=1e-4, rtol=1e-4)
     assert int(train_logits.argmax()) == ans.token_ids[0]
+
+
+def test_selected_view_groups_train_the_prompts_the_selector_makes(synth_set, tmp_path):
+    """split_by_views: QA sent to a camera subset are re-encoded with only those cameras (the
+    prompt Pipeline.prompt_ids builds for them), grouped per subset, and their packed loss equals
+    per-sample losses over exactly those cameras' tiles (float64, 1e-10 relative)."""
+    import numpy as np
+
+    frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
+    # A stand-in selection rule (the rule itself is the view selector's business, tested there).
+    subsets = [["CAM_FRONT"], ["CAM_FRONT_LEFT", "CAM_BACK"]]
+    select = lambda q: subsets[len(q) % 2]  # noqa: E731
+    encode = lambda qa, cams: vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa, cams)  # noqa: E731
+    groups = [(f, [encode(qa, vlm.CAMERAS) for qa in frames[f].qa[:6]]) for f in range(2)]
+
+    split = vlm.split_by_views(groups, select, 1.0, np.random.default_rng(0), encode)
+    assert all(not isinstance(key, int) for key, _ in split)
+    assert sum(len(items) for _, items in split) == 12
+    for (f, cams), items in split:
+        for e in items:
+            assert [CAMERAS[c] for c in cams] == select(e.qa.question)
+            assert len(e.spans) == len(cams)
+            assert e.prompt.count(tok.img_context_id) == len(cams) * cfg.tokens_per_tile
+    # fraction 0: nothing changes.
+    assert vlm.split_by_views(groups, select, 0.0, np.random.default_rng(0), encode) == groups
+
+    cache = vlm.TileCache(frames, cfg.force_image_size)
+    f0, cams0 = split[0][0]
+    assert torch.equal(cache.batch([(f0, cams0)]), cache.batch([f0])[list(cams0)])
+    normalize = Normalizer(torch.float32, torch.device("cpu"))
+    batch = vlm.pack(split)
+    packed = vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize).double(), batch)
+    separate = sum(_reference_loss(model, vlm.pixels_for(cache, [key], normalize).double(), e)
+                   for key, items in split for e in items)
+    assert torch.allclose(packed, separate, rtol=1e-10, atol=0), (packed.item(), separate.item())
+
+
+def test_vision_probe_adds_its_weighted_label_loss(synth_set, tmp_path):
+    """With a probe, PackedLoss = answer loss + weight * (binary cross-entropy summed over labels and
+    visual tokens) / tokens per tile, the latter recomputed by hand in float64."""
+    from litevlm_runtime.training.vision_labels import LABELS, VisionProbe, load_vision_labels
+
+    frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
+    grid = int(round(cfg.tokens_per_tile ** 0.5))
+    labels = load_vision_labels(synth_set / "ground_truth.json", [f.key.split("/")[-1] for f in frames], grid)
+    assert labels.shape == (2, len(CAMERAS), grid * grid, len(LABELS)) and labels.sum() > 0
+    probe = VisionProbe(model.mlp1[-1].out_features).double()
+    torch.nn.init.normal_(probe.linear.weight, std=0.3)
+    enc = [vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, frames[f].qa[0]) for f in range(2)]
+    batch = vlm.pack([(0, [enc[0]]), (1, [enc[1]])])
+    pixels = vlm.pixels_for(vlm.TileCache(frames, cfg.force_image_size), batch.frames,
+                            Normalizer(torch.float32, torch.device("cpu"))).double()
+    y = labels.reshape(-1, len(LABELS)).double()
+    plain = vlm.PackedLoss(model)(pixels, batch)
+    with_probe = vlm.PackedLoss(model, probe, 0.3)(pixels, batch, labels.reshape(-1, len(LABELS)))
+    with torch.no_grad():
+        z = probe.linear(model.encode_images(pixels).reshape(-1, cfg.llm.hidden_size))
+    sig = 1 / (1 + torch.exp(-z))
+    bce = -(y * torch.log(sig) + (1 - y) * torch.log(1 - sig)).sum()
+    expected = plain + 0.3 * bce / cfg.tokens_per_tile
+    assert torch.allclose(with_probe, expected, rtol=1e-9, atol=0), (with_probe.item(), expected.item())

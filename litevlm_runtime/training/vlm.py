@@ -55,6 +55,7 @@ from ..preprocess import Normalizer, load_image, to_tiles_uint8
 from ..presets import PRESETS, preset
 from ..tokenizer import Tokenizer, chat_segments, segment_ids, train_bpe_tokenizer
 from .distributed import setup, threads_per_rank
+from .vision_labels import LABELS, VisionProbe, load_vision_labels
 
 CATEGORIES = ("perception", "prediction", "planning", "behavior")
 RECORD_FILE = "training_record.json"
@@ -141,12 +142,23 @@ class Encoded:
     prompt: list[int]                   # Pipeline.prompt_ids: template, <IMG_CONTEXT> placeholders, question
     spans: list[tuple[int, int]]        # (start, count) of each camera's visual tokens in `prompt`
     answer: list[int]                   # answer tokens followed by <|im_end|>
+    qa: QA | None = None                # the source, to re-encode it with another camera subset
 
 
-def encode_qa(tok: Tokenizer, system: str, tokens_per_camera: int, qa: QA) -> Encoded:
-    prompt, spans = segment_ids(tok, chat_segments(system, list(CAMERAS), qa.question),
-                                [tokens_per_camera] * len(CAMERAS))
-    return Encoded(prompt, spans, tok.encode(qa.answer) + [tok.im_end_id])
+def encode_qa(tok: Tokenizer, system: str, tokens_per_camera: int, qa: QA,
+              cameras: tuple[str, ...] = CAMERAS) -> Encoded:
+    prompt, spans = segment_ids(tok, chat_segments(system, list(cameras), qa.question),
+                                [tokens_per_camera] * len(cameras))
+    return Encoded(prompt, spans, tok.encode(qa.answer) + [tok.im_end_id], qa)
+
+
+# A group's key: a frame index (all six cameras) or (frame index, camera indices) for a subset.
+GroupKey = "int | tuple[int, tuple[int, ...]]"
+ALL_CAMERAS = tuple(range(len(CAMERAS)))
+
+
+def frame_and_cameras(key) -> tuple[int, tuple[int, ...]]:
+    return (key, ALL_CAMERAS) if isinstance(key, int) else key
 
 
 class TileCache:
@@ -168,12 +180,20 @@ class TileCache:
             to_tiles_uint8(img, s, tpc, self.tiles[i, j * tpc:(j + 1) * tpc])
         self.filled[i] = True
 
-    def batch(self, indices: list[int]) -> torch.Tensor:
-        """[len(indices) * cameras * tiles_per_camera, 3, S, S] uint8."""
-        for i in indices:
+    def batch(self, keys: list) -> torch.Tensor:
+        """[sum of each key's cameras * tiles_per_camera, 3, S, S] uint8; a key is a frame index
+        (all cameras) or (frame index, camera indices)."""
+        parts = []
+        tpc = self.tiles_per_camera
+        for key in keys:
+            i, cams = frame_and_cameras(key)
             if not self.filled[i]:
                 self._fill(i)
-        return self.tiles[indices].flatten(0, 1)
+            if cams == ALL_CAMERAS:
+                parts.append(self.tiles[i])
+            else:
+                parts.append(self.tiles[i].view(len(CAMERAS), tpc, *self.tiles.shape[2:])[list(cams)].flatten(0, 1))
+        return torch.cat(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +210,7 @@ class PackedBatch:
     target_rows: torch.Tensor    # [N] rows whose next token is an answer token (or <|im_end|>)
     targets: torch.Tensor        # [N] those next tokens
     weights: torch.Tensor        # [N] loss weight of each target (1, or 1/answer length per sample)
-    frames: list[int]            # frame index of each group (order of the visual tokens)
+    frames: list                 # each group's key, frame index or (frame, cameras) (order of the visual tokens)
     samples: int                 # QA count
 
 
@@ -282,15 +302,24 @@ def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: in
 
 
 class PackedLoss(nn.Module):
-    """Weighted sum of the answer-token cross-entropies of a packed batch (the module DDP wraps)."""
+    """Weighted sum of the answer-token cross-entropies of a packed batch (the module DDP wraps),
+    plus, with a vision probe, `probe_weight` times the summed per-token label loss of the
+    visual tokens (`vision_labels.py`)."""
 
-    def __init__(self, model: InternVL):
+    def __init__(self, model: InternVL, probe: VisionProbe | None = None, probe_weight: float = 0.0):
         super().__init__()
         self.model = model
+        self.probe = probe
+        self.probe_weight = probe_weight
 
-    def forward(self, pixels: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, batch: PackedBatch, visual_labels: torch.Tensor | None = None) -> torch.Tensor:
         lm = self.model.language_model
         visual = self.model.encode_images(pixels)                     # [tiles, tokens_per_tile, D]
+        aux = 0.0
+        if self.probe is not None and visual_labels is not None:
+            flat = visual.reshape(-1, visual.shape[-1])
+            aux = self.probe_weight * self.probe(flat, visual_labels) / visual.shape[1]   # per tile
+            self.last_probe_loss = float(aux.detach())
         embeds = lm.embed(batch.ids)
         embeds = embeds.index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]).to(embeds.dtype))
         t = embeds.shape[0]
@@ -305,10 +334,10 @@ class PackedLoss(nn.Module):
         logits = lm.head(hidden[batch.target_rows])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp16/bf16 -> fp32, fp64 stays
         ce = F.cross_entropy(logits, batch.targets, reduction="none")
-        return (ce * batch.weights.to(ce.dtype)).sum()
+        return (ce * batch.weights.to(ce.dtype)).sum() + aux
 
 
-def pixels_for(cache: TileCache, frames: list[int], normalize: Normalizer) -> torch.Tensor:
+def pixels_for(cache: TileCache, frames: list, normalize: Normalizer) -> torch.Tensor:
     u8 = cache.batch(frames)
     return normalize(u8, torch.empty(u8.shape, dtype=torch.float32))
 
@@ -316,6 +345,27 @@ def pixels_for(cache: TileCache, frames: list[int], normalize: Normalizer) -> to
 # ---------------------------------------------------------------------------------------------
 # Schedule and held-out evaluation
 # ---------------------------------------------------------------------------------------------
+
+
+def split_by_views(groups: list[tuple[int, list[Encoded]]], select, fraction: float, rng: np.random.Generator,
+                   encode) -> list[tuple[object, list[Encoded]]]:
+    """Each QA goes, with probability `fraction`, to a prompt with only the cameras `select(question)`
+    returns (what the LiteVLM pipeline will show the model) instead of all six; QA of one frame
+    with the same subset share one prefix tree. Training on both keeps the six-camera prompt and
+    puts the view selector's prompts in distribution."""
+    out: list[tuple[object, list[Encoded]]] = []
+    for frame, items in groups:
+        full, subsets = [], {}
+        for e in items:
+            cams = tuple(CAMERAS.index(c) for c in select(e.qa.question)) if rng.random() < fraction else ALL_CAMERAS
+            if cams == ALL_CAMERAS:
+                full.append(e)
+            else:
+                subsets.setdefault(cams, []).append(encode(e.qa, tuple(CAMERAS[i] for i in cams)))
+        if full:
+            out.append((frame, full))
+        out += [((frame, cams), subset) for cams, subset in subsets.items()]
+    return out
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -342,9 +392,10 @@ def epoch_groups(frames: list[list[Encoded]], per_group: int, rng: np.random.Gen
 
 
 def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_questions: int,
-                      seed: int) -> dict:
+                      seed: int, view_selector: Path | None = None) -> dict:
     """Exact-match accuracy on closed-form (choice, yes/no) questions through the real Pipeline
-    (the same answer path and the same match rule as `litevlm eval`)."""
+    (the same answer path and the same match rule as `litevlm eval`); with a view selector, the
+    cameras it selects instead of all six."""
     from ..pipeline import Pipeline, PipelineOptions
 
     items = [(f, qa) for f in frames for qa in f.qa if is_closed_form(qa.question, qa.answer)]
@@ -353,7 +404,10 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
         items = [items[i] for i in sorted(rng.choice(len(items), max_questions, replace=False))]
     if not items:
         return {"accuracy": None, "questions": 0}
-    pipe = Pipeline(copy.deepcopy(model), Tokenizer(tok_dir), PipelineOptions(max_new_tokens=8))
+    options = PipelineOptions(max_new_tokens=8)
+    if view_selector:
+        options = PipelineOptions(max_new_tokens=8, view_selection="selector", view_selector_dir=str(view_selector))
+    pipe = Pipeline(copy.deepcopy(model), Tokenizer(tok_dir), options)
     by_category: dict[str, list[int]] = {}
     for frame, qa in items:
         ans = pipe.answer(frame.images, qa.question, max_new_tokens=8)
@@ -481,11 +535,35 @@ def _train(args, rank: int, world: int, log) -> dict | None:
     cache = TileCache(frames, cfg.force_image_size)
     normalize = Normalizer(torch.float32, torch.device("cpu"))
 
-    loss_module = PackedLoss(model)
+    probe = labels = None
+    if args.vision_labels:
+        grid = int(round(tokens_per_camera ** 0.5))
+        labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
+        torch.manual_seed(args.seed)
+        probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0))
+        log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
+            f"{float(labels.float().mean()):.4f} positive")
+    select = None
+    if args.view_selector:
+        from ..view_selector import load_view_selector
+        selector = load_view_selector(args.view_selector)
+        memo: dict[str, list[str]] = {}
+        select = lambda q: memo[q] if q in memo else memo.setdefault(q, selector.select(q))  # noqa: E731
+        log(f"view selection: {args.selected_views:.0%} of QA see only the cameras {args.view_selector} selects")
+    view_rng = np.random.default_rng([args.seed, rank, 7])    # per rank: must not disturb the shared data order
+
+    def visual_labels_for(keys: list) -> torch.Tensor | None:
+        if labels is None:
+            return None
+        return torch.cat([labels[f][list(cams)].reshape(-1, len(LABELS))
+                          for f, cams in map(frame_and_cameras, keys)])
+
+    loss_module = PackedLoss(model, probe, args.vision_weight)
     if world > 1:
         loss_module = DistributedDataParallel(loss_module)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
+    params = list(model.named_parameters()) + (list(probe.named_parameters(prefix="probe")) if probe else [])
+    decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
+    no_decay = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
 
@@ -501,7 +579,7 @@ def _train(args, rank: int, world: int, log) -> dict | None:
 
     history = []
     queue: list[tuple[int, list[Encoded]]] = []
-    loss_sum = tok_sum = samples_done = 0
+    loss_sum = tok_sum = samples_done = probe_sum = 0
     window_t0 = time.monotonic()
     window_samples = 0
     train_t0 = time.monotonic()
@@ -511,6 +589,9 @@ def _train(args, rank: int, world: int, log) -> dict | None:
             queue += epoch_groups(encoded, args.questions_per_frame, rng, args.questions_per_visit)
         groups, queue = queue[:per_step], queue[per_step:]
         mine = groups[rank::world]
+        if select is not None:
+            mine = split_by_views(mine, select, args.selected_views, view_rng,
+                                  lambda qa, cams: encode_qa(tok, system, tokens_per_camera, qa, cams))
         # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
         per_sample = args.loss_per == "sample"
         n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
@@ -521,26 +602,30 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         # on masked-out pairs; gradients of the sequences accumulate.
         sequences = split_into_sequences(mine, args.max_sequence_tokens)
         loss_sum_local = torch.zeros(())
+        probe_sum_local = 0.0
         n_targets_local = n_samples_local = 0
         for i, seq in enumerate(sequences):
             batch = pack(seq, per_sample)
             sync = contextlib.nullcontext() if (world == 1 or i == len(sequences) - 1) else loss_module.no_sync()
             with sync:
-                seq_loss = loss_module(pixels_for(cache, batch.frames, normalize), batch)
+                seq_loss = loss_module(pixels_for(cache, batch.frames, normalize), batch, visual_labels_for(batch.frames))
                 # Normalised by the global token count, times world because DDP averages over
                 # ranks: the gradient equals that of one process seeing the whole global batch.
                 (seq_loss * (world / n_targets_global)).backward()
-            loss_sum_local += seq_loss.detach()
+            probe_part = getattr(loss_module.module if world > 1 else loss_module, "last_probe_loss", 0.0)
+            probe_sum_local += probe_part
+            loss_sum_local += seq_loss.detach() - probe_part
             n_targets_local += float(batch.weights.sum())
             n_samples_local += batch.samples
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-        stats = torch.tensor([float(loss_sum_local), float(n_targets_local), float(n_samples_local)])
+        stats = torch.tensor([float(loss_sum_local), float(n_targets_local), float(n_samples_local), probe_sum_local])
         if world > 1:
             dist.all_reduce(stats)
         loss_sum += stats[0].item()
+        probe_sum += stats[3].item()
         tok_sum += stats[1].item()
         samples_done += int(stats[2].item())
         window_samples += int(stats[2].item())
@@ -550,24 +635,31 @@ def _train(args, rank: int, world: int, log) -> dict | None:
             mean_step = (time.monotonic() - train_t0) / (step + 1)
             eta = mean_step * (total - step - 1)
             loss = loss_sum / max(tok_sum, 1)
-            log(f"step {step + 1:5d}/{total}  loss {loss:.4f}  grad {grad_norm:.2f}  "
+            probe_text = f"  probe {probe_sum / max(tok_sum, 1):.4f}" if probe is not None else ""
+            log(f"step {step + 1:5d}/{total}  loss {loss:.4f}{probe_text}  grad {grad_norm:.2f}  "
                 f"lr {opt.param_groups[0]['lr']:.2e}  {rate:.1f} samples/s  ETA {eta / 60:.1f} min")
             history.append({"step": step + 1, "loss": loss, "samples": samples_done,
-                            "elapsed_s": time.monotonic() - train_t0})
-            loss_sum = tok_sum = 0
+                            "elapsed_s": time.monotonic() - train_t0}
+                           | ({"probe_loss": probe_sum / max(tok_sum, 1)} if probe is not None else {}))
+            loss_sum = tok_sum = probe_sum = 0
             window_t0, window_samples = time.monotonic(), 0
         if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == total):
             model.eval()
             t0 = time.monotonic()
             write_checkpoint(out, model, tok_file)   # the latest weights survive an interrupted run
             last_eval = held_out_accuracy(model, work, val_frames, args.eval_questions, args.seed)
+            if args.view_selector:
+                last_eval["selected_views"] = held_out_accuracy(model, work, val_frames, args.eval_questions,
+                                                                args.seed, args.view_selector)
             model.train()
             last_eval["step"] = step + 1
             history.append({"step": step + 1, "held_out": last_eval})
             cats = " ".join(f"{k} {v:.3f}" for k, v in last_eval.get("by_category", {}).items())
             acc = last_eval["accuracy"]
+            sel = last_eval.get("selected_views", {}).get("accuracy")
+            sel_text = "" if sel is None else f"; with selected views {sel:.4f}"
             log(f"  held-out accuracy {'n/a' if acc is None else f'{acc:.4f}'} on {last_eval['questions']} "
-                f"closed-form questions ({cats}) [{time.monotonic() - t0:.0f} s]")
+                f"closed-form questions ({cats}){sel_text} [{time.monotonic() - t0:.0f} s]")
             window_t0 = time.monotonic()   # keep eval time out of the samples/s figure
 
     train_s = time.monotonic() - train_t0
@@ -624,6 +716,13 @@ def register(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--max-answer-tokens", type=int, default=64)
+    p.add_argument("--vision-labels", type=Path,
+                   help="SynthDrive ground_truth.json: also train a linear probe on every visual token to predict the "
+                        "objects drawn there (training only; not in the checkpoint)")
+    p.add_argument("--vision-weight", type=float, default=0.2, help="weight of the vision-label loss")
+    p.add_argument("--view-selector", type=Path,
+                   help="view selector folder: --selected-views of the QA are trained with only the cameras it selects")
+    p.add_argument("--selected-views", type=float, default=0.5, help="fraction of QA trained with selected cameras")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / local ranks)")
     p.add_argument("--log-every", type=int, default=10)
