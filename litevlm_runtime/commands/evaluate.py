@@ -26,6 +26,11 @@ def register(subparsers) -> None:
     p.add_argument("--match-threshold", type=float, default=16.0, help="match radius, L1 pixels (challenge: 16)")
     p.add_argument("--graph-filter", action="store_true",
                    help="the challenge's per-frame filter: skip questions about objects the first answer missed")
+    p.add_argument("--by-question", action="store_true",
+                   help="also report choice/yes-no accuracy per question template (evaluation/breakdown.py)")
+    p.add_argument("--versus", action="append", default=[], metavar="NAME=PREDICTIONS.json",
+                   help="with --by-question: add a column for another run's predictions on the same questions "
+                        "(e.g. blanked=blank_pred.json); repeatable")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -59,6 +64,20 @@ def run(args) -> int:
         if args.predictions:
             Path(args.predictions).write_text(json.dumps(records, indent=1))
     scores = score(questions, predictions, judge, args.match_threshold, args.graph_filter).to_dict()
+    by_template = None
+    if args.by_question or args.versus:
+        from ..evaluation.breakdown import accuracy_by_template
+        runs = {"this run": predictions}
+        for item in args.versus:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise InputError(f"--versus {item!r}: expected NAME=PREDICTIONS.json")
+            other = read_predictions(path)
+            missing = [q.id for q in questions if q.id not in other]
+            if missing:
+                raise InputError(f"--versus {path}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
+            runs[name] = other
+        by_template = accuracy_by_template(questions, runs)
     pipeline = None if args.from_predictions else " ".join([args.pipeline] + args.option)
     run_info = {"data": args.data, "model": args.model, "pipeline": pipeline,
                 "images": "blank" if args.blank_images else "real", "questions": len(questions)}
@@ -69,9 +88,15 @@ def run(args) -> int:
             run_info["mean_total_ms"] = sum(r["total_ms"] for r in answered) / len(answered)
             run_info["mean_cameras"] = sum(len(r["cameras"]) for r in answered) / len(answered)
     if args.json:
-        print(json.dumps({"run": run_info, "scores": scores}, indent=1))
+        print(json.dumps({"run": run_info, "scores": scores} | ({"by_template": by_template} if by_template else {}),
+                         indent=1))
     else:
         print(report(run_info, scores))
+        if by_template:
+            from ..report import table
+            names = [k for k in by_template[0] if k not in ("template", "questions")]
+            print(table(["question template", "QA"] + names,
+                        [[r["template"], r["questions"]] + [r[n] for n in names] for r in by_template], floatfmt="{:.3f}"))
     if records is not None and run_info["errors"]:
         print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
               f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
