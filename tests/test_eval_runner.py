@@ -72,6 +72,11 @@ def test_presets_and_bad_input(tmp_path):
     assert pipeline_options("eagle", max_new_tokens=7) == PipelineOptions(decoding="eagle", max_new_tokens=7)
     opts = pipeline_options("tokens", ["token_keep_ratio=0.5", "decoding=eagle", "eagle_dir=none"])
     assert (opts.token_keep_ratio, opts.decoding, opts.eagle_dir) == (0.5, "eagle", None)
+    # Optional fields (default None) take their declared type, not str.
+    opts = pipeline_options("baseline", ["threads=1", "view_threshold=0.25"])
+    assert (opts.threads, opts.view_threshold) == (1, 0.25) and type(opts.threads) is int
+    with pytest.raises(InputError, match="not a int"):
+        pipeline_options("baseline", ["threads=two"])
     with pytest.raises(InputError, match="not a float"):
         pipeline_options("baseline", ["token_keep_ratio=lots"])
     with pytest.raises(InputError, match="NAME=VALUE"):

@@ -4,6 +4,7 @@ the Pipeline, one frame's questions after another (so a visual feature cache can
 from __future__ import annotations
 
 import dataclasses
+import typing
 import json
 from pathlib import Path
 
@@ -29,25 +30,26 @@ DEFAULT_SIZE = (1600, 900)
 
 
 def parse_option(text: str) -> tuple[str, object]:
-    """--option NAME=VALUE -> (name, value typed like the PipelineOptions field's default)."""
+    """--option NAME=VALUE -> (name, value of the PipelineOptions field's type)."""
     from ..pipeline import PipelineOptions
     name, sep, raw = text.partition("=")
     fields = {f.name: f for f in dataclasses.fields(PipelineOptions)}
     if not sep or name not in fields or name in ("extra", "cameras"):
         raise InputError(f"--option {text!r}: expected NAME=VALUE with NAME one of "
                          f"{', '.join(n for n in fields if n not in ('extra', 'cameras'))}")
-    default = fields[name].default
+    # The field's declared type, not its default's: `threads: int | None = None` must parse as int.
+    hint = typing.get_type_hints(PipelineOptions)[name]
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    kind = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float) else str
     if raw.lower() in ("none", "null"):
         return name, None
     try:
-        if isinstance(default, bool):
+        if kind is bool:
             return name, raw.lower() in ("1", "true", "yes", "on")
-        if isinstance(default, int):
-            return name, int(raw)
-        if isinstance(default, float):
-            return name, float(raw)
+        if kind in (int, float):
+            return name, kind(raw)
     except ValueError:
-        raise InputError(f"--option {text!r}: {raw!r} is not a {type(default).__name__}") from None
+        raise InputError(f"--option {text!r}: {raw!r} is not a {kind.__name__}") from None
     return name, raw
 
 
