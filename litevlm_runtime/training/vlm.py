@@ -21,6 +21,13 @@ vision encoder and the prefix of the decoder for all but one question per frame.
 
 Frames repeat across questions and epochs: each camera's uint8 tile is decoded and resized once
 and cached; only the float normalisation runs per step.
+
+Two options serve the LiteVLM pipeline and the vision tower:
+- `--view-selector DIR`: a fraction of the QA is trained on the prompt the LiteVLM pipeline will
+  build, with only the cameras the (text-only) view selector picks for the question. A model
+  trained on six-camera prompts alone answers worse when shown fewer cameras.
+- `--vision-labels ground_truth.json`: a linear probe on every visual token learns what SynthDrive
+  drew in that token's cell (`vision_labels.py`), a direct signal for the vision tower.
 """
 
 from __future__ import annotations
