@@ -55,6 +55,21 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def check_state_dict(source: str | Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                     prefix: str = "") -> None:
+    """A small module's safetensors state against the module's own state_dict: every tensor there,
+    each of the expected shape, nothing else. `prefix` is how the file names the tensors."""
+    for name, t in expected.items():
+        if name not in state:
+            raise CheckpointError(f"{source}: tensor {prefix + name!r} missing")
+        if state[name].shape != t.shape:
+            raise CheckpointError(f"{source}: tensor {prefix + name!r} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(t.shape)}")
+    extra = set(state) - set(expected)
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensor {prefix + sorted(extra)[0]!r}")
+
+
 def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Load exactly the expected tensors, checking names and shapes against `expected`."""
     folder = Path(folder)

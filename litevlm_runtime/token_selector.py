@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .checkpoint import check_state_dict
 from .config import LLMConfig
 from .errors import CheckpointError, InputError
 from .models.decoder import RotaryTable, apply_rope
@@ -195,16 +196,7 @@ def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None
                               f"decoder is {lm.cfg.architecture!r}")
     sel = TokenSelector(lm.cfg, reduce or config.get("reduce", "max"), max_len=max_len)
     state = {k.removeprefix("layer."): v for k, v in load_file(str(weights)).items()}
-    expected = sel.layer.state_dict()
-    for name, t in expected.items():
-        if name not in state:
-            raise CheckpointError(f"{weights}: tensor 'layer.{name}' missing")
-        if state[name].shape != t.shape:
-            raise CheckpointError(f"{weights}: tensor 'layer.{name}' has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(t.shape)}")
-    extra = set(state) - set(expected)
-    if extra:
-        raise CheckpointError(f"{weights}: unexpected tensor 'layer.{sorted(extra)[0]}'")
+    check_state_dict(weights, state, sel.layer.state_dict(), prefix="layer.")
     sel.layer.load_state_dict(state)
     sel = sel.to(device=lm.layers[0].attn_norm.weight.device, dtype=dtype)
     sel.init_rope(max_len)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..checkpoint import check_state_dict
 from ..config import LLMConfig
 from ..errors import CheckpointError
 from .decoder import RotaryTable
@@ -62,15 +63,6 @@ def load_draft_head(folder: Path, cfg: LLMConfig, max_len: int, dtype: torch.dty
         raise CheckpointError(f"{weights}: EAGLE-2 draft head weights missing")
     draft = DraftHead(cfg, max_len)
     state = load_file(str(weights))
-    expected = draft.state_dict()
-    for name, t in expected.items():
-        if name not in state:
-            raise CheckpointError(f"{weights}: tensor {name!r} missing")
-        if state[name].shape != t.shape:
-            raise CheckpointError(f"{weights}: tensor {name!r} has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(t.shape)}")
-    extra = set(state) - set(expected)
-    if extra:
-        raise CheckpointError(f"{weights}: unexpected tensor {sorted(extra)[0]!r}")
+    check_state_dict(weights, state, draft.state_dict())
     draft.load_state_dict(state)
     return draft.to(dtype).eval()

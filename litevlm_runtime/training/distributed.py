@@ -41,6 +41,11 @@ class Dist:
         dist.all_reduce(t)
         return float(t) / self.world
 
+    def log(self, *parts) -> None:
+        """Progress lines from rank 0 only (every rank runs the same loop)."""
+        if self.rank == 0:
+            print(*parts, flush=True)
+
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

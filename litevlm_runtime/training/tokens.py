@@ -251,12 +251,10 @@ def train(args) -> dict | None:
         torch.set_num_threads(threads_per_rank())     # the machine's cores are shared between the ranks
     if args.threads:
         torch.set_num_threads(args.threads)     # on a shared CPU, fewer threads avoid OpenMP spin contention
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     try:
-        return _train(args, rank, world, device, log)
+        return _train(args, rank, world, device, d.log)
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        d.close()
 
 
 def split_samples(frames, args, rng: random.Random, n_val_file: int = 0) -> tuple[list[Sample], list[Sample]]:

@@ -261,12 +261,10 @@ def train(args) -> dict | None:
     torch.set_num_threads(args.threads)
     d = setup(args.device)
     rank, world, device = d.rank, d.world, d.device
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     try:
-        return _train(args, rank, world, device, log)
+        return _train(args, rank, world, device, d.log)
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        d.close()
 
 
 def _train(args, rank: int, world: int, device: torch.device, log) -> dict | None:
