@@ -7,7 +7,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from .answer import STAGES
 

@@ -161,7 +161,7 @@ class Pipeline:
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
     def answer(self, images: dict, question: str, max_new_tokens: int | None = None) -> Answer:
-        question_ids = self.check_question(question)
+        self.check_question(question)
         max_new = min(max_new_tokens or self.options.max_new_tokens, self.arena.limits.new_tokens)
         timer = StageTimer(self.device)
 

@@ -102,9 +102,6 @@ def test_latency_table_splits_transport():
 
 def test_raw_image_bag_round_trip(tmp_path):
     """--raw: sensor_msgs/Image on .../image_raw, pixels as the node will convert them back."""
-    import io
-
-    import numpy as np
     from PIL import Image
 
     from litevlm_runtime.ros.images import RawPayload, to_pipeline_image

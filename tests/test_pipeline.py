@@ -3,7 +3,6 @@ and the memory arena's stability over 100 answers."""
 
 import resource
 
-import numpy as np
 import pytest
 import torch
 

@@ -6,7 +6,6 @@ layers.N.feed_forward.{w1,w2,w3}, layers.N.{attention_norm,ffn_norm}, norm}, lan
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..config import LLMConfig

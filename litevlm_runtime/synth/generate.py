@@ -32,7 +32,7 @@ from ..errors import InputError
 from .camera import rig, sector_camera
 from .qa import frame_qa
 from .render import background, render, render_alone
-from .world import VEHICLE_KINDS, World, decide_ego, sample_world
+from .world import World, decide_ego, sample_world
 
 VERSION = 1
 CULL_SIZE = (480, 270)           # visibility is decided at this size, whatever the output size

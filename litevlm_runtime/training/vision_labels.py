@@ -116,10 +116,3 @@ class VisionProbe(nn.Module):
         """Sum over tokens of the label-summed binary cross-entropy (visual [N, D], targets [N, L])."""
         logits = self.linear(visual).float()
         return F.binary_cross_entropy_with_logits(logits, targets.float(), reduction="sum")
-
-    @torch.no_grad()
-    def f1(self, visual: torch.Tensor, targets: torch.Tensor) -> float:
-        pred = self.linear(visual) > 0
-        t = targets.bool()
-        tp = (pred & t).sum().item()
-        return 2 * tp / max(1, pred.sum().item() + t.sum().item())

@@ -42,7 +42,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +160,6 @@ def encode_qa(tok: Tokenizer, system: str, tokens_per_camera: int, qa: QA,
 
 
 # A group's key: a frame index (all six cameras) or (frame index, camera indices) for a subset.
-GroupKey = "int | tuple[int, tuple[int, ...]]"
 ALL_CAMERAS = tuple(range(len(CAMERAS)))
 
 
@@ -466,12 +465,10 @@ def train(args) -> dict | None:
     d = setup("cpu")                    # trained on the CPU; ranks talk over gloo
     rank, world = d.rank, d.world
     _set_threads(args.threads)
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     try:
-        return _train(args, rank, world, log)
+        return _train(args, rank, world, d.log)
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        d.close()
 
 
 def _train(args, rank: int, world: int, log) -> dict | None:
