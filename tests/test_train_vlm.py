@@ -254,3 +254,16 @@ def test_training_with_selected_views_and_vision_labels_runs_end_to_end(synth_se
     from safetensors import safe_open
     with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
         assert not any("probe" in k for k in f.keys())
+
+
+def test_selected_views_fraction_out_of_range_is_refused(synth_set, tmp_path):
+    from litevlm_runtime.cli import build_parser
+    from litevlm_runtime.errors import InputError
+
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--out", str(tmp_path / "m"), "--preset", "tiny", "--vocab-size", "600", "--steps", "1",
+        "--threads", "1", "--selected-views", "1.5"])
+    with pytest.raises(InputError, match="--selected-views 1.5"):
+        vlm.train(args)
+    assert not (tmp_path / "m").exists()

@@ -73,3 +73,12 @@ def test_generated_frames_label_every_visible_object(tmp_path):
     assert np.isin(labels, (0, 1)).all()
     with pytest.raises(InputError, match="no ground truth"):
         load_vision_labels(tmp_path / "ground_truth.json", ids + ["not-a-frame"], 5)
+
+
+def test_ground_truth_of_another_layout_is_a_clear_error(tmp_path):
+    (tmp_path / "gt.json").write_text('{"f": {"objects": []}}')
+    with pytest.raises(InputError, match="not SynthDrive ground truth"):
+        load_vision_labels(tmp_path / "gt.json", ["f"], 5)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InputError, match="cannot read"):
+        load_vision_labels(tmp_path / "bad.json", ["f"], 5)

@@ -95,7 +95,11 @@ def load_vision_labels(path: Path, frame_ids: list[str], grid: int) -> torch.Ten
     if missing:
         raise InputError(f"{path}: no ground truth for {len(missing)} training frames (first {missing[0]!r}); "
                          "--vision-labels needs the ground_truth.json written with the training data")
-    return torch.from_numpy(np.stack([frame_labels(doc[f], grid) for f in frame_ids]))
+    try:
+        return torch.from_numpy(np.stack([frame_labels(doc[f], grid) for f in frame_ids]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path}: not SynthDrive ground truth (a frame lacks image_size, objects or an "
+                         f"object's cameras/bbox/centre: {exc!r})") from None
 
 
 class VisionProbe(nn.Module):

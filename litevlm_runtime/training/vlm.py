@@ -472,6 +472,8 @@ def train(args) -> dict | None:
 
 
 def _train(args, rank: int, world: int, log) -> dict | None:
+    if not 0.0 <= args.selected_views <= 1.0:
+        raise InputError(f"--selected-views {args.selected_views}: a fraction, 0 to 1")
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
