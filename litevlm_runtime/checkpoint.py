@@ -122,7 +122,7 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2, ensure_ascii=False) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     if shard_bytes is None:
         save_file(state, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     else:

@@ -73,6 +73,10 @@ class Normalizer:
         self.scale = (1.0 / (255.0 * torch.tensor(IMAGENET_STD))).view(1, 3, 1, 1).to(device, dtype)
         self.shift = (torch.tensor(IMAGENET_MEAN) / torch.tensor(IMAGENET_STD)).view(1, 3, 1, 1).to(device, dtype)
 
-    def __call__(self, pixels_u8: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        out.copy_(pixels_u8)              # uint8 -> float happens here, on the device, in place
+    def __call__(self, pixels_u8: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Into `out` (the pipeline's preallocated buffer), or a new tensor (training)."""
+        if out is None:
+            out = pixels_u8.to(self.scale.dtype)
+        else:
+            out.copy_(pixels_u8)          # uint8 -> float happens here, on the device, in place
         return out.mul_(self.scale).sub_(self.shift)

@@ -99,6 +99,23 @@ def test_split_into_sequences_keeps_every_sample(synth_set, tmp_path):
     # At most 400 tokens, unless one sample alone is longer (it is never dropped).
     assert all(len(b.ids) <= 400 or b.samples == 1 for b in packed)
     assert len(packed) > 1
+    # Greedy and exact: where a frame's QA were split into several groups, the earlier group could
+    # not have taken the next QA (its packed length would pass 400).
+    pieces = [g for seq in seqs for g in seq]
+    splits = [(f, a, b) for (f, a), (g, b) in zip(pieces, pieces[1:]) if f == g]
+    assert splits
+    assert all(len(vlm.pack([(f, a + b[:1])]).ids) > 400 for f, a, b in splits)
+
+
+def test_prefetch_keeps_order_and_raises_the_producers_error():
+    def items():
+        yield from range(5)
+        raise ValueError("bad frame")
+
+    it = vlm.prefetch(items(), depth=2)
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="bad frame"):
+        next(it)
 
 
 @pytest.fixture(scope="module")
@@ -265,5 +282,97 @@ def test_selected_views_fraction_out_of_range_is_refused(synth_set, tmp_path):
         "--out", str(tmp_path / "m"), "--preset", "tiny", "--vocab-size", "600", "--steps", "1",
         "--threads", "1", "--selected-views", "1.5"])
     with pytest.raises(InputError, match="--selected-views 1.5"):
+        vlm.train(args)
+    assert not (tmp_path / "m").exists()
+
+
+def test_training_step_keeps_every_tensor_on_the_model_device(synth_set, tmp_path):
+    """The GPU path without a GPU: on torch's `meta` device (shapes only), a forward and backward
+    through PackedLoss with pixels_for(..., device) and PackedBatch.to(device) runs, and leaving
+    either input on the CPU is refused, as CUDA would refuse it."""
+    frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
+    enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:3]] for f in frames]
+    batch = vlm.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
+    cache = vlm.TileCache(frames, cfg.force_image_size)
+    meta = torch.device("meta")
+    model = model.float().to(meta)
+    normalize = Normalizer(torch.float32, meta)
+    loss = vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize, meta), batch.to(meta))
+    loss.backward()
+    assert loss.device == meta and all(p.grad is not None and p.grad.device == meta for p in model.parameters())
+    with pytest.raises(RuntimeError, match="device"):
+        vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize), batch.to(meta))
+    with pytest.raises(RuntimeError, match="device"):
+        vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize, meta), batch)
+
+
+def test_bf16_autocast_loss_is_close_to_float32(synth_set, tmp_path):
+    """The GPU trains under bf16 autocast with float32 weights; the same autocast on the CPU gives a
+    loss within 2% of float32 (bf16 keeps 8 mantissa bits) and finite float32 gradients."""
+    frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
+    model = model.float()
+    enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:3]] for f in frames]
+    batch = vlm.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
+    pixels = vlm.pixels_for(vlm.TileCache(frames, cfg.force_image_size), batch.frames,
+                            Normalizer(torch.float32, torch.device("cpu")))
+    exact = vlm.PackedLoss(model)(pixels, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = vlm.PackedLoss(model)(pixels, batch)
+    mixed.backward()
+    assert mixed.dtype == torch.float32
+    assert abs(mixed.item() - exact.item()) < 0.02 * exact.item(), (mixed.item(), exact.item())
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_decoding_all_frames_on_threads_equals_lazy_decoding(synth_set):
+    frames = vlm.load_frames(synth_set / "train.json", synth_set)
+    lazy = vlm.TileCache(frames, 112)
+    ahead = vlm.TileCache(frames, 112)
+    seen = []
+    ahead.fill_all(3, lambda n, total: seen.append((n, total)))
+    assert all(ahead.filled) and seen[-1] == (len(frames), len(frames))
+    keys = list(range(len(frames))) + [(0, (1, 4))]
+    assert torch.equal(lazy.batch(keys), ahead.batch(keys))
+
+
+def test_learning_rate_over_a_time_budget_follows_the_step_schedule():
+    total, warmup = 400, 20
+    for step in (0, 10, 19, 20, 100, 250, 399):
+        by_steps = vlm.learning_rate(step, total, 1e-3, warmup)
+        by_time = vlm.learning_rate_at((step + 1) / total if step < warmup else step / total, 1e-3, warmup / total)
+        assert abs(by_time - by_steps) < 0.01 * 1e-3, (step, by_time, by_steps)
+    assert vlm.learning_rate_at(1.5, 1e-3, 0.05) == pytest.approx(1e-4)      # past the budget: the floor
+
+
+def test_time_budget_run_stops_on_time_and_records_its_steps(synth_set, tmp_path):
+    from litevlm_runtime.cli import build_parser
+
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--val", str(synth_set / "val.json"), "--out", str(tmp_path / "m"), "--preset", "tiny", "--vocab-size", "600",
+        "--time-budget", "0.05", "--frames-per-step", "2", "--questions-per-frame", "4", "--log-every", "2",
+        "--eval-every", "0", "--seed", "1", "--threads", "1", "--decode-threads", "2", "--device", "cpu"])
+    record = vlm.train(args)
+    assert record["steps"] >= 1 and record["device"] == "cpu" and record["precision"] == "float32"
+    assert record["history"][-1]["step"] == record["steps"]
+    # It stopped because the budget was spent (3 s), not before, and not long after one more step.
+    assert record["final"]["train_seconds"] >= 3.0
+    assert "--time-budget 0.05" in record["command"]
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--precision", "bfloat16", "--device", "cpu"], "--precision bfloat16 is for GPUs"),
+    (["--time-budget", "0"], "--time-budget 0"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU")]))
+def test_device_flags_that_cannot_work_are_refused(synth_set, tmp_path, flags, message):
+    from litevlm_runtime.cli import build_parser
+    from litevlm_runtime.errors import InputError
+
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--out", str(tmp_path / "m"), "--preset", "tiny", "--vocab-size", "600", "--steps", "1",
+        "--threads", "1"] + flags)
+    with pytest.raises(InputError, match=message):
         vlm.train(args)
     assert not (tmp_path / "m").exists()

@@ -63,8 +63,10 @@ def attend_with_cache(q, k, v, slots, mask, k_cache, v_cache):
     every step; kv_len is the mask's width.
     """
     kv_len = mask.shape[-1]
-    k_cache.index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    # Stored in the cache's dtype: under autocast (bf16 training on a GPU) the projections come out
+    # in bf16 and RoPE's float tables promote k back, while the cache keeps one dtype (no-op otherwise).
+    k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),                 # [1, Hq, T, D]
         k_cache[None, :, :kv_len],

@@ -22,6 +22,14 @@ vision encoder and the prefix of the decoder for all but one question per frame.
 Frames repeat across questions and epochs: each camera's uint8 tile is decoded and resized once
 and cached; only the float normalisation runs per step.
 
+Devices. `--device auto` trains on a GPU where torch sees one (bf16 autocast, NCCL between
+ranks), else on the CPU (float32, gloo). On a GPU the frames are decoded up front by a pool of
+threads (PIL releases the GIL while decoding and resizing), since the GPU steps outrun one
+decoding thread; packing stays on the CPU and only the packed tensors travel. `--time-budget`
+fixes the training time instead of the step count: the learning-rate schedule then runs on the
+fraction of the budget spent (the one way to size a run for a machine whose speed is not known
+in advance, such as a lent GPU), and the record states the steps it took.
+
 Two options serve the LiteVLM pipeline and the vision tower:
 - `--view-selector DIR`: a fraction of the QA is trained on the prompt the LiteVLM pipeline will
   build, with only the cameras the (text-only) view selector picks for the question. A model
@@ -38,10 +46,14 @@ import copy
 import hashlib
 import json
 import math
+import os
+import queue
 import shlex
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,7 +189,7 @@ class TileCache:
         self.frames, self.tile, self.tiles_per_camera = frames, tile, tiles_per_camera
         n = len(CAMERAS) * tiles_per_camera
         self.tiles = torch.empty(len(frames), n, 3, tile, tile, dtype=torch.uint8)
-        self.filled = torch.zeros(len(frames), dtype=torch.bool)
+        self.filled = [False] * len(frames)
 
     def _fill(self, i: int) -> None:
         tpc, s = self.tiles_per_camera, self.tile
@@ -185,6 +197,14 @@ class TileCache:
             img = load_image(self.frames[i].images[cam], cam, (s * tpc, s))
             to_tiles_uint8(img, s, tpc, self.tiles[i, j * tpc:(j + 1) * tpc])
         self.filled[i] = True
+
+    def fill_all(self, threads: int, progress=None) -> None:
+        """Decode every frame now, on `threads` threads (the GPU path: decoding ahead of the steps)."""
+        todo = [i for i in range(len(self.frames)) if not self.filled[i]]
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for n, _ in enumerate(pool.map(self._fill, todo), 1):
+                if progress and (n % 2000 == 0 or n == len(todo)):
+                    progress(n, len(todo))
 
     def batch(self, keys: list) -> torch.Tensor:
         """[sum of each key's cameras * tiles_per_camera, 3, S, S] uint8; a key is a frame index
@@ -219,13 +239,21 @@ class PackedBatch:
     frames: list                 # each group's key, frame index or (frame, cameras) (order of the visual tokens)
     samples: int                 # QA count
 
+    def to(self, device: torch.device) -> "PackedBatch":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return PackedBatch(move(self.ids), move(self.positions), move(self.mask), move(self.visual_rows),
+                           move(self.target_rows), move(self.targets), move(self.weights), self.frames, self.samples)
+
 
 def common_prefix_len(seqs: list[list[int]]) -> int:
+    # Vectorised: prompts are hundreds of tokens and packing runs on the CPU ahead of every step
+    # (a token-by-token loop here was most of a GPU step's time).
     n = min(len(s) for s in seqs)
-    first = seqs[0]
-    for i in range(n):
-        if any(s[i] != first[i] for s in seqs[1:]):
-            return i
+    first = np.asarray(seqs[0][:n])
+    for s in seqs[1:]:
+        differ = np.flatnonzero(first[:n] != np.asarray(s[:n]))
+        if differ.size:
+            n = int(differ[0])
     return n
 
 
@@ -287,12 +315,23 @@ def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: in
 
     pieces = []
     for frame, items in groups:
+        # The length pack() will give the group, kept up to date as QA join it: the shared prefix
+        # once, plus each branch (prompt beyond the prefix, answer).
         part: list[Encoded] = []
+        shared = whole = 0
         for e in items:
-            if part and group_len(part + [e]) > max_tokens:
-                pieces.append((frame, part))
-                part = []
+            if part:
+                s = min(shared, common_prefix_len([part[0].prompt, e.prompt]), len(e.prompt) - 1)
+                if whole + len(e.prompt) + len(e.answer) - len(part) * s > max_tokens:
+                    pieces.append((frame, part))
+                    part = []
+                else:
+                    shared = s
+            if not part:
+                shared = len(e.prompt) - 1
+                whole = 0
             part.append(e)
+            whole += len(e.prompt) + len(e.answer)
         pieces.append((frame, part))
     sequences, current, used = [], [], 0
     for frame, items in pieces:
@@ -325,7 +364,7 @@ class PackedLoss(nn.Module):
         if self.probe is not None and visual_labels is not None:
             flat = visual.reshape(-1, visual.shape[-1])
             aux = self.probe_weight * self.probe(flat, visual_labels) / visual.shape[1]   # per tile
-            self.last_probe_loss = float(aux.detach())
+            self.last_probe_loss = aux.detach()        # a tensor: no device sync per sequence
         embeds = lm.embed(batch.ids)
         embeds = embeds.index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]).to(embeds.dtype))
         t = embeds.shape[0]
@@ -335,7 +374,7 @@ class PackedLoss(nn.Module):
         shape = (cfg.num_key_value_heads, t, cfg.head_dim)
         k_cache = [embeds.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
         v_cache = [embeds.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        slots = torch.arange(t)
+        slots = torch.arange(t, device=embeds.device)
         hidden = lm(embeds, batch.positions, slots, batch.mask, k_cache, v_cache)
         logits = lm.head(hidden[batch.target_rows])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp16/bf16 -> fp32, fp64 stays
@@ -343,9 +382,10 @@ class PackedLoss(nn.Module):
         return (ce * batch.weights.to(ce.dtype)).sum() + aux
 
 
-def pixels_for(cache: TileCache, frames: list, normalize: Normalizer) -> torch.Tensor:
-    u8 = cache.batch(frames)
-    return normalize(u8, torch.empty(u8.shape, dtype=torch.float32))
+def pixels_for(cache: TileCache, frames: list, normalize: Normalizer,
+               device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """Normalised float32 pixels on `device` (the uint8 tiles travel, a quarter of the bytes)."""
+    return normalize(cache.batch(frames).to(device, non_blocking=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,11 +414,42 @@ def split_by_views(groups: list[tuple[int, list[Encoded]]], select, fraction: fl
     return out
 
 
+def prefetch(items, depth: int):
+    """Iterate `items` (a generator) while a thread runs up to `depth` items ahead. Packing is
+    Python on the CPU; while a GPU step runs, the main thread waits on CUDA with the GIL released,
+    so the next steps are packed meanwhile. One producer keeps the order (and the random draws)."""
+    ready: queue.Queue = queue.Queue(depth)
+
+    def produce():
+        try:
+            for item in items:
+                ready.put(item)
+        except BaseException as exc:       # surfaces in the training loop, not lost on the thread
+            ready.put(exc)
+
+    threading.Thread(target=produce, daemon=True, name="pack-ahead").start()
+    while True:
+        item = ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     """Linear warm-up, then cosine decay to floor * peak."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def learning_rate_at(fraction: float, peak: float, warmup: float, floor: float = 0.1) -> float:
+    """The same schedule over the fraction of a time budget spent (`--time-budget`): linear warm-up
+    over the first `warmup` of it, then cosine decay to floor * peak."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    if fraction < warmup:
+        return peak * max(fraction / warmup, 1e-3)
+    progress = (fraction - warmup) / max(1e-9, 1 - warmup)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -413,7 +484,8 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
     options = PipelineOptions(max_new_tokens=8)
     if view_selector:
         options = PipelineOptions(max_new_tokens=8, view_selection="selector", view_selector_dir=str(view_selector))
-    pipe = Pipeline(copy.deepcopy(model), Tokenizer(tok_dir), options)
+    # The pipeline runs on the CPU: a float32 CPU copy, whatever device the model trains on.
+    pipe = Pipeline(copy.deepcopy(model).to("cpu", torch.float32), Tokenizer(tok_dir), options)
     by_category: dict[str, list[int]] = {}
     for frame, qa in items:
         ans = pipe.answer(frame.images, qa.question, max_new_tokens=8)
@@ -462,18 +534,25 @@ def reproduce_command(args) -> str:
 
 
 def train(args) -> dict | None:
-    d = setup("cpu")                    # trained on the CPU; ranks talk over gloo
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: torch sees no CUDA GPU here (use --device cpu or auto)")
+    d = setup(None if args.device == "auto" else args.device)   # a GPU per rank (NCCL), else CPU (gloo)
     rank, world = d.rank, d.world
     _set_threads(args.threads)
     try:
-        return _train(args, rank, world, d.log)
+        return _train(args, rank, world, d.log, d.device)
     finally:
         d.close()
 
 
-def _train(args, rank: int, world: int, log) -> dict | None:
+def _train(args, rank: int, world: int, log, device: torch.device = torch.device("cpu")) -> dict | None:
     if not 0.0 <= args.selected_views <= 1.0:
         raise InputError(f"--selected-views {args.selected_views}: a fraction, 0 to 1")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise InputError(f"--time-budget {args.time_budget}: minutes, more than 0")
+    bf16 = args.precision == "bfloat16" or (args.precision == "auto" and device.type == "cuda")
+    if bf16 and device.type != "cuda":
+        raise InputError("--precision bfloat16 is for GPUs (bf16 autocast on the CPU is slower than float32)")
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -535,18 +614,29 @@ def _train(args, rank: int, world: int, log) -> dict | None:
     else:
         model = InternVL(cfg)
         init_weights(model, args.seed)
+    model.to(device)                   # float32 master weights; bf16 only inside autocast
     n_params = sum(p.numel() for p in model.parameters())
+    where = f"{device}{' (bf16 autocast)' if bf16 else ''}" if device.type == "cuda" else \
+        f"cpu, {torch.get_num_threads()} threads/rank"
     log(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, tile {cfg.force_image_size}, "
-        f"{tokens_per_camera} visual tokens per camera; world size {world}, {torch.get_num_threads()} threads/rank")
+        f"{tokens_per_camera} visual tokens per camera; world size {world}, {where}")
     cache = TileCache(frames, cfg.force_image_size)
-    normalize = Normalizer(torch.float32, torch.device("cpu"))
+    decode_threads = args.decode_threads if args.decode_threads is not None else \
+        ((os.cpu_count() or 1) if device.type == "cuda" else 0)
+    if decode_threads:
+        t0 = time.monotonic()
+        cache.fill_all(decode_threads, lambda n, total: log(f"decoding frames: {n}/{total}"))
+        log(f"decoded {len(frames)} frames x {len(CAMERAS)} cameras on {decode_threads} threads "
+            f"in {time.monotonic() - t0:.0f} s")
+    normalize = Normalizer(torch.float32, device)
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
     probe = labels = None
     if args.vision_labels:
         grid = int(round(tokens_per_camera ** 0.5))
         labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
         torch.manual_seed(args.seed)
-        probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0))
+        probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0)).to(device)
         log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
             f"{float(labels.float().mean()):.4f} positive")
     select = None
@@ -562,11 +652,11 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         if labels is None:
             return None
         return torch.cat([labels[f][list(cams)].reshape(-1, len(LABELS))
-                          for f, cams in map(frame_and_cameras, keys)])
+                          for f, cams in map(frame_and_cameras, keys)]).to(device, non_blocking=True)
 
     loss_module = PackedLoss(model, probe, args.vision_weight)
     if world > 1:
-        loss_module = DistributedDataParallel(loss_module)
+        loss_module = DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
     params = list(model.named_parameters()) + (list(probe.named_parameters(prefix="probe")) if probe else [])
     decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
@@ -578,43 +668,62 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         raise InputError(f"--frames-per-step {per_step} is less than the world size {world}")
     per_frame = [min(len(x), args.questions_per_visit or len(x)) for x in encoded]
     steps_per_epoch = math.ceil(sum(math.ceil(n / args.questions_per_frame) for n in per_frame) / per_step)
-    total = args.steps or max(1, int(round(args.epochs * steps_per_epoch)))
-    warmup = max(1, int(args.warmup * total))
-    log(f"training: {total} steps of {per_step} frame groups (<= {args.questions_per_frame} questions each), "
-        f"{steps_per_epoch} steps per epoch, lr {args.lr} warm-up {warmup}")
+    budget_s = None if args.time_budget is None else 60.0 * args.time_budget
+    total = None if budget_s else (args.steps or max(1, int(round(args.epochs * steps_per_epoch))))
+    warmup = max(1, int(args.warmup * (total or 1)))
+    length = f"{args.time_budget:g} min" if budget_s else f"{total} steps"
+    log(f"training: {length} of {per_step} frame groups (<= {args.questions_per_frame} questions each), "
+        f"{steps_per_epoch} steps per epoch, lr {args.lr} warm-up "
+        f"{f'{args.warmup:.0%} of the time' if budget_s else warmup}")
+
+    per_sample = args.loss_per == "sample"
+
+    def step_batches():
+        """Per step: the global target count the loss is normalised by, and this rank's packed
+        sequences. Every rank draws the same global groups (same seed) and keeps its share."""
+        pending: list[tuple[int, list[Encoded]]] = []
+        while True:
+            while len(pending) < per_step:
+                pending += epoch_groups(encoded, args.questions_per_frame, rng, args.questions_per_visit)
+            groups, pending = pending[:per_step], pending[per_step:]
+            mine = groups[rank::world]
+            if select is not None:
+                mine = split_by_views(mine, select, args.selected_views, view_rng,
+                                      lambda qa, cams: encode_qa(tok, system, tokens_per_camera, qa, cams))
+            # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
+            n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
+            # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
+            # over a packed sequence is dense (T x T under the mask), so very long packs waste time
+            # on masked-out pairs; gradients of the sequences accumulate.
+            yield n_targets_global, [pack(seq, per_sample) for seq in split_into_sequences(mine, args.max_sequence_tokens)]
+
+    # On a GPU the next steps are packed on a thread while this one runs (same order, one producer).
+    batches = step_batches() if device.type == "cpu" else prefetch(step_batches(), depth=2)
 
     history = []
-    queue: list[tuple[int, list[Encoded]]] = []
     loss_sum = tok_sum = samples_done = probe_sum = 0
     window_t0 = time.monotonic()
     window_samples = 0
     train_t0 = time.monotonic()
     last_eval: dict = {}
-    for step in range(total):
-        while len(queue) < per_step:
-            queue += epoch_groups(encoded, args.questions_per_frame, rng, args.questions_per_visit)
-        groups, queue = queue[:per_step], queue[per_step:]
-        mine = groups[rank::world]
-        if select is not None:
-            mine = split_by_views(mine, select, args.selected_views, view_rng,
-                                  lambda qa, cams: encode_qa(tok, system, tokens_per_camera, qa, cams))
-        # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
-        per_sample = args.loss_per == "sample"
-        n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
+    eval_s = 0.0                 # held-out checks, kept out of the time budget
+    spent = 0.0                  # fraction of the time budget spent, as rank 0 measured it
+    step = -1
+    while True:
+        step += 1
+        n_targets_global, packed = next(batches)
+        lr = learning_rate(step, total, args.lr, warmup) if total else learning_rate_at(spent, args.lr, args.warmup)
         for g in opt.param_groups:
-            g["lr"] = learning_rate(step, total, args.lr, warmup)
-        # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
-        # over a packed sequence is dense (T x T under the mask), so very long packs waste time
-        # on masked-out pairs; gradients of the sequences accumulate.
-        sequences = split_into_sequences(mine, args.max_sequence_tokens)
-        loss_sum_local = torch.zeros(())
-        probe_sum_local = 0.0
+            g["lr"] = lr
+        loss_sum_local = torch.zeros((), device=device)
+        probe_sum_local = torch.zeros((), device=device)
         n_targets_local = n_samples_local = 0
-        for i, seq in enumerate(sequences):
-            batch = pack(seq, per_sample)
-            sync = contextlib.nullcontext() if (world == 1 or i == len(sequences) - 1) else loss_module.no_sync()
+        for i, batch in enumerate(packed):
+            sync = contextlib.nullcontext() if (world == 1 or i == len(packed) - 1) else loss_module.no_sync()
             with sync:
-                seq_loss = loss_module(pixels_for(cache, batch.frames, normalize), batch, visual_labels_for(batch.frames))
+                with amp():
+                    seq_loss = loss_module(pixels_for(cache, batch.frames, normalize, device), batch.to(device),
+                                           visual_labels_for(batch.frames))
                 # Normalised by the global token count, times world because DDP averages over
                 # ranks: the gradient equals that of one process seeing the whole global batch.
                 (seq_loss * (world / n_targets_global)).backward()
@@ -627,29 +736,39 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-        stats = torch.tensor([float(loss_sum_local), float(n_targets_local), float(n_samples_local), probe_sum_local])
+        # Rank 0's clock decides the budget for every rank (the sum carries it: the others add 0),
+        # so that all ranks take the same learning rate and stop at the same step.
+        clock = time.monotonic() - train_t0 - eval_s if rank == 0 else 0.0
+        stats = torch.tensor([float(loss_sum_local), float(n_targets_local), float(n_samples_local),
+                              float(probe_sum_local), clock], dtype=torch.float64, device=device)
         if world > 1:
             dist.all_reduce(stats)
+        stats = stats.cpu()
+        if budget_s:
+            spent = stats[4].item() / budget_s
+        last = spent >= 1.0 if budget_s else step + 1 == total
         loss_sum += stats[0].item()
         probe_sum += stats[3].item()
         tok_sum += stats[1].item()
         samples_done += int(stats[2].item())
         window_samples += int(stats[2].item())
-        if (step + 1) % args.log_every == 0 or step + 1 == total:
+        if (step + 1) % args.log_every == 0 or last:
             elapsed = time.monotonic() - window_t0
             rate = window_samples / max(elapsed, 1e-9)
-            mean_step = (time.monotonic() - train_t0) / (step + 1)
-            eta = mean_step * (total - step - 1)
+            if budget_s:
+                eta = max(0.0, budget_s - stats[4].item())
+            else:
+                eta = (time.monotonic() - train_t0 - eval_s) / (step + 1) * (total - step - 1)
             loss = loss_sum / max(tok_sum, 1)
             probe_text = f"  probe {probe_sum / max(tok_sum, 1):.4f}" if probe is not None else ""
-            log(f"step {step + 1:5d}/{total}  loss {loss:.4f}{probe_text}  grad {grad_norm:.2f}  "
+            log(f"step {step + 1:5d}/{total or '~'}  loss {loss:.4f}{probe_text}  grad {grad_norm:.2f}  "
                 f"lr {opt.param_groups[0]['lr']:.2e}  {rate:.1f} samples/s  ETA {eta / 60:.1f} min")
             history.append({"step": step + 1, "loss": loss, "samples": samples_done,
                             "elapsed_s": time.monotonic() - train_t0}
                            | ({"probe_loss": probe_sum / max(tok_sum, 1)} if probe is not None else {}))
             loss_sum = tok_sum = probe_sum = 0
             window_t0, window_samples = time.monotonic(), 0
-        if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == total):
+        if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             model.eval()
             t0 = time.monotonic()
             write_checkpoint(out, model, tok_file)   # the latest weights survive an interrupted run
@@ -667,7 +786,11 @@ def _train(args, rank: int, world: int, log) -> dict | None:
             log(f"  held-out accuracy {'n/a' if acc is None else f'{acc:.4f}'} on {last_eval['questions']} "
                 f"closed-form questions ({cats}){sel_text} [{time.monotonic() - t0:.0f} s]")
             window_t0 = time.monotonic()   # keep eval time out of the samples/s figure
+            eval_s += window_t0 - t0
+        if last:
+            break
 
+    steps_done = step + 1
     train_s = time.monotonic() - train_t0
     if rank != 0:
         return None
@@ -677,6 +800,8 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         "argv": " ".join(shlex.quote(a) for a in sys.argv),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
         "world_size": world,
+        "device": str(device) if device.type == "cpu" else f"{device}: {torch.cuda.get_device_name(device)}",
+        "precision": "bfloat16 autocast" if bf16 else "float32",
         "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__,
         "data": data_provenance(args.data),
@@ -684,7 +809,7 @@ def _train(args, rank: int, world: int, log) -> dict | None:
         "model": {"preset": args.preset, "parameters": n_params, "config": cfg.to_dict(),
                   "tokenizer_vocab": tok.vocab_size},
         "train_qa": n_samples, "train_frames": len(frames), "skipped_long_answers": skipped,
-        "steps": total,
+        "steps": steps_done,
         "final": {"loss": history[-1]["loss"] if history and "loss" in history[-1] else
                   next((h["loss"] for h in reversed(history) if "loss" in h), None),
                   "held_out": last_eval, "train_seconds": round(train_s, 1),
@@ -730,6 +855,16 @@ def register(subparsers) -> None:
                    help="view selector folder: --selected-views of the QA are trained with only the cameras it selects")
     p.add_argument("--selected-views", type=float, default=0.5, help="fraction of QA trained with selected cameras")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: a GPU per rank where torch sees one, else the CPU")
+    p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: bf16 autocast on a GPU (float32 master weights), float32 on the CPU")
+    p.add_argument("--time-budget", type=float, metavar="MINUTES",
+                   help="train for this many minutes (held-out checks not counted) instead of --steps/--epochs; "
+                        "the learning-rate schedule follows the fraction of the budget spent")
+    p.add_argument("--decode-threads", type=int,
+                   help="decode all frames up front on this many threads (default: all cores on a GPU, "
+                        "0 = lazily during training on the CPU)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / local ranks)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out accuracy checks (0: off)")
