@@ -376,3 +376,43 @@ def test_device_flags_that_cannot_work_are_refused(synth_set, tmp_path, flags, m
     with pytest.raises(InputError, match=message):
         vlm.train(args)
     assert not (tmp_path / "m").exists()
+
+
+def test_tile_size_fine_tune_interpolates_the_position_grid_and_runs_in_the_pipeline(tiny_run, synth_set, tmp_path):
+    """--init a 112 px checkpoint with --tile-size 140: the vision tower keeps its 8x8 position grid
+    (interpolated to 10x10 in every forward, as InternViT does), the saved config says tile 140,
+    and the pipeline answers with 25 visual tokens per camera."""
+    from litevlm_runtime.checkpoint import load_model
+    from litevlm_runtime.cli import build_parser
+    from litevlm_runtime.evaluation.data import load_frames
+    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+    init, _ = tiny_run
+    out = tmp_path / "m140"
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--val", str(synth_set / "val.json"), "--out", str(out), "--preset", "tiny", "--init", str(init),
+        "--tile-size", "140", "--steps", "2", "--frames-per-step", "2", "--questions-per-frame", "4",
+        "--eval-every", "0", "--seed", "1", "--threads", "1"])
+    record = vlm.train(args)
+    assert record["steps"] == 2
+    model = load_model(out)
+    assert model.cfg.force_image_size == 140 and model.cfg.vision.image_size == 112
+    assert model.cfg.tokens_per_tile == 25
+    assert model.vision_model.embeddings.position_embedding.shape[1] == 1 + 8 * 8
+    frame = load_frames(synth_set / "val.json")[0]
+    images = {cam: synth_set / p for cam, p in frame.image_paths.items()}
+    answer = Pipeline(model, Tokenizer(out), PipelineOptions(max_new_tokens=4)).answer(images, frame.questions[0].question)
+    assert answer.text is not None
+
+
+def test_tile_size_that_the_pixel_shuffle_cannot_take_is_refused(synth_set, tmp_path):
+    from litevlm_runtime.cli import build_parser
+    from litevlm_runtime.errors import InputError
+
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--out", str(tmp_path / "m"), "--preset", "tiny", "--vocab-size", "600", "--steps", "1",
+        "--threads", "1", "--tile-size", "126"])
+    with pytest.raises(InputError, match="--tile-size 126: must be a multiple of 28"):
+        vlm.train(args)

@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +144,20 @@ def load_frames(data: Path, frames_root: Path) -> list[Frame]:
     if not frames:
         raise InputError(f"{data}: no key frame with QA")
     return frames
+
+
+def with_tile_size(cfg, tile: int, keep_position_grid: bool):
+    """The config with another tile size (`--tile-size`). Continuing from a checkpoint
+    (keep_position_grid), the vision tower keeps its stored position-embedding grid and the model
+    interpolates it to the new patch grid (bicubic, as InternViT does for any tile size it was not
+    trained at): fine-tuning at a higher resolution starts from the lower-resolution weights."""
+    patch = cfg.vision.patch_size
+    side = tile // patch
+    if tile % patch or side * cfg.downsample_ratio != int(side * cfg.downsample_ratio):
+        raise InputError(f"--tile-size {tile}: must be a multiple of {int(patch / cfg.downsample_ratio)} "
+                         f"(patch {patch}, pixel shuffle {cfg.downsample_ratio})")
+    vision = cfg.vision if keep_position_grid else replace(cfg.vision, image_size=tile)
+    return replace(cfg, vision=vision, force_image_size=tile)
 
 
 def is_closed_form(question: str, answer: str) -> bool:
@@ -588,6 +602,8 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         tok_file.write_text(payload[0])
     tok = Tokenizer(work)
     cfg = preset(args.preset, vocab_size=tok.vocab_size)
+    if args.tile_size:
+        cfg = with_tile_size(cfg, args.tile_size, keep_position_grid=bool(args.init))
     tokens_per_camera = cfg.tokens_per_tile
 
     encoded: list[list[Encoded]] = []
@@ -609,6 +625,8 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     if args.init:
         model = load_model(args.init)
         model.train()
+        if args.tile_size:
+            model.cfg = with_tile_size(model.cfg, args.tile_size, keep_position_grid=True)
         if model.cfg != cfg:
             raise InputError(f"--init {args.init}: its config differs from --preset {args.preset}")
     else:
@@ -833,6 +851,9 @@ def register(subparsers) -> None:
     p.add_argument("--preset", choices=PRESETS, default="bundled")
     p.add_argument("--init", type=Path, help="continue from this checkpoint (its weights and tokenizer) instead of random weights")
     p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--tile-size", type=int,
+                   help="tile size in pixels instead of the preset's; with --init the position embedding is "
+                        "interpolated from the checkpoint's grid (a higher-resolution fine-tune)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--frames-per-step", type=int, default=8, help="frame groups per optimizer step (global)")
