@@ -5,8 +5,9 @@
 #   1. a fresh SynthDrive training set: SCENES scenes of seed SEED (default 2027, so that none of
 #      them is a scene of the bundled model's evaluation split, seed 2026 scenes 2850-2999);
 #      rendering runs on every core
-#   2. `litevlm train vlm --device auto --time-budget MINUTES` from scratch (PRESET), with the
-#      vision labels and the bundled view selector, as the bundled model's stage 3 was trained
+#   2. `litevlm train vlm --device auto --time-budget MINUTES` from scratch (PRESET), or from INIT
+#      (at TILE_SIZE if set), with the vision labels and the bundled view selector, as the bundled
+#      model's stage 3 was trained
 #   3. the checkpoint (float32 safetensors, config, tokenizer, training record) and the log in OUT
 #
 # It evaluates nothing: `litevlm eval` on the seed-2026 validation split, and training the
@@ -26,6 +27,8 @@ VAL_FRACTION=${VAL_FRACTION:-0.02}
 WIDTH=${WIDTH:-480}
 HEIGHT=${HEIGHT:-270}
 PRESET=${PRESET:-small}                     # 224 px tiles (64 visual tokens per camera)
+INIT=${INIT:-}                              # continue from this checkpoint (its preset as PRESET) ...
+TILE_SIZE=${TILE_SIZE:-}                    # ... optionally at another tile size (--tile-size)
 MINUTES=${MINUTES:-6}                       # training time; set-up and decoding come on top
 FRAMES_PER_STEP=${FRAMES_PER_STEP:-64}
 LR=${LR:-2e-3}
@@ -51,6 +54,7 @@ fi
 # check only; the real evaluation is `litevlm eval` on the seed-2026 split afterwards.
 "$PY" -m litevlm_runtime.cli train vlm --data "$DATA/train.json" --frames "$DATA" --val "$DATA/val.json" \
     --out "$OUT_DIR/model" --preset "$PRESET" --vocab-size 1024 --device auto --time-budget "$MINUTES" \
+    ${INIT:+--init "$INIT"} ${TILE_SIZE:+--tile-size "$TILE_SIZE"} \
     --frames-per-step "$FRAMES_PER_STEP" --questions-per-frame 12 --questions-per-visit 12 \
     --max-sequence-tokens 2048 --loss-per sample --lr "$LR" --warmup 0.05 --max-answer-tokens 64 \
     --vision-labels "$DATA/ground_truth.json" --vision-weight 0.3 \
