@@ -357,7 +357,7 @@ def test_time_budget_run_stops_on_time_and_records_its_steps(synth_set, tmp_path
     assert record["history"][-1]["step"] == record["steps"]
     # It stopped because the budget was spent (3 s), not before, and not long after one more step.
     assert record["final"]["train_seconds"] >= 3.0
-    assert "--time-budget 0.05" in record["command"]
+    assert "--time-budget 0.05" in record["command"] and "--epochs" not in record["command"]
     assert (tmp_path / "m" / "model.safetensors").is_file()
 
 

@@ -540,8 +540,10 @@ def data_provenance(data: Path) -> dict:
 def reproduce_command(args) -> str:
     """The `litevlm train vlm` command line that repeats this run (every setting spelled out)."""
     parts = ["litevlm", "train", "vlm"]
+    # With a time budget the run's length is the budget: --epochs/--steps were not used.
+    unused = ("epochs", "steps") if args.time_budget is not None else ()
     for k, v in vars(args).items():
-        if k in ("func", "command", "trainer") or v is None or v is False:
+        if k in ("func", "command", "trainer") + unused or v is None or v is False:
             continue
         parts += [f"--{k.replace('_', '-')}"] + ([] if v is True else [shlex.quote(str(v))])
     return " ".join(parts)
