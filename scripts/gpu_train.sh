@@ -8,12 +8,15 @@
 #   2. `litevlm train vlm --device auto --time-budget MINUTES` from scratch (PRESET), or from INIT
 #      (at TILE_SIZE if set), with the vision labels and the bundled view selector, as the bundled
 #      model's stage 3 was trained
-#   3. the checkpoint (float32 safetensors, config, tokenizer, training record) and the log in OUT
+#   3. the checkpoint (float32 safetensors, config, tokenizer, training record) and the log in
+#      OUT_DIR; with TRANSFER_DIR set, also packed there as tar parts of at most 15 MiB (a device
+#      call returns at most 8 files of 16 MiB; the `small` preset's weights alone are 18.6 MB).
+#      Unpack with: cat model.tar.part-* | tar -xf - -C DEST
 #
 # It evaluates nothing: `litevlm eval` on the seed-2026 validation split, and training the
 # EAGLE-2 head and token selector for the new model, run on the CPU afterwards (MODEL_CARD.md).
 #
-#   device run:  OUT_DIR=$OUT bash scripts/gpu_train.sh                       (timeout_s 600)
+#   device run:  TRANSFER_DIR=$OUT bash scripts/gpu_train.sh                   (timeout_s 600)
 #   CPU smoke:   SCENES=6 VAL_FRACTION=0.2 MINUTES=0.05 PRESET=tiny WIDTH=160 HEIGHT=90 OUT_DIR=/tmp/g bash scripts/gpu_train.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +64,9 @@ fi
     --view-selector "$BUNDLED/view_selector" --selected-views 0.5 --seed 2 --log-every 20 \
     --eval-every 0 --eval-questions 192 2>&1 | tee -a "$LOG"
 echo "[gpu_train] done: $OUT_DIR/model" | tee -a "$LOG"
+if [ -n "${TRANSFER_DIR:-}" ]; then
+    mkdir -p "$TRANSFER_DIR"
+    tar -C "$OUT_DIR" -cf - model | split -b 15m -d - "$TRANSFER_DIR/model.tar.part-"
+    cp "$LOG" "$TRANSFER_DIR/train.log"
+    ls -l "$TRANSFER_DIR"
+fi

@@ -17,7 +17,7 @@ def test_gpu_train_script_renders_trains_and_writes_a_loadable_model(tmp_path):
 
     env = dict(os.environ, PYTHON=sys.executable, SCENES="6", VAL_FRACTION="0.2", MINUTES="0.03", PRESET="tiny",
                WIDTH="160", HEIGHT="90", FRAMES_PER_STEP="2", OUT_DIR=str(tmp_path / "out"),
-               DATA=str(tmp_path / "data"), OMP_NUM_THREADS="1")
+               DATA=str(tmp_path / "data"), TRANSFER_DIR=str(tmp_path / "transfer"), OMP_NUM_THREADS="1")
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -28,3 +28,10 @@ def test_gpu_train_script_renders_trains_and_writes_a_loadable_model(tmp_path):
     model = load_model(tmp_path / "out" / "model")
     assert model.cfg.force_image_size == 112                  # the tiny preset, as asked
     assert "[gpu_train] done" in (tmp_path / "out" / "train.log").read_text()
+    # What a device call brings back: tar parts of at most 15 MiB that unpack to the same folder.
+    parts = sorted((tmp_path / "transfer").glob("model.tar.part-*"))
+    assert parts and all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    (tmp_path / "back").mkdir()
+    subprocess.run(f"cat {' '.join(map(str, parts))} | tar -xf - -C {tmp_path / 'back'}", shell=True, check=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "training_record.json"):
+        assert (tmp_path / "back" / "model" / name).read_bytes() == (tmp_path / "out" / "model" / name).read_bytes()
