@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -323,21 +324,17 @@ def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> P
 def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: int) -> list[list[tuple[int, list[Encoded]]]]:
     """Consecutive groups packed greedily into sequences of at most max_tokens (a group longer than
     that is split into several groups of the same frame)."""
-    def group_len(items):
-        shared = min(common_prefix_len([e.prompt for e in items]), min(len(e.prompt) for e in items) - 1)
-        return shared + sum(len(e.prompt) - shared + len(e.answer) for e in items)
-
-    pieces = []
+    pieces = []                   # (frame, QA, the length pack() gives them)
     for frame, items in groups:
-        # The length pack() will give the group, kept up to date as QA join it: the shared prefix
-        # once, plus each branch (prompt beyond the prefix, answer).
+        # The packed length, kept up to date as QA join the group: the shared prefix once, plus
+        # each branch (prompt beyond the prefix, answer) = all prompts and answers - (k-1) * shared.
         part: list[Encoded] = []
         shared = whole = 0
         for e in items:
             if part:
                 s = min(shared, common_prefix_len([part[0].prompt, e.prompt]), len(e.prompt) - 1)
                 if whole + len(e.prompt) + len(e.answer) - len(part) * s > max_tokens:
-                    pieces.append((frame, part))
+                    pieces.append((frame, part, whole - (len(part) - 1) * shared))
                     part = []
                 else:
                     shared = s
@@ -346,10 +343,9 @@ def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: in
                 whole = 0
             part.append(e)
             whole += len(e.prompt) + len(e.answer)
-        pieces.append((frame, part))
+        pieces.append((frame, part, whole - (len(part) - 1) * shared))
     sequences, current, used = [], [], 0
-    for frame, items in pieces:
-        n = group_len(items)
+    for frame, items, n in pieces:
         if current and used + n > max_tokens:
             sequences.append(current)
             current, used = [], 0
@@ -449,12 +445,16 @@ def prefetch(items, depth: int):
         yield item
 
 
+def cosine_decay(progress: float, peak: float, floor: float) -> float:
+    """From peak at progress 0 to floor * peak at progress 1."""
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     """Linear warm-up, then cosine decay to floor * peak."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_decay((step - warmup) / max(1, total - warmup), peak, floor)
 
 
 def learning_rate_at(fraction: float, peak: float, warmup: float, floor: float = 0.1) -> float:
@@ -463,8 +463,7 @@ def learning_rate_at(fraction: float, peak: float, warmup: float, floor: float =
     fraction = min(max(fraction, 0.0), 1.0)
     if fraction < warmup:
         return peak * max(fraction / warmup, 1e-3)
-    progress = (fraction - warmup) / max(1e-9, 1 - warmup)
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_decay((fraction - warmup) / max(1e-9, 1 - warmup), peak, floor)
 
 
 def epoch_groups(frames: list[list[Encoded]], per_group: int, rng: np.random.Generator,
@@ -728,9 +727,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     last_eval: dict = {}
     eval_s = 0.0                 # held-out checks, kept out of the time budget
     spent = 0.0                  # fraction of the time budget spent, as rank 0 measured it
-    step = -1
-    while True:
-        step += 1
+    for step in itertools.count():
         n_targets_global, packed = next(batches)
         lr = learning_rate(step, total, args.lr, warmup) if total else learning_rate_at(spent, args.lr, args.warmup)
         for g in opt.param_groups:
@@ -741,7 +738,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         for i, batch in enumerate(packed):
             sync = contextlib.nullcontext() if (world == 1 or i == len(packed) - 1) else loss_module.no_sync()
             with sync:
-                with amp():
+                with amp():     # autocast covers the forward only; backward runs in the forward's dtypes
                     seq_loss = loss_module(pixels_for(cache, batch.frames, normalize, device), batch.to(device),
                                            visual_labels_for(batch.frames))
                 # Normalised by the global token count, times world because DDP averages over
