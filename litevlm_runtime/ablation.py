@@ -11,16 +11,17 @@ yes/no questions (DriveLM's accuracy metric) plus the final score without the GP
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .answer import STAGES
 
+# Each row: settings (dotted names, options.py) over the command's own options.
 CONFIGS: dict[str, dict] = {
-    "baseline": {},
-    "+FastV": {"fastv_k": 2, "fastv_ratio": 0.7},        # the paper's "FastV r=0.3": keep 30% from layer 2
-    "+EAGLE": {"decoding": "eagle"},
-    "LiteVLM": {"view_selection": "selector", "token_keep_ratio": 0.8, "decoding": "eagle"},
+    "baseline": {"pipeline": "baseline"},
+    "+FastV": {"pipeline": "baseline", "fastv.k": 2, "fastv.ratio": 0.7},   # the paper's "FastV r=0.3": keep 30% from layer 2
+    "+EAGLE": {"pipeline": "baseline", "decoding.mode": "eagle"},
+    "LiteVLM": {"pipeline": "litevlm", "views.mode": "selector", "tokens.mode": "selector", "decoding.mode": "eagle"},
 }
 
 
@@ -39,12 +40,14 @@ def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, l
     from .checkpoint import read_config
     from .pipeline import Pipeline
 
+    from .options import options_from_flat
+
     configs = configs or CONFIGS
     layers = read_config(model_dir).llm.num_hidden_layers
     # FastV prunes from layer K = 2 (the paper's setting); a shallower test model prunes from its last layer.
-    configs = {name: ({**o, "fastv_k": min(o["fastv_k"], layers - 1)} if "fastv_k" in o else o)
+    configs = {name: ({**o, "fastv.k": min(o["fastv.k"], layers - 1)} if "fastv.k" in o else o)
                for name, o in configs.items()}
-    runs = [ConfigRun(name, Pipeline.from_pretrained(model_dir, replace(base_options, **overrides)))
+    runs = [ConfigRun(name, Pipeline.from_pretrained(model_dir, options_from_flat(overrides, base_options)))
             for name, overrides in configs.items()]
     work = select(load_frames(data), limit)
     questions = [q for _, qs in work for q in qs]
@@ -57,7 +60,7 @@ def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, l
                 run.records.append({"id": q.id, "answer": ans.text, "stage_ms": ans.stage_ms,
                                     "cameras": len(ans.cameras), "input_tokens": ans.input_tokens,
                                     "new_tokens": len(ans.token_ids), "accepted_length": ans.accepted_length,
-                                    "total_ms": ans.total_ms})
+                                    "total_ms": ans.total_ms, "rounds": ans.extra.get("rounds", [])})
             done += 1
             progress(f"[{done}/{len(questions)}] {q.question[:60]}")
     rows = []

@@ -20,6 +20,7 @@ class Answer:
     input_tokens: int                   # prompt length fed to prefill (text + kept visual)
     decode_steps: int                   # decoder forward passes after prefill
     accepted_length: float = 1.0        # mean tokens accepted per decode step (EAGLE-2; 1 for greedy)
+    pipeline: str = ""                  # which pipeline served: "baseline" or "litevlm[views,tokens@0.8,eagle]"
     extra: dict = field(default_factory=dict)
 
     @property

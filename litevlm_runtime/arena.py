@@ -28,13 +28,18 @@ class Limits:
 
 
 class Arena:
+    @staticmethod
+    def max_len_for(cfg: ModelConfig, limits: Limits) -> int:
+        """Cache length: the longest prompt, the answer, and the draft tree's scratch slots."""
+        return limits.max_tiles() * cfg.tokens_per_tile + limits.text_tokens + limits.new_tokens + limits.tree_tokens
+
     def __init__(self, cfg: ModelConfig, limits: Limits, dtype: torch.dtype, device: torch.device):
         self.limits = limits
         s, d, llm = cfg.force_image_size, cfg.llm.hidden_size, cfg.llm
         tiles = limits.max_tiles()
         self.max_visual = tiles * cfg.tokens_per_tile
         self.max_prompt = self.max_visual + limits.text_tokens
-        self.max_len = self.max_prompt + limits.new_tokens + limits.tree_tokens
+        self.max_len = self.max_len_for(cfg, limits)
         self.max_query = max(self.max_prompt, limits.tree_tokens)
         kv_shape = (llm.num_hidden_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
         alloc = dict(device=device)
@@ -52,7 +57,9 @@ class Arena:
         self.slot_visible = torch.ones(self.max_len, dtype=torch.bool, **alloc)
         self.positions = torch.zeros(self.max_len, dtype=torch.long, **alloc)
         self.slots = torch.arange(self.max_len, dtype=torch.long, **alloc)
-        self.mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
+        # A call's two masks (engines/base.py): old cache columns, and this call's own rows.
+        self.mask_cache = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
+        self.mask_new = torch.zeros(self.max_query, self.max_query, dtype=torch.bool, **alloc)
         self.layer_mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
@@ -68,7 +75,13 @@ class Arena:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
     def causal_mask(self, n: int) -> torch.Tensor:
-        """mask[:n, :n] set to lower-triangular (True = may attend), in place."""
-        m = self.mask[:n, :n]
+        """mask_new[:n, :n] set to lower-triangular (True = may attend), in place."""
+        m = self.mask_new[:n, :n]
         m.fill_(True)
         return m.tril_()
+
+    def all_visible(self, rows: int, columns: int) -> torch.Tensor:
+        """mask_cache[:rows, :columns] set to True, in place (a step that sees every earlier slot)."""
+        m = self.mask_cache[:rows, :columns]
+        m.fill_(True)
+        return m

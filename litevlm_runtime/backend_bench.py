@@ -33,13 +33,15 @@ class BackendRun:
 
 def parse_backends(spec: str, default_bundle: Path | None) -> list[tuple[str, str, Path | None]]:
     """'torch,onnxruntime=B' -> [(label, backend, bundle)]; labels say the bundle's precision."""
-    from .engines.base import BACKENDS
+    from .options import BackendName
+
+    BACKENDS = [b.value for b in BackendName]
 
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
         name, _, bundle = item.partition("=")
-        if name != "torch" and name not in BACKENDS:
-            raise LiteVLMError(f"--backend {item!r}: unknown backend (torch, {', '.join(BACKENDS)})")
+        if name not in BACKENDS:
+            raise LiteVLMError(f"--backend {item!r}: unknown backend ({', '.join(BACKENDS)})")
         path = Path(bundle) if bundle else (default_bundle if name in NEEDS_BUNDLE else None)
         if name in NEEDS_BUNDLE and path is None:
             raise LiteVLMError(f"--backend {item!r}: needs a bundle ({name}=DIR or --bundle DIR)")
@@ -61,10 +63,8 @@ def build_runs(model_dir: Path, options, backends: list[tuple[str, str, Path | N
 
     runs = []
     for label, name, bundle in backends:
-        extra = dict(options.extra)
-        if bundle is not None:
-            extra["bundle"] = str(bundle)
-        runs.append(BackendRun(label, Pipeline.from_pretrained(model_dir, replace(options, backend=name, extra=extra))))
+        backend = replace(options.backend, name=name, bundle=str(bundle) if bundle is not None else options.backend.bundle)
+        runs.append(BackendRun(label, Pipeline.from_pretrained(model_dir, replace(options, backend=backend))))
     return runs
 
 

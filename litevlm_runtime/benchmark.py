@@ -72,14 +72,14 @@ def run_benchmark(pipe, frame_sets: list[dict], questions: list[str], repeat: in
     if reference:
         from .hf_reference import hf_generate, load_hf_reference
 
-        hf = load_hf_reference(pipe.model_dir).to(pipe.dtype)
+        hf = load_hf_reference(pipe.rt.model_dir).to(pipe.rt.dtype)
     result = BenchResult()
     pairs = [(f, q) for _ in range(repeat) for f in frame_sets for q in questions]
     for f, q in pairs[:warmup]:
         pipe.answer(f, q)
         if hf is not None:
             ids, pixels = pipe.reference_inputs(f, q)
-            hf_generate(hf, ids, pixels, 2, sorted(pipe.tok.eos_ids))
+            hf_generate(hf, ids, pixels, 2, sorted(pipe.rt.tok.eos_ids))
     for i, (frames, question) in enumerate(pairs):
         ans = pipe.answer(frames, question)
         for s in STAGES:
@@ -89,9 +89,9 @@ def run_benchmark(pipe, frame_sets: list[dict], questions: list[str], repeat: in
         if hf is not None:
             ids, pixels = pipe.reference_inputs(frames, question)
             t0 = time.perf_counter()
-            ref_ids = hf_generate(hf, ids, pixels, pipe.options.max_new_tokens, sorted(pipe.tok.eos_ids))
+            ref_ids = hf_generate(hf, ids, pixels, pipe.rt.options.max_new_tokens, sorted(pipe.rt.tok.eos_ids))
             result.reference_ms.append((time.perf_counter() - t0) * 1000)
-            ref_ids = [t for t in ref_ids if t not in pipe.tok.eos_ids]
+            ref_ids = [t for t in ref_ids if t not in pipe.rt.tok.eos_ids]
             result.reference_tokens.append(len(ref_ids))
             result.identical += int(ref_ids == ans.token_ids)
         progress(f"[{i + 1}/{len(pairs)}] {ans.total_ms:8.1f} ms  {question[:50]}")

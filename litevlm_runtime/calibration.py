@@ -154,16 +154,22 @@ def collect_traffic(pipe, bundle, queries: list[Query], recorder: Recorder, prog
     """Answer `queries` with `pipe` (torch) on the bundle's buckets, recording every graph's inputs."""
     from .engines.bound_stages import bound_engines
     from .engines.cuda_graph import StaticStage
-    from .export import DecoderStage, HeadStage, PrefillStage, VisionStage
+    from .export import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
-    modules = {"vision": VisionStage(pipe.model, pipe.pos_embed).eval(), "decoder": DecoderStage(pipe.lm).eval(),
-               "prefill": PrefillStage(pipe.lm).eval(), "head": HeadStage(pipe.lm).eval()}
+    rt = pipe.rt
+    modules = {"vision": VisionStage(rt.model, rt.pos_embed).eval(), "decoder": DecoderStage(rt.lm).eval(),
+               "prefill": PrefillStage(rt.lm).eval(), "head": HeadStage(rt.lm).eval()}
+    sizes = bundle.sizes()
+    if rt.draft is not None:
+        modules["eagle_draft"] = DraftStage(rt.draft).eval()
+    else:
+        sizes["eagle_draft"] = ()
 
     def bind(stage, bucket, inputs, outputs):
         graph = bundle.graphs(stage)[bucket]["file"]
         return RecordingStage(StaticStage(modules[stage], inputs, outputs), graph, inputs, recorder)
 
-    pipe.engines = bound_engines(pipe, bundle.sizes(), bind, "calibration")
+    rt.engines = bound_engines(rt, sizes, bind, "calibration")
     for i, q in enumerate(queries):
         try:
             pipe.answer(q.images, q.question)
@@ -393,10 +399,9 @@ def evaluate(model_dir: Path, options, fp32_bundle: Path, quant_bundle: Path, pr
     report = AccuracyReport(questions=0)
     if not queries:
         return report
-    ref = Pipeline.from_pretrained(model_dir, replace(options, backend="onnxruntime",
-                                                      extra={**options.extra, "bundle": str(fp32_bundle)}))
-    quant = Pipeline.from_pretrained(model_dir, replace(options, backend="onnxruntime",
-                                                        extra={**options.extra, "bundle": str(quant_bundle)}))
+    on_ort = lambda b: replace(options, backend=replace(options.backend, name="onnxruntime", bundle=str(b)))
+    ref = Pipeline.from_pretrained(model_dir, on_ort(fp32_bundle))
+    quant = Pipeline.from_pretrained(model_dir, on_ort(quant_bundle))
     texts = {"fp32": [], precision: []}
     agree = 0
     for i, q in enumerate(queries):
@@ -435,13 +440,13 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
     queries = load_queries(data, frames_root)
     calib, held_out = split_queries(queries, calib_questions, eval_questions)
     progress(f"{len(queries)} questions in {data}: {len(calib)} for calibration, {len(held_out)} held out for evaluation")
-    pipe = Pipeline.from_pretrained(model_dir, replace(options, backend="torch"))
+    pipe = Pipeline.from_pretrained(model_dir, replace(options, backend=replace(options.backend, name="torch")))
     if bundle is None:
         bundle = out / "fp32"
         if not (bundle / MANIFEST).is_file():
             progress(f"no --bundle: exporting the unquantized graphs to {bundle}")
-            export_bundle(pipe, bundle, buckets, progress=progress)
-    src = Bundle(pipe, bundle)
+            export_bundle(pipe.rt, bundle, buckets, progress=progress)
+    src = Bundle(pipe.rt, bundle)
     if src.manifest.get("precision"):
         raise LiteVLMError(f"{bundle}: already quantized ({src.manifest['precision']}); calibrate an fp32 export")
     recorder = Recorder(samples_per_graph)

@@ -104,7 +104,7 @@ def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> InternVL:
     cfg = read_config(folder)
     with torch.device("meta"):
-        model = InternVL(cfg, max_len)
+        model = InternVL(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.llm.tie_word_embeddings:
         expected.pop("language_model.lm_head.weight", None)

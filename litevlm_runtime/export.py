@@ -14,13 +14,11 @@ Stage graphs (names are the graphs' input/output names; S = max_len of the arena
               masks, k_cache, v_cache [1, kv, S, hd]       -> features_out [T, D], k_new, v_new
   view_selector (when the model folder has one) ids, pad_mask [1, L] -> logits [1, cameras]
 
-The decoder (step) graph is the export form of the same weights: the cache is an explicit input and
-the new K/V rows are explicit outputs (the engine stores them at their slots), so the graph has
-no in-place update and no aliasing, which both ONNX Runtime and TensorRT need. Instead of
-writing the new rows into the cache and attending over it (what the PyTorch stage does), the
-graph attends to the old cache under `mask_cache` and to the new rows under `mask_new` in one
-softmax: the same attention, with no copy of the cache and no `enable_gqa` (written out as
-grouped matmuls, which the ONNX exporters and TensorRT handle).
+The decoder graphs are the decoder's one forward (models/decoder.py), which every backend runs:
+the cache is an explicit input and the new K/V rows are explicit outputs (the engine stores them
+at their slots), so the graph has no in-place update and no aliasing, which both ONNX Runtime and
+TensorRT need; attention over the old cache (`mask_cache`) and the new rows (`mask_new`) is one
+softmax written as grouped matmuls (no `enable_gqa`, which does not export).
 
 Weights are stored once per stage (`<stage>.weights`, ONNX external data) and shared by the
 stage's bucket graphs, so more buckets cost graph bytes, not weight bytes.
@@ -30,14 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .engines.buckets import Buckets, check_fits, default_buckets
@@ -62,74 +58,15 @@ class VisionStage(nn.Module):
         return self.model.encode_images(pixels, self.pos_embed)
 
 
-def attend_new(q, k, v, mask_new):
-    """Attention of q [T, Hq, D] over this call's rows only (the prompt: no earlier cache)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    qg = (q * (1.0 / math.sqrt(d))).view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
-    k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)                     # [Hkv, T, D]
-    scores = (qg @ k_new.transpose(1, 2)).view(hkv, group, t, t)
-    scores = scores.masked_fill(~mask_new, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(hkv, group * t, t)
-    out = probs @ v_new
-    return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
-
-
-def attend_cache_and_new(q, k, v, k_cache, v_cache, mask_cache, mask_new):
-    """Attention of q [T, Hq, D] over this layer's old cache [Hkv, S, D] (mask_cache [T, S]) and
-    the new rows k, v [T, Hkv, D] (mask_new [T, T]); one softmax over both. Returns [T, Hq*D].
-
-    Grouped-query attention written as matmuls over [Hkv, group*T, D] so that no K/V head is
-    repeated (SDPA's enable_gqa does that internally but does not export)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    s = k_cache.shape[1]
-    qg = (q * (1.0 / math.sqrt(d))).view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
-    k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)                     # [Hkv, T, D]
-    scores = torch.cat([qg @ k_cache.transpose(1, 2), qg @ k_new.transpose(1, 2)], dim=-1)
-    scores = scores.view(hkv, group, t, s + t)
-    allowed = torch.cat([mask_cache, mask_new], dim=-1)                      # [T, S + T]
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(hkv, group * t, s + t)
-    out = probs[..., :s] @ v_cache + probs[..., s:] @ v_new                  # [Hkv, group*T, D]
-    return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
-
-
-def layer_step(layer, x, cos, sin, k_cache, v_cache, mask_cache, mask_new):
-    """One decoder layer (models/decoder.py DecoderLayer.forward) in export form: returns the
-    layer output and this call's K/V rows [Hkv, T, D] instead of writing them into the cache."""
-    from .models.decoder import apply_rope
-
-    q, k, v = layer.qkv(layer.attn_norm(x))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if k_cache is None:
-        attended = attend_new(q, k, v, mask_new)
-    else:
-        attended = attend_cache_and_new(q, k, v, k_cache, v_cache, mask_cache, mask_new)
-    x = x + layer.out_proj(attended)
-    h = layer.ffn_norm(x)
-    gate, up, down = layer.mlp_gate_up_down()
-    return x + down(F.silu(gate(h)) * up(h)), k.transpose(0, 1), v.transpose(0, 1)
-
-
 class DecoderStage(nn.Module):
-    """The decoder over a static cache with explicit cache input and new-row outputs."""
+    """The decoder over the static cache: cache in, new rows out (the decoder's own forward)."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
     def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
-        cos, sin = self.lm.rope(positions, embeds.dtype)
-        x = embeds
-        ks, vs = [], []
-        for i, layer in enumerate(self.lm.layers):
-            x, k, v = layer_step(layer, x, cos, sin, k_cache[i], v_cache[i], mask_cache, mask_new)
-            ks.append(k)
-            vs.append(v)
-        return self.lm.norm(x), torch.stack(ks), torch.stack(vs)
+        return self.lm(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
 
 
 class PrefillStage(nn.Module):
@@ -141,29 +78,19 @@ class PrefillStage(nn.Module):
         self.lm = lm
 
     def forward(self, embeds, positions, mask_new):
-        cos, sin = self.lm.rope(positions, embeds.dtype)
-        x = embeds
-        ks, vs = [], []
-        for layer in self.lm.layers:
-            x, k, v = layer_step(layer, x, cos, sin, None, None, None, mask_new)
-            ks.append(k)
-            vs.append(v)
-        return self.lm.norm(x), torch.stack(ks), torch.stack(vs)
+        return self.lm(embeds, positions, mask_new)
 
 
 class DraftStage(nn.Module):
-    """One EAGLE-2 draft step (models/eagle.py DraftHead) in export form: its own one-layer KV
-    cache [1, Hkv, S, D] as input, the new rows as outputs. Its logits come from the head graph."""
+    """One EAGLE-2 draft step (models/eagle.py DraftHead): its own one-layer KV cache
+    [1, Hkv, S, D] as input, the new rows as outputs. Its logits come from the head graph."""
 
     def __init__(self, draft):
         super().__init__()
         self.draft = draft
 
     def forward(self, token_embeds, features, positions, mask_cache, mask_new, k_cache, v_cache):
-        x = self.draft.fc(torch.cat([token_embeds, features], dim=-1))
-        cos, sin = self.draft.rope(positions, x.dtype)
-        x, k, v = layer_step(self.draft.layer, x, cos, sin, k_cache[0], v_cache[0], mask_cache, mask_new)
-        return x, k[None], v[None]
+        return self.draft(token_embeds, features, positions, mask_new, k_cache, v_cache, mask_cache)
 
 
 class HeadStage(nn.Module):
@@ -173,24 +100,6 @@ class HeadStage(nn.Module):
 
     def forward(self, hidden):
         return self.head(hidden)
-
-
-def decoder_masks(mask: torch.Tensor, slots: torch.Tensor, max_len: int,
-                  mask_cache: torch.Tensor, mask_new: torch.Tensor) -> None:
-    """The pipeline's mask [T, L] over cache slots (rows written at `slots` this call) -> the
-    graph's two masks, written in place into bucket-sized [Tb, S] and [Tb, Tb] buffers.
-
-    mask_cache: the old cache columns a row may see (the columns being overwritten now are not old).
-    mask_new:   which of this call's rows a row may see (its mask at their slots).
-    Padding rows (T..Tb) see only themselves, so their softmax stays finite."""
-    t, width = mask.shape
-    mask_cache.zero_()
-    mask_cache[:t, :width] = mask
-    mask_new.zero_()
-    mask_new[:t, :t] = mask_cache[:t].index_select(1, slots)
-    mask_cache[:t].index_fill_(1, slots, False)
-    pad = torch.arange(t, mask_new.shape[0], device=mask_new.device)
-    mask_new[pad, pad] = True
 
 
 # ----------------------------------------------------------------------------------- graph specs
@@ -207,15 +116,15 @@ class GraphSpec:
         return f"{self.stage}_{self.bucket}"
 
 
-def stage_specs(pipe, buckets: Buckets) -> list[GraphSpec]:
+def stage_specs(rt, buckets: Buckets) -> list[GraphSpec]:
     """One GraphSpec per stage and bucket, with example inputs of the exact bound shapes."""
-    cfg, a = pipe.cfg, pipe.arena
-    dtype, dev = pipe.dtype, pipe.device
+    cfg, a = rt.cfg, rt.arena
+    dtype, dev = rt.dtype, rt.device
     s, d = cfg.force_image_size, cfg.llm.hidden_size
-    vision = VisionStage(pipe.model, pipe.pos_embed).eval()
-    decoder = DecoderStage(pipe.lm).eval()
-    prefill = PrefillStage(pipe.lm).eval()
-    head = HeadStage(pipe.lm).eval()
+    vision = VisionStage(rt.model, rt.pos_embed).eval()
+    decoder = DecoderStage(rt.lm).eval()
+    prefill = PrefillStage(rt.lm).eval()
+    head = HeadStage(rt.lm).eval()
     specs = []
     for n in buckets.vision:
         specs.append(GraphSpec("vision", n, vision, {"pixels": torch.randn(n, 3, s, s, dtype=dtype, device=dev)},
@@ -227,12 +136,10 @@ def stage_specs(pipe, buckets: Buckets) -> list[GraphSpec]:
             "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
         }, ["hidden", "k_new", "v_new"]))
     for t in buckets.step:
-        mask_cache = torch.zeros(t, a.max_len, dtype=torch.bool, device=dev)
-        mask_cache[:, :4] = True
         specs.append(GraphSpec("decoder", t, decoder, {
             "embeds": torch.randn(t, d, dtype=dtype, device=dev),
             "positions": torch.arange(t, device=dev),
-            "mask_cache": mask_cache,
+            "mask_cache": example_mask_cache(t, a.max_len, dev),
             "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
             "k_cache": torch.randn_like(a.k_cache),
             "v_cache": torch.randn_like(a.v_cache),
@@ -242,34 +149,36 @@ def stage_specs(pipe, buckets: Buckets) -> list[GraphSpec]:
     return specs
 
 
-def draft_specs(pipe, buckets: Buckets) -> tuple[list[GraphSpec], str]:
-    """The EAGLE-2 draft step per decoder bucket, when the pipeline decodes with EAGLE or the model
+def example_mask_cache(rows: int, columns: int, device) -> torch.Tensor:
+    mask = torch.zeros(rows, columns, dtype=torch.bool, device=device)
+    mask[:, :4] = True
+    return mask
+
+
+def draft_specs(rt, buckets: Buckets) -> tuple[list[GraphSpec], str]:
+    """The EAGLE-2 draft step per decoder bucket, when the runtime decodes with EAGLE or the model
     folder carries a draft head (`eagle/`)."""
-    draft = getattr(getattr(pipe, "eagle", None), "draft", None)
-    model_dir = getattr(pipe, "model_dir", None)
+    draft = rt.draft
     if draft is None:
-        folder = Path(model_dir) / "eagle" if model_dir else None
+        folder = Path(rt.model_dir) / "eagle" if rt.model_dir else None
         if folder is None or not (folder / "model.safetensors").is_file():
             return [], "no eagle/model.safetensors in the model folder (train one: litevlm train eagle)"
         from .models.eagle import load_draft_head
 
-        draft = load_draft_head(folder, pipe.cfg.llm, pipe.arena.max_len, pipe.dtype).to(pipe.device)
-        draft.init_rope(pipe.arena.max_len)
-    cfg, a = pipe.cfg.llm, pipe.arena
+        draft = load_draft_head(folder, rt.cfg.llm, rt.lm.rope, rt.dtype).to(rt.device)
+    cfg, a, dev, dt = rt.cfg.llm, rt.arena, rt.device, rt.dtype
     stage = DraftStage(draft).eval()
     cache_shape = (1, cfg.num_key_value_heads, a.max_len, cfg.head_dim)
     specs = []
     for t in buckets.decoder():
-        mask_cache = torch.zeros(t, a.max_len, dtype=torch.bool, device=pipe.device)
-        mask_cache[:, :4] = True
         specs.append(GraphSpec("eagle_draft", t, stage, {
-            "token_embeds": torch.randn(t, cfg.hidden_size, dtype=pipe.dtype, device=pipe.device),
-            "features": torch.randn(t, cfg.hidden_size, dtype=pipe.dtype, device=pipe.device),
-            "positions": torch.arange(t, device=pipe.device),
-            "mask_cache": mask_cache,
-            "mask_new": torch.ones(t, t, dtype=torch.bool, device=pipe.device).tril_(),
-            "k_cache": torch.randn(cache_shape, dtype=pipe.dtype, device=pipe.device),
-            "v_cache": torch.randn(cache_shape, dtype=pipe.dtype, device=pipe.device),
+            "token_embeds": torch.randn(t, cfg.hidden_size, dtype=dt, device=dev),
+            "features": torch.randn(t, cfg.hidden_size, dtype=dt, device=dev),
+            "positions": torch.arange(t, device=dev),
+            "mask_cache": example_mask_cache(t, a.max_len, dev),
+            "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
+            "k_cache": torch.randn(cache_shape, dtype=dt, device=dev),
+            "v_cache": torch.randn(cache_shape, dtype=dt, device=dev),
         }, ["features_out", "k_new", "v_new"]))
     return specs, "exported"
 
@@ -393,17 +302,17 @@ def optional_stage_status() -> dict[str, str]:
     return status
 
 
-def export_bundle(pipe, out: Path, buckets: Buckets | None = None,
+def export_bundle(rt, out: Path, buckets: Buckets | None = None,
                   progress: Callable[[str], None] = print) -> dict:
-    """Export `pipe`'s stages into the folder `out`; return the manifest (also written there)."""
+    """Export the runtime's stages into the folder `out`; return the manifest (also written there)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    buckets = buckets or default_buckets(pipe.arena)
-    check_fits(buckets, pipe.arena)
-    model_dir = getattr(pipe, "model_dir", None)
-    specs = stage_specs(pipe, buckets)
+    buckets = buckets or default_buckets(rt.arena)
+    check_fits(buckets, rt.arena)
+    model_dir = rt.model_dir
+    specs = stage_specs(rt, buckets)
     not_present = optional_stage_status()
-    drafts, why = draft_specs(pipe, buckets)
+    drafts, why = draft_specs(rt, buckets)
     specs += drafts
     if drafts:
         not_present.pop("eagle_draft", None)
@@ -427,18 +336,18 @@ def export_bundle(pipe, out: Path, buckets: Buckets | None = None,
         progress(f"[{i + 1}/{len(specs)}] {spec.name:<18} {time.perf_counter() - t0:6.1f} s")
     for entry in graphs:
         entry["sha256"] = sha256_file(out / entry["file"])
-    a = pipe.arena
+    a = rt.arena
     manifest = {
         "format": FORMAT_VERSION,
         "created_by": "litevlm export",
         "torch": torch.__version__,
         "model": {
-            "name": pipe.name,
+            "name": rt.name,
             "dir": str(model_dir) if model_dir else None,
             "checkpoint_sha256": checkpoint_hash(Path(model_dir)) if model_dir else None,
-            "architecture": pipe.cfg.llm.architecture,
+            "architecture": rt.cfg.llm.architecture,
         },
-        "dtype": pipe.options.dtype,
+        "dtype": rt.options.dtype,
         "arena": {"max_len": a.max_len, "max_prompt": a.max_prompt, "max_query": a.max_query,
                   "tiles_per_camera": a.limits.tiles_per_camera, "cameras": a.limits.cameras,
                   "max_tiles": a.limits.max_tiles(), "tree_tokens": a.limits.tree_tokens},
@@ -472,18 +381,18 @@ def read_manifest(bundle: Path) -> dict:
     return manifest
 
 
-def check_bundle_matches(manifest: dict, pipe, bundle: Path) -> None:
-    """The bundle must have been exported for this pipeline's arena, dtype and checkpoint."""
-    a = pipe.arena
+def check_bundle_matches(manifest: dict, rt, bundle: Path) -> None:
+    """The bundle must have been exported for this runtime's arena, dtype and checkpoint."""
+    a = rt.arena
     want = {"max_len": a.max_len, "max_tiles": a.limits.max_tiles(), "max_query": a.max_query}
     have = manifest["arena"]
     for key, value in want.items():
         if have.get(key) != value:
             raise LiteVLMError(f"{bundle}: exported for arena {key}={have.get(key)}, this pipeline has {value} "
                                f"(re-export with the same --tiles-per-camera/--max-new-tokens)")
-    if manifest["dtype"] != pipe.options.dtype:
-        raise LiteVLMError(f"{bundle}: exported in {manifest['dtype']}, pipeline runs {pipe.options.dtype}")
-    model_dir = getattr(pipe, "model_dir", None)
+    if manifest["dtype"] != rt.options.dtype:
+        raise LiteVLMError(f"{bundle}: exported in {manifest['dtype']}, pipeline runs {rt.options.dtype}")
+    model_dir = rt.model_dir
     ck = manifest["model"].get("checkpoint_sha256")
     if model_dir is not None and ck and checkpoint_hash(Path(model_dir)) != ck:
         raise LiteVLMError(f"{bundle}: exported from a different checkpoint than {model_dir} (hash mismatch)")
@@ -506,7 +415,7 @@ def graphs_of(manifest: dict, stage: str) -> dict[int, dict]:
 
 # ------------------------------------------------------------------------------------ verify
 @torch.no_grad()
-def verify_bundle(pipe, bundle: Path, seed: int = 0) -> list[dict]:
+def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
     """Every bucket of every stage through the bundle's graphs (ONNX Runtime) and through the
     PyTorch stage, on the same random inputs; returns the relative errors
     max |onnx - torch| / max |torch| of each output (decoder: hidden states and the stored K/V)."""
@@ -514,20 +423,17 @@ def verify_bundle(pipe, bundle: Path, seed: int = 0) -> list[dict]:
 
     from .engines.onnxruntime_engine import onnxruntime_engines
     from .engines.torch_engine import torch_engines
+    from .options import BackendName
 
-    a = pipe.arena
-    ref = torch_engines(pipe)
-    saved_options = pipe.options
-    pipe.options = replace(pipe.options, extra={**pipe.options.extra, "bundle": str(bundle)})
-    try:
-        ort = onnxruntime_engines(pipe)
-    finally:
-        pipe.options = saved_options
+    a = rt.arena
+    ref = torch_engines(rt)
+    ort = onnxruntime_engines(replace(rt, options=replace(rt.options, backend=replace(
+        rt.options.backend, name=BackendName.ONNXRUNTIME, bundle=str(bundle)))))
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(pipe.dtype)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(rt.dtype)
     rel = lambda got, want: float((got.float() - want.float()).abs().max() / want.float().abs().max())
     rows = []
-    s, d = pipe.cfg.force_image_size, pipe.cfg.llm.hidden_size
+    s, d = rt.cfg.force_image_size, rt.cfg.llm.hidden_size
     for n in ort.vision.sizes:
         pixels = rand(n, 3, s, s)
         want = ref.vision.run(pixels=pixels).clone()
@@ -536,17 +442,18 @@ def verify_bundle(pipe, bundle: Path, seed: int = 0) -> list[dict]:
     calls += [("decoder", t, min(16, a.max_len - t)) for t in ort.decoder.sizes]   # steps over the cache
     for stage, t, history in calls:
         slots = torch.arange(history, history + t)
-        mask = torch.zeros(t, history + t, dtype=torch.bool)
-        mask[:, :history] = True
-        mask[:, history:] = torch.ones(t, t, dtype=torch.bool).tril_()
+        mask_cache = torch.ones(t, history, dtype=torch.bool)
+        mask_new = torch.ones(t, t, dtype=torch.bool).tril_()
         embeds, positions = rand(t, d), torch.arange(history, history + t)
         cache = (rand(*a.k_cache.shape), rand(*a.v_cache.shape))
         out = {}
         for name, engines in (("torch", ref), ("onnx", ort)):
             a.k_cache.copy_(cache[0])
             a.v_cache.copy_(cache[1])
-            hidden = engines.decoder.run(embeds=embeds, positions=positions, slots=slots, mask=mask,
-                                         k_cache=a.k_cache, v_cache=a.v_cache).clone()
+            if stage == "prefill":
+                hidden = engines.decoder.prefill(embeds, positions, mask_new).clone()
+            else:
+                hidden = engines.decoder.step(embeds, positions, slots, mask_cache, mask_new).clone()
             out[name] = (hidden, a.k_cache[:, :, slots].clone(), a.v_cache[:, :, slots].clone())
         for i, output in enumerate(("hidden", "k rows", "v rows")):
             rows.append({"stage": stage, "bucket": t, "output": output, "rel_error": rel(out["onnx"][i], out["torch"][i])})

@@ -38,7 +38,7 @@ from torch import nn
 from .checkpoint import check_state_dict
 from .config import LLMConfig
 from .errors import CheckpointError, InputError
-from .models.decoder import RotaryTable, apply_rope
+from .models.decoder import RotaryTable, attention_probs
 from .models.internlm2 import InternLM2Layer
 from .models.qwen2 import Qwen2Layer
 
@@ -70,21 +70,21 @@ def check_keep_ratio(keep_ratio: float) -> None:
 
 
 class TokenSelector(nn.Module):
-    def __init__(self, cfg: LLMConfig, reduce: str = "max", max_len: int = 4096):
+    def __init__(self, cfg: LLMConfig, reduce: str = "max", rope: RotaryTable | None = None):
         super().__init__()
         if reduce not in REDUCTIONS:
             raise InputError(f"token selector reduce must be one of {REDUCTIONS}, got {reduce!r}")
         self.cfg = cfg
         self.reduce = reduce
         self.layer = LAYERS[cfg.architecture](cfg)
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_len)
+        self.rope = rope                  # the decoder's table (shared, sized once)
 
     @classmethod
     def from_decoder(cls, lm, reduce: str = "max") -> "TokenSelector":
         """The untrained selector: a copy of the decoder's layer 0 (its own tensors from here on)."""
-        sel = cls(lm.cfg, reduce, max_len=lm.rope.cos.shape[0])
+        sel = cls(lm.cfg, reduce, rope=lm.rope)
         sel.layer = copy.deepcopy(lm.layers[0])
-        return sel.to(lm.layers[0].attn_norm.weight.device)
+        return sel
 
     def score_parameters(self) -> list[nn.Parameter]:
         """The parameters the scores depend on (input norm, q/k projections): what training
@@ -96,10 +96,6 @@ class TokenSelector(nn.Module):
             projections = [layer.self_attn.q_proj, layer.self_attn.k_proj]
         return list(layer.attn_norm.parameters()) + [p for m in projections for p in m.parameters()]
 
-    def init_rope(self, max_len: int) -> None:
-        device = self.layer.attn_norm.weight.device
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(device)
-
     # ------------------------------------------------------------------ scores
     def question_attention(self, embeds: torch.Tensor, positions: torch.Tensor,
                            question: tuple[int, int]) -> torch.Tensor:
@@ -109,19 +105,11 @@ class TokenSelector(nn.Module):
         """
         q_start, q_end = question
         x = embeds[:q_end]                                   # later rows are invisible to the question
-        layer = self.layer
-        q, k, _ = layer.qkv(layer.attn_norm(x))
         cos, sin = self.rope(positions[:q_end], x.dtype)
-        q = apply_rope(q[q_start:], cos[q_start:], sin[q_start:])          # [Tq, Hq, D]
-        k = apply_rope(k, cos, sin)                                         # [T, Hkv, D]
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)                               # GQA: kv head h serves q heads h*g..
-        # float32 logits and softmax: fp16 products over thousands of keys lose the ranking's low bits.
-        logits = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
+        q, k = self.layer.query_key(x, cos, sin)
         rows = torch.arange(q_start, q_end, device=x.device)
         cols = torch.arange(q_end, device=x.device)
-        logits = logits.masked_fill(cols[None, None, :] > rows[None, :, None], float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        return attention_probs(q[q_start:], k, cols[None, :] <= rows[:, None])
 
     def scores(self, embeds, positions, question, visual_rows: torch.Tensor, reduce: str | None = None) -> torch.Tensor:
         """One score per visual row: question->visual attention, mean over heads, max/mean over question."""
@@ -171,16 +159,15 @@ def save_token_selector(selector: TokenSelector, folder: str | Path, record: dic
 
 def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None,
                         dtype: torch.dtype | None = None) -> TokenSelector:
-    """A trained selector from `folder`, or (folder None) the layer-0 copy of the decoder `lm`.
+    """A trained selector from `folder`, or (folder None) the layer-0 copy of the decoder `lm`;
+    either shares `lm`'s RoPE table and lives on its device.
 
     `reduce` overrides the folder's recorded reduction (max | mean); the layer-0 copy defaults to max.
     """
-    max_len = lm.rope.cos.shape[0]
+    device = lm.layers[0].attn_norm.weight.device
     if folder is None:
         sel = TokenSelector.from_decoder(lm, reduce or "max")
-        sel = sel.to(dtype) if dtype is not None else sel
-        sel.init_rope(max_len)            # RoPE tables stay float32 whatever the weights' dtype
-        return sel.eval()
+        return sel.to(device=device, dtype=dtype).eval()
     folder = Path(folder)
     weights, config_path = folder / WEIGHTS_FILE, folder / CONFIG_FILE
     if not weights.is_file():
@@ -194,10 +181,8 @@ def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None
     if config.get("llm_architecture") != lm.cfg.architecture:
         raise CheckpointError(f"{config_path}: selector for {config.get('llm_architecture')!r}, "
                               f"decoder is {lm.cfg.architecture!r}")
-    sel = TokenSelector(lm.cfg, reduce or config.get("reduce", "max"), max_len=max_len)
+    sel = TokenSelector(lm.cfg, reduce or config.get("reduce", "max"), rope=lm.rope)
     state = {k.removeprefix("layer."): v for k, v in load_file(str(weights)).items()}
     check_state_dict(weights, state, sel.layer.state_dict(), prefix="layer.")
     sel.layer.load_state_dict(state)
-    sel = sel.to(device=lm.layers[0].attn_norm.weight.device, dtype=dtype)
-    sel.init_rope(max_len)
-    return sel.eval()
+    return sel.to(device=device, dtype=dtype).eval()

@@ -175,16 +175,17 @@ def load_tokenizer(path: Path):
         raise CheckpointError(f"{path}: not a readable tokenizers JSON file ({exc})") from None
 
 
-def encode_batch(tokenizer, questions: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_batch(tokenizer, questions: list[str], max_len: int,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [B, T] (right-padded with 0, truncated to max_len) and a padding mask (True = pad)."""
     encodings = tokenizer.encode_batch(list(questions))
     length = max(1, min(max_len, max(len(e.ids) for e in encodings)))
-    ids = torch.zeros(len(encodings), length, dtype=torch.long)
-    pad = torch.ones(len(encodings), length, dtype=torch.bool)
+    ids = torch.zeros(len(encodings), length, dtype=torch.long, device=device)
+    pad = torch.ones(len(encodings), length, dtype=torch.bool, device=device)
     for i, e in enumerate(encodings):
         row = e.ids[:length]
         if row:
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
             pad[i, : len(row)] = False
         else:
             pad[i, 0] = False  # an empty encoding still attends to one (pad) token, never to none
@@ -298,8 +299,8 @@ class LoadedViewSelector:
     @torch.inference_mode()
     def module_probs(self, questions: list[str]) -> torch.Tensor:
         """sigmoid(logits) [B, cameras] for a batch of questions."""
-        ids, pad = encode_batch(self.tokenizer, questions, self.cfg.max_len)
-        return torch.sigmoid(self.model(ids.to(self.device), pad.to(self.device))).float().cpu()
+        ids, pad = encode_batch(self.tokenizer, questions, self.cfg.max_len, self.device)
+        return torch.sigmoid(self.model(ids, pad)).float().cpu()
 
     def explain(self, question: str) -> Selection:
         if not isinstance(question, str) or not question.strip():

@@ -40,17 +40,19 @@ def exported_bundle(root: Path) -> Path:
         model = lively_checkpoint(root)
         spec = ";".join(f"{k}={','.join(map(str, v))}" for k, v in TEST_BUCKETS.to_dict().items())
         out = root / "bundle"
-        rc = main(["export", "--model", str(model), "--out", str(out), "--max-new-tokens", str(MAX_NEW_TOKENS),
+        rc = main(["export", "--model", str(model), "--out", str(out), "--max_new_tokens", str(MAX_NEW_TOKENS),
                    "--buckets", spec])
         assert rc == 0
         _cache["bundle"] = out
     return _cache["bundle"]
 
 
-def pipelines(model: Path, bundle: Path, **extra):
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+def pipelines(model: Path, bundle: Path, **settings):
+    from helpers import options
 
-    torch_pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
-    ort_pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS, backend="onnxruntime",
-                                                               extra={"bundle": str(bundle), **extra}))
+    from litevlm_runtime.pipeline import Pipeline
+
+    torch_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, **settings))
+    ort_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, backend__name="onnxruntime",
+                                                       backend__bundle=str(bundle), **settings))
     return torch_pipe, ort_pipe

@@ -20,3 +20,11 @@ def make_tiny_checkpoint(path: Path, preset: str = "tiny", seed: int = 0, **kw) 
 def random_frames(seed: int = 0, h: int = 90, w: int = 160) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {cam: rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for cam in CAMERAS}
+
+
+def options(**settings):
+    """PipelineOptions from settings, `__` for the dots of their names:
+    options(max_new_tokens=4, tokens__mode="layer0", tokens__keep_ratio=0.5)."""
+    from litevlm_runtime.options import options_from_flat
+
+    return options_from_flat({k.replace("__", "."): v for k, v in settings.items()})

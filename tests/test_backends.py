@@ -37,17 +37,19 @@ def pipes(tmp_path_factory):
 @pytest.mark.parametrize("tiles", [3, 4, 6])   # 3 runs in the 4-tile bucket, padded
 def test_vision_stage_matches_torch(pipes, tiles):
     torch_pipe, ort_pipe = pipes
-    pixels = torch.randn(tiles, 3, torch_pipe.tile, torch_pipe.tile, generator=torch.Generator().manual_seed(tiles))
-    ref = torch_pipe.engines.vision.run(pixels=pixels)
-    got = ort_pipe.engines.vision.run(pixels=pixels)
+    s = torch_pipe.rt.cfg.force_image_size
+    pixels = torch.randn(tiles, 3, s, s, generator=torch.Generator().manual_seed(tiles))
+    ref = torch_pipe.rt.engines.vision.run(pixels)
+    got = ort_pipe.rt.engines.vision.run(pixels)
     assert got.shape == ref.shape
     assert relative_error(got, ref) <= TOLERANCE
 
 
 def fill_caches(pipe, seed):
     g = torch.Generator().manual_seed(seed)
-    pipe.arena.k_cache.copy_(torch.randn(pipe.arena.k_cache.shape, generator=g))
-    pipe.arena.v_cache.copy_(torch.randn(pipe.arena.v_cache.shape, generator=g))
+    a = pipe.rt.arena
+    a.k_cache.copy_(torch.randn(a.k_cache.shape, generator=g))
+    a.v_cache.copy_(torch.randn(a.v_cache.shape, generator=g))
 
 
 def test_decoder_stage_matches_torch(pipes):
@@ -57,48 +59,45 @@ def test_decoder_stage_matches_torch(pipes):
     torch_pipe, ort_pipe = pipes
     for p in pipes:
         fill_caches(p, 0)
-    d = torch_pipe.cfg.llm.hidden_size
+    d = torch_pipe.rt.cfg.llm.hidden_size
     g = torch.Generator().manual_seed(1)
     n = 100
-    embeds = torch.randn(n, d, generator=g)
-    positions = torch.arange(n) * 2            # gaps, as after token selection
-    slots = torch.arange(n)
-    mask = torch.ones(n, n, dtype=torch.bool).tril_()
-    calls = [(embeds, positions, slots, mask)]
-    # decode step: one row at slot n attending to everything before it
-    calls.append((torch.randn(1, d, generator=g), torch.tensor([2 * n]), torch.tensor([n]),
-                  torch.ones(1, n + 1, dtype=torch.bool)))
-    # tree: root + two children + two grandchildren in scratch slots 130..134
+    # a prefill: no earlier cache, a causal prompt (positions with gaps, as after token selection)
+    prefill = (torch.randn(n, d, generator=g), torch.arange(n) * 2, torch.ones(n, n, dtype=torch.bool).tril_())
+    # decode step: one row at slot n attending to every slot before it
+    steps = [(torch.randn(1, d, generator=g), torch.tensor([2 * n]), torch.tensor([n]),
+              torch.ones(1, n, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool))]
+    # tree: root + two children + two grandchildren in scratch slots 130..134, over slots < n + 1
     parents = [-1, 0, 0, 1, 2]
-    tree_slots = torch.arange(130, 135)
-    tree_mask = torch.zeros(5, 135, dtype=torch.bool)
-    tree_mask[:, : n + 1] = True
-    for i, p in enumerate(parents):
+    ancestors = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
         j = i
         while j >= 0:
-            tree_mask[i, 130 + j] = True
+            ancestors[i, j] = True
             j = parents[j]
     depth = torch.tensor([0, 1, 1, 2, 2])
-    calls.append((torch.randn(5, d, generator=g), 2 * n + 1 + depth, tree_slots, tree_mask))
-    for embeds, positions, slots, mask in calls:
-        outs = []
-        for p in pipes:
-            a = p.arena
-            hidden = p.engines.decoder.run(embeds=embeds, positions=positions, slots=slots, mask=mask,
-                                           k_cache=a.k_cache, v_cache=a.v_cache)
-            outs.append(hidden.clone())
-        assert outs[1].shape == outs[0].shape == (embeds.shape[0], d)
+    steps.append((torch.randn(5, d, generator=g), 2 * n + 1 + depth, torch.arange(130, 135),
+                  torch.ones(5, n + 1, dtype=torch.bool), ancestors))
+
+    def check(outs, rows):
+        assert outs[1].shape == outs[0].shape == (rows, d)
         assert relative_error(outs[1], outs[0]) <= TOLERANCE
-        assert relative_error(ort_pipe.arena.k_cache, torch_pipe.arena.k_cache) <= TOLERANCE
-        assert relative_error(ort_pipe.arena.v_cache, torch_pipe.arena.v_cache) <= TOLERANCE
+        ka, kb = ort_pipe.rt.arena, torch_pipe.rt.arena
+        assert relative_error(ka.k_cache, kb.k_cache) <= TOLERANCE
+        assert relative_error(ka.v_cache, kb.v_cache) <= TOLERANCE
+
+    check([p.rt.engines.decoder.prefill(*prefill).clone() for p in pipes], n)
+    for embeds, positions, slots, mask_cache, mask_new in steps:
+        check([p.rt.engines.decoder.step(embeds, positions, slots, mask_cache, mask_new).clone() for p in pipes],
+              embeds.shape[0])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8])
 def test_head_stage_matches_torch(pipes, rows):
     torch_pipe, ort_pipe = pipes
-    hidden = torch.randn(rows, torch_pipe.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(rows))
-    ref = torch_pipe.engines.head.run(hidden=hidden)
-    got = ort_pipe.engines.head.run(hidden=hidden)
+    hidden = torch.randn(rows, torch_pipe.rt.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(rows))
+    ref = torch_pipe.rt.engines.head.run(hidden)
+    got = ort_pipe.rt.engines.head.run(hidden)
     assert got.shape == ref.shape
     assert relative_error(got, ref) <= TOLERANCE
 
@@ -119,16 +118,20 @@ def test_answers_identical_to_torch(pipes):
 
 def test_bucket_overflow_is_a_clear_error(pipes):
     _, ort_pipe = pipes
-    hidden = torch.zeros(9, ort_pipe.cfg.llm.hidden_size)
+    hidden = torch.zeros(9, ort_pipe.rt.cfg.llm.hidden_size)
     with pytest.raises(LiteVLMError, match="largest shape bucket 8"):
-        ort_pipe.engines.head.run(hidden=hidden)
+        ort_pipe.rt.engines.head.run(hidden)
 
 
 def test_backend_needs_a_bundle(tmp_path_factory):
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+    from helpers import options
+
+    from litevlm_runtime.pipeline import Pipeline
 
     model = lively_checkpoint(tmp_path_factory.getbasetemp())
     with pytest.raises(LiteVLMError, match="litevlm export"):
-        Pipeline.from_pretrained(model, PipelineOptions(backend="onnxruntime"))
-    with pytest.raises(LiteVLMError, match="unknown backend"):
-        Pipeline.from_pretrained(model, PipelineOptions(backend="tpu"))
+        Pipeline.from_pretrained(model, options(backend__name="onnxruntime"))
+    with pytest.raises(LiteVLMError, match="backend.name: 'tpu' is not one of"):
+        Pipeline.from_pretrained(model, options(backend__name="tpu"))
+    with pytest.raises(LiteVLMError, match="tensorrt runs on a CUDA device"):
+        Pipeline.from_pretrained(model, options(backend__name="tensorrt", backend__bundle="b"))

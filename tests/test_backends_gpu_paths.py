@@ -18,6 +18,7 @@ from litevlm_runtime.engines.buckets import Buckets
 from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
 from litevlm_runtime.engines.tensorrt_engine import check_engines
 from litevlm_runtime.errors import LiteVLMError
+from helpers import options
 from litevlm_runtime.pipeline import Pipeline, PipelineOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,18 +35,34 @@ def test_static_stages_give_the_torch_answers(model):
     opts = PipelineOptions(max_new_tokens=MAX_NEW_TOKENS)
     ref = Pipeline.from_pretrained(model, opts)
     static = Pipeline.from_pretrained(model, opts)
-    static.engines = cuda_graph_engines(static, capture=False,
-                                        buckets=Buckets(vision=(4, 6), prefill=(256,), step=(1, 8), head=(1, 8)))
-    assert static.engines.decoder.backend == "torch-static"
+    static.rt.engines = cuda_graph_engines(static.rt, capture=False,
+                                           buckets=Buckets(vision=(4, 6), prefill=(256,), step=(1, 8), head=(1, 8)))
+    assert static.rt.engines.decoder.backend == "torch-static"
     for i, q in enumerate(DEFAULT_QUESTIONS[:4]):
         frames = random_frames(10 + i)
         assert static.answer(frames, q).token_ids == ref.answer(frames, q).token_ids
 
 
+def test_static_stages_run_the_deployed_litevlm_configuration():
+    """The bundled model's LiteVLM configuration (views, tokens, EAGLE-2 with its draft head
+    captured too) on the static bound stages: the tokens of the eager torch backend."""
+    from litevlm_runtime.bundled import DEFAULT_MODEL
+
+    ref = Pipeline.from_pretrained(DEFAULT_MODEL, PipelineOptions())
+    static = Pipeline.from_pretrained(DEFAULT_MODEL, PipelineOptions())
+    static.rt.engines = cuda_graph_engines(static.rt, capture=False)
+    assert static.rt.engines.draft.backend == "torch-static"
+    for i, q in enumerate(DEFAULT_QUESTIONS[:4]):
+        frames = random_frames(20 + i, 270, 480)
+        a, b = static.answer(frames, q), ref.answer(frames, q)
+        assert a.pipeline == b.pipeline == "litevlm[views,tokens@0.8,eagle]"
+        assert a.token_ids == b.token_ids
+
+
 @pytest.mark.skipif(not NO_CUDA, reason="checks the message on machines without CUDA")
 def test_cuda_graph_backend_without_cuda_is_a_clear_error(model):
     with pytest.raises(LiteVLMError, match="needs CUDA"):
-        Pipeline.from_pretrained(model, PipelineOptions(backend="torch-cudagraph"))
+        Pipeline.from_pretrained(model, options(backend__name="torch-cudagraph"))
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the message on machines without CUDA")
@@ -78,8 +95,8 @@ def test_tensorrt_absent_is_a_clear_error(model, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "graphs": [], "engines": {}}))
     with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
         build_engines(tmp_path, "fp16")
-    with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
-        Pipeline.from_pretrained(model, PipelineOptions(backend="tensorrt", extra={"bundle": str(tmp_path)}))
+    with pytest.raises(LiteVLMError, match="tensorrt runs on a CUDA device"):
+        Pipeline.from_pretrained(model, options(backend__name="tensorrt", backend__bundle=str(tmp_path)))
 
 
 GPU = {"name": "NVIDIA Jetson AGX Thor", "compute_capability": "11.0"}

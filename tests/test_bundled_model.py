@@ -17,7 +17,8 @@ def test_bundled_model_is_small_and_answers_like_its_training(tmp_path):
     doc = json.loads((tmp_path / "set" / "train.json").read_text())
     frame = next(iter(next(iter(doc.values()))["key_frames"].values()))
     images = {cam: tmp_path / "set" / p for cam, p in frame["image_paths"].items()}
-    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, PipelineOptions())
+    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, PipelineOptions())      # the deployed LiteVLM pipeline
+    assert pipe.rt.options.label() == "litevlm[views,tokens@0.8,eagle]"
     behaviour = pipe.answer(images, "Predict the behavior of the ego vehicle.")
     assert behaviour.text.startswith("The ego vehicle is "), behaviour.text
     yes_no = pipe.answer(images, "Does the ego vehicle need to stop?")

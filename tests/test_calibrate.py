@@ -50,14 +50,15 @@ def write_qa(folder):
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
+    from helpers import options
+
     from litevlm_runtime.calibration import calibrate
-    from litevlm_runtime.pipeline import PipelineOptions
 
     root = tmp_path_factory.getbasetemp()
     model, bundle = lively_checkpoint(root), exported_bundle(root)
     work = tmp_path_factory.mktemp("calibration")
     qa = write_qa(work)
-    manifest, report = calibrate(model, qa, "int8", work / "out", PipelineOptions(max_new_tokens=MAX_NEW_TOKENS),
+    manifest, report = calibrate(model, qa, "int8", work / "out", options(max_new_tokens=MAX_NEW_TOKENS),
                                  bundle=bundle, calib_questions=4, eval_questions=3, samples_per_graph=4,
                                  progress=lambda m: None)
     return model, bundle, work / "out" / "int8", manifest, report
@@ -83,15 +84,18 @@ def test_int8_bundle_has_qdq_graphs_and_keeps_its_interface(calibrated):
 
 
 def test_int8_bundle_runs_in_onnxruntime_close_to_fp32(calibrated):
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+    from helpers import options
+
+    from litevlm_runtime.pipeline import Pipeline
 
     model, bundle, out, _, report = calibrated
-    make = lambda b: Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS, backend="onnxruntime",
-                                                                     extra={"bundle": str(b)}))
+    make = lambda b: Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS,  # noqa: E731
+                                                             backend__name="onnxruntime", backend__bundle=str(b)))
     fp32, int8 = make(bundle), make(out)
-    pixels = torch.randn(6, 3, fp32.tile, fp32.tile, generator=torch.Generator().manual_seed(0)).clamp(-2, 2)
-    ref = fp32.engines.vision.run(pixels=pixels).clone()
-    got = int8.engines.vision.run(pixels=pixels).clone()
+    s = fp32.rt.cfg.force_image_size
+    pixels = torch.randn(6, 3, s, s, generator=torch.Generator().manual_seed(0)).clamp(-2, 2)
+    ref = fp32.rt.engines.vision.run(pixels).clone()
+    got = int8.rt.engines.vision.run(pixels).clone()
     rel = float((got - ref).abs().max() / ref.abs().max())
     assert 0 < rel < 0.25          # quantized (not bit-identical), and still the same function
     ans = int8.answer(random_frames(3), QUESTIONS[0])

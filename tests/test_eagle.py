@@ -4,16 +4,17 @@ draft tree is well formed, and distillation raises the mean accepted length."""
 import pytest
 import torch
 
-from helpers import random_frames
+from helpers import options, random_frames
 from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.checkpoint import load_model
 from litevlm_runtime.models.eagle import DraftHead, load_draft_head, save_draft_head
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.pipeline import Pipeline
 from litevlm_runtime.tokenizer import Tokenizer
 from litevlm_runtime.training.eagle import Sequence, collect, draft_loss, mean_accepted_length
 
-TREES = [dict(eagle_total=60, eagle_depth=6, eagle_topk=10), dict(eagle_total=12, eagle_depth=4, eagle_topk=3),
-         dict(eagle_total=1, eagle_depth=2, eagle_topk=1)]
+TREES = [dict(decoding__eagle__total=60, decoding__eagle__depth=6, decoding__eagle__topk=10),
+         dict(decoding__eagle__total=12, decoding__eagle__depth=4, decoding__eagle__topk=3),
+         dict(decoding__eagle__total=1, decoding__eagle__depth=2, decoding__eagle__topk=1)]
 
 
 @pytest.fixture(scope="module")
@@ -22,26 +23,26 @@ def trained(tiny_model, tmp_path_factory):
     torch.manual_seed(0)
     model = load_model(tiny_model)
     draft = DraftHead(model.cfg.llm)
-    pipe = Pipeline(model, Tokenizer(tiny_model), PipelineOptions(max_new_tokens=24, decoding="eagle"), draft=draft)
-    eagle, pipe.eagle = pipe.eagle, None
+    pipe = Pipeline.from_model(model, Tokenizer(tiny_model), options(max_new_tokens=24, decoding__mode="eagle",
+                                                                     decoding__eagle__policy="fixed"), draft=draft)
     pairs = [(random_frames(s), DEFAULT_QUESTIONS[s % len(DEFAULT_QUESTIONS)]) for s in range(16)]
     seqs = [Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in collect(pipe, pairs)]
     held = [(random_frames(100 + s), DEFAULT_QUESTIONS[(s + 3) % len(DEFAULT_QUESTIONS)]) for s in range(6)]
-    before = mean_accepted_length(pipe, eagle, held)
+    before = mean_accepted_length(pipe, held)
     opt = torch.optim.AdamW(draft.parameters(), lr=2e-3)
-    for p in pipe.lm.parameters():
+    for p in pipe.rt.lm.parameters():
         p.requires_grad_(False)
     draft.train()
     losses = []
     for epoch in range(3):
         for seq in seqs:
-            loss, _, _ = draft_loss(draft, pipe.lm.head, seq, 0.05)
+            loss, _, _ = draft_loss(draft, pipe.rt.lm.head, seq, 0.05)
             opt.zero_grad()
             loss.backward()
             opt.step()
             losses.append(loss.item())
     draft.eval()
-    after = mean_accepted_length(pipe, eagle, held)
+    after = mean_accepted_length(pipe, held)
     folder = tmp_path_factory.mktemp("eagle") / "eagle"
     save_draft_head(draft, folder, {"test": True})
     return {"dir": folder, "before": before, "after": after, "losses": losses}
@@ -54,10 +55,12 @@ def test_distillation_improves_acceptance(trained):
 
 
 @pytest.mark.parametrize("tree", TREES, ids=["60-6-10", "12-4-3", "1-2-1"])
-def test_greedy_eagle_is_lossless(tiny_model, trained, tree):
-    greedy = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=24))
-    eagle = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=24, decoding="eagle",
-                                                                 eagle_dir=str(trained["dir"]), **tree))
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_greedy_eagle_is_lossless(tiny_model, trained, tree, policy):
+    greedy = Pipeline.from_pretrained(tiny_model, options(max_new_tokens=24))
+    eagle = Pipeline.from_pretrained(tiny_model, options(max_new_tokens=24, decoding__mode="eagle",
+                                                         decoding__draft_dir=str(trained["dir"]),
+                                                         decoding__eagle__policy=policy, **tree))
     accepted = []
     for s in range(6):
         frames, q = random_frames(200 + s), DEFAULT_QUESTIONS[s % len(DEFAULT_QUESTIONS)]
@@ -65,26 +68,39 @@ def test_greedy_eagle_is_lossless(tiny_model, trained, tree):
         assert b.token_ids == a.token_ids, f"question {s}: EAGLE-2 output differs from greedy"
         assert b.decode_steps <= a.decode_steps
         accepted.append(b.accepted_length)
-    if tree["eagle_total"] > 1:
+    if tree["decoding__eagle__total"] > 1 and policy == "fixed":
         assert max(accepted) > 1.5     # the tree path (KV compaction) was really exercised
 
 
 def test_tree_is_ancestor_closed(tiny_model, trained):
-    pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=8, decoding="eagle",
-                                                                eagle_dir=str(trained["dir"]), eagle_total=20,
-                                                                eagle_depth=5, eagle_topk=4))
+    from litevlm_runtime.speculative import Eagle2, tree_ancestors
+
+    pipe = Pipeline.from_pretrained(tiny_model, options(max_new_tokens=8, decoding__mode="eagle",
+                                                        decoding__draft_dir=str(trained["dir"]),
+                                                        decoding__eagle__policy="fixed", decoding__eagle__total=20,
+                                                        decoding__eagle__depth=5, decoding__eagle__topk=4))
+    rt = pipe.rt
     pipe.answer(random_frames(7), "What is ahead?")       # fills the caches
     p = 50
     with torch.inference_mode():
-        tree = pipe.eagle.build_tree(pipe.prefill_hidden[-1:], 5, p, p)
-    assert len(tree.tokens) == 21 and tree.parents[0] == -1
-    for i, parent in enumerate(tree.parents[1:], start=1):
+        hidden = torch.randn(1, rt.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(0))
+        tree = Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).build_tree(hidden, 5, p, p, 8)
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    assert len(tokens) == 21 and parents[0] == -1 and tokens[0] == 5
+    for i, parent in enumerate(parents[1:], start=1):
         assert 0 <= parent < i                              # parents come first (closure + order)
-        assert tree.depths[i] == tree.depths[parent] + 1
+        assert depths[i] == depths[parent] + 1
     siblings = {}
-    for i, parent in enumerate(tree.parents[1:], start=1):
-        siblings.setdefault(parent, []).append(tree.tokens[i])
+    for i, parent in enumerate(parents[1:], start=1):
+        siblings.setdefault(parent, []).append(tokens[i])
     assert all(len(v) == len(set(v)) for v in siblings.values())   # no duplicate child tokens
+    anc = tree_ancestors(tree.parents, tree.depths, 5)       # against a walk up the parent pointers
+    for i in range(len(tokens)):
+        chain, j = {i}, i
+        while parents[j] >= 0:
+            j = parents[j]
+            chain.add(j)
+        assert set(anc[i].nonzero().flatten().tolist()) == chain
 
 
 def test_draft_head_checkpoint_errors(tiny_model, trained, tmp_path):
@@ -100,6 +116,6 @@ def test_draft_head_checkpoint_errors(tiny_model, trained, tmp_path):
     bad.mkdir()
     save_file(state, bad / "model.safetensors")
     with pytest.raises(CheckpointError, match="fc.weight"):
-        load_draft_head(bad, cfg, 512, torch.float32)
-    with pytest.raises(Exception, match="draft head"):
-        Pipeline.from_pretrained(tiny_model, PipelineOptions(decoding="eagle", eagle_dir=str(tmp_path / "none")))
+        load_draft_head(bad, cfg, None, torch.float32)
+    with pytest.raises(Exception, match="decoding.mode eagle: no model.safetensors"):
+        Pipeline.from_pretrained(tiny_model, options(decoding__mode="eagle", decoding__draft_dir=str(tmp_path / "none")))

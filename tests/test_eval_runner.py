@@ -8,11 +8,12 @@ import shutil
 
 import pytest
 
+from helpers import options
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import load_frames
-from litevlm_runtime.evaluation.runner import blank_frame, pipeline_options, run_model
+from litevlm_runtime.evaluation.runner import blank_frame, run_model
 from litevlm_runtime.synth.generate import generate
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoevalcap's PTB tokenizer needs Java")
@@ -26,7 +27,7 @@ def synth_dir(tmp_path_factory):
 
 
 def test_runs_the_pipeline_on_synthdrive(tiny_model, synth_dir):
-    records = run_model(tiny_model, synth_dir / "val.json", synth_dir, limit=3, max_new_tokens=3, progress=False)
+    records = run_model(tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=3), limit=3, progress=False)
     questions = [q for f in load_frames(synth_dir / "val.json") for q in f.questions][:3]
     assert [r["id"] for r in records] == [q.id for q in questions]
     for r, q in zip(records, questions):
@@ -47,7 +48,7 @@ def test_rejected_question_is_recorded_not_lost(tiny_model, tmp_path, synth_dir)
     frame = next(iter(next(iter(data.values()))["key_frames"].values()))
     frame["QA"]["perception"][0]["Q"] = "   "            # the pipeline rejects an empty question
     (tmp_path / "qa.json").write_text(json.dumps(data))
-    records = run_model(tiny_model, tmp_path / "qa.json", synth_dir, limit=2, max_new_tokens=2, progress=False)
+    records = run_model(tiny_model, tmp_path / "qa.json", synth_dir, options(max_new_tokens=2), limit=2, progress=False)
     assert len(records) == 2
     assert records[0]["answer"] == "" and "question" in records[0]["error"].lower()
     assert "error" not in records[1]
@@ -57,7 +58,7 @@ def test_rejected_question_is_recorded_not_lost(tiny_model, tmp_path, synth_dir)
 def test_cli_on_real_drivelm(tiny_model, drivelm_dir, tmp_path, capsys):
     out = tmp_path / "pred.json"
     code = main(["eval", "--model", str(tiny_model), "--data", str(drivelm_dir / "qa_scene_n008.json"),
-                 "--frames", str(drivelm_dir), "--limit", "2", "--max-new-tokens", "2", "--json", "--quiet",
+                 "--frames", str(drivelm_dir), "--limit", "2", "--max_new_tokens", "2", "--json", "--quiet",
                  "--predictions", str(out)])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -66,23 +67,24 @@ def test_cli_on_real_drivelm(tiny_model, drivelm_dir, tmp_path, capsys):
     assert len(json.loads(out.read_text())) == 2
 
 
-def test_presets_and_bad_input(tmp_path):
-    from litevlm_runtime.pipeline import PipelineOptions
-    assert pipeline_options("baseline") == PipelineOptions()
-    assert pipeline_options("eagle", max_new_tokens=7) == PipelineOptions(decoding="eagle", max_new_tokens=7)
-    opts = pipeline_options("tokens", ["token_keep_ratio=0.5", "decoding=eagle", "eagle_dir=none"])
-    assert (opts.token_keep_ratio, opts.decoding, opts.eagle_dir) == (0.5, "eagle", None)
-    # Optional fields (default None) take their declared type, not str.
-    opts = pipeline_options("baseline", ["threads=1", "view_threshold=0.25"])
-    assert (opts.threads, opts.view_threshold) == (1, 0.25) and type(opts.threads) is int
+def test_cli_settings_and_bad_input(tmp_path):
+    from litevlm_runtime.cli import build_parser
+    from litevlm_runtime.options import options_from_args
+
+    parse = lambda *a: options_from_args(build_parser().parse_args(["eval", "--data", "x", *a]))  # noqa: E731
+    assert parse() == options()
+    opts = parse("--pipeline", "baseline", "--decoding.mode", "eagle", "--max_new_tokens", "7")
+    assert (opts.pipeline.value, opts.decoding.mode.value, opts.max_new_tokens) == ("baseline", "eagle", 7)
+    opts = parse("--backend.threads", "1", "--views.threshold", "0.25")
+    assert (opts.backend.threads, opts.views.threshold) == (1, 0.25) and type(opts.backend.threads) is int
     with pytest.raises(InputError, match="not a int"):
-        pipeline_options("baseline", ["threads=two"])
+        parse("--backend.threads", "two")
     with pytest.raises(InputError, match="not a float"):
-        pipeline_options("baseline", ["token_keep_ratio=lots"])
-    with pytest.raises(InputError, match="NAME=VALUE"):
-        pipeline_options("baseline", ["no_such_field=1"])
-    with pytest.raises(InputError, match="unknown --pipeline"):
-        pipeline_options("nonsense")
+        parse("--tokens.keep_ratio", "lots")
+    with pytest.raises(InputError, match="unknown setting"):
+        parse("--set", "no_such_field=1")
+    with pytest.raises(InputError, match="pipeline: 'nonsense' is not one of litevlm, baseline"):
+        parse("--pipeline", "nonsense")
     with pytest.raises(InputError, match="no such QA file"):
         load_frames(tmp_path / "missing.json")
     (tmp_path / "x.json").write_text("{\"s\": {\"nokeyframes\": 1}}")

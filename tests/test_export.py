@@ -11,7 +11,8 @@ from export_fixtures import MAX_NEW_TOKENS, TEST_BUCKETS, exported_bundle, livel
 from litevlm_runtime.engines.buckets import Buckets, default_buckets, parse_buckets, pick
 from litevlm_runtime.errors import LiteVLMError
 from litevlm_runtime.export import checkpoint_hash, read_manifest, sha256_file, verify_bundle
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from helpers import options
+from litevlm_runtime.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def _lm_params(model):
 
 def test_every_graph_matches_the_torch_stage(exported):
     model, bundle = exported
-    pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
-    rows = verify_bundle(pipe, bundle)
+    pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS))
+    rows = verify_bundle(pipe.rt, bundle)
     assert len(rows) == (len(TEST_BUCKETS.vision) + 3 * (len(TEST_BUCKETS.prefill) + len(TEST_BUCKETS.step))
                          + len(TEST_BUCKETS.head))
     worst = max(rows, key=lambda r: r["rel_error"])
@@ -76,7 +77,7 @@ def test_tampered_or_mismatched_bundle_is_refused(exported, tmp_path):
     data = bytearray((copy / g["file"]).read_bytes())
     data[-1] ^= 0xFF
     (copy / g["file"]).write_bytes(bytes(data))
-    opts = lambda **kw: PipelineOptions(backend="onnxruntime", extra={"bundle": str(copy)}, **kw)
+    opts = lambda **kw: options(backend__name="onnxruntime", backend__bundle=str(copy), **kw)  # noqa: E731
     with pytest.raises(LiteVLMError, match="does not match its sha256"):
         Pipeline.from_pretrained(model, opts(max_new_tokens=MAX_NEW_TOKENS))
     with pytest.raises(LiteVLMError, match="exported for arena max_len"):
@@ -88,9 +89,9 @@ def test_tampered_or_mismatched_bundle_is_refused(exported, tmp_path):
 
 def test_bucket_parsing_and_picking(exported):
     model, _ = exported
-    pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
-    d = default_buckets(pipe.arena)
-    assert d.vision == (1, 2, 3, 6) and d.step == (1, 64) and max(d.prefill) == pipe.arena.max_prompt
+    pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS))
+    d = default_buckets(pipe.rt.arena)
+    assert d.vision == (1, 2, 3, 6) and d.step == (1, 64) and max(d.prefill) == pipe.rt.arena.max_prompt
     b = parse_buckets("vision=2,6; step=1,8", d)
     assert b.vision == (2, 6) and b.step == (1, 8) and b.prefill == d.prefill
     assert b.decoder() == tuple(sorted(set(d.prefill) | {1, 8}))
@@ -107,10 +108,10 @@ def test_export_refuses_buckets_larger_than_the_arena(exported, tmp_path):
     from litevlm_runtime.export import export_bundle
 
     model, _ = exported
-    pipe = Pipeline.from_pretrained(model, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
+    pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS))
     too_big = Buckets(vision=(7,), prefill=(8,), step=(1,), head=(1,))
     with pytest.raises(LiteVLMError, match="exceed the arena's maximum 6"):
-        export_bundle(pipe, tmp_path / "b", too_big, progress=lambda m: None)
+        export_bundle(pipe.rt, tmp_path / "b", too_big, progress=lambda m: None)
     assert not list((tmp_path / "b").glob("*.onnx"))       # refused before exporting anything
 
 
@@ -127,38 +128,39 @@ def test_eagle_draft_step_exports_and_matches(exported, tmp_path):
     model, _ = exported
     folder = tmp_path / "model"
     shutil.copytree(model, folder)
-    pipe = Pipeline.from_pretrained(folder, PipelineOptions(max_new_tokens=MAX_NEW_TOKENS))
-    assert draft_specs(pipe, TEST_BUCKETS)[0] == []
+    rt = Pipeline.from_pretrained(folder, options(max_new_tokens=MAX_NEW_TOKENS)).rt
+    assert draft_specs(rt, TEST_BUCKETS)[0] == []
     torch.manual_seed(0)
-    draft = DraftHead(pipe.cfg.llm)
+    draft = DraftHead(rt.cfg.llm)
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.1)
     save_draft_head(draft, folder / "eagle", {"test": True})
-    specs, status = draft_specs(pipe, Buckets(vision=(1,), prefill=(4,), step=(1,), head=(1,)))
+    specs, status = draft_specs(rt, Buckets(vision=(1,), prefill=(4,), step=(1,), head=(1,)))
     assert status == "exported" and [s.bucket for s in specs] == [1, 4]
     spec = specs[1]
     entry = export_graph(spec, tmp_path / "eagle_draft_4.onnx", SharedWeights(tmp_path, "eagle_draft"))
     assert [o["name"] for o in entry["outputs"]] == ["features_out", "k_new", "v_new"]
     g = torch.Generator().manual_seed(1)
-    t, s = 4, pipe.arena.max_len
+    t, s = 4, rt.arena.max_len
     inputs = dict(spec.inputs)
     inputs["k_cache"] = torch.randn(inputs["k_cache"].shape, generator=g)
     inputs["v_cache"] = torch.randn(inputs["v_cache"].shape, generator=g)
     inputs["positions"] = torch.arange(10, 10 + t)
     history, slots = 10, torch.arange(10, 10 + t)
-    mask = torch.zeros(t, history + t, dtype=torch.bool)
-    mask[:, :history] = True
-    mask[:, history:] = torch.ones(t, t, dtype=torch.bool).tril_()
     inputs["mask_cache"] = torch.zeros(t, s, dtype=torch.bool)
     inputs["mask_cache"][:, :history] = True
-    inputs["mask_new"] = mask[:, history:].clone()
+    inputs["mask_new"] = torch.ones(t, t, dtype=torch.bool).tril_()
     session = ort.InferenceSession(str(tmp_path / "eagle_draft_4.onnx"), providers=["CPUExecutionProvider"])
     feats, k_new, _ = session.run(None, {k: v.numpy() for k, v in inputs.items()})
-    loaded = specs[1].module.draft
+    # Against the eager torch draft engine over the live columns, which stores the rows in its cache.
+    from litevlm_runtime.engines.torch_engine import TorchDraft
+
     k_ref, v_ref = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+    engine = TorchDraft(specs[1].module.draft, k_ref, v_ref)
     with torch.no_grad():
-        want = loaded(inputs["token_embeds"], inputs["features"], inputs["positions"], slots, mask, k_ref, v_ref)
-    rel = lambda got, ref: float(np.abs(got - ref.numpy()).max() / np.abs(ref.numpy()).max())
+        want = engine.step(inputs["token_embeds"], inputs["features"], inputs["positions"], slots,
+                           inputs["mask_cache"][:, :history], inputs["mask_new"])
+    rel = lambda got, ref: float(np.abs(got - ref.numpy()).max() / np.abs(ref.numpy()).max())  # noqa: E731
     assert rel(feats, want) <= 1e-4
     assert rel(k_new, k_ref[:, :, slots]) <= 1e-4
 

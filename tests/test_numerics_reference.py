@@ -112,19 +112,20 @@ def real_width(request, tmp_path_factory, tokenizer_file):
 def run_ours_decoder(lm, ids: list[int], new_tokens: int):
     """Prefill + greedy decode through our decoder's static KV cache, as the pipeline drives it.
     Returns (prefill logits [T, V], logits of each decode step [n, V], greedy ids)."""
+    from litevlm_runtime.engines.torch_engine import TorchDecoder
+
     cfg = lm.cfg
     max_len = len(ids) + new_tokens
     k_cache = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
-    v_cache = torch.zeros_like(k_cache)
+    decoder = TorchDecoder(lm, k_cache, torch.zeros_like(k_cache))      # the pipeline's torch engine
     t = len(ids)
-    pos = torch.arange(t)
-    hidden = lm(lm.embed(torch.tensor(ids)), pos, pos, torch.ones(t, t, dtype=torch.bool).tril(), k_cache, v_cache)
+    hidden = decoder.prefill(lm.embed(torch.tensor(ids)), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril())
     prefill = lm.head(hidden)
     out, steps = [int(prefill[-1].argmax())], []
     for slot in range(t, t + new_tokens - 1):
         s = torch.tensor([slot])
-        hidden = lm(lm.embed(torch.tensor([out[-1]])), s, s, torch.ones(1, slot + 1, dtype=torch.bool),
-                    k_cache, v_cache)
+        hidden = decoder.step(lm.embed(torch.tensor([out[-1]])), s, s, torch.ones(1, slot, dtype=torch.bool),
+                              torch.ones(1, 1, dtype=torch.bool))
         steps.append(lm.head(hidden)[0])
         out.append(int(steps[-1].argmax()))
     return prefill, torch.stack(steps), out
@@ -175,24 +176,24 @@ def test_pipeline_answer_matches_transformers_generate(real_width):
     """The staged pipeline (one camera, one 448 tile, all tokens kept, greedy) and transformers'
     InternVLForConditionalGeneration.generate give the same tokens on the same weights and inputs."""
     family, folder, ours, _, _, ref = real_width
-    pipe = Pipeline.from_pretrained(folder, PipelineOptions(cameras=("CAM_FRONT",), max_new_tokens=NEW_TOKENS))
-    assert ref.config.image_token_id == pipe.tok.img_context_id
+    pipe = Pipeline.from_pretrained(folder, PipelineOptions(pipeline="baseline", cameras=("CAM_FRONT",),
+                                                            max_new_tokens=NEW_TOKENS))
+    tok = pipe.rt.tok
+    assert ref.config.image_token_id == tok.img_context_id
     rng = np.random.default_rng(7)
     images = {"CAM_FRONT": rng.integers(0, 256, (300, 500, 3), dtype=np.uint8)}
     question = "Is there a pedestrian in front of the ego car?"
     ans = pipe.answer(images, question)
     ids, pixels = pipe.reference_inputs(images, question)
-    ref_ids = hf_generate(ref, ids, pixels, NEW_TOKENS, sorted(pipe.tok.eos_ids))
-    ref_ids = [t for t in ref_ids if t not in pipe.tok.eos_ids]
+    ref_ids = hf_generate(ref, ids, pixels, NEW_TOKENS, sorted(tok.eos_ids))
+    ref_ids = [t for t in ref_ids if t not in tok.eos_ids]
     # Logits of the whole multimodal prompt: our model's parts (visual tokens spliced into the
     # embeddings at the <IMG_CONTEXT> slots, one causal pass) vs transformers' forward.
     ref_logits = ref(input_ids=ids, pixel_values=pixels).logits[0]
     lm, t = ours.language_model, ids.shape[1]
     embeds = lm.embed(ids[0]).clone()
-    embeds[ids[0] == pipe.tok.img_context_id] = ours.encode_images(pixels).reshape(-1, embeds.shape[-1])
-    cache = torch.zeros(lm.cfg.num_hidden_layers, lm.cfg.num_key_value_heads, t, lm.cfg.head_dim)
-    pos = torch.arange(t)
-    ours_logits = lm.head(lm(embeds, pos, pos, torch.ones(t, t, dtype=torch.bool).tril(), cache, cache.clone()))
+    embeds[ids[0] == tok.img_context_id] = ours.encode_images(pixels).reshape(-1, embeds.shape[-1])
+    ours_logits = lm.head(lm(embeds, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril())[0])
     e_prompt = rel_err(ours_logits, ref_logits)
     print(f"\n{family} full model: {t} prompt tokens (256 visual), prompt logits rel err {e_prompt:.2e}; "
           f"pipeline answer {ans.token_ids} vs transformers generate {ref_ids}")

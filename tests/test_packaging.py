@@ -48,24 +48,26 @@ def test_colcon_layout():
 def test_drive_yaml_declares_only_known_parameters():
     import yaml
 
+    from litevlm_runtime.options import settings
     from litevlm_runtime.ros.node import PARAMETERS
+    from litevlm_runtime.ros.parameters import flatten
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())
-    params = doc["litevlm_drive"]["ros__parameters"]
-    assert set(params) == set(PARAMETERS)
+    params = flatten(doc["litevlm_drive"]["ros__parameters"])
+    declared = dict(PARAMETERS) | {s.key: s.default for s in settings()}
+    assert set(params) == set(declared)
     for k, v in params.items():
-        assert type(v) is type(PARAMETERS[k]) or (isinstance(v, float) and isinstance(PARAMETERS[k], float)), k
+        assert type(v) is type(declared[k]) or (isinstance(v, float) and isinstance(declared[k], float)), k
 
 
-def test_node_parameters_map_onto_pipeline_options():
-    from dataclasses import fields
+def test_node_parameters_are_the_pipeline_settings():
+    """Every pipeline setting is a node parameter of the same dotted name, with a descriptor."""
+    from litevlm_runtime.options import settings
+    from litevlm_runtime.ros.parameters import descriptor, pipeline_options_from
 
-    from litevlm_runtime.pipeline import PipelineOptions
-    from litevlm_runtime.ros.node import OPTION_MAP, PARAMETERS, pipeline_options
-
-    opts = pipeline_options(dict(PARAMETERS, precision="fp16", eagle_enabled=True, eagle_top_k=7, threads=0))
-    assert opts.dtype == "float16" and opts.decoding == "eagle" and opts.eagle_topk == 7 and opts.threads is None
-    known = {f.name for f in fields(PipelineOptions)}
-    # Every parameter either reaches its option or is carried in `extra` (never dropped).
-    for param, (option, _) in OPTION_MAP.items():
-        assert option in known or param in opts.extra, param
+    for s in settings():
+        d = descriptor(s)
+        assert d.name == s.key and d.description and d.read_only
+    opts = pipeline_options_from({"dtype": "float16", "decoding.mode": "eagle", "decoding.eagle.topk": 7,
+                                  "backend.threads": 0, "queue_size": 4})
+    assert opts.dtype == "float16" and opts.decoding.mode.value == "eagle" and opts.decoding.eagle.topk == 7

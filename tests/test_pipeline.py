@@ -6,16 +6,16 @@ import resource
 import pytest
 import torch
 
-from helpers import random_frames
+from helpers import options, random_frames
 from litevlm_runtime.answer import STAGES
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.pipeline import Pipeline, prompt_ids
 
 
 @pytest.fixture(scope="module")
 def pipe(tiny_model):
-    return Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=12))
+    return Pipeline.from_pretrained(tiny_model, options(max_new_tokens=12))
 
 
 def test_answer_reports_every_stage(pipe):
@@ -23,8 +23,9 @@ def test_answer_reports_every_stage(pipe):
     assert list(ans.stage_ms) == list(STAGES)
     assert all(ms >= 0 for ms in ans.stage_ms.values()) and ans.total_ms > 0
     assert ans.cameras == list(CAMERAS)
-    assert ans.visual_tokens == ans.kept_tokens == 6 * pipe.cfg.tokens_per_tile
-    ids, spans = pipe.prompt_ids(list(CAMERAS), ans.question)
+    assert ans.visual_tokens == ans.kept_tokens == 6 * pipe.rt.cfg.tokens_per_tile
+    assert ans.pipeline == "baseline"            # the tiny model folder carries no LiteVLM modules
+    ids, spans = prompt_ids(pipe.rt, list(CAMERAS), ans.question)
     assert ans.input_tokens == len(ids) and len(spans) == 6
     assert 1 <= len(ans.token_ids) <= 12
     assert ans.decode_steps == len(ans.token_ids) - 1 or ans.decode_steps == len(ans.token_ids)
@@ -33,9 +34,9 @@ def test_answer_reports_every_stage(pipe):
 
 
 def test_two_tiles_per_camera(tiny_model):
-    p = Pipeline.from_pretrained(tiny_model, PipelineOptions(tiles_per_camera=2, max_new_tokens=4))
+    p = Pipeline.from_pretrained(tiny_model, options(tiles_per_camera=2, max_new_tokens=4))
     ans = p.answer(random_frames(2), "What is ahead?")
-    assert ans.visual_tokens == 12 * p.cfg.tokens_per_tile
+    assert ans.visual_tokens == 12 * p.rt.cfg.tokens_per_tile
 
 
 def test_incremental_decode_equals_full_recompute(pipe):
@@ -43,26 +44,24 @@ def test_incremental_decode_equals_full_recompute(pipe):
     whole prompt + answer so far (no cache reuse), so cache writes, slots and masks are right."""
     frames = random_frames(3)
     ans = pipe.answer(frames, "How many cars are in front?")
-    a = pipe.arena
+    rt = pipe.rt
     n = ans.input_tokens
-    prompt_ids, _ = pipe.prompt_ids(list(CAMERAS), ans.question)
+    lm = rt.lm
     with torch.inference_mode():
-        embeds_prompt = a.embeds[:n].clone()       # prompt embeddings (visual spliced) of this answer
+        embeds_prompt = rt.arena.embeds[:n].clone()       # prompt embeddings (visual spliced) of this answer
         seq = list(ans.token_ids)
         for t in range(len(seq)):
-            extra = pipe.lm.embed(torch.tensor(seq[:t], dtype=torch.long))
+            extra = lm.embed(torch.tensor(seq[:t], dtype=torch.long))
             x = torch.cat([embeds_prompt, extra])
             m = x.shape[0]
-            k = torch.zeros_like(a.k_cache)
-            v = torch.zeros_like(a.v_cache)
-            mask = torch.ones(m, m, dtype=torch.bool).tril()
-            h = pipe.lm(x, torch.arange(m), torch.arange(m), mask, k, v)
-            assert int(pipe.lm.head(h[-1:]).argmax(-1)) == seq[t], f"token {t} differs"
+            h, _, _ = lm(x, torch.arange(m), torch.ones(m, m, dtype=torch.bool).tril())
+            assert int(lm.head(h[-1:]).argmax(-1)) == seq[t], f"token {t} differs"
 
 
 @pytest.mark.parametrize("question, msg", [
     ("", "empty question"),
     ("   ", "empty question"),
+    ("\u200b\u200b \u2060", "empty question"),
     ("what about <IMG_CONTEXT> here", "reserved token"),
     ("car " * 400, "question too long"),
 ])
@@ -105,11 +104,11 @@ def test_arena_is_stable_over_100_answers(pipe):
                  "How many pedestrians are on the front left?"]
     for i in range(10):                       # warm-up: allocator pools, caches, lazy inits
         pipe.answer(frames[i % 4], questions[i % 4])
-    before = {k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.arena.buffers().items()}
+    before = {k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.rt.arena.buffers().items()}
     rss_before = rss_kib()
     for i in range(100):
         pipe.answer(frames[i % 4], questions[(i // 4) % 4])
-    after = {k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.arena.buffers().items()}
+    after = {k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.rt.arena.buffers().items()}
     assert after == before
     growth = rss_kib() - rss_before
     assert growth < 8 * 1024, f"resident memory grew by {growth} KiB over 100 answers"

@@ -25,7 +25,7 @@ def jpeg(seed: int, size=(160, 90)) -> bytes:
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model):
-    return Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=3))
+    return Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=3))      # tiny: the baseline
 
 
 def make_server(pipeline, **kw):
@@ -135,7 +135,7 @@ def test_pipeline_failure_mid_run_is_answered_and_serving_continues(tiny_model):
     pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
     server, records = make_server(pipe)
     add_frames(server, 0)
-    linear = next(m for m in pipe.model.modules() if isinstance(m, torch.nn.Linear))
+    linear = next(m for m in pipe.rt.model.modules() if isinstance(m, torch.nn.Linear))
     weight = linear.weight.data
     linear.weight.data = weight[:, :1].clone()
     server.serve(server.submit("first?", now_ns=1), now_ns=1)

@@ -76,13 +76,17 @@ def test_sampling_pipeline_runs_with_eagle(tiny_model, tmp_path):
     """Temperature sampling through the whole pipeline, with and without the draft tree."""
     from litevlm_runtime.checkpoint import read_config
     from litevlm_runtime.models.eagle import DraftHead, save_draft_head
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+    from helpers import options
+
+    from litevlm_runtime.pipeline import Pipeline
 
     torch.manual_seed(0)
     save_draft_head(DraftHead(read_config(tiny_model).llm), tmp_path / "eagle", {})
     for decoding in ("greedy", "eagle"):
-        pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(
-            max_new_tokens=12, decoding=decoding, temperature=0.8, seed=3, eagle_dir=str(tmp_path / "eagle"),
-            eagle_total=10, eagle_depth=3, eagle_topk=4))
+        pipe = Pipeline.from_pretrained(tiny_model, options(
+            max_new_tokens=12, decoding__mode=decoding, decoding__temperature=0.8, decoding__seed=3,
+            decoding__draft_dir=str(tmp_path / "eagle"), decoding__eagle__policy="fixed",
+            decoding__eagle__total=10, decoding__eagle__depth=3, decoding__eagle__topk=4))
         a = pipe.answer(random_frames(0), "What is ahead?")
         assert 1 <= len(a.token_ids) <= 12 and a.decode_steps >= 1
+        assert pipe.answer(random_frames(0), "What is ahead?").token_ids == a.token_ids   # seeded per query

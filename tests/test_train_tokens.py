@@ -14,6 +14,7 @@ import torch
 from helpers import make_tiny_checkpoint, random_frames
 from litevlm_runtime.checkpoint import load_model, write_checkpoint
 from litevlm_runtime.cli import main
+from litevlm_runtime.options import Tokens
 from litevlm_runtime.pipeline import Pipeline, PipelineOptions
 from litevlm_runtime.token_selector import kept_count, load_token_selector
 
@@ -69,19 +70,21 @@ def test_training_lowers_loss_and_beats_the_untrained_copy(teacher, synth, tmp_p
     assert "trained: held-out KL" in capsys.readouterr().out
 
     # What it wrote is a selector the pipeline loads and runs, and it differs from layer 0.
-    p = Pipeline.from_pretrained(teacher, PipelineOptions(max_new_tokens=3, token_keep_ratio=0.8,
-                                                          token_selector=str(out)))
-    assert not torch.equal(p.token_selector.layer.attention.wqkv.weight, p.lm.layers[0].attention.wqkv.weight)
+    p = Pipeline.from_pretrained(teacher, PipelineOptions(
+        max_new_tokens=3, tokens=Tokens(mode="selector", keep_ratio=0.8, selector_dir=str(out))))
+    rt = p.rt
+    assert not torch.equal(rt.token_selector.layer.attention.wqkv.weight, rt.lm.layers[0].attention.wqkv.weight)
     ans = p.answer(random_frames(2), "What is behind the ego car?")
-    assert ans.kept_tokens == 6 * kept_count(p.tokens_per_camera, 0.8)
-    assert load_token_selector(out, p.lm).reduce == "max"
+    assert ans.kept_tokens == 6 * kept_count(rt.tokens_per_camera, 0.8)
+    assert load_token_selector(out, rt.lm).reduce == "max"
 
 
 def test_bad_selector_folder_is_a_named_error(teacher, tmp_path):
-    from litevlm_runtime.errors import CheckpointError
+    from litevlm_runtime.errors import InputError
 
-    with pytest.raises(CheckpointError, match="token selector weights missing"):
-        Pipeline.from_pretrained(teacher, PipelineOptions(token_keep_ratio=0.5, token_selector=str(tmp_path)))
+    with pytest.raises(InputError, match="tokens.mode selector: no model.safetensors in"):
+        Pipeline.from_pretrained(teacher, PipelineOptions(tokens=Tokens(mode="selector", keep_ratio=0.5,
+                                                                        selector_dir=str(tmp_path))))
 
 
 def test_torchrun_two_ranks(teacher, synth, tmp_path):

@@ -38,9 +38,7 @@ def _reference_loss(model: InternVL, pixels: torch.Tensor, e: vlm.Encoded) -> to
     embeds = lm.embed(ids).clone()
     for cam, (start, count) in enumerate(e.spans):
         embeds[start:start + count] = visual[cam]
-    cfg = lm.cfg
-    cache = lambda: [embeds.new_zeros(cfg.num_key_value_heads, t, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]  # noqa: E731
-    hidden = lm(embeds, torch.arange(t), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), cache(), cache())
+    hidden, _, _ = lm(embeds, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril())
     rows = torch.arange(len(e.prompt) - 1, t - 1)
     return F.cross_entropy(lm.head(hidden[rows]), ids[rows + 1], reduction="sum")
 
@@ -53,7 +51,7 @@ def _two_frames_tiny_float64_model(synth_set: Path, tmp_path: Path):
     tok = Tokenizer(tmp_path)
     cfg = preset("tiny", vocab_size=tok.vocab_size)
     torch.manual_seed(0)
-    model = InternVL(cfg)
+    model = InternVL(cfg, max_len=4096)
     init_weights(model, seed=3, std=0.05)
     model = model.double()
     return frames, tok, cfg, model
@@ -151,24 +149,32 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
     from litevlm_runtime.pipeline import Pipeline, PipelineOptions
 
     out, _ = tiny_run
+    from litevlm_runtime.decoding import greedy
+
     pipe = Pipeline.from_pretrained(out, PipelineOptions())
+    rt = pipe.rt
     frame = vlm.load_frames(synth_set / "val.json", synth_set)[0]
     qa = frame.qa[0]
     ans = pipe.answer(frame.images, qa.question, max_new_tokens=12)
-    assert isinstance(ans.text, str) and ans.visual_tokens == 6 * pipe.tokens_per_camera
+    assert isinstance(ans.text, str) and ans.visual_tokens == 6 * rt.tokens_per_camera
     assert ans.token_ids and ans.text.strip()
-    # One token only: no decoder pass after prefill, so the prefill features are the last ones.
-    first_only = pipe.answer(frame.images, qa.question, max_new_tokens=1)
+    # The first token's logits: the head over prefill's last feature.
+    seen = {}
+
+    def first_logits(rt_, prompt, max_new, on_tokens=None):
+        seen["logits"] = rt_.engines.head.run(prompt.hidden[-1:])[0].clone()
+        return greedy(rt_, prompt, max_new, on_tokens)
+
+    first_only = pipe.answer(frame.images, qa.question, max_new_tokens=1, decoder=first_logits)
     assert first_only.token_ids == ans.token_ids[:1]
-    with torch.inference_mode():
-        pipeline_logits = pipe.engines.head.run(hidden=pipe.prefill_hidden[-1:])[0].clone()
+    pipeline_logits = seen["logits"]
     ref_ids, ref_pixels = pipe.reference_inputs(frame.images, qa.question)
 
-    model = pipe.model
-    tok = pipe.tok
-    e = vlm.encode_qa(tok, pipe.cfg.system_message, pipe.tokens_per_camera, qa)
+    model = rt.model
+    tok = rt.tok
+    e = vlm.encode_qa(tok, rt.cfg.system_message, rt.tokens_per_camera, qa)
     assert e.prompt == ref_ids[0].tolist()
-    cache = vlm.TileCache([frame], pipe.tile)
+    cache = vlm.TileCache([frame], rt.cfg.force_image_size)
     batch = vlm.pack([(0, [e])])
     pixels = vlm.pixels_for(cache, [0], Normalizer(torch.float32, torch.device("cpu")))
     assert torch.equal(pixels, ref_pixels)
@@ -177,10 +183,7 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
         lm.init_rope(4096)
         visual = model.encode_images(pixels)
         embeds = lm.embed(batch.ids).index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]))
-        t = len(batch.ids)
-        cfg = lm.cfg
-        cache_kv = lambda: [torch.zeros(cfg.num_key_value_heads, t, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]  # noqa: E731
-        hidden = lm(embeds, batch.positions, torch.arange(t), batch.mask, cache_kv(), cache_kv())
+        hidden, _, _ = lm(embeds, batch.positions, batch.mask)
         train_logits = lm.head(hidden[batch.target_rows[0]])
     assert torch.allclose(train_logits, pipeline_logits, atol=1e-4, rtol=1e-4)
     assert int(train_logits.argmax()) == ans.token_ids[0]
@@ -391,5 +394,6 @@ def test_tile_size_fine_tune_interpolates_the_position_grid_and_runs_in_the_pipe
     assert model.vision_model.embeddings.position_embedding.shape[1] == 1 + 8 * 8
     frame = load_frames(synth_set / "val.json")[0]
     images = {cam: synth_set / p for cam, p in frame.image_paths.items()}
-    answer = Pipeline(model, Tokenizer(out), PipelineOptions(max_new_tokens=4)).answer(images, frame.questions[0].question)
+    answer = Pipeline.from_model(model, Tokenizer(out), PipelineOptions(max_new_tokens=4)).answer(
+        images, frame.questions[0].question)
     assert answer.text is not None

@@ -12,24 +12,18 @@ from ..report import answer_table
 
 
 def add_pipeline_args(p) -> None:
-    """Options every command that builds a Pipeline shares."""
-    p.add_argument("--model", type=Path, required=True, help="InternVL2.5 checkpoint folder")
-    p.add_argument("--tiles-per-camera", type=int, choices=(1, 2), default=1)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--eagle-tree", default="60,6,10", metavar="TOTAL,DEPTH,TOPK",
-                   help="EAGLE-2 draft tree where EAGLE decoding is used (paper defaults 60,6,10)")
+    """--model and the pipeline settings every command that builds a Pipeline shares: one flag
+    per setting of the typed configuration, named as the setting (options.py)."""
+    from ..options import add_option_flags
+
+    add_option_flags(p)
 
 
-def pipeline_options(args):
-    from ..pipeline import PipelineOptions
+def pipeline_options(args, **defaults):
+    """The flags -> PipelineOptions (dotted-name `defaults` of the command apply first)."""
+    from ..options import options_from_args
 
-    total, depth, topk = (int(x) for x in args.eagle_tree.split(","))
-    return PipelineOptions(device=args.device, dtype=args.dtype, tiles_per_camera=args.tiles_per_camera,
-                           max_new_tokens=args.max_new_tokens, threads=args.threads,
-                           eagle_total=total, eagle_depth=depth, eagle_topk=topk)
+    return options_from_args(args, **defaults)
 
 
 def register(subparsers) -> None:
@@ -62,7 +56,8 @@ def run(args) -> int:
         print(json.dumps(ans.to_dict(), indent=2, ensure_ascii=False))
     else:
         print(f"Q: {ans.question}\nA: {ans.text}\n")
-        print(f"cameras: {', '.join(ans.cameras)}  visual tokens: {ans.kept_tokens}/{ans.visual_tokens}  "
-              f"input tokens: {ans.input_tokens}  decode steps: {ans.decode_steps}\n")
+        print(f"pipeline: {ans.pipeline}  cameras: {', '.join(ans.cameras)}  visual tokens: "
+              f"{ans.kept_tokens}/{ans.visual_tokens}  input tokens: {ans.input_tokens}  decode steps: "
+              f"{ans.decode_steps}  accepted length: {ans.accepted_length:.2f}\n")
         print(answer_table(ans))
     return 0

@@ -87,7 +87,8 @@ def run(args) -> int:
         from dataclasses import replace
 
         _, name, bundle = backends[0]
-        options = replace(options, backend=name, extra={**options.extra, **({"bundle": str(bundle)} if bundle else {})})
+        options = replace(options, backend=replace(options.backend, name=name,
+                                                   bundle=str(bundle) if bundle else options.backend.bundle))
     pipe = Pipeline.from_pretrained(args.model, options)
     frame_sets = load_frame_sets(args.frames, args.frame_sets)
     questions = DEFAULT_QUESTIONS[: args.questions]
@@ -99,7 +100,7 @@ def run(args) -> int:
         return 0
     rows = [[stage, v["median"], v["p90"]] for stage, v in s["stages"].items()]
     print(f"model {args.model}  queries {s['queries']}  mean new tokens {s['mean_new_tokens']:.1f}  "
-          f"device {args.device} {args.dtype}\n")
+          f"device {options.device} {options.dtype}  pipeline {pipe.rt.options.label()}\n")
     print(table(["stage", "median ms", "p90 ms"], rows))
     if "reference" in s:
         r = s["reference"]
@@ -126,6 +127,6 @@ def run_backends(args, options, backends) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"model {args.model}  device {args.device} {args.dtype}\n")
+    print(f"model {args.model}  device {options.device} {options.dtype}\n")
     print(comparison_table(summary))
     return 0

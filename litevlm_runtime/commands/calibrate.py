@@ -38,7 +38,7 @@ def run(args) -> int:
     if args.buckets:
         from ..pipeline import Pipeline
 
-        buckets = parse_buckets(args.buckets, default_buckets(Pipeline.from_pretrained(args.model, options).arena))
+        buckets = parse_buckets(args.buckets, default_buckets(Pipeline.from_pretrained(args.model, options).rt.arena))
     say = lambda m: print(m, file=sys.stderr)
     manifest, report = calibrate(args.model, args.data, args.precision, args.out, options, bundle=args.bundle,
                                  buckets=buckets, frames_root=args.frames_root, calib_questions=args.calib_questions,

@@ -9,17 +9,15 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="score a model the way the DriveLM challenge does")
+    from ..options import add_option_flags
+
     p.add_argument("--model", help="model folder (InternVL2.5 layout); not needed with --from-predictions")
     p.add_argument("--data", required=True, help="DriveLM v1.1 QA file (SynthDrive val.json, DriveLM json)")
     p.add_argument("--frames", help="root the QA file's image paths resolve under (default: the QA file's folder)")
-    p.add_argument("--pipeline", default="baseline",
-                   help="PipelineOptions preset: baseline (default options), eagle, tokens, fastv")
-    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one PipelineOptions field after the preset (repeatable), e.g. token_keep_ratio=0.9")
+    add_option_flags(p, with_model=False)     # --pipeline baseline, --decoding.mode eagle, --backend.threads 1, ...
     p.add_argument("--blank-images", action="store_true",
                    help="replace every image by constant grey: the text-only baseline")
     p.add_argument("--limit", type=int, help="only the first N questions")
-    p.add_argument("--max-new-tokens", type=int, help="answer length cap (default: the pipeline's)")
     p.add_argument("--predictions", help="write per-question answers (challenge output.json fields + latency) here")
     p.add_argument("--from-predictions", help="score this predictions file instead of running a model")
     p.add_argument("--judge", help="GPT-score judge as module:attribute (see litevlm_runtime/evaluation/judge.py)")
@@ -42,6 +40,7 @@ def run(args) -> int:
     from ..evaluation.judge import load_judge
     from ..evaluation.metrics import score
     from ..evaluation.runner import read_predictions, run_model, select
+    from ..options import options_from_args
 
     if args.limit is not None and args.limit < 1:
         raise InputError("--limit must be at least 1")
@@ -57,8 +56,8 @@ def run(args) -> int:
     else:
         if not args.model:
             raise InputError("--model is required (or score a file with --from-predictions)")
-        records = run_model(args.model, args.data, frames_root, args.pipeline, args.blank_images, args.limit,
-                            args.max_new_tokens, progress=not args.quiet, options=args.option)
+        records = run_model(args.model, args.data, frames_root, options_from_args(args), args.blank_images,
+                            args.limit, progress=not args.quiet)
         predictions = {r["id"]: r["answer"] for r in records}
         questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
         if args.predictions:
@@ -78,7 +77,10 @@ def run(args) -> int:
                 raise InputError(f"--versus {path}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
             runs[name] = other
         by_template = accuracy_by_template(questions, runs)
-    pipeline = None if args.from_predictions else " ".join([args.pipeline] + args.option)
+    pipeline = None
+    if records is not None:
+        served = {r.get("pipeline") for r in records if "error" not in r}
+        pipeline = ", ".join(sorted(p for p in served if p)) or None      # what served, as the answers say
     run_info = {"data": args.data, "model": args.model, "pipeline": pipeline,
                 "images": "blank" if args.blank_images else "real", "questions": len(questions)}
     if records is not None:

@@ -28,10 +28,10 @@ def run(args) -> int:
 
     # The exporter logs one warning per torchvision op it cannot register; we use none of them.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    pipe = Pipeline.from_pretrained(args.model, pipeline_options(args))
-    buckets = parse_buckets(args.buckets, default_buckets(pipe.arena))
-    print(f"exporting {args.model} ({args.dtype}) -> {args.out}\nbuckets: {buckets.to_dict()}", file=sys.stderr)
-    manifest = export_bundle(pipe, args.out, buckets, progress=lambda m: print(m, file=sys.stderr))
+    rt = Pipeline.from_pretrained(args.model, pipeline_options(args)).rt
+    buckets = parse_buckets(args.buckets, default_buckets(rt.arena))
+    print(f"exporting {args.model} ({rt.options.dtype}) -> {args.out}\nbuckets: {buckets.to_dict()}", file=sys.stderr)
+    manifest = export_bundle(rt, args.out, buckets, progress=lambda m: print(m, file=sys.stderr))
     for stage, why in manifest["not_present"].items():
         print(f"{stage}: {why}", file=sys.stderr)
     print(args.out / "manifest.json")
@@ -39,12 +39,12 @@ def run(args) -> int:
         from ..export import verify_bundle
         from ..report import table
 
-        rows = verify_bundle(pipe, args.out)
+        rows = verify_bundle(rt, args.out)
         print()
         print(table(["stage", "bucket", "output", "rel error"],
                     [[r["stage"], r["bucket"], r["output"], f"{r['rel_error']:.2e}"] for r in rows]))
         print("\nrel error = max |onnxruntime - torch| / max |torch| on random inputs (fp32 target: <= 1e-4)")
-        if max(r["rel_error"] for r in rows) > (1e-4 if args.dtype == "float32" else 1e-2):
+        if max(r["rel_error"] for r in rows) > (1e-4 if rt.options.dtype == "float32" else 1e-2):
             print("verify: FAILED", file=sys.stderr)
             return 1
     return 0

@@ -1,12 +1,22 @@
-"""The engine interface. A stage engine has fixed named inputs and outputs and one `run()`; the
-pipeline never knows which backend is behind it.
+"""The engine interface. A stage engine has fixed named inputs and outputs; the pipeline never
+knows which backend is behind it. Shapes (T = rows in this call, L = cache columns a step may see,
+n = tiles, S = the arena's max_len):
 
-Stages and their tensors (T = rows in this call, L = cache length attended, n = tiles):
-  vision   pixels [n, 3, S, S]                                   -> visual [n, tokens_per_tile, D]
-  decoder  embeds [T, D], positions [T], slots [T], mask [T, L]   -> hidden [T, D]
-           (k_cache, v_cache [layers, kv_heads, max_len, head_dim]: arena tensors the engine
-           updates at `slots`; an engine whose graph cannot alias them copies the new rows in)
-  head     hidden [T, D]                                          -> logits [T, V]
+  vision   run(pixels [n, 3, s, s])                                      -> visual [n, tokens_per_tile, D]
+  decoder  prefill(embeds [T, D], positions [T], mask [T, T])            -> hidden [T, D]
+             the prompt: no earlier cache; its K/V rows are stored at slots 0..T-1
+           step(embeds [T, D], positions [T], slots [T],
+                mask_cache [T, L], mask_new [T, T])                      -> hidden [T, D]
+             decode steps and tree verification over the arena's KV cache: columns < L of the
+             old cache under mask_cache, this call's rows under mask_new; the rows are stored at
+             `slots` (>= L: a step never sees the columns it writes)
+  head     run(hidden [T, D])                                            -> logits [T, V]
+  draft    step(token_embeds [T, D], features [T, D], positions [T], slots [T],
+                mask_cache [T, L], mask_new [T, T])                      -> features [T, D]
+             the EAGLE-2 head over its own one-layer cache (the arena's draft_k/draft_v)
+
+Outputs are views of engine buffers (bound backends) or fresh tensors (eager torch): valid until
+the same engine runs again.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from typing import Callable
 
 import torch
 
-# Backend name -> factory(pipeline) -> Engines. Backends other than torch register themselves.
+# Backend name -> factory(runtime) -> Engines. Backends other than torch register themselves.
 BACKENDS: dict[str, Callable] = {}
 
 
@@ -25,16 +35,46 @@ class StageEngine(ABC):
     stage: str = ""
     backend: str = ""
 
+
+class VisionEngine(StageEngine):
+    stage = "vision"
+
     @abstractmethod
-    def run(self, **inputs: torch.Tensor) -> torch.Tensor:
-        """Run the stage on named inputs; return its single output tensor."""
+    def run(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+
+class DecoderEngine(StageEngine):
+    stage = "decoder"
+
+    @abstractmethod
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor: ...
+
+
+class HeadEngine(StageEngine):
+    stage = "head"
+
+    @abstractmethod
+    def run(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class DraftEngine(StageEngine):
+    stage = "draft"
+
+    @abstractmethod
+    def step(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             slots: torch.Tensor, mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
 class Engines:
-    vision: StageEngine
-    decoder: StageEngine
-    head: StageEngine
+    vision: VisionEngine
+    decoder: DecoderEngine
+    head: HeadEngine
+    draft: DraftEngine | None = None
 
     @property
     def backend(self) -> str:

@@ -7,10 +7,13 @@ Binding (see export.py for the graphs' tensors):
   vision   pixels -> the arena's pixels, visual -> the arena's visual tokens (zero copy)
   decoder  k_cache, v_cache -> the arena's KV cache (read in place); embeds, positions and the two
            masks are copied into engine buffers; the new K/V rows come out into engine buffers
-           and are stored at their slots after the run. A call that sees no earlier cache row
-           (the prompt) runs the prefill graph instead, which has no cache input.
+           and are stored at their slots after the run. `prefill` runs the prefill graph, which
+           has no cache input; `step` runs the step graph over the whole static cache.
+  draft    the same as a step, over the arena's one-layer draft cache (when the bundle has
+           eagle_draft graphs)
   head     logits -> the arena's logits rows where the bucket fits, else an engine buffer
 Engine buffers are allocated once, for the largest bucket, each bucket using a prefix view.
+Padding rows see only themselves (an identity block in mask_new), so their softmax stays finite.
 
 Outputs are views of bound buffers: valid until the same engine runs again.
 """
@@ -21,9 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..errors import LiteVLMError
-from ..export import decoder_masks
-from .base import Engines, StageEngine
+from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 from .buckets import pick
 
 
@@ -41,11 +42,9 @@ def flat_views(shapes: dict[int, tuple], dtype, device) -> dict[int, torch.Tenso
     return {b: flat[:torch.Size(s).numel()].view(s) for b, s in shapes.items()}
 
 
-class BoundVision(StageEngine):
-    stage = "vision"
-
-    def __init__(self, pipe, sizes, bind: Bind, backend: str):
-        a = pipe.arena
+class BoundVision(VisionEngine):
+    def __init__(self, rt, sizes, bind: Bind, backend: str):
+        a = rt.arena
         self.arena, self.backend, self.sizes = a, backend, tuple(sorted(sizes))
         self.runners = {n: bind("vision", n, {"pixels": a.pixels[:n]}, {"visual": a.visual[:n]}) for n in self.sizes}
 
@@ -58,79 +57,107 @@ class BoundVision(StageEngine):
         return self.arena.visual[:n]
 
 
-class BoundDecoder(StageEngine):
-    stage = "decoder"
+class BoundRows:
+    """The per-call inputs and new-row outputs of a decoder-like graph, per bucket: embeds (and
+    features), positions, the two masks, hidden, k_new, v_new."""
 
-    def __init__(self, pipe, sizes, bind: Bind, backend: str, prefill_sizes=()):
-        a, cfg = pipe.arena, pipe.cfg.llm
-        self.arena, self.backend, self.sizes = a, backend, tuple(sorted(sizes))
-        self.prefill_sizes = tuple(sorted(prefill_sizes))
-        dev, dt = pipe.device, pipe.dtype
-        layers, kv, hd, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        s = a.max_len
-        every = sorted(set(self.sizes) | set(self.prefill_sizes))
+    def __init__(self, rt, every: list[int], layers: int, cache_len: int, with_features: bool = False):
+        cfg, dev, dt = rt.cfg.llm, rt.device, rt.dtype
+        kv, hd, d = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.embeds = flat_views({t: (t, d) for t in every}, dt, dev)
+        self.features = flat_views({t: (t, d) for t in every}, dt, dev) if with_features else None
         self.positions = flat_views({t: (t,) for t in every}, torch.long, dev)
-        self.mask_cache = flat_views({t: (t, s) for t in self.sizes}, torch.bool, dev)
+        self.mask_cache = flat_views({t: (t, cache_len) for t in every}, torch.bool, dev)
         self.mask_new = flat_views({t: (t, t) for t in every}, torch.bool, dev)
+        self.eye = {t: torch.eye(t, dtype=torch.bool, device=dev) for t in every}
         self.hidden = flat_views({t: (t, d) for t in every}, dt, dev)
         self.k_new = flat_views({t: (layers, kv, t, hd) for t in every}, dt, dev)
         self.v_new = flat_views({t: (layers, kv, t, hd) for t in every}, dt, dev)
-        self.prefill_runners = {}
-        for t in self.prefill_sizes:
-            self.mask_new[t].copy_(torch.eye(t, dtype=torch.bool, device=dev))
-            inputs = {"embeds": self.embeds[t], "positions": self.positions[t], "mask_new": self.mask_new[t]}
-            outputs = {"hidden": self.hidden[t], "k_new": self.k_new[t], "v_new": self.v_new[t]}
-            self.prefill_runners[t] = bind("prefill", t, inputs, outputs)
-        self.runners = {}
-        for t in self.sizes:
-            # Valid masks before any capture/warm-up run: each row sees itself only.
-            decoder_masks(torch.zeros(0, 1, dtype=torch.bool, device=dev), torch.zeros(0, dtype=torch.long, device=dev),
-                          s, self.mask_cache[t], self.mask_new[t])
-            inputs = {"embeds": self.embeds[t], "positions": self.positions[t], "mask_cache": self.mask_cache[t],
-                      "mask_new": self.mask_new[t], "k_cache": a.k_cache, "v_cache": a.v_cache}
-            outputs = {"hidden": self.hidden[t], "k_new": self.k_new[t], "v_new": self.v_new[t]}
-            self.runners[t] = bind("decoder", t, inputs, outputs)
+        for t in every:
+            self.mask_new[t].copy_(self.eye[t])      # valid masks before any capture/warm-up run
 
-    def run(self, embeds, positions, slots, mask, k_cache, v_cache):
-        if k_cache.data_ptr() != self.arena.k_cache.data_ptr() or v_cache.data_ptr() != self.arena.v_cache.data_ptr():
-            raise LiteVLMError(f"backend {self.backend}: the decoder is bound to the arena's KV cache; got another cache")
+    def load(self, b: int, embeds, positions, mask_new, mask_cache=None, features=None) -> None:
         t = embeds.shape[0]
-        # No earlier cache row visible (every allowed column is one of this call's own slots):
-        # the prompt, run by the prefill graph, which has no cache input.
-        prompt = bool(self.prefill_sizes) and t <= self.prefill_sizes[-1] and bool((slots < mask.shape[1]).all())
-        prompt = prompt and int(mask.sum()) == int(mask.index_select(1, slots).sum())
-        b = pick(self.prefill_sizes, t, "prefill") if prompt else pick(self.sizes, t, "decoder")
         self.embeds[b][:t].copy_(embeds)
+        if features is not None:
+            self.features[b][:t].copy_(features)
         self.positions[b][:t].copy_(positions)
         self.positions[b][t:].zero_()
-        if prompt:
-            new = self.mask_new[b]
-            new.zero_()
-            new[:t, :t] = mask.index_select(1, slots)
-            pad = torch.arange(t, b, device=new.device)
-            new[pad, pad] = True
-            self.prefill_runners[b].run()
-        else:
-            decoder_masks(mask, slots, self.arena.max_len, self.mask_cache[b], self.mask_new[b])
-            self.runners[b].run()
-        # Store this call's K/V rows at their slots (the graph reads the cache, never writes it).
+        new = self.mask_new[b]
+        new.copy_(self.eye[b])
+        new[:t, :t] = mask_new
+        if mask_cache is not None:
+            old = self.mask_cache[b]
+            old.zero_()
+            old[:t, :mask_cache.shape[1]] = mask_cache
+
+    def store(self, b: int, t: int, slots, k_cache, v_cache) -> None:
+        """This call's K/V rows into the cache at their slots (the graph reads the cache, never writes it)."""
         k_cache.index_copy_(2, slots, self.k_new[b][:, :, :t])
         v_cache.index_copy_(2, slots, self.v_new[b][:, :, :t])
-        return self.hidden[b][:t]
 
 
-class BoundHead(StageEngine):
-    stage = "head"
+class BoundDecoder(DecoderEngine):
+    def __init__(self, rt, step_sizes, bind: Bind, backend: str, prefill_sizes):
+        a = rt.arena
+        self.arena, self.backend = a, backend
+        self.sizes, self.prefill_sizes = tuple(sorted(step_sizes)), tuple(sorted(prefill_sizes))
+        every = sorted(set(self.sizes) | set(self.prefill_sizes))
+        self.rows = r = BoundRows(rt, every, rt.cfg.llm.num_hidden_layers, a.max_len)
+        self.prefill_runners = {
+            t: bind("prefill", t, {"embeds": r.embeds[t], "positions": r.positions[t], "mask_new": r.mask_new[t]},
+                    {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.prefill_sizes}
+        self.step_runners = {
+            t: bind("decoder", t, {"embeds": r.embeds[t], "positions": r.positions[t], "mask_cache": r.mask_cache[t],
+                                   "mask_new": r.mask_new[t], "k_cache": a.k_cache, "v_cache": a.v_cache},
+                    {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.sizes}
 
-    def __init__(self, pipe, sizes, bind: Bind, backend: str):
-        a = pipe.arena
+    def prefill(self, embeds, positions, mask):
+        t = embeds.shape[0]
+        b = pick(self.prefill_sizes, t, "prefill")
+        self.rows.load(b, embeds, positions, mask)
+        self.prefill_runners[b].run()
+        self.rows.store(b, t, self.arena.slots[:t], self.arena.k_cache, self.arena.v_cache)
+        return self.rows.hidden[b][:t]
+
+    def step(self, embeds, positions, slots, mask_cache, mask_new):
+        t = embeds.shape[0]
+        b = pick(self.sizes, t, "decoder")
+        self.rows.load(b, embeds, positions, mask_new, mask_cache)
+        self.step_runners[b].run()
+        self.rows.store(b, t, slots, self.arena.k_cache, self.arena.v_cache)
+        return self.rows.hidden[b][:t]
+
+
+class BoundDraft(DraftEngine):
+    def __init__(self, rt, sizes, bind: Bind, backend: str):
+        a = rt.arena
+        self.arena, self.backend, self.sizes = a, backend, tuple(sorted(sizes))
+        self.rows = r = BoundRows(rt, list(self.sizes), 1, a.max_len, with_features=True)
+        self.runners = {
+            t: bind("eagle_draft", t, {"token_embeds": r.embeds[t], "features": r.features[t],
+                                       "positions": r.positions[t], "mask_cache": r.mask_cache[t],
+                                       "mask_new": r.mask_new[t], "k_cache": a.draft_k, "v_cache": a.draft_v},
+                    {"features_out": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.sizes}
+
+    def step(self, token_embeds, features, positions, slots, mask_cache, mask_new):
+        t = token_embeds.shape[0]
+        b = pick(self.sizes, t, "eagle_draft")
+        self.rows.load(b, token_embeds, positions, mask_new, mask_cache, features)
+        self.runners[b].run()
+        self.rows.store(b, t, slots, self.arena.draft_k, self.arena.draft_v)
+        return self.rows.hidden[b][:t]
+
+
+class BoundHead(HeadEngine):
+    def __init__(self, rt, sizes, bind: Bind, backend: str):
+        a = rt.arena
         self.backend, self.sizes = backend, tuple(sorted(sizes))
-        d, v = pipe.cfg.llm.hidden_size, pipe.cfg.llm.vocab_size
-        self.hidden = flat_views({t: (t, d) for t in self.sizes}, pipe.dtype, pipe.device)
+        d, v = rt.cfg.llm.hidden_size, rt.cfg.llm.vocab_size
+        self.hidden = flat_views({t: (t, d) for t in self.sizes}, rt.dtype, rt.device)
         # Logits go straight into the arena's logits rows where the bucket fits there.
         big = [t for t in self.sizes if t > a.logits.shape[0]]
-        spare = flat_views({t: (t, v) for t in big}, pipe.dtype, pipe.device) if big else {}
+        spare = flat_views({t: (t, v) for t in big}, rt.dtype, rt.device) if big else {}
         self.logits = {t: spare[t] if t in spare else a.logits[:t] for t in self.sizes}
         self.runners = {t: bind("head", t, {"hidden": self.hidden[t]}, {"logits": self.logits[t]}) for t in self.sizes}
 
@@ -142,8 +169,16 @@ class BoundHead(StageEngine):
         return self.logits[b][:t]
 
 
-def bound_engines(pipe, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
-    """sizes: graph stage (vision, prefill, decoder, head) -> its buckets."""
-    return Engines(vision=BoundVision(pipe, sizes["vision"], bind, backend),
-                   decoder=BoundDecoder(pipe, sizes["decoder"], bind, backend, sizes.get("prefill", ())),
-                   head=BoundHead(pipe, sizes["head"], bind, backend))
+def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
+    """sizes: graph stage (vision, prefill, decoder, head, and eagle_draft when bound) -> its buckets.
+    Without eagle_draft graphs the draft head runs in eager PyTorch beside the bound stages."""
+    from .torch_engine import TorchDraft
+
+    draft = None
+    if rt.draft is not None:
+        draft = (BoundDraft(rt, sizes["eagle_draft"], bind, backend) if sizes.get("eagle_draft")
+                 else TorchDraft(rt.draft, rt.arena.draft_k, rt.arena.draft_v))
+    return Engines(vision=BoundVision(rt, sizes["vision"], bind, backend),
+                   decoder=BoundDecoder(rt, sizes["decoder"], bind, backend, sizes.get("prefill", ())),
+                   head=BoundHead(rt, sizes["head"], bind, backend),
+                   draft=draft)

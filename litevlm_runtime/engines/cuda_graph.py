@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import LiteVLMError
-from ..export import DecoderStage, HeadStage, PrefillStage, VisionStage
+from ..export import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from .bound_stages import bound_engines
-from .buckets import default_buckets
+from .buckets import check_fits, default_buckets, parse_buckets
 
 WARMUP_RUNS = 2   # cuBLAS/cuDNN handles and autotuning happen outside the capture
 
@@ -57,21 +57,27 @@ class CapturedStage(StaticStage):
         self.graph.replay()
 
 
-def require_cuda(pipe) -> None:
+def require_cuda(rt) -> None:
     if not torch.cuda.is_available():
         raise LiteVLMError("backend torch-cudagraph needs CUDA: torch.cuda.is_available() is False "
                            "(this torch build or machine has no GPU); use backend torch on the CPU")
-    if pipe.device.type != "cuda":
-        raise LiteVLMError(f"backend torch-cudagraph captures CUDA work; the pipeline is on {pipe.device} "
-                           f"(PipelineOptions(device='cuda'))")
+    if rt.device.type != "cuda":
+        raise LiteVLMError(f"backend torch-cudagraph captures CUDA work; the pipeline is on {rt.device} "
+                           f"(set device cuda)")
 
 
-def cuda_graph_engines(pipe, capture: bool = True, buckets=None):
+def cuda_graph_engines(rt, capture: bool = True, buckets=None):
+    """Every stage (the EAGLE-2 draft head too, when the runtime has one) captured per bucket;
+    capture=False runs the same bound modules eagerly (the CPU form of this backend)."""
     if capture:
-        require_cuda(pipe)
-    buckets = buckets or pipe.options.extra.get("buckets") or default_buckets(pipe.arena)
-    modules = {"vision": VisionStage(pipe.model, pipe.pos_embed).eval(), "decoder": DecoderStage(pipe.lm).eval(),
-               "prefill": PrefillStage(pipe.lm).eval(), "head": HeadStage(pipe.lm).eval()}
+        require_cuda(rt)
+    defaults = default_buckets(rt.arena)
+    buckets = buckets or parse_buckets(rt.options.backend.buckets, defaults)
+    check_fits(buckets, rt.arena)
+    modules = {"vision": VisionStage(rt.model, rt.pos_embed).eval(), "decoder": DecoderStage(rt.lm).eval(),
+               "prefill": PrefillStage(rt.lm).eval(), "head": HeadStage(rt.lm).eval()}
+    if rt.draft is not None:
+        modules["eagle_draft"] = DraftStage(rt.draft).eval()
     pool = torch.cuda.graph_pool_handle() if capture else None
 
     def bind(stage, bucket, inputs, outputs):
@@ -81,4 +87,6 @@ def cuda_graph_engines(pipe, capture: bool = True, buckets=None):
             return StaticStage(modules[stage], inputs, outputs)
 
     sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "prefill", "decoder", "head")}
-    return bound_engines(pipe, sizes, bind, "torch-cudagraph" if capture else "torch-static")
+    if rt.draft is not None:
+        sizes["eagle_draft"] = buckets.decoder()        # the draft's pending rows reach prompt sizes
+    return bound_engines(rt, sizes, bind, "torch-cudagraph" if capture else "torch-static")

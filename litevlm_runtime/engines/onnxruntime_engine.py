@@ -84,12 +84,12 @@ class BoundGraph:
 
 
 class Bundle:
-    """An export (or calibration) bundle checked against the pipeline it is loaded into."""
+    """An export (or calibration) bundle checked against the runtime it is loaded into."""
 
-    def __init__(self, pipe, bundle: Path):
+    def __init__(self, rt, bundle: Path):
         self.dir = Path(bundle)
         self.manifest = read_manifest(self.dir)
-        check_bundle_matches(self.manifest, pipe, self.dir)
+        check_bundle_matches(self.manifest, rt, self.dir)
         verify_files(self.manifest, self.dir)
 
     def graphs(self, stage: str) -> dict[int, dict]:
@@ -99,25 +99,27 @@ class Bundle:
         return g
 
     def sizes(self) -> dict[str, tuple[int, ...]]:
-        return {stage: tuple(sorted(self.graphs(stage))) for stage in ("vision", "prefill", "decoder", "head")}
+        sizes = {stage: tuple(sorted(self.graphs(stage))) for stage in ("vision", "prefill", "decoder", "head")}
+        sizes["eagle_draft"] = tuple(sorted(graphs_of(self.manifest, "eagle_draft")))
+        return sizes
 
 
-def bundle_path(pipe) -> Path:
-    bundle = pipe.options.extra.get("bundle")
+def bundle_path(rt) -> Path:
+    bundle = rt.options.backend.bundle
     if not bundle:
-        raise LiteVLMError(f"backend {pipe.options.backend}: no bundle given (PipelineOptions(extra={{'bundle': DIR}}) "
-                           f"or --bundle DIR); make one with `litevlm export --model MODEL --out DIR`")
+        raise LiteVLMError(f"backend.name {rt.options.backend.name.value}: no backend.bundle given (an export "
+                           f"folder: `litevlm export --model MODEL --out DIR`)")
     return Path(bundle)
 
 
-def onnxruntime_engines(pipe) -> Engines:
+def onnxruntime_engines(rt) -> Engines:
     import_onnxruntime()
-    if pipe.dtype not in (torch.float32, torch.float16):
-        raise LiteVLMError(f"backend onnxruntime: dtype {pipe.options.dtype} is not supported (float32 or float16)")
-    bundle = Bundle(pipe, bundle_path(pipe))
-    threads = pipe.options.extra.get("ort_threads")
+    if rt.dtype not in (torch.float32, torch.float16):
+        raise LiteVLMError(f"backend onnxruntime: dtype {rt.options.dtype} is not supported (float32 or float16)")
+    bundle = Bundle(rt, bundle_path(rt))
+    threads = rt.options.threads()
 
     def bind(stage, bucket, inputs, outputs):
-        return BoundGraph(bundle.dir / bundle.graphs(stage)[bucket]["file"], inputs, outputs, pipe.device, threads)
+        return BoundGraph(bundle.dir / bundle.graphs(stage)[bucket]["file"], inputs, outputs, rt.device, threads)
 
-    return bound_engines(pipe, bundle.sizes(), bind, "onnxruntime")
+    return bound_engines(rt, bundle.sizes(), bind, "onnxruntime")

@@ -85,7 +85,7 @@ def build_engines(bundle: Path, precision: str, progress=print) -> dict:
     gpu = gpu_identity()
     logger = trt.Logger(trt.Logger.WARNING)
     files = {}
-    graphs = [g for g in manifest["graphs"] if g["stage"] in ("vision", "prefill", "decoder", "head")]
+    graphs = [g for g in manifest["graphs"] if g["stage"] in ("vision", "prefill", "decoder", "head", "eagle_draft")]
     for i, g in enumerate(graphs):
         t0 = time.perf_counter()
         name = engine_file(g["file"], precision)
@@ -162,14 +162,14 @@ class CapturedEngine:
         self.graph.replay()
 
 
-def tensorrt_engines(pipe):
+def tensorrt_engines(rt):
     from .onnxruntime_engine import Bundle, bundle_path
 
     trt = import_tensorrt()
-    if pipe.device.type != "cuda":
-        raise LiteVLMError(f"backend tensorrt runs on a CUDA device, the pipeline is on {pipe.device}")
-    precision = pipe.options.extra.get("precision", "fp16")
-    bundle = Bundle(pipe, bundle_path(pipe))
+    if rt.device.type != "cuda":
+        raise LiteVLMError(f"backend tensorrt runs on a CUDA device, the pipeline is on {rt.device}")
+    precision = rt.options.backend.precision
+    bundle = Bundle(rt, bundle_path(rt))
     record = check_engines(bundle.manifest, bundle.dir, precision, trt.__version__, gpu_identity())
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     pool = torch.cuda.graph_pool_handle()
@@ -178,4 +178,7 @@ def tensorrt_engines(pipe):
         graph = bundle.graphs(stage)[bucket]["file"]
         return CapturedEngine(trt, runtime, bundle.dir / record["files"][graph]["engine"], inputs, outputs, pool)
 
-    return bound_engines(pipe, bundle.sizes(), bind, "tensorrt")
+    sizes = bundle.sizes()
+    sizes["eagle_draft"] = tuple(t for t in sizes["eagle_draft"] if any(
+        g == bundle.graphs("eagle_draft")[t]["file"] for g in record["files"]))   # only draft graphs with engines
+    return bound_engines(rt, sizes, bind, "tensorrt")

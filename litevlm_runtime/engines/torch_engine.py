@@ -1,13 +1,17 @@
-"""PyTorch engines: the model's own modules, eager (on a GPU, see cuda_graph.py for capture)."""
+"""PyTorch engines: the model's own modules, eager (on a GPU, see cuda_graph.py for capture).
+
+The decoder runs the one layer forward (models/decoder.py) over the live columns of the arena's
+cache and stores the new K/V rows at their slots itself (the graph backends do the same store
+after their graph has run: bound_stages.py).
+"""
 
 from __future__ import annotations
 
+from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 
-from .base import Engines, StageEngine
 
-
-class TorchVision(StageEngine):
-    stage, backend = "vision", "torch"
+class TorchVision(VisionEngine):
+    backend = "torch"
 
     def __init__(self, model, pos_embed):
         self.model, self.pos_embed = model, pos_embed
@@ -16,18 +20,29 @@ class TorchVision(StageEngine):
         return self.model.encode_images(pixels, self.pos_embed)
 
 
-class TorchDecoder(StageEngine):
-    stage, backend = "decoder", "torch"
+class TorchDecoder(DecoderEngine):
+    backend = "torch"
 
-    def __init__(self, lm):
-        self.lm = lm
+    def __init__(self, lm, k_cache, v_cache):
+        self.lm, self.k_cache, self.v_cache = lm, k_cache, v_cache
 
-    def run(self, embeds, positions, slots, mask, k_cache, v_cache):
-        return self.lm(embeds, positions, slots, mask, k_cache, v_cache)
+    def prefill(self, embeds, positions, mask):
+        hidden, k, v = self.lm(embeds, positions, mask)
+        self.k_cache[:, :, :k.shape[2]] = k
+        self.v_cache[:, :, :v.shape[2]] = v
+        return hidden
+
+    def step(self, embeds, positions, slots, mask_cache, mask_new):
+        live = mask_cache.shape[1]
+        hidden, k, v = self.lm(embeds, positions, mask_new, self.k_cache[:, :, :live], self.v_cache[:, :, :live],
+                               mask_cache)
+        self.k_cache.index_copy_(2, slots, k)
+        self.v_cache.index_copy_(2, slots, v)
+        return hidden
 
 
-class TorchHead(StageEngine):
-    stage, backend = "head", "torch"
+class TorchHead(HeadEngine):
+    backend = "torch"
 
     def __init__(self, lm):
         self.lm = lm
@@ -36,9 +51,26 @@ class TorchHead(StageEngine):
         return self.lm.head(hidden)
 
 
-def torch_engines(pipeline) -> Engines:
+class TorchDraft(DraftEngine):
+    backend = "torch"
+
+    def __init__(self, draft, k_cache, v_cache):
+        self.draft, self.k_cache, self.v_cache = draft, k_cache, v_cache
+
+    def step(self, token_embeds, features, positions, slots, mask_cache, mask_new):
+        live = mask_cache.shape[1]
+        out, k, v = self.draft(token_embeds, features, positions, mask_new, self.k_cache[:, :, :live],
+                               self.v_cache[:, :, :live], mask_cache)
+        self.k_cache.index_copy_(2, slots, k)
+        self.v_cache.index_copy_(2, slots, v)
+        return out
+
+
+def torch_engines(rt) -> Engines:
+    a = rt.arena
     return Engines(
-        vision=TorchVision(pipeline.model, pipeline.pos_embed),
-        decoder=TorchDecoder(pipeline.lm),
-        head=TorchHead(pipeline.lm),
+        vision=TorchVision(rt.model, rt.pos_embed),
+        decoder=TorchDecoder(rt.lm, a.k_cache, a.v_cache),
+        head=TorchHead(rt.lm),
+        draft=TorchDraft(rt.draft, a.draft_k, a.draft_v) if rt.draft is not None else None,
     )

@@ -3,8 +3,6 @@ the Pipeline, one frame's questions after another (so a visual feature cache can
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 import json
 from pathlib import Path
 
@@ -16,55 +14,8 @@ from ..errors import InputError
 from .data import Frame, frame_images, load_frames, resolve_image
 from .metrics import Question
 
-# --pipeline presets: PipelineOptions field overrides. "baseline" is the plain pipeline (all
-# cameras, all visual tokens, greedy decoding); the others switch on LiteVLM's stages.
-PIPELINE_PRESETS: dict[str, dict] = {
-    "baseline": {},
-    "eagle": {"decoding": "eagle"},                   # EAGLE-2 draft tree (needs <model>/eagle)
-    "tokens": {"token_keep_ratio": 0.8},              # token selector, the paper's FP16 r
-    "fastv": {"fastv_ratio": 0.7},                    # the paper's "FastV r=0.3" baseline
-    "litevlm": {"view_selection": "selector", "token_keep_ratio": 0.8, "decoding": "eagle"},  # all three modules
-}
 BLANK_GREY = 128
 DEFAULT_SIZE = (1600, 900)
-
-
-def parse_option(text: str) -> tuple[str, object]:
-    """--option NAME=VALUE -> (name, value of the PipelineOptions field's type)."""
-    from ..pipeline import PipelineOptions
-    name, sep, raw = text.partition("=")
-    fields = {f.name: f for f in dataclasses.fields(PipelineOptions)}
-    if not sep or name not in fields or name in ("extra", "cameras"):
-        raise InputError(f"--option {text!r}: expected NAME=VALUE with NAME one of "
-                         f"{', '.join(n for n in fields if n not in ('extra', 'cameras'))}")
-    # The field's declared type, not its default's: `threads: int | None = None` must parse as int.
-    hint = typing.get_type_hints(PipelineOptions)[name]
-    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
-    kind = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float) else str
-    if raw.lower() in ("none", "null"):
-        return name, None
-    try:
-        if kind is bool:
-            return name, raw.lower() in ("1", "true", "yes", "on")
-        if kind in (int, float):
-            return name, kind(raw)
-    except ValueError:
-        raise InputError(f"--option {text!r}: {raw!r} is not a {kind.__name__}") from None
-    return name, raw
-
-
-def pipeline_options(preset: str, options: list[str] | None = None, **overrides):
-    """A preset's PipelineOptions, then `--option NAME=VALUE` overrides, then keyword overrides."""
-    from ..pipeline import PipelineOptions
-    if preset not in PIPELINE_PRESETS:
-        raise InputError(f"unknown --pipeline {preset!r}; choose from {', '.join(PIPELINE_PRESETS)}")
-    values = PIPELINE_PRESETS[preset] | dict(parse_option(o) for o in options or [])
-    values |= {k: v for k, v in overrides.items() if v is not None}
-    known = {f.name for f in dataclasses.fields(PipelineOptions)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise InputError(f"--pipeline {preset}: this build's PipelineOptions has no {', '.join(unknown)}")
-    return PipelineOptions(**values)
 
 
 def blank_frame(root: Path, frame: Frame) -> dict[str, np.ndarray]:
@@ -96,9 +47,8 @@ def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Que
     return out
 
 
-def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, preset: str = "baseline",
-              blank_images: bool = False, limit: int | None = None, max_new_tokens: int | None = None,
-              progress: bool = True, options: list[str] | None = None) -> list[dict]:
+def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, options=None,
+              blank_images: bool = False, limit: int | None = None, progress: bool = True) -> list[dict]:
     """Answer every question; one record per question (the challenge's output.json fields
     id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
     (InputError) is recorded with its error and an empty answer, never dropped."""
@@ -109,7 +59,7 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
     work = select(load_frames(data), limit)
     if not work:
         raise InputError(f"{data}: no questions to evaluate")
-    pipe = Pipeline.from_pretrained(model_dir, pipeline_options(preset, options, max_new_tokens=max_new_tokens))
+    pipe = Pipeline.from_pretrained(model_dir, options)
     records = []
     bar = tqdm(total=sum(len(qs) for _, qs in work), desc="eval", unit="q", disable=not progress)
     try:
@@ -126,7 +76,7 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
                     record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
                                "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
                                "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,
-                               "accepted_length": ans.accepted_length}
+                               "accepted_length": ans.accepted_length, "pipeline": ans.pipeline}
                 except InputError as exc:
                     record |= {"answer": "", "error": str(exc)}
                 records.append(record)

@@ -1,15 +1,23 @@
-"""The decoder machinery InternLM2 and Qwen2 share: RMSNorm, RoPE, attention over a static KV
-cache, SwiGLU, and the layer/stack forward. The two families differ only in how q/k/v are
-projected and what the parameters are called (see internlm2.py, qwen2.py).
+"""The decoder machinery InternLM2 and Qwen2 share: RMSNorm, RoPE, attention, SwiGLU, and the one
+layer forward every backend runs. The two families differ only in how q/k/v are projected and what
+the parameters are called (see internlm2.py, qwen2.py).
+
+The layer forward is the export form (what ONNX Runtime, TensorRT and CUDA graphs run): the KV
+cache is an input that is only read, and the layer returns the K/V rows of this call's tokens; the
+caller stores them at their cache slots (engines/). Attention covers the old cache under
+`mask_cache` [T, L] and this call's own rows under `mask_new` [T, T] in one softmax. Slots, RoPE
+positions and masks are independent on purpose: token selection keeps original position ids in
+compacted slots, EAGLE-2 verifies a tree in scratch slots under an ancestor mask, and training
+packs several prefix trees into one sequence under a block mask (no cache at all).
 
 The KV cache is two plain tensors, k and v, each [layers, kv_heads, max_len, head_dim], owned by
-the caller (the memory arena). A forward pass writes its keys/values at explicit `slots` and
-attends under an explicit boolean `mask` [T, kv_len] (True = may attend). Slots, RoPE positions
-and mask are independent on purpose: token selection keeps original position ids in compacted
-slots, and EAGLE-2 tree verification writes a tree into scratch slots under an ancestor mask.
+the memory arena; a call may pass a prefix view [:, :, :L] (eager torch reads only the live
+columns) or the whole static cache (graphs, with the dead columns masked).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +41,11 @@ class RMSNorm(nn.Module):
 class RotaryTable(nn.Module):
     """cos/sin tables for every position up to max_len, computed once (rotate-half convention).
 
-    Computed in float32 exactly as the upstream models do, so positions far into the sequence
-    round the same way the checkpoint was trained with.
+    Computed in float32 exactly as the upstream models do, and kept in float32 whatever dtype the
+    model is moved to (`.to(dtype)` moves the tables to the device only), so positions far into
+    the sequence round the same way the checkpoint was trained with. One table serves the
+    decoder, the token selector and the EAGLE-2 head of a pipeline: it is built once, at the
+    arena's max_len, and shared.
     """
 
     def __init__(self, head_dim: int, theta: float, max_len: int):
@@ -44,6 +55,15 @@ class RotaryTable(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        device = fn(torch.empty(0)).device          # where the module goes; the tables stay float32
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
+    @property
+    def max_len(self) -> int:
+        return self.cos.shape[0]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
@@ -56,26 +76,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attend_with_cache(q, k, v, slots, mask, k_cache, v_cache):
-    """Write k/v [T, Hkv, D] at `slots` of this layer's cache [Hkv, S, D]; attend q [T, Hq, D].
+def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q [T, Hq, D] -> [Hkv, group*T, D], scaled by 1/sqrt(D): the query heads that share a KV head
+    side by side, so grouped-query attention is plain matmuls (no K/V head is repeated; SDPA's
+    enable_gqa does the same internally but does not export)."""
+    t, hq, d = q.shape
+    return (q * (1.0 / math.sqrt(d))).view(t, num_kv_heads, hq // num_kv_heads, d).permute(1, 2, 0, 3) \
+        .reshape(num_kv_heads, -1, d)
 
-    Returns [T, Hq*D]. The cache is updated in place (index_copy_), so the same tensors serve
-    every step; kv_len is the mask's width.
-    """
-    kv_len = mask.shape[-1]
-    # Stored in the cache's dtype: under autocast (bf16 training on a GPU) the projections come out
-    # in bf16 and RoPE's float tables promote k back, while the cache keeps one dtype (no-op otherwise).
-    k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),                 # [1, Hq, T, D]
-        k_cache[None, :, :kv_len],
-        v_cache[None, :, :kv_len],
-        attn_mask=mask,
-        enable_gqa=True,
-    )
-    t = q.shape[0]
-    return out[0].transpose(0, 1).reshape(t, -1)
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities [Hq, Tq, Tk] of q [Tq, Hq, D] over k [Tk, Hkv, D] (post-RoPE) under
+    `allowed` [Tq, Tk], in float32: the scores the token selector, FastV and the token selector's
+    teacher rank visual tokens by (fp16 products over thousands of keys lose the ranking's low
+    bits). The same numbers the layer's attention computes."""
+    hkv = k.shape[1]
+    t, hq, _ = q.shape
+    scores = grouped(q.float(), hkv) @ k.float().permute(1, 2, 0)                 # [Hkv, group*Tq, Tk]
+    scores = scores.view(hq, t, -1).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> torch.Tensor:
+    """q [T, Hq, D] over this call's rows k, v [T, Hkv, D] (mask_new [T, T]) and, when given, this
+    layer's old cache [Hkv, L, D] (mask_cache [T, L]): one softmax over both. Returns [T, Hq*D].
+    A row must be allowed at least one column (its own, in every caller)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    qg = grouped(q, hkv)                                                        # [Hkv, group*T, D]
+    k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)                         # [Hkv, T, D]
+    scores = qg @ k_new.transpose(1, 2)
+    allowed = mask_new
+    if k_cache is not None:
+        scores = torch.cat([qg @ k_cache.transpose(1, 2), scores], dim=-1)
+        allowed = torch.cat([mask_cache, mask_new], dim=-1)                     # [T, L + T]
+    scores = scores.view(hkv, group, t, -1).masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    # Softmax in at least float32 (bf16/fp16 logits over thousands of keys), float64 stays float64.
+    probs = F.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+    probs = probs.view(hkv, group * t, -1)
+    if k_cache is None:
+        out = probs @ v_new
+    else:
+        s = k_cache.shape[1]
+        out = probs[..., :s] @ v_cache + probs[..., s:] @ v_new                 # [Hkv, group*T, D]
+    return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
 
 
 class DecoderLayer(nn.Module):
@@ -89,40 +134,56 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def forward(self, x, cos, sin, slots, mask, k_cache, v_cache, probe=None):
+    def query_key(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE q [T, Hq, D], k [T, Hkv, D] of the layer's attention (what selectors score)."""
+        q, k, _ = self.qkv(self.attn_norm(x))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def forward(self, x, cos, sin, mask_new, k_cache=None, v_cache=None, mask_cache=None, probe=None):
+        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D])."""
         q, k, v = self.qkv(self.attn_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if probe is not None:
-            probe(q, k)                                     # token selection / FastV read q, k here
-        x = x + self.out_proj(attend_with_cache(q, k, v, slots, mask, k_cache, v_cache))
+            probe(q, k)                                     # the token selector's teacher reads q, k here
+        x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache))
         h = self.ffn_norm(x)
         gate, up, down = self.mlp_gate_up_down()
-        return x + down(F.silu(gate(h)) * up(h))
+        return x + down(F.silu(gate(h)) * up(h)), k.transpose(0, 1), v.transpose(0, 1)
 
 
 class CausalLM(nn.Module):
-    """Shared stack forward. Subclasses build `embed`, `layers`, `norm`, `head` (upstream names)."""
+    """Shared stack forward. Subclasses build `embed`, `layers`, `norm`, `head` (upstream names);
+    `rope` is the pipeline's one RotaryTable (set by whoever sizes it: runtime.py, training)."""
 
     cfg: LLMConfig
+    rope: RotaryTable
 
     def init_rope(self, max_len: int) -> None:
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len)
+        """The decoder's RotaryTable for positions < max_len (the arena's max_len in a pipeline),
+        on the decoder's device; the token selector and the EAGLE-2 head share it."""
+        device = self.embed.weight.device
+        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(device)
 
-    def forward(self, embeds, positions, slots, mask, k_cache, v_cache, *, num_layers=None, probe=None,
-                first_layer=0, layer_masks=None):
-        """embeds [T, D] -> final-norm hidden states [T, D] (the EAGLE-2 feature).
-
-        `num_layers` runs only the first layers and returns their raw (un-normed) output: the token
-        selector is this with num_layers=1. `probe(layer_index, q, k)` sees post-RoPE q/k.
-        `first_layer` starts the stack there (`embeds` are then that layer's input hidden states),
-        and `layer_masks[i]`, where given and not None, replaces `mask` in layer i: FastV runs
-        layers >= K on the kept rows only, under masks that hide the dropped visual slots.
-        """
-        cos, sin = self.rope(positions, embeds.dtype)
-        x = embeds
-        end = len(self.layers) if num_layers is None else num_layers
-        for i in range(first_layer, end):
+    def run_layers(self, x, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,
+                   layers: range | None = None, probe=None):
+        """Layers `layers` (default all) over hidden states x [T, D]: (raw output [T, D], their new
+        k, v rows [len(layers), Hkv, T, D]). `mask_cache` may be a list (one per layer, None = the
+        shared one): FastV hides its dropped visual slots from layers >= K that way."""
+        cos, sin = self.rope(positions, x.dtype)
+        layers = layers if layers is not None else range(len(self.layers))
+        ks, vs = [], []
+        for i in layers:
+            layer_mask = mask_cache[i] if isinstance(mask_cache, list) else mask_cache
             layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
-            layer_mask = mask if layer_masks is None or layer_masks[i] is None else layer_masks[i]
-            x = self.layers[i](x, cos, sin, slots, layer_mask, k_cache[i], v_cache[i], layer_probe)
-        return x if num_layers is not None else self.norm(x)
+            x, k, v = self.layers[i](x, cos, sin, mask_new,
+                                     None if k_cache is None else k_cache[i],
+                                     None if v_cache is None else v_cache[i], layer_mask, layer_probe)
+            ks.append(k)
+            vs.append(v)
+        return x, torch.stack(ks), torch.stack(vs)
+
+    def forward(self, embeds, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None):
+        """embeds [T, D] -> (final-norm hidden states [T, D] (the EAGLE-2 feature), new k, v rows
+        [layers, Hkv, T, D]). No cache: a prompt (or a packed training sequence) on its own."""
+        x, k, v = self.run_layers(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
+        return self.norm(x), k, v

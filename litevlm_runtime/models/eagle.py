@@ -1,9 +1,10 @@
 """EAGLE-2 draft head: fc(concat(token_embedding, feature)) -> one decoder layer -> the target's LM head.
 
 The layer is the target family's own decoder layer with its first input norm skipped (the fc
-output is not normalized, as in EAGLE). Features are the target's last hidden states after the
-final norm; the pair (embedding of x_(t+1), feature f_t) predicts f_(t+1). The embedding table and
-LM head are the target's and are not stored with the draft.
+output is not normalized, as in EAGLE), run by the same layer forward as the decoder (export form:
+its one-layer cache in, the new K/V rows out). Features are the target's last hidden states after
+the final norm; the pair (embedding of x_(t+1), feature f_t) predicts f_(t+1). The embedding
+table, the LM head and the RoPE table are the target's and are not stored with the draft.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer}
 
 
 class DraftHead(nn.Module):
-    def __init__(self, cfg: LLMConfig, max_len: int = 4096):
+    def __init__(self, cfg: LLMConfig, rope: RotaryTable | None = None):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
@@ -36,16 +37,16 @@ class DraftHead(nn.Module):
             self.layer.attention_norm = nn.Identity()
         else:
             self.layer.input_layernorm = nn.Identity()
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_len)
+        self.rope = rope                   # the target decoder's table (shared, sized once)
 
-    def init_rope(self, max_len: int) -> None:
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(self.fc.weight.device)
-
-    def forward(self, token_embeds, features, positions, slots, mask, k_cache, v_cache):
-        """token_embeds, features [T, D] -> predicted next features [T, D]. k/v_cache [1, Hkv, S, hd]."""
+    def forward(self, token_embeds, features, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None):
+        """token_embeds, features [T, D] -> (predicted next features [T, D], new k, v rows
+        [1, Hkv, T, hd]); k/v_cache: the draft's own one-layer cache [1, Hkv, L, hd]."""
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         cos, sin = self.rope(positions, x.dtype)
-        return self.layer(x, cos, sin, slots, mask, k_cache[0], v_cache[0])
+        x, k, v = self.layer(x, cos, sin, mask_new, None if k_cache is None else k_cache[0],
+                             None if v_cache is None else v_cache[0], mask_cache)
+        return x, k[None], v[None]
 
 
 def save_draft_head(draft: DraftHead, folder: Path, record: dict) -> None:
@@ -56,13 +57,14 @@ def save_draft_head(draft: DraftHead, folder: Path, record: dict) -> None:
                                                     "llm_architecture": draft.cfg.architecture, **record}, indent=2) + "\n")
 
 
-def load_draft_head(folder: Path, cfg: LLMConfig, max_len: int, dtype: torch.dtype) -> DraftHead:
+def load_draft_head(folder: Path, cfg: LLMConfig, rope: RotaryTable, dtype: torch.dtype) -> DraftHead:
     folder = Path(folder)
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{weights}: EAGLE-2 draft head weights missing")
-    draft = DraftHead(cfg, max_len)
+    draft = DraftHead(cfg)
     state = load_file(str(weights))
     check_state_dict(weights, state, draft.state_dict())
     draft.load_state_dict(state)
+    draft.rope = rope
     return draft.to(dtype).eval()

@@ -67,12 +67,13 @@ class InternLM2Model(nn.Module):
 
 
 class InternLM2ForCausalLM(CausalLM):
-    def __init__(self, cfg: LLMConfig, max_len: int = 4096):
+    def __init__(self, cfg: LLMConfig, max_len: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.model = InternLM2Model(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.init_rope(max_len)
+        if max_len is not None:          # else whoever runs it sizes the table (init_rope)
+            self.init_rope(max_len)
 
     @property
     def embed(self):

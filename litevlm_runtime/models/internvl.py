@@ -16,7 +16,7 @@ DECODERS = {"internlm2": InternLM2ForCausalLM, "qwen2": Qwen2ForCausalLM}
 
 
 class InternVL(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int = 4096):
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.vision_model = InternViT(cfg.vision)

@@ -316,14 +316,19 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
     import yaml
 
     from .node import NODE_NAME, PARAMETERS, config_dir
+    from .parameters import flatten, pipeline_settings
 
-    params = dict(PARAMETERS)
+    params = dict(PARAMETERS) | {s.key: s.default for s in pipeline_settings()}
     path = Path(params_file) if params_file else config_dir() / "drive.yaml"
     doc = yaml.safe_load(path.read_text()) or {}
     section = doc.get(NODE_NAME) or doc.get("/**") or {}
-    params.update(section.get("ros__parameters", {}))
+    given = flatten(section.get("ros__parameters", {}))
+    unknown = sorted(set(given) - set(params))
+    if unknown:
+        raise InputError(f"{path}: unknown parameter(s) {', '.join(unknown)}")
+    params.update(given)
     for k, v in (overrides or {}).items():
-        if k not in PARAMETERS:
+        if k not in params:
             raise InputError(f"unknown parameter {k!r}")
         params[k] = yaml.safe_load(v) if isinstance(v, str) else v
     return params
@@ -333,8 +338,9 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
     from .frame_store import Frame
     from .images import CompressedPayload, RawPayload
-    from .node import pipeline_options
+    from ..bundled import DEFAULT_MODEL
     from ..pipeline import Pipeline
+    from .parameters import pipeline_options_from
 
     topics = dict(zip(params["camera_topics"], CAMERAS))
     records: list[AnswerRecord] = []
@@ -352,7 +358,8 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     server = QueryServer(settings, publish, clock_ns=lambda: clock[0])
     try:
         # Warm-up as the node does, so that latencies are comparable between eval and a replay.
-        server.load(lambda: Pipeline.from_pretrained(params["model_dir"], pipeline_options(params)),
+        model_dir = params.get("model_dir") or str(DEFAULT_MODEL)     # "": the bundled model, as the node does
+        server.load(lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params)),
                     warmup=params["warmup"])
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does

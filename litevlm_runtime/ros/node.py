@@ -35,6 +35,7 @@ from ..answer import STAGES
 from ..cameras import CAMERAS
 from .frame_store import Frame
 from .images import CompressedPayload, RawPayload
+from .parameters import declare_pipeline_parameters, pipeline_options_from, pipeline_settings
 from .server import AnswerRecord, QueryServer, ServerSettings
 
 NODE_NAME = "litevlm_drive"
@@ -42,26 +43,10 @@ NODE_NAME = "litevlm_drive"
 RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 
 DEFAULT_CAMERA_TOPICS = [f"/{c.lower()}/image_raw/compressed" for c in CAMERAS]
-# name -> default; the same names and meanings as config/drive.yaml.
+# The node's own parameters (name -> default); the pipeline's settings are declared from the typed
+# configuration (ros/parameters.py) under their dotted names, e.g. tokens.keep_ratio.
 PARAMETERS = {
-    "model_dir": "",
-    "backend": "torch",               # stage engines: torch (CPU or CUDA); more backends plug in here
-    "device": "cpu",
-    "precision": "float32",           # float32 | float16 | bfloat16
-    "tiles_per_camera": 1,
-    "max_new_tokens": 64,
-    "max_question_tokens": 256,
-    "threads": 0,                     # torch intra-op threads (0: torch's default)
-    "view_selection": "all",          # all | selector (text-only view selector before any image decode)
-    "view_select_threshold": 0.4,     # view selector: keep a camera whose fused score reaches this
-    "view_selector": "",              # view selector folder ("": the model folder's, if any)
-    "token_keep_ratio": 1.0,          # token selector: fraction of visual tokens kept (1.0: selector off)
-    "token_selector": "",             # token selector folder ("": the model folder's, if any)
-    "eagle_enabled": False,           # EAGLE-2 speculative decoding (lossless under greedy)
-    "eagle_dir": "",                  # draft head folder ("": <model_dir>/eagle)
-    "eagle_total_tokens": 60,
-    "eagle_depth": 6,
-    "eagle_top_k": 10,
+    "model_dir": "",                  # an InternVL2.5-layout folder ("": the bundled SynthDrive model)
     "warmup": True,
     "camera_topics": DEFAULT_CAMERA_TOPICS,
     "query_topic": "/litevlm/query",
@@ -77,9 +62,6 @@ PARAMETERS = {
     "max_question_chars": 2000,
     "match_wait_s": 0.2,
 }
-PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
 def config_dir() -> Path:
     """config/ of the installed ROS package if there is one, else of this source tree."""
     try:
@@ -107,49 +89,6 @@ def time_of(ns: int) -> Time:
     return Time(sec=int(ns // 1_000_000_000), nanosec=int(ns % 1_000_000_000))
 
 
-# Node parameter -> (PipelineOptions field, conversion). A field the pipeline in this checkout
-# does not have yet travels in PipelineOptions.extra under the parameter's name.
-OPTION_MAP = {
-    "backend": ("backend", str),
-    "device": ("device", str),
-    "precision": ("dtype", lambda v: PRECISIONS.get(v, v)),
-    "tiles_per_camera": ("tiles_per_camera", int),
-    "max_new_tokens": ("max_new_tokens", int),
-    "max_question_tokens": ("max_question_tokens", int),
-    "threads": ("threads", lambda v: int(v) or None),
-    "view_selection": ("view_selection", str),
-    "view_select_threshold": ("view_threshold", float),
-    "view_selector": ("view_selector_dir", lambda v: v or None),
-    "token_keep_ratio": ("token_keep_ratio", float),
-    "token_selector": ("token_selector", lambda v: v or None),
-    "eagle_enabled": ("decoding", lambda v: "eagle" if v else "greedy"),
-    "eagle_dir": ("eagle_dir", lambda v: v or None),
-    "eagle_total_tokens": ("eagle_total", int),
-    "eagle_depth": ("eagle_depth", int),
-    "eagle_top_k": ("eagle_topk", int),
-}
-
-
-def pipeline_options(p: dict):
-    """Node parameters -> PipelineOptions (see OPTION_MAP)."""
-    from dataclasses import fields
-
-    from ..pipeline import PipelineOptions
-
-    known = {f.name for f in fields(PipelineOptions)}
-    values, extra = {}, {}
-    for param, (option, convert) in OPTION_MAP.items():
-        if param not in p:
-            continue
-        if option in known:
-            values[option] = convert(p[param])
-        else:
-            extra[param] = p[param]
-    if "extra" in known:
-        values["extra"] = extra
-    return PipelineOptions(**values)
-
-
 def record_to_msg(rec: AnswerRecord) -> Answer:
     msg = Answer()
     msg.header.stamp = time_of(rec.query_stamp_ns)     # the query's stamp: receipt - stamp = latency
@@ -163,6 +102,7 @@ def record_to_msg(rec: AnswerRecord) -> Answer:
     msg.visual_tokens, msg.kept_tokens = rec.visual_tokens, rec.kept_tokens
     msg.input_tokens, msg.decode_steps = rec.input_tokens, rec.decode_steps
     msg.accepted_length = float(rec.accepted_length)
+    msg.pipeline = rec.pipeline
     msg.frame_cameras = list(rec.frame_stamps_ns)
     msg.frame_stamps = [time_of(s) for s in rec.frame_stamps_ns.values()]
     return msg
@@ -173,6 +113,7 @@ class DriveNode(LifecycleNode):
         super().__init__(node_name, **kwargs)
         for name, default in PARAMETERS.items():
             self.declare_parameter(name, default)
+        declare_pipeline_parameters(self)
         self.p = self._params()
         if len(self.p["camera_topics"]) != len(CAMERAS):
             raise ValueError(f"camera_topics needs {len(CAMERAS)} topics in rig order {CAMERAS}, "
@@ -189,7 +130,8 @@ class DriveNode(LifecycleNode):
         self._state = "unconfigured"
 
     def _params(self) -> dict:
-        return {name: self.get_parameter(name).value for name in PARAMETERS}
+        names = list(PARAMETERS) + [s.key for s in pipeline_settings()]
+        return {name: self.get_parameter(name).value for name in names}
 
     def _settings(self) -> ServerSettings:
         p = self.p
@@ -205,23 +147,26 @@ class DriveNode(LifecycleNode):
     def on_configure(self, state: State) -> TransitionCallbackReturn:
         self.p = self._params()
         self.server.apply_settings(self._settings())    # parameters may have changed since construction
-        model_dir = self.p["model_dir"]
-        self.get_logger().info(f"configure: loading {model_dir or '(the bundled default model)'} "
-                               f"({self.p['backend']}, {self.p['device']}, {self.p['precision']})")
+        from ..bundled import DEFAULT_MODEL
+
+        model_dir = self.p["model_dir"] or str(DEFAULT_MODEL)      # "": the bundled default model
+        self.model_name = self.p["model_dir"] or f"{Path(model_dir).name} (bundled)"
         try:
+            options = pipeline_options_from(self.p)
+            self.get_logger().info(f"configure: loading {model_dir} (pipeline {options.pipeline.value}, backend "
+                                   f"{options.backend.name.value}, {options.device}, {options.dtype})")
+
             def factory():
                 from ..pipeline import Pipeline
-                from ..bundled import DEFAULT_MODEL
 
-                # "": the bundled default model
-                return Pipeline.from_pretrained(model_dir or DEFAULT_MODEL, pipeline_options(self.p))
+                return Pipeline.from_pretrained(model_dir, options)
             self.server.load(factory, warmup=self.p["warmup"])
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
             self.get_logger().error(f"configure failed: {type(exc).__name__}: {exc}")
             self._state = "failed"
             return TransitionCallbackReturn.FAILURE
         self._state = "inactive"
-        self.get_logger().info("configure: model loaded and warmed up")
+        self.get_logger().info(f"configure: model loaded and warmed up; serving {self.server.pipeline.options.label()}")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
@@ -296,7 +241,7 @@ class DriveNode(LifecycleNode):
 
     def _publish_diagnostics(self) -> None:
         s = self.server.stats()
-        status = DiagnosticStatus(name=f"{self.get_name()}: vision-language node", hardware_id=self.p["device"])
+        status = DiagnosticStatus(name=f"{self.get_name()}: vision-language node", hardware_id=str(self.p["device"]))
         if self.server.load_error:
             status.level, status.message = DiagnosticStatus.ERROR, f"model not loaded: {self.server.load_error}"
         elif self._state != "active":
@@ -305,9 +250,11 @@ class DriveNode(LifecycleNode):
             status.level, status.message = DiagnosticStatus.OK, f"serving ({s['answered']} answered, {s['errors']} errors)"
         values = {
             "state": self._state,
-            "model": self.p["model_dir"],
-            "backend": self.p["backend"],
-            "precision": self.p["precision"],
+            "model": getattr(self, "model_name", "") or self.p["model_dir"],
+            "pipeline": self.server.pipeline.options.label() if self.server.pipeline else "",
+            "backend": self.p["backend.name"],
+            "device": self.p["device"],
+            "dtype": self.p["dtype"],
             "queue_depth": s["queue_depth"],
             "queue_size": s["queue_size"],
             "waiting_for_frames": s["waiting_for_frames"],

@@ -103,6 +103,7 @@ class AnswerRecord:
     input_tokens: int = 0
     decode_steps: int = 0
     accepted_length: float = 0.0
+    pipeline: str = ""                  # which pipeline served ("baseline", "litevlm[views,tokens@0.8,eagle]")
     query_stamp_ns: int = 0
     frame_stamps_ns: dict[str, int] = field(default_factory=dict)
 
@@ -134,6 +135,7 @@ class AnswerRecord:
             "input_tokens": self.input_tokens,
             "decode_steps": self.decode_steps,
             "accepted_length": self.accepted_length,
+            "pipeline": self.pipeline,
             "query_stamp_ns": self.query_stamp_ns,
             "frame_stamps_ns": dict(self.frame_stamps_ns),
             "frame_offsets_ms": {c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()},
@@ -233,8 +235,7 @@ class QueryServer:
         try:
             pipe = factory()
             if warmup:
-                black = {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in self.settings.cameras}
-                pipe.answer(black, "warm-up: describe the scene.")
+                pipe.warm_up()       # one synthetic query; measures the speculation costs
             self.pipeline, self.load_error = pipe, ""
         except Exception as exc:  # noqa: BLE001 - reported in every answer and in /diagnostics
             self.pipeline, self.load_error = None, f"{type(exc).__name__}: {exc}"
@@ -348,6 +349,7 @@ class QueryServer:
         rec.visual_tokens, rec.kept_tokens = int(ans.visual_tokens), int(ans.kept_tokens)
         rec.input_tokens, rec.decode_steps = int(ans.input_tokens), int(ans.decode_steps)
         rec.accepted_length = float(ans.accepted_length)
+        rec.pipeline = ans.pipeline
         return self._finish(rec)
 
     def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:

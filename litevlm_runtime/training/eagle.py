@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..decoding import greedy
 from ..models.eagle import DraftHead, save_draft_head
+from ..speculative import eagle2
 from .distributed import setup
 
 
@@ -51,19 +53,18 @@ def collect(pipe, pairs, progress=None) -> list[Sequence]:
     seqs = []
     for i, (images, question) in enumerate(pairs):
         imgs = {c: Path(p).read_bytes() if isinstance(p, (str, Path)) else p for c, p in images.items()}
-        ans = pipe.answer(imgs, question)
+        ans = pipe.answer(imgs, question, decoder=greedy)
         n = ans.input_tokens
-        a = pipe.arena
-        answer_ids = torch.tensor(ans.token_ids + [pipe.tok.im_end_id], dtype=torch.long)
-        embeds = torch.cat([a.embeds[:n], pipe.lm.embed(answer_ids)])
+        rt = pipe.rt
+        a = rt.arena
+        answer_ids = torch.tensor(ans.token_ids + [rt.tok.im_end_id], dtype=torch.long)
+        embeds = torch.cat([a.embeds[:n], rt.lm.embed(answer_ids)])
         last = int(a.positions[n - 1])
         positions = torch.cat([a.positions[:n], last + 1 + torch.arange(len(answer_ids))])
         L = embeds.shape[0]
-        k = torch.zeros(pipe.lm.cfg.num_hidden_layers, pipe.lm.cfg.num_key_value_heads, L, pipe.lm.cfg.head_dim)
-        v = torch.zeros_like(k)
-        hidden = pipe.lm(embeds, positions, torch.arange(L), torch.ones(L, L, dtype=torch.bool).tril(), k, v)
+        hidden, _, _ = rt.lm(embeds, positions, torch.ones(L, L, dtype=torch.bool).tril())
         ids = torch.cat([a.token_ids[:n], answer_ids])
-        text_next = ids[1:] != pipe.tok.img_context_id
+        text_next = ids[1:] != rt.tok.img_context_id
         seqs.append(Sequence(embeds.clone(), hidden.clone(), positions.clone(), text_next))
         if progress:
             progress(i + 1, len(pairs))
@@ -75,10 +76,7 @@ def draft_loss(draft, head, seq: Sequence, noise: float, gen: torch.Generator | 
     feats = seq.features[:-1]
     if noise:
         feats = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * noise
-    k = torch.zeros(1, draft.cfg.num_key_value_heads, L - 1, draft.cfg.head_dim)
-    v = torch.zeros_like(k)
-    pred = draft(seq.embeds[1:], feats, seq.positions[:-1], torch.arange(L - 1),
-                 torch.ones(L - 1, L - 1, dtype=torch.bool).tril(), k, v)
+    pred, _, _ = draft(seq.embeds[1:], feats, seq.positions[:-1], torch.ones(L - 1, L - 1, dtype=torch.bool).tril())
     m = seq.text_next
     target = seq.features[1:][m]
     p = pred[m]
@@ -89,18 +87,15 @@ def draft_loss(draft, head, seq: Sequence, noise: float, gen: torch.Generator | 
     return feat_loss + 0.1 * ce, feat_loss.detach(), ce.detach()
 
 
-def mean_accepted_length(pipe, eagle, pairs) -> float:
-    """Tokens per target pass after the first token, over `pairs`, decoding with `eagle`."""
-    saved, pipe.eagle = pipe.eagle, eagle
-    try:
-        tokens = steps = 0
-        for images, question in pairs:
-            ans = pipe.answer(images, question)
-            tokens += max(len(ans.token_ids) - 1, 0)
-            steps += ans.decode_steps
-        return tokens / steps if steps else 1.0
-    finally:
-        pipe.eagle = saved
+def mean_accepted_length(pipe, pairs) -> float:
+    """Tokens per target pass after the first token, over `pairs`, decoding with EAGLE-2 (the
+    configured fixed tree: the metric is the draft's, not the shape policy's)."""
+    tokens = steps = 0
+    for images, question in pairs:
+        ans = pipe.answer(images, question, decoder=eagle2)
+        tokens += max(len(ans.token_ids) - 1, 0)
+        steps += ans.decode_steps
+    return tokens / steps if steps else 1.0
 
 
 def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path | None = None, *,
@@ -108,21 +103,24 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
                 noise: float = 0.05, seed: int = 0, max_new_tokens: int = 48, threads: int | None = None,
                 tree: dict | None = None, log=print) -> dict:
     from ..checkpoint import load_model
-    from ..pipeline import Pipeline, PipelineOptions
+    from ..options import options_from_flat
+    from ..pipeline import Pipeline
     from ..tokenizer import Tokenizer
 
     d = setup("cpu")                   # the target and draft run on the CPU pipeline here
     torch.manual_seed(seed)
     tree = tree or {"total": 60, "depth": 6, "topk": 10}
-    opts = PipelineOptions(max_new_tokens=max_new_tokens, threads=threads, decoding="eagle",
-                           eagle_total=tree["total"], eagle_depth=tree["depth"], eagle_topk=tree["topk"])
+    # The baseline pipeline (every camera and token), with EAGLE-2 for the acceptance metric.
+    opts = options_from_flat({"pipeline": "baseline", "max_new_tokens": max_new_tokens, "backend.threads": threads or 0,
+                              "decoding.mode": "eagle", "decoding.eagle.policy": "fixed",
+                              "decoding.eagle.total": tree["total"], "decoding.eagle.depth": tree["depth"],
+                              "decoding.eagle.topk": tree["topk"]})
     model = load_model(model_dir)
     draft = DraftHead(model.cfg.llm)
     # Start the draft's layer from the target's last layer: same shapes, a better start than random.
     src = model.language_model.layers[-1].state_dict()
     draft.layer.load_state_dict({k: v for k, v in src.items() if k in draft.layer.state_dict()})
-    pipe = Pipeline(model, Tokenizer(model_dir), opts, draft=draft)
-    eagle, pipe.eagle = pipe.eagle, None          # collect with plain greedy decoding
+    pipe = Pipeline.from_model(model, Tokenizer(model_dir), opts, draft=draft)
 
     pairs = load_samples(data, frames_root, (samples + holdout) if samples else None, seed)
     pairs = [({c: Path(p).read_bytes() for c, p in im.items()}, q) for im, q in pairs]
@@ -135,8 +133,8 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
     # Tensors made under inference_mode cannot enter autograd: take ordinary copies.
     seqs = [Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in seqs]
 
-    untrained = mean_accepted_length(pipe, eagle, held) if d.main else float("nan")
-    for p in pipe.lm.parameters():
+    untrained = mean_accepted_length(pipe, held) if d.main else float("nan")
+    for p in pipe.rt.lm.parameters():
         p.requires_grad_(False)
     wrapped = d.wrap(draft.train())
     forward = wrapped if d.world == 1 else _DDPForward(wrapped)
@@ -151,7 +149,7 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
         order = torch.randperm(len(seqs), generator=gen).tolist()
         sums = [0.0, 0.0, 0.0]
         for j, i in enumerate(order):
-            loss, feat_loss, ce = draft_loss(forward, pipe.lm.head, seqs[i], noise, gen)
+            loss, feat_loss, ce = draft_loss(forward, pipe.rt.lm.head, seqs[i], noise, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -165,7 +163,7 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
                     f"(feature {sums[1] / k:.4f}, ce {sums[2] / k:.4f}) elapsed {time.time() - t0:.0f}s")
                 sums = [0.0, 0.0, 0.0]
     draft.eval()
-    trained = mean_accepted_length(pipe, eagle, held) if d.main else float("nan")
+    trained = mean_accepted_length(pipe, held) if d.main else float("nan")
     record = {
         "command": " ".join(sys.argv), "data": [str(p) for p in data], "frames": str(frames_root),
         "samples": len(train_pairs), "holdout": holdout, "epochs": epochs, "lr": lr, "noise": noise,

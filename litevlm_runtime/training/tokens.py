@@ -47,7 +47,9 @@ from torch import nn
 from ..cameras import CAMERAS
 from ..checkpoint import load_model
 from ..errors import InputError
-from ..pipeline import Pipeline, PipelineOptions
+from ..models.decoder import attention_probs
+from ..options import options_from_flat
+from ..pipeline import Pipeline, assemble_prompt, encode, preprocess
 from ..token_selector import TokenSelector, kept_count, save_token_selector
 from .distributed import setup, threads_per_rank
 from ..tokenizer import Tokenizer
@@ -89,26 +91,19 @@ def answer_attention_to_visual(lm, embeds: torch.Tensor, prompt_len: int, visual
     """Mean attention probability from the answer-generating rows (prompt_len-1 .. T-2) to each
     visual row, over `layers`, heads and rows. embeds: prompt + answer embeddings [T, D]."""
     t = embeds.shape[0]
-    cfg = lm.cfg
-    cache = embeds.new_zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, t, cfg.head_dim)
-    cache_v = torch.zeros_like(cache)
     rows = torch.arange(prompt_len - 1, t - 1, device=embeds.device)
     total = torch.zeros(visual_rows.numel(), dtype=torch.float32, device=embeds.device)
+    allowed = torch.arange(t, device=embeds.device)[None, :] <= rows[:, None]
 
     def probe(layer, q, k):
         nonlocal total
-        if layer not in layers:
-            return
-        group = q.shape[1] // k.shape[1]
-        kk = k.repeat_interleave(group, dim=1).float()
-        logits = torch.einsum("qhd,khd->hqk", q[rows].float(), kk) / math.sqrt(q.shape[-1])
-        causal = torch.arange(t, device=embeds.device)[None, None, :] > rows[None, :, None]
-        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-        total = total + probs[:, :, visual_rows].mean(dim=(0, 1))
+        if layer in layers:
+            probs = attention_probs(q[rows], k, allowed)
+            total = total + probs[:, :, visual_rows].mean(dim=(0, 1))
 
     mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
     positions = torch.arange(t, device=embeds.device)
-    lm(embeds, positions, positions, mask, cache, cache_v, num_layers=layers.stop, probe=probe)
+    lm.run_layers(embeds, positions, mask, layers=range(0, layers.stop), probe=probe)
     return total / len(layers)
 
 
@@ -167,7 +162,8 @@ class Prepared:
 
     def __init__(self, pipe: Pipeline, frames, samples: list[Sample], max_answer_tokens: int, log):
         self.pipe = pipe
-        lm = pipe.lm
+        rt = pipe.rt
+        lm = rt.lm
         layers = lm.cfg.num_hidden_layers
         self.teacher_layers = range(layers // 2, layers)      # the deeper half
         needed = sorted({s.frame for s in samples})
@@ -175,13 +171,13 @@ class Prepared:
         t0 = time.monotonic()
         with torch.no_grad():
             for i, f in enumerate(needed):
-                pixels = pipe.preprocess(frames[f].images, list(CAMERAS))
-                self.visual[f] = pipe.encode(pixels).clone()
+                pixels = preprocess(rt, frames[f].images, list(CAMERAS))
+                self.visual[f] = encode(rt, pixels).clone()
             log(f"  encoded {len(needed)} frames ({time.monotonic() - t0:.0f} s)")
             t0 = time.monotonic()
             for i, s in enumerate(samples):
                 embeds = self.prompt(s)
-                answer = pipe.tok.encode(s.answer)[:max_answer_tokens] + [pipe.tok.im_end_id]
+                answer = rt.tok.encode(s.answer)[:max_answer_tokens] + [rt.tok.im_end_id]
                 full = torch.cat([embeds, lm.embed(torch.tensor(answer, device=embeds.device))])
                 rows = visual_rows_of(s.spans, embeds.device)
                 s.target = answer_attention_to_visual(lm, full, s.length, rows, self.teacher_layers).cpu()
@@ -191,9 +187,9 @@ class Prepared:
 
     def prompt(self, s: Sample) -> torch.Tensor:
         """Full prompt embeddings of a sample (fills its layout fields), a fresh tensor."""
-        layout = self.pipe.assemble_prompt(list(CAMERAS), s.question, self.visual[s.frame])
+        layout = assemble_prompt(self.pipe.rt, list(CAMERAS), s.question, self.visual[s.frame])
         s.length, s.question_span, s.spans = layout.length, layout.question, layout.spans
-        return self.pipe.arena.prompt_embeds[:layout.length].clone()
+        return self.pipe.rt.arena.prompt_embeds[:layout.length].clone()
 
 
 def evaluate(selector: TokenSelector, data: Prepared, keep_ratio: float) -> dict:
@@ -217,7 +213,8 @@ def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], sele
     Returns per selector: share of questions answered token-for-token as keep-all, and closed-form
     accuracy; plus keep-all's accuracy."""
     tok = Tokenizer(tok_dir)
-    base = Pipeline(model, tok, PipelineOptions(device=device, max_new_tokens=max_new))
+    base = Pipeline.from_model(model, tok, options_from_flat({"pipeline": "baseline", "device": device,
+                                                               "max_new_tokens": max_new}))
     reference = [base.answer(frames[s.frame].images, s.question) for s in samples]
     closed = [i for i, s in enumerate(samples) if closed_form(s.answer)]
 
@@ -229,8 +226,9 @@ def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], sele
     out = {"questions": len(samples), "closed_form_questions": len(closed),
            "keep_all": {"accuracy": accuracy(reference), "kept_tokens": reference[0].kept_tokens if reference else 0}}
     for name, sel in selectors.items():
-        pipe = Pipeline(model, tok, PipelineOptions(device=device, max_new_tokens=max_new, token_keep_ratio=keep_ratio,
-                                                    token_scope=scope), token_selector=sel)
+        pipe = Pipeline.from_model(model, tok, options_from_flat({
+            "pipeline": "baseline", "device": device, "max_new_tokens": max_new, "tokens.mode": "selector",
+            "tokens.keep_ratio": keep_ratio, "tokens.scope": scope}), token_selector=sel)
         answers = [pipe.answer(frames[s.frame].images, s.question) for s in samples]
         same = sum(a.token_ids == r.token_ids for a, r in zip(answers, reference))
         out[name] = {"identical_answers": same / max(1, len(samples)), "accuracy": accuracy(answers),
@@ -304,9 +302,10 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
 
     model = load_model(model_dir).to(device)
     model.requires_grad_(False)
-    pipe = Pipeline(model, Tokenizer(model_dir), PipelineOptions(device=str(device), max_new_tokens=args.max_new_tokens))
-    untrained = TokenSelector.from_decoder(pipe.lm, args.reduce).eval()
-    selector = TokenSelector.from_decoder(pipe.lm, args.reduce)
+    pipe = Pipeline.from_model(model, Tokenizer(model_dir), options_from_flat({
+        "pipeline": "baseline", "device": str(device), "max_new_tokens": args.max_new_tokens}))
+    untrained = TokenSelector.from_decoder(pipe.rt.lm, args.reduce).eval()
+    selector = TokenSelector.from_decoder(pipe.rt.lm, args.reduce)
     selector.requires_grad_(False)
     trainable = selector.score_parameters()
     for param in trainable:

@@ -377,15 +377,7 @@ class PackedLoss(nn.Module):
             self.last_probe_loss = aux.detach()        # a tensor: no device sync per sequence
         embeds = lm.embed(batch.ids)
         embeds = embeds.index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]).to(embeds.dtype))
-        t = embeds.shape[0]
-        cfg = lm.cfg
-        # A scratch cache per layer as separate tensors: the forward writes k/v in place, and views
-        # of one shared buffer would share a version counter that autograd checks on backward.
-        shape = (cfg.num_key_value_heads, t, cfg.head_dim)
-        k_cache = [embeds.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        v_cache = [embeds.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        slots = torch.arange(t, device=embeds.device)
-        hidden = lm(embeds, batch.positions, slots, batch.mask, k_cache, v_cache)
+        hidden, _, _ = lm(embeds, batch.positions, batch.mask)      # no cache: the packed trees on their own
         logits = lm.head(hidden[batch.target_rows])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp16/bf16 -> fp32, fp64 stays
         ce = F.cross_entropy(logits, batch.targets, reduction="none")
@@ -486,7 +478,8 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
     """Exact-match accuracy on closed-form (choice, yes/no) questions through the real Pipeline
     (the same answer path and the same match rule as `litevlm eval`); with a view selector, the
     cameras it selects instead of all six."""
-    from ..pipeline import Pipeline, PipelineOptions
+    from ..options import options_from_flat
+    from ..pipeline import Pipeline
 
     items = [(f, qa) for f in frames for qa in f.qa if is_closed_form(qa.question, qa.answer)]
     rng = np.random.default_rng(seed)
@@ -494,11 +487,12 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
         items = [items[i] for i in sorted(rng.choice(len(items), max_questions, replace=False))]
     if not items:
         return {"accuracy": None, "questions": 0}
-    options = PipelineOptions(max_new_tokens=8)
+    settings = {"pipeline": "baseline", "max_new_tokens": 8}
     if view_selector:
-        options = PipelineOptions(max_new_tokens=8, view_selection="selector", view_selector_dir=str(view_selector))
+        settings |= {"views.mode": "selector", "views.selector_dir": str(view_selector)}
     # The pipeline runs on the CPU: a float32 CPU copy, whatever device the model trains on.
-    pipe = Pipeline(copy.deepcopy(model).to("cpu", torch.float32), Tokenizer(tok_dir), options)
+    pipe = Pipeline.from_model(copy.deepcopy(model).to("cpu", torch.float32), Tokenizer(tok_dir),
+                               options_from_flat(settings))
     by_category: dict[str, list[int]] = {}
     for frame, qa in items:
         ans = pipe.answer(frame.images, qa.question, max_new_tokens=8)
@@ -631,7 +625,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         if model.cfg != cfg:
             raise InputError(f"--init {args.init}: its config differs from --preset {args.preset}")
     else:
-        model = InternVL(cfg)
+        model = InternVL(cfg, max_len=4096)    # RoPE for positions < 4096 (a packed branch is shorter)
         init_weights(model, args.seed)
     model.to(device)                   # float32 master weights; bf16 only inside autocast
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,74 @@
+"""Decoding strategies as plain functions over the runtime context (as gpt-fast's `generate`):
+
+    greedy(rt, prompt, max_new)        one decoder step per token over the static cache
+    speculative.eagle2(rt, prompt, max_new)   EAGLE-2 draft trees, verified in one pass each
+
+Both start from a `Prompt` (what prefill left in the cache) and return a `Decoded`. The caller
+chooses per call (Pipeline.answer: options.decoding.mode); nothing is swapped on the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """The state prefill leaves: cache rows [0, length) hold the prompt, `first` is the first
+    answer token (not yet in the cache), at position `next_pos`."""
+
+    length: int
+    next_pos: int
+    first: int
+    hidden: torch.Tensor          # [length, D] final-norm features (EAGLE-2's first draft input)
+    input_tokens: int             # rows prefill ran over
+    kept_tokens: int              # visual tokens among them
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]             # the answer, EOS excluded
+    steps: int                    # target decoder passes after prefill
+    accepted: float = 1.0         # mean answer tokens per target pass
+    rounds: list = field(default_factory=list)   # EAGLE-2: per round (depth, tree size, accepted) or "greedy"
+
+
+def choose(rt, logits: torch.Tensor) -> int:
+    """The next token from one row of logits [1, V]: argmax, or a draw at the temperature."""
+    temperature = rt.options.decoding.temperature
+    if temperature <= 0:
+        return int(logits[-1].argmax())
+    probs = torch.softmax(logits[-1].float() / temperature, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=rt.sampler))
+
+
+def step_one(rt, token: int, slot: int, position: int) -> torch.Tensor:
+    """One plain decoder step: `token` at `slot`/`position` attending to every slot before it.
+    Returns its final-norm feature [1, D]."""
+    a = rt.arena
+    a.token_ids[slot] = token
+    a.positions[slot] = position
+    a.mask_new[:1, :1] = True
+    emb = rt.lm.embed(a.token_ids[slot:slot + 1])
+    return rt.engines.decoder.step(emb, a.positions[slot:slot + 1], a.slots[slot:slot + 1],
+                                   a.all_visible(1, slot), a.mask_new[:1, :1])
+
+
+def greedy(rt, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
+    """Plain decoding over the static cache: one decoder pass per token (greedy, or sampling at
+    the configured temperature). `on_tokens(tokens so far)` is called as they are emitted."""
+    eos = rt.tok.eos_ids
+    out: list[int] = []
+    token, slot, position, steps = prompt.first, prompt.length, prompt.next_pos, 0
+    while token not in eos and len(out) < max_new:
+        out.append(token)
+        if on_tokens is not None:
+            on_tokens(out)
+        if len(out) == max_new:
+            break
+        hidden = step_one(rt, token, slot, position)
+        token = choose(rt, rt.engines.head.run(hidden))
+        steps, slot, position = steps + 1, slot + 1, position + 1
+    return Decoded(out, steps, 1.0)

@@ -1,0 +1,54 @@
+"""The node's query server (what `litevlm bag eval` runs) with the shipped parameters on the DriveLM
+sample bag: the LiteVLM pipeline serves (fewer than six cameras, pruned tokens, EAGLE-2), and
+the same parameters with backend onnxruntime and a bundle exported from the bundled model give
+answers identical to the torch backend."""
+
+import pytest
+
+from litevlm_runtime.bundled import DEFAULT_MODEL
+from litevlm_runtime.cli import main
+from litevlm_runtime.ros.bag import drivelm_contents, evaluate, load_node_params, write_bag
+
+
+@pytest.fixture(scope="module")
+def sample_bag(drivelm_dir, tmp_path_factory):
+    return write_bag(drivelm_contents(drivelm_dir, max_frames=3, questions_per_frame=3),
+                     tmp_path_factory.mktemp("bag") / "drivelm")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """`litevlm export` of the bundled model with the shipped defaults (fewer prompt buckets)."""
+    out = tmp_path_factory.mktemp("export") / "bundle"
+    assert main(["export", "--model", str(DEFAULT_MODEL), "--out", str(out), "--buckets", "prefill=256,640"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_answers(sample_bag):
+    return evaluate(sample_bag, load_node_params(None))
+
+
+def test_shipped_parameters_serve_litevlm(torch_answers):
+    ok = [r for r in torch_answers if r.status == "ok"]
+    assert len(ok) == len(torch_answers) == 9
+    assert {r.pipeline for r in ok} == {"litevlm[views,tokens@0.8,eagle]"}
+    assert sum(len(r.cameras) for r in ok) / len(ok) < 6
+    assert all(r.kept_tokens < r.visual_tokens for r in ok)
+
+
+def test_onnxruntime_bundle_answers_identically(sample_bag, bundle, torch_answers):
+    params = load_node_params(None, {"backend.name": "onnxruntime", "backend.bundle": str(bundle)})
+    ort = evaluate(sample_bag, params)
+    assert [r.status for r in ort] == ["ok"] * len(torch_answers)
+    for a, b in zip(ort, torch_answers):
+        assert (a.query_id, a.cameras, a.kept_tokens) == (b.query_id, b.cameras, b.kept_tokens)
+        assert a.token_ids == b.token_ids, a.question
+        assert a.pipeline == b.pipeline
+
+
+def test_a_backend_the_node_cannot_run_is_refused_with_the_reason(sample_bag):
+    params = load_node_params(None, {"backend.name": "onnxruntime"})         # no bundle
+    records = evaluate(sample_bag, params)
+    assert {r.status for r in records} == {"pipeline_error"}
+    assert "backend.name onnxruntime needs backend.bundle" in records[0].status_message
