@@ -75,11 +75,20 @@ def tensorrt_installed() -> bool:
 def test_tensorrt_absent_is_a_clear_error(model, tmp_path):
     from litevlm_runtime.engines.tensorrt_engine import build_engines
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "graphs": [], "engines": {}}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "dtype": "float16", "graphs": [], "engines": {}}))
     with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
         build_engines(tmp_path, "fp16")
     with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
         Pipeline.from_pretrained(model, PipelineOptions(backend="tensorrt", extra={"bundle": str(tmp_path)}))
+
+
+def test_fp16_engines_need_a_float16_export(tmp_path):
+    """Strongly typed engines keep the graph's types: an fp32 export would give fp32 engines."""
+    from litevlm_runtime.engines.tensorrt_engine import build_engines
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "dtype": "float32", "graphs": [], "engines": {}}))
+    with pytest.raises(LiteVLMError, match="exported in float32; .* fp16 engines are built from a float16 export"):
+        build_engines(tmp_path, "fp16")
 
 
 GPU = {"name": "NVIDIA Jetson AGX Thor", "compute_capability": "11.0"}

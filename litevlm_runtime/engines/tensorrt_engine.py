@@ -1,9 +1,11 @@
 """TensorRT: engines built from the bundle's ONNX graphs, and the runtime that runs them.
 
 Build (`litevlm build-engines BUNDLE --precision fp16|fp8`): one serialized engine per graph
-(stage x bucket), built with the TensorRT Python API; the manifest records, per precision, the
-TensorRT version, the GPU (name and compute capability) and each engine's sha256. FP8 engines
-are built from a calibration bundle whose graphs carry ModelOpt's FP8 Q/DQ nodes.
+(stage x bucket), built with the TensorRT Python API as a strongly typed network: every tensor
+keeps the type the ONNX graph gives it, so fp16 engines come from a float16 export and FP8
+engines from a calibration bundle whose graphs carry ModelOpt's FP8 Q/DQ nodes. The manifest
+records, per precision, the TensorRT version, the GPU (name and compute capability) and each
+engine's sha256.
 
 Load: an engine is refused, with a clear error, when its file hash, the TensorRT version or the
 GPU differs from what the manifest recorded (a serialized engine is only valid for the exact
@@ -56,17 +58,16 @@ def engine_file(graph_file: str, precision: str) -> str:
 # ------------------------------------------------------------------------------------- build
 def build_engine(trt, onnx_path: Path, precision: str, logger):
     builder = trt.Builder(logger)
-    network = builder.create_network(0)       # explicit batch (the only mode in TensorRT 10)
+    # Strongly typed: TensorRT 10.12 deprecated the weakly typed precision flags
+    # (BuilderFlag.FP16/FP8, which let it pick its own types) and 11.0 removed them. The types
+    # come from the graph; 11.x ignores this flag because every network is strongly typed there.
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise LiteVLMError(f"{onnx_path.name}: TensorRT could not parse the graph: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
-    config.set_flag(trt.BuilderFlag.FP16)
-    if precision == "fp8":
-        # The graph carries FP8 Q/DQ from ModelOpt; the flag lets TensorRT pick FP8 kernels for them.
-        config.set_flag(trt.BuilderFlag.FP8)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise LiteVLMError(f"{onnx_path.name}: TensorRT failed to build a {precision} engine (see its log above)")
@@ -81,6 +82,10 @@ def build_engines(bundle: Path, precision: str, progress=print) -> dict:
     if precision == "fp8" and manifest.get("precision") != "fp8":
         raise LiteVLMError(f"{bundle}: FP8 engines are built from FP8-quantized graphs; run "
                            f"`litevlm calibrate --precision fp8 --out DIR` and build from DIR")
+    if precision == "fp16" and manifest.get("dtype") != "float16":
+        raise LiteVLMError(f"{bundle}: exported in {manifest.get('dtype')}; a strongly typed engine keeps the graph's "
+                           f"types, so fp16 engines are built from a float16 export "
+                           f"(`litevlm export --model DIR --out BUNDLE --dtype float16`)")
     trt = import_tensorrt()
     gpu = gpu_identity()
     logger = trt.Logger(trt.Logger.WARNING)
