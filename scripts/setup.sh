@@ -30,7 +30,8 @@ if [ ! -f "$deps_stamp" ]; then
     # pip's output goes to a log (this machine's pip config is noisy); shown when pip fails.
     pip_log="$VENV/.litevlm-pip.log"
     { "$PY" -m pip install --disable-pip-version-check -r requirements.txt \
-        && "$PY" -m pip install --disable-pip-version-check --no-deps -r requirements-stubs.txt \
+        && "$PY" -m pip install --disable-pip-version-check --no-deps --upgrade --target "$VENV/typings" \
+            -r requirements-stubs.txt \
         && "$PY" -m pip install --disable-pip-version-check --no-deps -e . ; } > "$pip_log" 2>&1 \
         || { tail -30 "$pip_log"; echo "[setup] pip install failed: $pip_log" >&2; exit 1; }
     rm -f "$VENV"/.litevlm-deps-*

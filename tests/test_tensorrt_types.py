@@ -1,8 +1,10 @@
 """The TensorRT code type-checked against TensorRT's Python API, so that a misspelt or removed
 call fails CI on machines where TensorRT cannot be installed.
 
-The API comes from the `tensorrt-stubs` package (10.13, generated from the real bindings); the
-checker is pyright (basedpyright, which ships its own Node.js), configured in pyrightconfig.json.
+The API comes from the `tensorrt-stubs` package (10.13, generated from the real bindings), which
+scripts/setup.sh puts in $VENV/typings (see requirements-stubs.txt for why not site-packages);
+the checker is pyright (basedpyright, which ships its own Node.js), configured in
+pyrightconfig.json.
 Not mypy: five signatures in the 10.13 stubs are not valid Python (four plugin methods name a
 parameter `in`; `add_scale_nd` puts a required parameter after defaulted ones), which stops
 mypy before it checks anything, while pyright's parser recovers and checks against the stubs
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -27,10 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = json.loads((ROOT / "pyrightconfig.json").read_text())
 ENGINE = "litevlm_runtime/engines/tensorrt_engine.py"
 COMMAND = "litevlm_runtime/commands/build_engines.py"
+# The stubs of the venv running the tests: pyrightconfig.json names .venv/typings, the default
+# venv's, for a plain `basedpyright` in the repository.
+STUBS = Path(sys.prefix) / "typings"
 
 
-def pyright(project: Path) -> list[dict]:
-    """Error diagnostics of a pyright run over `project` (a folder with a pyrightconfig.json)."""
+def pyright(project: Path, include: list[str]) -> list[dict]:
+    """Error diagnostics of pyright over `include`, with the repository's settings, run in `project`."""
+    (project / "pyrightconfig.json").write_text(json.dumps({**CONFIG, "include": include, "stubPath": str(STUBS)}))
     r = subprocess.run([sys.executable, "-m", "basedpyright", "--outputjson", "--project", str(project),
                         "--pythonpath", sys.executable], capture_output=True, text=True, timeout=300, cwd=project)
     try:
@@ -48,10 +55,11 @@ def test_checked_files_are_the_tensorrt_code():
     assert sorted(CONFIG["include"]) == sorted([ENGINE, COMMAND])
 
 
-def test_tensorrt_code_type_checks_against_the_stubs():
-    errors = pyright(ROOT)
-    assert not errors, "pyright errors (the TensorRT API is tensorrt-stubs " \
-                       f"{importlib.metadata.version('tensorrt-stubs')}):\n{describe(errors)}"
+def test_tensorrt_code_type_checks_against_the_stubs(tmp_path):
+    assert (STUBS / "tensorrt" / "__init__.pyi").is_file(), f"no TensorRT stubs in {STUBS}: run scripts/setup.sh"
+    version = next(importlib.metadata.distributions(name="tensorrt-stubs", path=[str(STUBS)])).version
+    errors = pyright(tmp_path, [str(ROOT / ENGINE), str(ROOT / COMMAND)])
+    assert not errors, f"pyright errors against tensorrt-stubs {version}:\n{describe(errors)}"
 
 
 # (file, what the code says, a wrong spelling, what pyright's error must name). Several wrong
@@ -105,9 +113,8 @@ def mutated(tmp_path_factory) -> tuple[Path, list[list[dict]], list[dict]]:
         copy = str(Path(file).with_name(f"{Path(file).stem}_mutation{i}.py"))
         (tmp / copy).write_text(source.replace(old, new))
         files.append(copy)
-    (tmp / "pyrightconfig.json").write_text(json.dumps({**CONFIG, "include": files}))
     by_file: dict[str, list[dict]] = {}
-    for d in pyright(tmp):
+    for d in pyright(tmp, files):
         by_file.setdefault(str(Path(d["file"]).relative_to(tmp)), []).append(d)
     per_mutation = [by_file.pop(f, []) for f in files]
     return tmp, per_mutation, [d for ds in by_file.values() for d in ds]
@@ -127,6 +134,15 @@ def test_a_wrong_tensorrt_call_fails_the_check(mutated, i):
 def test_mutations_break_nothing_else(mutated):
     _, _, others = mutated
     assert not others, f"errors outside the mutated modules:\n{describe(others)}"
+
+
+def test_the_stubs_are_not_importable():
+    """Stubs on the import path make `import tensorrt` succeed with an empty namespace package,
+    which breaks ModelOpt (it uses TensorRT where the import succeeds)."""
+    spec = importlib.util.find_spec("tensorrt")
+    assert spec is None or spec.origin is not None, \
+        f"tensorrt imports as a namespace package from {list(spec.submodule_search_locations or [])}: " \
+        f"the stubs belong in {STUBS} (requirements-stubs.txt)"
 
 
 def test_type_stubs_alone_are_not_tensorrt(tmp_path, monkeypatch):
