@@ -22,14 +22,16 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 
-# 2. Python dependencies and the editable package, keyed on requirements.txt + setup.py.
-deps_hash="$(hash_of requirements.txt setup.py)"
+# 2. Python dependencies and the editable package, keyed on requirements*.txt + setup.py.
+deps_hash="$(hash_of requirements.txt requirements-stubs.txt setup.py)"
 deps_stamp="$VENV/.litevlm-deps-$deps_hash"
 if [ ! -f "$deps_stamp" ]; then
     log "installing requirements.txt (first run: a few minutes)"
     # pip's output goes to a log (this machine's pip config is noisy); shown when pip fails.
     pip_log="$VENV/.litevlm-pip.log"
     { "$PY" -m pip install --disable-pip-version-check -r requirements.txt \
+        && "$PY" -m pip install --disable-pip-version-check --no-deps --upgrade --target "$VENV/typings" \
+            -r requirements-stubs.txt \
         && "$PY" -m pip install --disable-pip-version-check --no-deps -e . ; } > "$pip_log" 2>&1 \
         || { tail -30 "$pip_log"; echo "[setup] pip install failed: $pip_log" >&2; exit 1; }
     rm -f "$VENV"/.litevlm-deps-*

@@ -16,7 +16,7 @@ from helpers import random_frames
 from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.buckets import Buckets
 from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
-from litevlm_runtime.engines.tensorrt_engine import check_engines
+from litevlm_runtime.engines.tensorrt_engine import build_engines, check_engines, import_tensorrt
 from litevlm_runtime.errors import LiteVLMError
 from helpers import options
 from litevlm_runtime.pipeline import Pipeline, PipelineOptions
@@ -82,21 +82,26 @@ def test_gpu_check_script_logic_on_cpu():
 
 def tensorrt_installed() -> bool:
     try:
-        import tensorrt  # noqa: F401
-    except ImportError:
+        import_tensorrt()       # not fooled by tensorrt-stubs' importable tensorrt/ folder
+    except LiteVLMError:
         return False
     return True
 
 
 @pytest.mark.skipif(tensorrt_installed(), reason="checks the message where TensorRT is absent")
 def test_tensorrt_absent_is_a_clear_error(model, tmp_path):
-    from litevlm_runtime.engines.tensorrt_engine import build_engines
-
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "graphs": [], "engines": {}}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "dtype": "float16", "graphs": [], "engines": {}}))
     with pytest.raises(LiteVLMError, match="TensorRT is not installed"):
         build_engines(tmp_path, "fp16")
     with pytest.raises(LiteVLMError, match="tensorrt runs on a CUDA device"):
         Pipeline.from_pretrained(model, options(backend__name="tensorrt", backend__bundle=str(tmp_path)))
+
+
+def test_fp16_engines_need_a_float16_export(tmp_path):
+    """Strongly typed engines keep the graph's types: an fp32 export would give fp32 engines."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "dtype": "float32", "graphs": [], "engines": {}}))
+    with pytest.raises(LiteVLMError, match="exported in float32; .* fp16 engines are built from a float16 export"):
+        build_engines(tmp_path, "fp16")
 
 
 GPU = {"name": "NVIDIA Jetson AGX Thor", "compute_capability": "11.0"}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("build-engines", help="build TensorRT engines from an export/calibration bundle")
     p.add_argument("bundle", type=Path)
     p.add_argument("--precision", choices=("fp16", "fp8"), default="fp16",
@@ -14,7 +15,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..engines.tensorrt_engine import build_engines
 
     manifest = build_engines(args.bundle, args.precision, progress=lambda m: print(m, file=sys.stderr))

@@ -1,9 +1,11 @@
 """TensorRT: engines built from the bundle's ONNX graphs, and the runtime that runs them.
 
 Build (`litevlm build-engines BUNDLE --precision fp16|fp8`): one serialized engine per graph
-(stage x bucket), built with the TensorRT Python API; the manifest records, per precision, the
-TensorRT version, the GPU (name and compute capability) and each engine's sha256. FP8 engines
-are built from a calibration bundle whose graphs carry ModelOpt's FP8 Q/DQ nodes.
+(stage x bucket), built with the TensorRT Python API as a strongly typed network: every tensor
+keeps the type the ONNX graph gives it, so fp16 engines come from a float16 export and FP8
+engines from a calibration bundle whose graphs carry ModelOpt's FP8 Q/DQ nodes. The manifest
+records, per precision, the TensorRT version, the GPU (name and compute capability) and each
+engine's sha256.
 
 Load: an engine is refused, with a clear error, when its file hash, the TensorRT version or the
 GPU differs from what the manifest recorded (a serialized engine is only valid for the exact
@@ -14,35 +16,50 @@ Run: each bucket's execution context has its tensor addresses set once to the bo
 current CUDA stream once to initialise, then captured once in a CUDA graph; every later run is a
 graph replay.
 
-TensorRT is imported lazily: nothing here needs it until an engine is built or loaded.
+TensorRT is imported lazily: nothing here needs it until an engine is built or loaded. Every
+TensorRT call is type-checked against the `tensorrt-stubs` package in CI
+(tests/test_tensorrt_types.py, pyrightconfig.json), so a misspelt or removed API fails there
+even though TensorRT itself cannot be installed on the CI machines.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..errors import LiteVLMError
 from ..export import read_manifest, sha256_file, write_manifest
+from .base import Engines
 from .bound_stages import bound_engines
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+    from torch.cuda import _POOL_HANDLE      # torch's own type for graph_pool_handle()
+
+    from ..runtime import Runtime
 
 PRECISIONS = ("fp16", "fp8")
 WORKSPACE_BYTES = 8 << 30
 
 
-def import_tensorrt():
+def import_tensorrt():  # no return annotation: inferred as the tensorrt module, so callers' uses are checked
     try:
         import tensorrt
     except ImportError:
+        tensorrt = None
+    # `pip install tensorrt-stubs` leaves a tensorrt/ folder of .pyi files only, which Python
+    # imports as an empty namespace package (no __file__): that is not TensorRT either.
+    if tensorrt is None or getattr(tensorrt, "__file__", None) is None:
         raise LiteVLMError("TensorRT is not installed (the tensorrt Python package with its libraries is needed to "
                            "build or run engines; on the car it comes with JetPack/DriveOS). The same graphs run on "
-                           "the CPU with --backend onnxruntime.") from None
+                           "the CPU with --backend onnxruntime.")
     return tensorrt
 
 
-def gpu_identity() -> dict:
+def gpu_identity() -> dict[str, str]:
     if not torch.cuda.is_available():
         raise LiteVLMError("TensorRT engines need an NVIDIA GPU: torch.cuda.is_available() is False on this machine")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -54,26 +71,26 @@ def engine_file(graph_file: str, precision: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- build
-def build_engine(trt, onnx_path: Path, precision: str, logger):
+def build_engine(onnx_path: Path, precision: str, logger: trt.ILogger) -> bytes:
+    trt = import_tensorrt()
     builder = trt.Builder(logger)
-    network = builder.create_network(0)       # explicit batch (the only mode in TensorRT 10)
+    # Strongly typed: TensorRT 10.12 deprecated the weakly typed precision flags
+    # (BuilderFlag.FP16/FP8, which let it pick its own types) and 11.0 removed them. The types
+    # come from the graph; 11.x ignores this flag because every network is strongly typed there.
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise LiteVLMError(f"{onnx_path.name}: TensorRT could not parse the graph: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
-    config.set_flag(trt.BuilderFlag.FP16)
-    if precision == "fp8":
-        # The graph carries FP8 Q/DQ from ModelOpt; the flag lets TensorRT pick FP8 kernels for them.
-        config.set_flag(trt.BuilderFlag.FP8)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise LiteVLMError(f"{onnx_path.name}: TensorRT failed to build a {precision} engine (see its log above)")
     return bytes(serialized)
 
 
-def build_engines(bundle: Path, precision: str, progress=print) -> dict:
+def build_engines(bundle: Path, precision: str, progress: Callable[[str], None] = print) -> dict[str, Any]:
     if precision not in PRECISIONS:
         raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")
     bundle = Path(bundle)
@@ -81,6 +98,10 @@ def build_engines(bundle: Path, precision: str, progress=print) -> dict:
     if precision == "fp8" and manifest.get("precision") != "fp8":
         raise LiteVLMError(f"{bundle}: FP8 engines are built from FP8-quantized graphs; run "
                            f"`litevlm calibrate --precision fp8 --out DIR` and build from DIR")
+    if precision == "fp16" and manifest.get("dtype") != "float16":
+        raise LiteVLMError(f"{bundle}: exported in {manifest.get('dtype')}; a strongly typed engine keeps the graph's "
+                           f"types, so fp16 engines are built from a float16 export "
+                           f"(`litevlm export --model DIR --out BUNDLE --dtype float16`)")
     trt = import_tensorrt()
     gpu = gpu_identity()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -89,7 +110,7 @@ def build_engines(bundle: Path, precision: str, progress=print) -> dict:
     for i, g in enumerate(graphs):
         t0 = time.perf_counter()
         name = engine_file(g["file"], precision)
-        (bundle / name).write_bytes(build_engine(trt, bundle / g["file"], precision, logger))
+        (bundle / name).write_bytes(build_engine(bundle / g["file"], precision, logger))
         files[g["file"]] = {"engine": name, "sha256": sha256_file(bundle / name)}
         progress(f"[{i + 1}/{len(graphs)}] {name:<28} {time.perf_counter() - t0:6.1f} s")
     manifest.setdefault("engines", {})[precision] = {
@@ -100,7 +121,8 @@ def build_engines(bundle: Path, precision: str, progress=print) -> dict:
 
 
 # ------------------------------------------------------------------------------------- check
-def check_engines(manifest: dict, bundle: Path, precision: str, tensorrt_version: str, gpu: dict) -> dict:
+def check_engines(manifest: dict[str, Any], bundle: Path, precision: str, tensorrt_version: str,
+                  gpu: dict[str, str]) -> dict[str, Any]:
     """The recorded engines for `precision`, if they were built by this TensorRT for this GPU and
     are unmodified; otherwise a LiteVLMError that says what differs and what to do."""
     record = manifest.get("engines", {}).get(precision)
@@ -127,28 +149,35 @@ def check_engines(manifest: dict, bundle: Path, precision: str, tensorrt_version
 
 
 # ------------------------------------------------------------------------------------- run
-TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
-                "INT32": torch.int32, "BOOL": torch.bool}
+def torch_dtypes() -> dict[trt.DataType, torch.dtype]:
+    trt = import_tensorrt()
+    return {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.BF16: torch.bfloat16,
+            trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32, trt.DataType.BOOL: torch.bool}
 
 
 class CapturedEngine:
     """One bucket's engine: addresses bound once, launched once, then captured and replayed."""
 
-    def __init__(self, trt, runtime, path: Path, inputs: dict, outputs: dict, pool):
-        self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
-        if self.engine is None:
+    def __init__(self, runtime: trt.Runtime, path: Path, inputs: dict[str, torch.Tensor],
+                 outputs: dict[str, torch.Tensor], pool: _POOL_HANDLE):
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
             raise LiteVLMError(f"{path.name}: TensorRT could not deserialize the engine")
-        self.context = self.engine.create_execution_context()
+        self.engine = engine
+        self.context = engine.create_execution_context()
         self.tensors = {**inputs, **outputs}
-        names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
         if names != set(self.tensors):
             raise LiteVLMError(f"{path.name}: engine tensors {sorted(names)}, bound {sorted(self.tensors)}")
+        dtypes = torch_dtypes()
         for name, t in self.tensors.items():
-            shape = tuple(self.engine.get_tensor_shape(name))
-            dtype = TORCH_DTYPES.get(self.engine.get_tensor_dtype(name).name)
+            dims = engine.get_tensor_shape(name)     # Dims: indexable, not iterable
+            shape = tuple(dims[i] for i in range(len(dims)))
+            dtype = dtypes.get(engine.get_tensor_dtype(name))
             if shape != tuple(t.shape) or dtype != t.dtype:
                 raise LiteVLMError(f"{path.name}: {name} is {shape} {dtype} in the engine, bound {tuple(t.shape)} {t.dtype}")
-            self.context.set_tensor_address(name, t.data_ptr())
+            if not self.context.set_tensor_address(name, t.data_ptr()):
+                raise LiteVLMError(f"{path.name}: TensorRT refused the address of {name} (see its log above)")
         stream = torch.cuda.current_stream()
         # The first launch does TensorRT's lazy initialisation, which must not happen under capture.
         if not self.context.execute_async_v3(stream.cuda_stream):
@@ -162,7 +191,7 @@ class CapturedEngine:
         self.graph.replay()
 
 
-def tensorrt_engines(rt):
+def tensorrt_engines(rt: Runtime) -> Engines:
     from .onnxruntime_engine import Bundle, bundle_path
 
     trt = import_tensorrt()
@@ -174,9 +203,10 @@ def tensorrt_engines(rt):
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     pool = torch.cuda.graph_pool_handle()
 
-    def bind(stage, bucket, inputs, outputs):
+    def bind(stage: str, bucket: int, inputs: dict[str, torch.Tensor],
+             outputs: dict[str, torch.Tensor]) -> CapturedEngine:
         graph = bundle.graphs(stage)[bucket]["file"]
-        return CapturedEngine(trt, runtime, bundle.dir / record["files"][graph]["engine"], inputs, outputs, pool)
+        return CapturedEngine(runtime, bundle.dir / record["files"][graph]["engine"], inputs, outputs, pool)
 
     sizes = bundle.sizes()
     sizes["eagle_draft"] = tuple(t for t in sizes["eagle_draft"] if any(
