@@ -2,7 +2,8 @@
 sharded with model.safetensors.index.json), tokenizer files.
 
 Every inconsistency is reported with the file and the tensor it concerns, before any weight is
-used: a half-loaded model is worse than none.
+used: a half-loaded model is worse than none. A folder's files are checked against its
+litevlm_manifest.json first (integrity.py), so a corrupt shard is refused by name, not served.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .integrity import verify_model_folder, write_manifest
 from .models.internvl import InternVL
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -102,6 +104,8 @@ def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: 
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> InternVL:
+    """The model of `folder`, its files verified against the folder's manifest first."""
+    verify_model_folder(folder)
     cfg = read_config(folder)
     with torch.device("meta"):
         model = InternVL(cfg, max_len)
@@ -118,7 +122,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: 
 
 def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path | None = None,
                      shard_bytes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
-    """Write `model` as an InternVL2.5 folder (config.json, safetensors, tokenizer files)."""
+    """Write `model` as an InternVL2.5 folder (config.json, safetensors, tokenizer files), then
+    its litevlm_manifest.json over what the folder now holds."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2, ensure_ascii=False) + "\n")
@@ -155,3 +160,4 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
         }, indent=2) + "\n")
         (folder / "generation_config.json").write_text(
             json.dumps({"eos_token_id": sorted(tok.eos_ids), "do_sample": False}) + "\n")
+    write_manifest(folder)

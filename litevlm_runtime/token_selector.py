@@ -38,6 +38,7 @@ from torch import nn
 from .checkpoint import check_state_dict
 from .config import LLMConfig
 from .errors import CheckpointError, InputError
+from .integrity import verify_model_folder
 from .models.decoder import RotaryTable, apply_rope
 from .models.internlm2 import InternLM2Layer
 from .models.qwen2 import Qwen2Layer
@@ -185,6 +186,7 @@ def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None
     weights, config_path = folder / WEIGHTS_FILE, folder / CONFIG_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights}: token selector weights missing (train them: litevlm train tokens)")
+    verify_model_folder(folder)
     try:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:

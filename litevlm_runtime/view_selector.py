@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from .cameras import CAMERAS
 from .errors import CheckpointError, InputError
+from .integrity import verify_model_folder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -350,6 +351,7 @@ def load_view_selector(
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_FILE} (not a view selector folder)")
+    verify_model_folder(path)
     try:
         config = json.loads(config_path.read_text())
         arch = dict(config["architecture"])

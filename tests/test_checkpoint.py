@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from litevlm_runtime.checkpoint import load_model, read_config
 from litevlm_runtime.commands.make_checkpoint import make_checkpoint
 from litevlm_runtime.errors import CheckpointError
+from litevlm_runtime.integrity import MANIFEST_FILE, write_manifest
 from litevlm_runtime.tokenizer import IMG_CONTEXT, Tokenizer
 
 
@@ -59,6 +60,9 @@ def test_missing_shard_is_named(tmp_path):
     ck = make_checkpoint(tmp_path / "s", "tiny", shard_bytes=300_000)
     victim = sorted(ck.glob("model-*.safetensors"))[1]
     victim.unlink()
+    with pytest.raises(CheckpointError, match=f"{victim.name}: missing \\(listed in .*{MANIFEST_FILE}"):
+        load_model(ck)
+    write_manifest(ck)
     with pytest.raises(CheckpointError, match=f"{victim.name}.*shard missing.*tensor"):
         load_model(ck)
 
@@ -68,6 +72,7 @@ def test_shape_mismatch_is_named(tmp_path, tiny_model):
     state = load_file(ck / "model.safetensors")
     state["mlp1.1.weight"] = state["mlp1.1.weight"][:, :-1].contiguous()
     save_file(state, ck / "model.safetensors")
+    write_manifest(ck)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'mlp1\.1\.weight' has shape"):
         load_model(ck)
 
@@ -77,6 +82,7 @@ def test_missing_tensor_and_unknown_architecture(tmp_path, tiny_model):
     state = load_file(ck / "model.safetensors")
     del state["language_model.model.norm.weight"]
     save_file(state, ck / "model.safetensors")
+    write_manifest(ck)
     with pytest.raises(CheckpointError, match="language_model.model.norm.weight"):
         load_model(ck)
 
@@ -84,6 +90,7 @@ def test_missing_tensor_and_unknown_architecture(tmp_path, tiny_model):
     cfg = json.loads((ck2 / "config.json").read_text())
     cfg["llm_config"]["architectures"] = ["MistralForCausalLM"]
     (ck2 / "config.json").write_text(json.dumps(cfg))
+    write_manifest(ck2)
     with pytest.raises(CheckpointError, match="config.json: unknown llm_config architecture 'MistralForCausalLM'"):
         load_model(ck2)
 

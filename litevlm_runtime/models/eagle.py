@@ -18,6 +18,7 @@ from torch import nn
 from ..checkpoint import check_state_dict
 from ..config import LLMConfig
 from ..errors import CheckpointError
+from ..integrity import verify_model_folder
 from .decoder import RotaryTable
 from .internlm2 import InternLM2Layer
 from .qwen2 import Qwen2Layer
@@ -61,6 +62,7 @@ def load_draft_head(folder: Path, cfg: LLMConfig, max_len: int, dtype: torch.dty
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{weights}: EAGLE-2 draft head weights missing")
+    verify_model_folder(folder)
     draft = DraftHead(cfg, max_len)
     state = load_file(str(weights))
     check_state_dict(weights, state, draft.state_dict())
