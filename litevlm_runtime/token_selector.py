@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import check_state_dict
+from .checkpoint import check_state_dict, read_safetensors
 from .config import LLMConfig
 from .errors import CheckpointError, InputError
 from .integrity import verify_model_folder
@@ -78,7 +78,7 @@ class TokenSelector(nn.Module):
         self.cfg = cfg
         self.reduce = reduce
         self.layer = LAYERS[cfg.architecture](cfg)
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_len)
+        self.rope = RotaryTable(cfg, max_len)
 
     @classmethod
     def from_decoder(cls, lm, reduce: str = "max") -> "TokenSelector":
@@ -99,7 +99,7 @@ class TokenSelector(nn.Module):
 
     def init_rope(self, max_len: int) -> None:
         device = self.layer.attn_norm.weight.device
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(device)
+        self.rope = RotaryTable(self.cfg, max_len).to(device)
 
     # ------------------------------------------------------------------ scores
     def question_attention(self, embeds: torch.Tensor, positions: torch.Tensor,
@@ -197,7 +197,7 @@ def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None
         raise CheckpointError(f"{config_path}: selector for {config.get('llm_architecture')!r}, "
                               f"decoder is {lm.cfg.architecture!r}")
     sel = TokenSelector(lm.cfg, reduce or config.get("reduce", "max"), max_len=max_len)
-    state = {k.removeprefix("layer."): v for k, v in load_file(str(weights)).items()}
+    state = {k.removeprefix("layer."): v for k, v in read_safetensors(weights).items()}
     check_state_dict(weights, state, sel.layer.state_dict(), prefix="layer.")
     sel.layer.load_state_dict(state)
     sel = sel.to(device=lm.layers[0].attn_norm.weight.device, dtype=dtype)

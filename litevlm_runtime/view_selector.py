@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .cameras import CAMERAS
+from .checkpoint import read_safetensors
 from .errors import CheckpointError, InputError
 from .integrity import verify_model_folder
 
@@ -373,7 +374,7 @@ def load_view_selector(
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: missing {weights_path.name}")
     model = ViewSelector(cfg)
-    state = load_file(str(weights_path))
+    state = read_safetensors(weights_path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{weights_path}: missing tensors {missing}, unexpected tensors {unexpected}")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LLMConfig
+from .rope import RotaryTable, apply_rope  # the rest of the code imports them from here
 
 
 class RMSNorm(nn.Module):
@@ -28,32 +29,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-class RotaryTable(nn.Module):
-    """cos/sin tables for every position up to max_len, computed once (rotate-half convention).
-
-    Computed in float32 exactly as the upstream models do, so positions far into the sequence
-    round the same way the checkpoint was trained with.
-    """
-
-    def __init__(self, head_dim: int, theta: float, max_len: int):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 def attend_with_cache(q, k, v, slots, mask, k_cache, v_cache):
@@ -106,7 +81,7 @@ class CausalLM(nn.Module):
     cfg: LLMConfig
 
     def init_rope(self, max_len: int) -> None:
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len)
+        self.rope = RotaryTable(self.cfg, max_len)
 
     def forward(self, embeds, positions, slots, mask, k_cache, v_cache, *, num_layers=None, probe=None,
                 first_layer=0, layer_masks=None):

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import check_state_dict
+from ..checkpoint import check_state_dict, read_safetensors
 from ..config import LLMConfig
 from ..errors import CheckpointError
 from ..integrity import verify_model_folder
@@ -37,10 +37,10 @@ class DraftHead(nn.Module):
             self.layer.attention_norm = nn.Identity()
         else:
             self.layer.input_layernorm = nn.Identity()
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_len)
+        self.rope = RotaryTable(cfg, max_len)
 
     def init_rope(self, max_len: int) -> None:
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(self.fc.weight.device)
+        self.rope = RotaryTable(self.cfg, max_len).to(self.fc.weight.device)
 
     def forward(self, token_embeds, features, positions, slots, mask, k_cache, v_cache):
         """token_embeds, features [T, D] -> predicted next features [T, D]. k/v_cache [1, Hkv, S, hd]."""
@@ -64,7 +64,7 @@ def load_draft_head(folder: Path, cfg: LLMConfig, max_len: int, dtype: torch.dty
         raise CheckpointError(f"{weights}: EAGLE-2 draft head weights missing")
     verify_model_folder(folder)
     draft = DraftHead(cfg, max_len)
-    state = load_file(str(weights))
+    state = read_safetensors(weights)
     check_state_dict(weights, state, draft.state_dict())
     draft.load_state_dict(state)
     return draft.to(dtype).eval()
