@@ -2,20 +2,23 @@
 sharded with model.safetensors.index.json), tokenizer files.
 
 Every inconsistency is reported with the file and the tensor it concerns, before any weight is
-used: a half-loaded model is worse than none.
+used: a half-loaded model is worse than none. A folder's files are checked against its
+litevlm_manifest.json first (integrity.py), so a corrupt shard is refused by name, not served.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json
+from .integrity import verify_model_folder, write_manifest
 from .models.internvl import InternVL
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,20 +32,49 @@ def read_config(folder: str | Path) -> ModelConfig:
         raise CheckpointError(f"{folder}: model folder does not exist")
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (not a Hugging Face model folder)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    data = read_json(path, "model config")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
     return ModelConfig.from_dict(data, source=str(path))
+
+
+@contextmanager
+def open_safetensors(path: Path):
+    """safe_open with its errors (a truncated file's "incomplete metadata, file not fully covered",
+    a bad header) turned into CheckpointError naming the file."""
+    try:
+        f = safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    with f:
+        yield f
+
+
+def get_tensor(f, path: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: tensor {name!r} unreadable ({exc})") from None
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one file (the add-on modules' weights), errors naming the file."""
+    path = Path(path)
+    with open_safetensors(path) as f:
+        return {name: get_tensor(f, path, name) for name in f.keys()}
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (from the index, or the single file)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not weight_map:
+        data = read_json(index, "shard index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not weight_map or not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map")
+        bad = next((n for n, f in weight_map.items() if not isinstance(f, str) or Path(f).name != f), None)
+        if bad is not None:
+            raise CheckpointError(f"{index}: weight_map[{bad!r}] must be a shard file name, got {weight_map[bad]!r}")
         files = {name: folder / fname for name, fname in weight_map.items()}
         for name, path in files.items():
             if not path.is_file():
@@ -51,7 +83,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
     single = folder / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
-    with safe_open(str(single), "pt") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -88,12 +120,12 @@ def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: 
         if name in files:
             by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), "pt") as f:
+        with open_safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"{path}: tensor {name!r} listed in the index but not in the file")
-                t = f.get_tensor(name)
+                t = get_tensor(f, path, name)
                 if t.shape != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
                                           f"config expects {tuple(expected[name])}")
@@ -101,8 +133,13 @@ def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: 
     return state
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> InternVL:
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int | None = None) -> InternVL:
+    """The model of `folder`, its files verified against the folder's manifest first. `max_len` is
+    the RoPE table's length (default 4096, within max_position_embeddings); the pipeline passes its
+    arena's max_len, so the table is made once."""
+    verify_model_folder(folder)
     cfg = read_config(folder)
+    max_len = max_len or min(4096, cfg.llm.max_position_embeddings)
     with torch.device("meta"):
         model = InternVL(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -118,7 +155,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: 
 
 def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path | None = None,
                      shard_bytes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
-    """Write `model` as an InternVL2.5 folder (config.json, safetensors, tokenizer files)."""
+    """Write `model` as an InternVL2.5 folder (config.json, safetensors, tokenizer files), then
+    its litevlm_manifest.json over what the folder now holds."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2, ensure_ascii=False) + "\n")
@@ -155,3 +193,4 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
         }, indent=2) + "\n")
         (folder / "generation_config.json").write_text(
             json.dumps({"eos_token_id": sorted(tok.eos_ids), "do_sample": False}) + "\n")
+    write_manifest(folder)

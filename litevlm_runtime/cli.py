@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "litevlm_runtime.commands.ask",
     "litevlm_runtime.commands.bench",
     "litevlm_runtime.commands.make_checkpoint",
+    "litevlm_runtime.commands.checksum",
     "litevlm_runtime.commands.export",
     "litevlm_runtime.commands.build_engines",
     "litevlm_runtime.commands.calibrate",

@@ -38,6 +38,7 @@ from torch import nn
 
 from .engines.buckets import Buckets, check_fits, default_buckets
 from .errors import LiteVLMError
+from .integrity import file_digest, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -199,14 +200,6 @@ def view_selector_spec(model_dir: Path) -> tuple[GraphSpec | None, str]:
 
 
 # ------------------------------------------------------------------------------------ hashing
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def checkpoint_hash(model_dir: Path) -> str:
     """sha256 over config.json and every *.safetensors file (names and contents, sorted)."""
     h = hashlib.sha256()
@@ -214,7 +207,7 @@ def checkpoint_hash(model_dir: Path) -> str:
     for f in files:
         if f.is_file():
             h.update(f.name.encode())
-            h.update(sha256_file(f).encode())
+            h.update(file_digest(f).encode())   # cached per file version: a bundle load does not rehash 4 GB
     return h.hexdigest()
 
 

@@ -3,14 +3,15 @@ bundled model (same architecture and layout, narrower and shallower, smaller til
 
 from __future__ import annotations
 
-from .config import LLMConfig, ModelConfig, VisionConfig
+from .config import LLMConfig, ModelConfig, RopeScaling, VisionConfig
 
 SMALL_SYSTEM_MESSAGE = "You are a driving assistant. Answer about the six camera views."
 
 
 def preset(name: str, vocab_size: int = 92553) -> ModelConfig:
     if name == "internvl2_5-2b":
-        return ModelConfig(VisionConfig(), LLMConfig(vocab_size=vocab_size))
+        # upstream llm_config.rope_scaling: InternLM2's dynamic NTK, acting only past 32768 positions
+        return ModelConfig(VisionConfig(), LLMConfig(vocab_size=vocab_size, rope_scaling=RopeScaling("dynamic", 2.0)))
     if name == "internvl2_5-1b":
         return ModelConfig(VisionConfig(), LLMConfig(
             architecture="qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import check_state_dict
+from .checkpoint import check_state_dict, read_safetensors
 from .config import LLMConfig
 from .errors import CheckpointError, InputError
+from .integrity import verify_model_folder
 from .models.decoder import RotaryTable, attention_probs
 from .models.internlm2 import InternLM2Layer
 from .models.qwen2 import Qwen2Layer
@@ -172,6 +173,8 @@ def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None
     weights, config_path = folder / WEIGHTS_FILE, folder / CONFIG_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights}: token selector weights missing (train them: litevlm train tokens)")
+    verify_model_folder(folder)
+    verify_model_folder(folder)
     try:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -182,7 +185,7 @@ def load_token_selector(folder: str | Path | None, lm, reduce: str | None = None
         raise CheckpointError(f"{config_path}: selector for {config.get('llm_architecture')!r}, "
                               f"decoder is {lm.cfg.architecture!r}")
     sel = TokenSelector(lm.cfg, reduce or config.get("reduce", "max"), rope=lm.rope)
-    state = {k.removeprefix("layer."): v for k, v in load_file(str(weights)).items()}
+    state = {k.removeprefix("layer."): v for k, v in read_safetensors(weights).items()}
     check_state_dict(weights, state, sel.layer.state_dict(), prefix="layer.")
     sel.layer.load_state_dict(state)
     return sel.to(device=device, dtype=dtype).eval()

@@ -8,12 +8,11 @@ tokenized on its own and cached, with the visual tokens spliced in as embeddings
 
 from __future__ import annotations
 
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
@@ -30,17 +29,26 @@ class Tokenizer:
         if (folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 
-            self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            path = folder / "tokenizer.json"
+            try:
+                self._tok = HFTokenizer.from_file(str(path))
+            except Exception as exc:  # tokenizers raises a bare Exception ("EOF while parsing a value ...")
+                raise CheckpointError(f"{path}: not a readable tokenizers file ({exc})") from None
             self._encode = lambda s: self._tok.encode(s, add_special_tokens=False).ids
             self._vocab = self._tok.get_vocab(with_added_tokens=True)
             self._decode_one = None
         elif (folder / "tokenizer.model").is_file():
             import sentencepiece as spm
 
-            self._sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+            path = folder / "tokenizer.model"
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=str(path))
+            except (OSError, RuntimeError) as exc:
+                raise CheckpointError(f"{path}: not a readable sentencepiece model ({exc})") from None
+            added = _added_tokens(folder)
             self._vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
-            self._vocab.update(_added_tokens(folder))
-            self._special_re = re.compile("(" + "|".join(re.escape(t) for t in _added_tokens(folder)) + ")")
+            self._vocab.update(added)
+            self._special_re = re.compile("(" + "|".join(re.escape(t) for t in added) + ")")
             self._encode = self._encode_sentencepiece
         else:
             raise CheckpointError(f"{folder}: no tokenizer.json or tokenizer.model")
@@ -81,8 +89,17 @@ def _added_tokens(folder: Path) -> dict[str, int]:
     cfg = folder / "tokenizer_config.json"
     if not cfg.is_file():
         return {}
-    data = json.loads(cfg.read_text())
-    return {v["content"]: int(k) for k, v in data.get("added_tokens_decoder", {}).items()}
+    data = read_json(cfg, "tokenizer config")
+    decoder = data.get("added_tokens_decoder", {}) if isinstance(data, dict) else None
+    if not isinstance(decoder, dict):
+        raise CheckpointError(f"{cfg}: added_tokens_decoder must be an object of id -> {{content, ...}}")
+    added = {}
+    for k, v in decoder.items():
+        if not (k.isdigit() and isinstance(v, dict) and isinstance(v.get("content"), str)):
+            raise CheckpointError(f"{cfg}: added_tokens_decoder[{k!r}] must map a token id to "
+                                  f"{{\"content\": str, ...}}, got {v!r}")
+        added[v["content"]] = int(k)
+    return added
 
 
 def chat_segments(system: str, cameras: list[str], question: str) -> list[str | int]:

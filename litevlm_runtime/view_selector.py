@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .cameras import CAMERAS
+from .checkpoint import read_safetensors
 from .errors import CheckpointError, InputError
+from .integrity import verify_model_folder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -351,6 +353,7 @@ def load_view_selector(
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_FILE} (not a view selector folder)")
+    verify_model_folder(path)
     try:
         config = json.loads(config_path.read_text())
         arch = dict(config["architecture"])
@@ -372,7 +375,7 @@ def load_view_selector(
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: missing {weights_path.name}")
     model = ViewSelector(cfg)
-    state = load_file(str(weights_path))
+    state = read_safetensors(weights_path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{weights_path}: missing tensors {missing}, unexpected tensors {unexpected}")

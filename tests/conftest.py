@@ -13,6 +13,15 @@ DRIVELM = SHARED / "drivelm_sample"
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
 
+@pytest.fixture(scope="session", autouse=True)
+def digest_cache(tmp_path_factory):
+    """Digests of verified model files go to a folder of this session, not the user's ~/.cache/litevlm
+    (subprocesses the tests start inherit it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LITEVLM_CACHE", str(tmp_path_factory.mktemp("litevlm_cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def drivelm_dir() -> Path:
     if not (DRIVELM / "samples").is_dir():

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LLMConfig
+from .rope import RotaryTable, apply_rope  # the rest of the code imports them from here
 
 
 class RMSNorm(nn.Module):
@@ -36,44 +37,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-class RotaryTable(nn.Module):
-    """cos/sin tables for every position up to max_len, computed once (rotate-half convention).
-
-    Computed in float32 exactly as the upstream models do, and kept in float32 whatever dtype the
-    model is moved to (`.to(dtype)` moves the tables to the device only), so positions far into
-    the sequence round the same way the checkpoint was trained with. One table serves the
-    decoder, the token selector and the EAGLE-2 head of a pipeline: it is built once, at the
-    arena's max_len, and shared.
-    """
-
-    def __init__(self, head_dim: int, theta: float, max_len: int):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        device = fn(torch.empty(0)).device          # where the module goes; the tables stay float32
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-        return self
-
-    @property
-    def max_len(self) -> int:
-        return self.cos.shape[0]
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -162,7 +125,7 @@ class CausalLM(nn.Module):
         """The decoder's RotaryTable for positions < max_len (the arena's max_len in a pipeline),
         on the decoder's device; the token selector and the EAGLE-2 head share it."""
         device = self.embed.weight.device
-        self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_len).to(device)
+        self.rope = RotaryTable(self.cfg, max_len).to(device)
 
     def run_layers(self, x, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,
                    layers: range | None = None, probe=None):

@@ -13,12 +13,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import check_state_dict
+from ..checkpoint import check_state_dict, read_safetensors
 from ..config import LLMConfig
 from ..errors import CheckpointError
+from ..integrity import verify_model_folder
 from .decoder import RotaryTable
 from .internlm2 import InternLM2Layer
 from .qwen2 import Qwen2Layer
@@ -62,8 +63,9 @@ def load_draft_head(folder: Path, cfg: LLMConfig, rope: RotaryTable, dtype: torc
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{weights}: EAGLE-2 draft head weights missing")
+    verify_model_folder(folder)
     draft = DraftHead(cfg)
-    state = load_file(str(weights))
+    state = read_safetensors(weights)
     check_state_dict(weights, state, draft.state_dict())
     draft.load_state_dict(state)
     draft.rope = rope

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding import greedy
+from ..integrity import write_manifest
 from ..models.eagle import DraftHead, save_draft_head
 from ..speculative import eagle2
 from .distributed import setup
@@ -175,6 +176,7 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
     if d.main:
         out = Path(out or Path(model_dir) / "eagle")
         save_draft_head(draft, out, record)
+        write_manifest(out)
         log(f"mean accepted length on {len(held)} held-out questions: untrained {untrained:.2f} -> trained {trained:.2f}")
         log(f"wrote {out}")
     d.close()

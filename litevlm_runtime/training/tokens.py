@@ -47,6 +47,7 @@ from torch import nn
 from ..cameras import CAMERAS
 from ..checkpoint import load_model
 from ..errors import InputError
+from ..integrity import write_manifest
 from ..models.decoder import attention_probs
 from ..options import options_from_flat
 from ..pipeline import Pipeline, assemble_prompt, encode, preprocess
@@ -394,6 +395,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         "history": history,
     }
     save_token_selector(selector, out, record)
+    write_manifest(out)
     log(f"wrote {out}")
     if args.json:
         print(json.dumps(record["metrics"], indent=2))

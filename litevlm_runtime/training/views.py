@@ -38,6 +38,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..integrity import write_manifest
 from .distributed import setup
 from ..view_selector import (
     TOKENIZER_FILE,
@@ -370,6 +371,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
             "tokenizer_source": args.tokenizer or "trained on the training questions",
         }
         save_view_selector(out_dir, model, tokenizer, {"training": settings, "metrics": metrics})
+        write_manifest(out_dir)
         log(f"wrote {out_dir}/ (config.json, model.safetensors, tokenizer.json)")
         for split, rows in metrics.items():
             where = {

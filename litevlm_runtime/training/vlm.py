@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import hashlib
 import itertools
 import json
 import math
@@ -69,6 +68,7 @@ from ..cameras import CAMERAS
 from ..checkpoint import load_model, write_checkpoint
 from ..commands.make_checkpoint import init_weights
 from ..errors import InputError
+from ..integrity import sha256_file
 from ..evaluation.metrics import ACCURACY, derive_tags
 from ..models.internvl import InternVL
 from ..preprocess import Normalizer, load_image, to_tiles_uint8
@@ -512,13 +512,9 @@ def _set_threads(requested: int | None) -> None:
     torch.set_num_threads(requested or threads_per_rank())
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def data_provenance(data: Path) -> dict:
     """What the training data was: its hash, and the generator's settings when it left them."""
-    info = {"file": str(data), "sha256": file_sha256(data)}
+    info = {"file": str(data), "sha256": sha256_file(data)}
     for name in ("synthdrive.json", "synth.json", "meta.json"):
         meta = Path(data).parent / name
         if meta.is_file():
