@@ -26,7 +26,8 @@ from .fastv import FastV
 from .token_selector import SCOPES, PromptLayout, check_keep_ratio, load_token_selector
 from .preprocess import Normalizer, load_image, to_tiles_uint8
 from .timing import StageTimer
-from .tokenizer import SPECIAL_TOKENS, Tokenizer, chat_segments, segment_ids
+from .prompt import Prompt, build_prompt, resolve_layout
+from .tokenizer import SPECIAL_TOKENS, Tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,6 +61,8 @@ class PipelineOptions:
     fastv_k: int = 2                    # FastV baseline: prune inside the decoder from layer K on
     fastv_ratio: float = 0.0            # FastV drop ratio R (0 = off; the paper's "FastV r=0.3" keeps
                                         # 0.3 of the visual tokens, i.e. R = 0.7)
+    prompt_layout: str | None = None    # internvl | cameras | a template with <image> (prompt.py); None:
+                                        # the model folder's (litevlm.json, else guessed from its tokenizer)
     threads: int | None = None          # torch intra-op threads (None: torch's default). On a shared
                                         # CPU, fewer threads than cores avoids OpenMP spin contention.
     extra: dict = field(default_factory=dict)
@@ -92,10 +95,11 @@ class Pipeline:
         self.tile = self.cfg.force_image_size
         self.tiles_per_camera = options.tiles_per_camera
         self.tokens_per_camera = options.tiles_per_camera * self.cfg.tokens_per_tile
+        self.prompt_layout, _ = resolve_layout(options.prompt_layout, self.model_dir or tokenizer.folder)
         # Everything in the prompt except the visual tokens and the question, for the worst case.
-        template_ids, _ = segment_ids(tokenizer, chat_segments(self.cfg.system_message, list(options.cameras), ""),
-                                      [0] * len(options.cameras))
-        self.arena = Arena(self.cfg, options.limits(len(template_ids) + 8), self.dtype, self.device)
+        template = self.prompt(list(options.cameras), "")
+        template_tokens = len(template.input_ids) - len(options.cameras) * self.tokens_per_camera
+        self.arena = Arena(self.cfg, options.limits(template_tokens + 8), self.dtype, self.device)
         self.lm.init_rope(self.arena.max_len)
         self.lm.to(self.device)
         self.normalize = Normalizer(self.dtype, self.device)
@@ -234,17 +238,14 @@ class Pipeline:
         as ids + embeddings into the arena once: the token selector reads it, prefill gathers the
         kept rows from it. Row index = original position id."""
         a = self.arena
-        full_ids, spans = self.prompt_ids(cameras, question)
-        n = len(full_ids)
-        a.prompt_ids[:n].copy_(torch.tensor(full_ids, dtype=torch.long))
+        prompt = self.prompt(cameras, question)
+        n = len(prompt.input_ids)
+        a.prompt_ids[:n].copy_(torch.tensor(prompt.input_ids, dtype=torch.long))
         embeds = a.prompt_embeds[:n]
         torch.index_select(self.lm.embed.weight, 0, a.prompt_ids[:n], out=embeds)
-        for cam_index, (start, count) in enumerate(spans):
+        for cam_index, (start, count) in enumerate(prompt.image_spans):
             embeds[start:start + count] = visual[cam_index]
-        # The question: the text after the last </img> up to the <|im_end|> that closes the user turn.
-        q_start = spans[-1][0] + spans[-1][1] + 1
-        q_end = q_start + full_ids[q_start:].index(self.tok.im_end_id)
-        return PromptLayout(n, list(spans), (q_start, q_end))
+        return PromptLayout(n, list(prompt.image_spans), prompt.question_span)
 
     def select_tokens(self, prompt: PromptLayout) -> list[torch.Tensor]:
         """Per camera, the indices of the visual tokens to keep (ascending)."""
@@ -265,8 +266,13 @@ class Pipeline:
 
     def prompt_ids(self, cameras: list[str], question: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each camera's (start, count)."""
-        return segment_ids(self.tok, chat_segments(self.cfg.system_message, cameras, question),
-                           [self.tokens_per_camera] * len(cameras))
+        prompt = self.prompt(cameras, question)
+        return list(prompt.input_ids), list(prompt.image_spans)
+
+    def prompt(self, cameras: list[str], question: str) -> Prompt:
+        """The full prompt in this model's layout (prompt.py): ids, camera spans, question span."""
+        return build_prompt(self.tok, self.cfg.system_message, self.prompt_layout, cameras, question,
+                            self.tokens_per_camera)
 
     def prefill(self, prompt: PromptLayout, keep: list[torch.Tensor]) -> tuple[int, int, int]:
         """Gather [template, <img> kept visual </img> per camera, question] from the assembled full
