@@ -16,6 +16,7 @@ from .errors import LiteVLMError
 
 COMMAND_MODULES = [
     "litevlm_runtime.commands.ask",
+    "litevlm_runtime.commands.prompt",
     "litevlm_runtime.commands.bench",
     "litevlm_runtime.commands.make_checkpoint",
     "litevlm_runtime.commands.checksum",

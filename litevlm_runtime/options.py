@@ -177,6 +177,8 @@ class PipelineOptions(_Validated):
     max_new_tokens: int = setting(64, "answer length cap (tokens)", lo=1, hi=4096)
     max_question_tokens: int = setting(256, "question length cap (tokens)", lo=1, hi=8192)
     cameras: tuple = setting(CAMERAS, "the rig this pipeline serves, in rig order", ros=False)
+    prompt_layout: str = setting("", "prompt layout: internvl | cameras | a template with <image> ('': the model "
+                                     "folder's litevlm.json, else guessed from its tokenizer; prompt.py)")
     views: Views = nested(Views)
     tokens: Tokens = nested(Tokens)
     decoding: Decoding = nested(Decoding)

@@ -10,7 +10,6 @@ pipeline, with every module the model folder carries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,18 +22,11 @@ from .preprocess import load_image, to_tiles_uint8
 from .runtime import Runtime, build_runtime
 from .speculative import eagle2, speculates
 from .timing import StageTimer
-from .tokenizer import SPECIAL_TOKENS, chat_segments, segment_ids
+from .token_selector import PromptLayout
+from .prompt import build_prompt
+from .tokenizer import SPECIAL_TOKENS
 
 INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff"}     # zero-width characters
-
-
-@dataclass
-class PromptLayout:
-    """Where things are in the full prompt (every visual token present; row index = position id)."""
-
-    length: int                          # full prompt length
-    spans: list[tuple[int, int]]         # per camera: (first row, count) of its visual tokens
-    question: tuple[int, int]            # [start, end) rows of the question text
 
 
 class Pipeline:
@@ -168,8 +160,8 @@ def encode(rt: Runtime, pixels: torch.Tensor) -> torch.Tensor:
 
 def prompt_ids(rt: Runtime, cameras: list[str], question: str) -> tuple[list[int], list[tuple[int, int]]]:
     """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each camera's (start, count)."""
-    return segment_ids(rt.tok, chat_segments(rt.cfg.system_message, cameras, question),
-                       [rt.tokens_per_camera] * len(cameras))
+    prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera)
+    return list(prompt.input_ids), list(prompt.image_spans)
 
 
 def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual: torch.Tensor) -> PromptLayout:
@@ -177,17 +169,14 @@ def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual: torc
     as ids + embeddings into the arena once: the token selector reads it, prefill gathers the
     kept rows from it. Row index = original position id."""
     a = rt.arena
-    full_ids, spans = prompt_ids(rt, cameras, question)
-    n = len(full_ids)
-    a.prompt_ids[:n].copy_(torch.tensor(full_ids, dtype=torch.long, device=rt.device))
+    prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera)
+    n = len(prompt.input_ids)
+    a.prompt_ids[:n].copy_(torch.tensor(prompt.input_ids, dtype=torch.long, device=rt.device))
     embeds = a.prompt_embeds[:n]
     torch.index_select(rt.lm.embed.weight, 0, a.prompt_ids[:n], out=embeds)
-    for cam_index, (start, count) in enumerate(spans):
+    for cam_index, (start, count) in enumerate(prompt.image_spans):
         embeds[start:start + count] = visual[cam_index]
-    # The question: the text after the last </img> up to the <|im_end|> that closes the user turn.
-    q_start = spans[-1][0] + spans[-1][1] + 1
-    q_end = q_start + full_ids[q_start:].index(rt.tok.im_end_id)
-    return PromptLayout(n, list(spans), (q_start, q_end))
+    return PromptLayout(n, list(prompt.image_spans), prompt.question_span)
 
 
 def select_tokens(rt: Runtime, layout: PromptLayout) -> list[torch.Tensor]:

@@ -23,26 +23,27 @@ from .config import ModelConfig
 from .errors import InputError
 from .options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
 from .preprocess import Normalizer
+from .prompt import resolve_layout
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _threads_lock = threading.Lock()
 
 
-def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions) -> Limits:
+def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, layout: str) -> Limits:
     """The arena's maxima: the rig's cameras and tiles, the longest template + question, the
     answer cap and the largest draft tree the options allow."""
-    from .tokenizer import chat_segments, segment_ids
+    from .prompt import build_prompt
 
     # Everything in the prompt except the visual tokens and the question, for the worst case.
-    template_ids, _ = segment_ids(tok, chat_segments(cfg.system_message, list(options.cameras), ""),
-                                  [0] * len(options.cameras))
+    template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1)
+    template_tokens = len(template.input_ids) - len(options.cameras)      # one placeholder per camera
     tree = options.decoding.eagle
     eagle = options.decoding.mode == DecodingMode.EAGLE
     return Limits(
         cameras=len(options.cameras),
         tiles_per_camera=options.tiles_per_camera,
-        text_tokens=len(template_ids) + 8 + options.max_question_tokens,
+        text_tokens=template_tokens + 8 + options.max_question_tokens,
         new_tokens=options.max_new_tokens,
         tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
         draft_layers=1 if eagle else 0,
@@ -75,7 +76,8 @@ class Runtime:
     draft: torch.nn.Module | None = None
     fastv: object | None = None
     engines: object = None            # engines.Engines, bound last
-    costs: object = None              # speculative.DeviceCosts, measured at warm-up (adaptive trees)
+    costs: object = None              # spec_policy.DeviceCosts, measured at warm-up (adaptive trees)
+    prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -102,7 +104,8 @@ class Runtime:
         device, dtype = torch.device(options.device), DTYPES[options.dtype]
         set_threads(options.threads())
         cfg = model.cfg
-        arena = Arena(cfg, arena_limits(cfg, tok, options), dtype, device)
+        layout = resolve_layout(options.prompt_layout or None, model_dir or tok.folder)[0]
+        arena = Arena(cfg, arena_limits(cfg, tok, options, layout), dtype, device)
         model = model.to(device, dtype).eval()
         lm = model.language_model
         if getattr(lm, "rope", None) is None or lm.rope.max_len != arena.max_len:
@@ -112,7 +115,7 @@ class Runtime:
             pos_embed = model.vision_model.embeddings.position_embedding_for(grid, grid)
         rt = cls(name=name, model_dir=model_dir, options=options, cfg=cfg, model=model, tok=tok, arena=arena,
                  device=device, dtype=dtype, pos_embed=pos_embed, normalize=Normalizer(dtype, device),
-                 sampler=torch.Generator(device="cpu").manual_seed(options.decoding.seed))
+                 sampler=torch.Generator(device="cpu").manual_seed(options.decoding.seed), prompt_layout=layout)
         on = options.modules()
         rt.view_selector = (view_selector or load_views(options, model_dir)) if "views" in on else None
         rt.token_selector = (token_selector or load_tokens(options, model_dir, lm, dtype)) \
@@ -183,5 +186,7 @@ def build_runtime(model_dir: str | Path, options: PipelineOptions | None = None)
         raise InputError(f"backend.name {resolved.backend.name.value} needs backend.bundle (an export folder: "
                          f"`litevlm export --model {model_dir} --out DIR`)")
     tok = Tokenizer(model_dir)
-    model = load_model(model_dir, DTYPES[resolved.dtype], max_len=Arena.max_len_for(cfg, arena_limits(cfg, tok, resolved)))
+    layout = resolve_layout(resolved.prompt_layout or None, model_dir)[0]
+    max_len = Arena.max_len_for(cfg, arena_limits(cfg, tok, resolved, layout))
+    model = load_model(model_dir, DTYPES[resolved.dtype], max_len=max_len)
     return Runtime.from_model(model, tok, resolved, name=model_dir.name, model_dir=model_dir)

@@ -1,15 +1,16 @@
-"""Tokenizer loading (tokenizer.json via `tokenizers`, or tokenizer.model via `sentencepiece`) and
-the `internvl2_5` chat template as a list of token-id segments.
+"""Tokenizer loading (tokenizer.json via `tokenizers`, or tokenizer.model via `sentencepiece`),
+and what the tokenizer's own configuration adds around a whole text (BOS), which prompt.py puts
+around every prompt.
 
-The prompt is never built as one string with thousands of `<IMG_CONTEXT>` tokens: it is a list of
-text segments split at special tokens (exactly where a tokenizer would split anyway), each
-tokenized on its own and cached, with the visual tokens spliced in as embeddings.
+Prompts are built in prompt.py, id by id: text pieces between special tokens are tokenized on
+their own (`encode_cached`) and the visual tokens spliced in as ids, so that no string with
+thousands of `<IMG_CONTEXT>` tokens is ever tokenized.
 """
 
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from .errors import CheckpointError, read_json
@@ -84,6 +85,69 @@ class Tokenizer:
             return self._tok.decode(ids, skip_special_tokens=True)
         return self._sp.decode(ids)
 
+    def id_to_token(self, token_id: int) -> str:
+        return self._tokens_by_id[int(token_id)]
+
+    @cached_property
+    def _tokens_by_id(self) -> dict[int, str]:
+        return {i: t for t, i in self._vocab.items()}
+
+    @cached_property
+    def added_around_text(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(ids before, ids after) that this tokenizer adds around a whole text when it tokenizes
+        with special tokens, as upstream's `tokenizer(prompt)` does: InternLM2's `<s>`, nothing
+        for Qwen2.5.
+
+        A sentencepiece tokenizer.model follows tokenizer_config.json: `add_bos_token` (default
+        true, as in InternLM2Tokenizer and LlamaTokenizer) with its `bos_token`, `add_eos_token`
+        (default false) with its `eos_token`. A tokenizer.json follows its post-processor, as
+        transformers 5 does (it drops the config's flags when there is a tokenizer.json); a config
+        flag that says otherwise is an error, since transformers 4's Llama tokenizers obeyed it.
+        """
+        config = read_tokenizer_config(self.folder)
+        if hasattr(self, "_sp"):
+            before = self._config_token_id(config, "bos_token") if config.get("add_bos_token", True) else None
+            after = self._config_token_id(config, "eos_token") if config.get("add_eos_token", False) else None
+            return tuple(i for i in (before,) if i is not None), tuple(i for i in (after,) if i is not None)
+        before, after = self._post_processor_ids()
+        for key, ids, where in (("add_bos_token", before, "before"), ("add_eos_token", after, "after")):
+            if key in config and bool(config[key]) != bool(ids):
+                raise CheckpointError(
+                    f"{self.folder / 'tokenizer_config.json'}: {key} is {config[key]} but tokenizer.json's "
+                    f"post_processor adds {ids or 'nothing'} {where} a text; make them agree")
+        return before, after
+
+    def _config_token_id(self, config: dict, key: str) -> int | None:
+        """The id of tokenizer_config.json's `bos_token` / `eos_token` (a string or an AddedToken
+        dict); absent: the sentencepiece model's own (InternLM2Tokenizer's is `sp_model.bos_id()`)."""
+        if key not in config:
+            sp_id = self._sp.bos_id() if key == "bos_token" else self._sp.eos_id()
+            return sp_id if sp_id >= 0 else None
+        token = config[key].get("content") if isinstance(config[key], dict) else config[key]
+        if token is None:
+            return None
+        if token not in self._vocab:
+            raise CheckpointError(f"{self.folder / 'tokenizer_config.json'}: {key} {token!r} is not in the vocabulary")
+        return self._vocab[token]
+
+    def _post_processor_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        # The post-processor (TemplateProcessing, RobertaProcessing, ByteLevel, a Sequence of them)
+        # is asked through `tokenizers` itself: where a probe's own ids land among the ids it
+        # returns with special tokens says what it puts before and after.
+        probe = "a"
+        plain = self._tok.encode(probe, add_special_tokens=False).ids
+        full = self._tok.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if plain and full[start:start + len(plain)] == plain:
+                return tuple(full[:start]), tuple(full[start + len(plain):])
+        raise CheckpointError(f"{self.folder / 'tokenizer.json'}: its post_processor does not keep a text's "
+                              f"own ids ({plain} -> {full}); unsupported")
+
+
+def read_tokenizer_config(folder: Path) -> dict:
+    path = Path(folder) / "tokenizer_config.json"
+    return read_json(path, "tokenizer config") if path.is_file() else {}
+
 
 def _added_tokens(folder: Path) -> dict[str, int]:
     cfg = folder / "tokenizer_config.json"
@@ -100,53 +164,6 @@ def _added_tokens(folder: Path) -> dict[str, int]:
                                   f"{{\"content\": str, ...}}, got {v!r}")
         added[v["content"]] = int(k)
     return added
-
-
-def chat_segments(system: str, cameras: list[str], question: str) -> list[str | int]:
-    """The `internvl2_5` template for several images, as text segments and image slots.
-
-    Each int is the index of an image (camera) whose `<img> <IMG_CONTEXT>*n </img>` goes there.
-    Layout: <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{CAM}: <img>..</img>\\n ...
-    {question}<|im_end|>\\n<|im_start|>assistant\\n
-    """
-    segs: list[str | int] = [IM_START, f"system\n{system}", IM_END, "\n", IM_START, "user\n"]
-    for i, cam in enumerate(cameras):
-        segs += [f"{cam}: ", i, "\n"]
-    segs += [question, IM_END, "\n", IM_START, "assistant\n"]
-    return segs
-
-
-def segment_ids(tok: Tokenizer, segments: list[str | int], tokens_per_image: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of a chat, `<IMG_CONTEXT>` placeholders included, and each image's (start, count).
-
-    Adjacent text is merged between special tokens so that the ids equal what tokenizing the
-    whole prompt string would give (tokenizers split at special tokens the same way).
-    """
-    ids: list[int] = []
-    spans: list[tuple[int, int]] = []
-    specials = {IM_START: tok.im_start_id, IM_END: tok.im_end_id}
-    text = ""
-
-    def flush():
-        nonlocal text
-        if text:
-            ids.extend(tok.encode_cached(text))
-            text = ""
-
-    for seg in segments:
-        if isinstance(seg, int):
-            flush()
-            ids.append(tok.img_start_id)
-            spans.append((len(ids), tokens_per_image[seg]))
-            ids.extend([tok.img_context_id] * tokens_per_image[seg])
-            ids.append(tok.img_end_id)
-        elif seg in specials:
-            flush()
-            ids.append(specials[seg])
-        else:
-            text += seg
-    flush()
-    return ids, spans
 
 
 def train_bpe_tokenizer(texts, vocab_size: int, out_file: Path) -> None:

@@ -151,8 +151,11 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
     out, _ = tiny_run
     from litevlm_runtime.decoding import greedy
 
+    # the folder records the layout its prompts were trained in, and the pipeline reads it there
+    assert json.loads((out / "litevlm.json").read_text()) == {"prompt_layout": vlm.SCRATCH_LAYOUT}
     pipe = Pipeline.from_pretrained(out, PipelineOptions())
     rt = pipe.rt
+    assert rt.prompt_layout == vlm.SCRATCH_LAYOUT
     frame = vlm.load_frames(synth_set / "val.json", synth_set)[0]
     qa = frame.qa[0]
     ans = pipe.answer(frame.images, qa.question, max_new_tokens=12)

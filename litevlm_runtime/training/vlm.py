@@ -6,7 +6,9 @@ scratch on DriveLM-format QA (SynthDrive), and write it as a checkpoint the pipe
 
 Train and inference see the same inputs bit for bit: every frame is decoded and resized with the
 pipeline's own `load_image` / `to_tiles_uint8` / `Normalizer`, and every prompt is built with the
-pipeline's `chat_segments` / `segment_ids` (so its token ids equal `Pipeline.prompt_ids`). The loss
+pipeline's `prompt.build_prompt` in the model's prompt layout (so its token ids equal
+`Pipeline.prompt_ids`): `cameras` for a model trained from scratch, --init's own layout when training
+continues from a checkpoint; the layout is recorded in the output folder's litevlm.json. The loss
 is the cross-entropy of the answer tokens and the `<|im_end|>` that stops generation.
 
 Packing. A key frame carries many questions about the same six images, and the prompt up to the
@@ -73,12 +75,16 @@ from ..evaluation.metrics import ACCURACY, derive_tags
 from ..models.internvl import InternVL
 from ..preprocess import Normalizer, load_image, to_tiles_uint8
 from ..presets import PRESETS, preset
-from ..tokenizer import Tokenizer, chat_segments, segment_ids, train_bpe_tokenizer
+from ..prompt import build_prompt, model_layout, write_layout
+from ..tokenizer import Tokenizer, train_bpe_tokenizer
 from .distributed import setup, threads_per_rank
 from .vision_labels import LABELS, VisionProbe, load_vision_labels
 
 CATEGORIES = ("perception", "prediction", "planning", "behavior")
 RECORD_FILE = "training_record.json"
+# The prompt layout a model trained from scratch gets: camera names label the images, so a subset of
+# cameras (the view selector's) still says which camera each image is.
+SCRATCH_LAYOUT = "cameras"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,10 +186,9 @@ class Encoded:
 
 
 def encode_qa(tok: Tokenizer, system: str, tokens_per_camera: int, qa: QA,
-              cameras: tuple[str, ...] = CAMERAS) -> Encoded:
-    prompt, spans = segment_ids(tok, chat_segments(system, list(cameras), qa.question),
-                                [tokens_per_camera] * len(cameras))
-    return Encoded(prompt, spans, tok.encode(qa.answer) + [tok.im_end_id], qa)
+              cameras: tuple[str, ...] = CAMERAS, layout: str = SCRATCH_LAYOUT) -> Encoded:
+    prompt = build_prompt(tok, system, layout, cameras, qa.question, tokens_per_camera)
+    return Encoded(list(prompt.input_ids), list(prompt.image_spans), tok.encode(qa.answer) + [tok.im_end_id], qa)
 
 
 # A group's key: a frame index (all six cameras) or (frame index, camera indices) for a subset.
@@ -474,7 +479,7 @@ def epoch_groups(frames: list[list[Encoded]], per_group: int, rng: np.random.Gen
 
 
 def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_questions: int,
-                      seed: int, view_selector: Path | None = None) -> dict:
+                      seed: int, view_selector: Path | None = None, layout: str = SCRATCH_LAYOUT) -> dict:
     """Exact-match accuracy on closed-form (choice, yes/no) questions through the real Pipeline
     (the same answer path and the same match rule as `litevlm eval`); with a view selector, the
     cameras it selects instead of all six."""
@@ -487,7 +492,7 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
         items = [items[i] for i in sorted(rng.choice(len(items), max_questions, replace=False))]
     if not items:
         return {"accuracy": None, "questions": 0}
-    settings = {"pipeline": "baseline", "max_new_tokens": 8}
+    settings = {"pipeline": "baseline", "max_new_tokens": 8, "prompt_layout": layout}
     if view_selector:
         settings |= {"views.mode": "selector", "views.selector_dir": str(view_selector)}
     # The pipeline runs on the CPU: a float32 CPU copy, whatever device the model trains on.
@@ -596,13 +601,14 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     if args.tile_size:
         cfg = with_tile_size(cfg, args.tile_size, keep_position_grid=bool(args.init))
     tokens_per_camera = cfg.tokens_per_tile
+    layout = model_layout(args.init)[0] if args.init else SCRATCH_LAYOUT
 
     encoded: list[list[Encoded]] = []
     skipped = 0
     for f in frames:
         items = []
         for qa in f.qa:
-            e = encode_qa(tok, system, tokens_per_camera, qa)
+            e = encode_qa(tok, system, tokens_per_camera, qa, layout=layout)
             if len(e.answer) > args.max_answer_tokens + 1:
                 skipped += 1
                 continue
@@ -629,6 +635,11 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         f"cpu, {torch.get_num_threads()} threads/rank"
     log(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, tile {cfg.force_image_size}, "
         f"{tokens_per_camera} visual tokens per camera; world size {world}, {where}")
+
+    def save_checkpoint() -> None:
+        write_checkpoint(out, model, tok_file)
+        write_layout(out, layout)   # the layout the prompts were built in, for every later load
+
     cache = TileCache(frames, cfg.force_image_size)
     decode_threads = args.decode_threads if args.decode_threads is not None else \
         ((os.cpu_count() or 1) if device.type == "cuda" else 0)
@@ -698,7 +709,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
             mine = groups[rank::world]
             if select is not None:
                 mine = split_by_views(mine, select, args.selected_views, view_rng,
-                                      lambda qa, cams: encode_qa(tok, system, tokens_per_camera, qa, cams))
+                                      lambda qa, cams: encode_qa(tok, system, tokens_per_camera, qa, cams, layout))
             # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
             n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
             # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
@@ -778,11 +789,11 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             model.eval()
             t0 = time.monotonic()
-            write_checkpoint(out, model, tok_file)   # the latest weights survive an interrupted run
-            last_eval = held_out_accuracy(model, work, val_frames, args.eval_questions, args.seed)
+            save_checkpoint()   # the latest weights survive an interrupted run
+            last_eval = held_out_accuracy(model, work, val_frames, args.eval_questions, args.seed, layout=layout)
             if args.view_selector:
                 last_eval["selected_views"] = held_out_accuracy(model, work, val_frames, args.eval_questions,
-                                                                args.seed, args.view_selector)
+                                                                args.seed, args.view_selector, layout)
             model.train()
             last_eval["step"] = step + 1
             history.append({"step": step + 1, "held_out": last_eval})
@@ -801,7 +812,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     train_s = time.monotonic() - train_t0
     if rank != 0:
         return None
-    write_checkpoint(out, model, tok_file)
+    save_checkpoint()
     record = {
         "command": reproduce_command(args),
         "argv": " ".join(shlex.quote(a) for a in sys.argv),
