@@ -35,7 +35,13 @@ class ConfigRun:
 def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, limit: int | None = None,
                  configs: dict[str, dict] | None = None, progress=print) -> dict:
     from .evaluation.data import frame_images, load_frames
-    from .evaluation.metrics import score
+    from dataclasses import replace
+
+    from .evaluation.metrics import CHALLENGE, score
+
+    # The challenge's rules without its per-frame graph filter: the filter depends on each
+    # pipeline's own first answers, and the rows must be compared on the same questions.
+    same_questions = replace(CHALLENGE, name="challenge without the graph filter", graph_filter=False)
     from .evaluation.runner import select
     from .checkpoint import read_config
     from .pipeline import Pipeline
@@ -70,7 +76,7 @@ def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, l
         med = {s: statistics.median(x["stage_ms"][s] for x in r) for s in STAGES}
         total = statistics.median(x["total_ms"] for x in r)
         tokens = sum(x["new_tokens"] for x in r)
-        scores = score(questions, {x["id"]: x["answer"] for x in r})
+        scores = score(questions, {x["id"]: x["answer"] for x in r}, rules=same_questions)
         base_total = base_total or total
         rows.append({
             "pipeline": run.name,
@@ -99,8 +105,9 @@ def ablation_table(result: dict) -> str:
              "-" if r["accuracy"] is None else f"{r['accuracy']:.4f}",
              "-" if r["final_without_gpt"] is None else f"{r['final_without_gpt']:.4f}"]
             for r in result["rows"]]
-    return (table(headers, rows) + f"\n\n{result['questions']} questions; medians per query; "
-            "final* = DriveLM final score without the GPT term (no judge configured)")
+    return (table(headers, rows) + f"\n\n{result['questions']} questions; medians per query; accuracy and "
+            "final* (the DriveLM final score without the GPT term: no judge) by the challenge's rules on every "
+            "question (no graph filter, so that every row is scored on the same questions)")
 
 
 def ablation_plot(result: dict, path: Path) -> None:

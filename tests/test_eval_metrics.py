@@ -1,5 +1,6 @@
-"""DriveLM-style scoring against numbers computed independently: pycocoevalcap's scorers called
-directly, match F1 by hand, accuracy by counting."""
+"""DriveLM scoring against numbers computed independently: pycocoevalcap's scorers called
+directly, match F1 by hand, accuracy by counting; under the challenge's rules (the default) and
+--lenient. The edge answers are in test_eval_challenge_rules.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import frame_images, load_frames
-from litevlm_runtime.evaluation.metrics import ACCURACY, GPT, LANGUAGE, MATCH, derive_tags, match_f1, score
+from litevlm_runtime.evaluation.metrics import (ACCURACY, CHALLENGE, GPT, LANGUAGE, LENIENT, MATCH, derive_tags,
+                                                match_f1, score)
 from litevlm_runtime.evaluation.runner import read_predictions
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoevalcap's PTB tokenizer needs Java")
@@ -101,21 +103,23 @@ def test_match_f1_by_hand():
 
 
 @needs_java
-def test_scores_equal_independent_computation(questions):
+@pytest.mark.parametrize("rules", [CHALLENGE, LENIENT], ids=["challenge", "lenient"])
+def test_scores_equal_independent_computation(questions, rules):
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-    s = score(questions, PREDICTIONS)
+    s = score(questions, PREDICTIONS, rules=rules)
     # accuracy: ids 1 (D=D), 3 (Yes vs Yes.), 4 (No. vs Yes.), 9 (C vs B): 1 of 4
     assert s.counts["accuracy"] == 4 and s.accuracy == pytest.approx(0.25)
-    # match: ids 0 (2/3), 5 (0.8), 7 (0)
+    # match: ids 0 (2/3), 5 (0.8), 7 (0); the tags' numbers are all d.d, so both rules read the same points
     assert s.counts["match"] == 3
     assert s.match["f1"] == pytest.approx((2 / 3 + 0.8 + 0.0) / 3, abs=1e-6)
     assert s.match["score"] == pytest.approx(s.match["f1"])
-    # language: the six free-text questions, corpus level, scorers called directly
-    lang_ids = [0, 2, 5, 6, 7, 8]
+    # language: the free-text questions, corpus level, scorers called directly; the challenge's
+    # graph filter skips id 2, about c2, which the first answer missed
+    lang_ids = [0, 5, 6, 7, 8] if rules is CHALLENGE else [0, 2, 5, 6, 7, 8]
     refs = {k: [{"caption": questions[i].answer}] for k, i in enumerate(lang_ids)}
     hyps = {k: [{"caption": PREDICTIONS[ID(i)]}] for k, i in enumerate(lang_ids)}
     tok = PTBTokenizer()
@@ -123,7 +127,7 @@ def test_scores_equal_independent_computation(questions):
     bleu, _ = Bleu(4).compute_score(refs, hyps)
     rouge, _ = Rouge().compute_score(refs, hyps)
     cider, _ = Cider().compute_score(refs, hyps)
-    assert s.counts["language"] == 6
+    assert s.counts["language"] == len(lang_ids)
     for n in range(4):
         assert s.language[f"Bleu_{n + 1}"] == pytest.approx(bleu[n], rel=1e-12)
     assert s.language["ROUGE_L"] == pytest.approx(rouge, rel=1e-12)
@@ -149,21 +153,24 @@ class ExactJudge:
 @needs_java
 def test_judge_enters_like_the_challenge(questions):
     s = score(questions, PREDICTIONS, judge=ExactJudge())
-    # GPT over the six judge-tagged questions: only id 6 is exact
-    gpt = (100 + 5 * 40) / 6 / 100
+    # GPT over the five judge-tagged questions the graph filter keeps (not id 2): only id 6 is exact
+    gpt = (100 + 4 * 40) / 5 / 100
     assert s.gpt["score"] == pytest.approx(gpt)
     # match = (mean F1 * 100 + mean judge over the match questions) / 2, in 0..1
     assert s.match["score"] == pytest.approx(((2 / 3 + 0.8) / 3 * 100 + 40) / 2 / 100, abs=1e-6)
     expected = 0.4 * gpt + 0.2 * s.language["score"] + 0.2 * s.match["score"] + 0.2 * 0.25
-    assert s.final["with_gpt"] == pytest.approx(expected)
+    assert s.final["with_gpt"] == pytest.approx(expected, abs=1e-15)
 
 
 @needs_java
 def test_graph_filter_skips_questions_about_missed_objects(questions):
     # The first answer matched c1 and c3 but not c2, so the question naming c2 (id 2) is skipped.
-    s = score(questions, PREDICTIONS, graph_filter=True)
-    assert s.skipped_by_graph == 1
+    s = score(questions, PREDICTIONS)
+    assert s.skipped_by_graph == 1 and s.counts["scored"] == 9
     assert s.counts["language"] == 5
+    assert s.per_category["perception"] == {"questions": 3, "skipped_by_graph": 1, "accuracy_questions": 2,
+                                            "accuracy": 0.5}
+    assert score(questions, PREDICTIONS, rules=LENIENT).skipped_by_graph == 0
 
 
 def test_missing_prediction_is_an_error(questions):
@@ -180,6 +187,7 @@ def test_cli_scores_a_predictions_file(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["scores"]["accuracy"] == pytest.approx(0.25)
     assert result["scores"]["gpt"]["available"] is False
+    assert result["scores"]["rules"]["name"] == "challenge" and result["scores"]["skipped_by_graph"] == 1
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert main(["eval", "--data", str(tmp_path / "qa.json"), "--from-predictions", str(tmp_path / "bad.json")]) == 2
     assert "expected a list" in capsys.readouterr().err
@@ -212,6 +220,9 @@ def test_challenge_tags_are_kept_and_empty_answers_score_zero(tmp_path):
     questions = [q for f in load_frames(tmp_path / "qa.json") for q in f.questions]
     assert questions[6].tags == (ACCURACY,)
     s = score(questions, {q.id: "" for q in questions})
-    assert s.counts["accuracy"] == 5 and s.accuracy == 0.0
+    # The empty first answer matched nothing: the graph filter skips ids 1, 2, 4 (they name objects)
+    assert s.skipped_by_graph == 3
+    assert s.counts["accuracy"] == 3 and s.accuracy == 0.0
+    assert score(questions, {q.id: "" for q in questions}, rules=LENIENT).counts["accuracy"] == 5
     assert s.language["score"] == 0.0 and s.match["f1"] == pytest.approx(0.0, abs=1e-6)
     assert s.final["without_gpt"] == pytest.approx(0.0, abs=1e-6)

@@ -22,10 +22,16 @@ def register(subparsers) -> None:
     p.add_argument("--from-predictions", help="score this predictions file instead of running a model")
     p.add_argument("--judge", help="GPT-score judge as module:attribute (see litevlm_runtime/evaluation/judge.py)")
     p.add_argument("--match-threshold", type=float, default=16.0, help="match radius, L1 pixels (challenge: 16)")
+    p.add_argument("--lenient", action="store_true",
+                   help="the project's friendlier scoring instead of the challenge's evaluation.py rules (the "
+                        "default): every question scored (no per-frame graph filter), answers compared after "
+                        "stripping whitespace, coordinates read only from <cN,CAM_X,x,y> tags (integers and "
+                        "negatives included, other numbers ignored); see evaluation/metrics.py")
     p.add_argument("--graph-filter", action="store_true",
-                   help="the challenge's per-frame filter: skip questions about objects the first answer missed")
+                   help="deprecated: the challenge's per-frame graph filter is now part of the default rules")
     p.add_argument("--by-question", action="store_true",
-                   help="also report choice/yes-no accuracy per question template (evaluation/breakdown.py)")
+                   help="also report choice/yes-no accuracy per question template (evaluation/breakdown.py), "
+                        "over the questions the chosen rules score")
     p.add_argument("--versus", action="append", default=[], metavar="NAME=PREDICTIONS.json",
                    help="with --by-question: add a column for another run's predictions on the same questions "
                         "(e.g. blanked=blank_pred.json); repeatable")
@@ -38,12 +44,19 @@ def run(args) -> int:
     from ..errors import InputError
     from ..evaluation.data import load_frames
     from ..evaluation.judge import load_judge
-    from ..evaluation.metrics import score
+    from ..evaluation.metrics import CHALLENGE, LENIENT, score
     from ..evaluation.runner import read_predictions, run_model, select
     from ..options import options_from_args
 
     if args.limit is not None and args.limit < 1:
         raise InputError("--limit must be at least 1")
+    if args.graph_filter and args.lenient:
+        raise InputError("--graph-filter contradicts --lenient (lenient rules score every question); "
+                         "the graph filter is part of the default, challenge rules")
+    if args.graph_filter:
+        print("litevlm eval: --graph-filter is deprecated: the challenge's graph filter is now the default "
+              "(--lenient turns it off)", file=sys.stderr)
+    rules = LENIENT if args.lenient else CHALLENGE
     frames_root = args.frames or str(Path(args.data).parent)
     judge = load_judge(args.judge) if args.judge else None
     records = None
@@ -62,7 +75,7 @@ def run(args) -> int:
         questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
         if args.predictions:
             Path(args.predictions).write_text(json.dumps(records, indent=1))
-    scores = score(questions, predictions, judge, args.match_threshold, args.graph_filter).to_dict()
+    scores = score(questions, predictions, judge, args.match_threshold, rules).to_dict()
     by_template = None
     if args.by_question or args.versus:
         from ..evaluation.breakdown import accuracy_by_template
@@ -76,7 +89,7 @@ def run(args) -> int:
             if missing:
                 raise InputError(f"--versus {path}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
             runs[name] = other
-        by_template = accuracy_by_template(questions, runs)
+        by_template = accuracy_by_template(questions, runs, rules, args.match_threshold)
     pipeline = None
     if records is not None:
         served = {r.get("pipeline") for r in records if "error" not in r}
@@ -95,10 +108,7 @@ def run(args) -> int:
     else:
         print(report(run_info, scores))
         if by_template:
-            from ..report import table
-            names = [k for k in by_template[0] if k not in ("template", "questions")]
-            print(table(["question template", "QA"] + names,
-                        [[r["template"], r["questions"]] + [r[n] for n in names] for r in by_template], floatfmt="{:.3f}"))
+            print(template_table(by_template))
     if records is not None and run_info["errors"]:
         print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
               f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
@@ -109,7 +119,8 @@ def report(run_info: dict, s: dict) -> str:
     from ..report import table
     na = "n/a"
     c = s["counts"]
-    rows = [["accuracy (exact match)", s["accuracy"] if s["accuracy"] is not None else na, c["accuracy"]]]
+    exact = "exact match" if s["rules"]["exact_answers"] else "match after strip()"
+    rows = [[f"accuracy ({exact})", s["accuracy"] if s["accuracy"] is not None else na, c["accuracy"]]]
     lang = s["language"]
     rows.append(["language score", lang["score"] if lang else na, c["language"]])
     if lang:
@@ -122,19 +133,50 @@ def report(run_info: dict, s: dict) -> str:
     rows.append(["final, without GPT term (max 0.6)", f["without_gpt"], ""])
     rows.append(["final, renormalized (/%.1f)" % (0.2 * len(f["terms_used"])), f["renormalized"] if f["renormalized"] is not None else na, ""])
     rows.append(["final, with GPT (challenge)", f["with_gpt"] if f["with_gpt"] is not None else na, ""])
-    head = (f"DriveLM-style evaluation of {run_info['model'] or 'predictions'} on {run_info['data']}: "
+    head = (f"DriveLM evaluation of {run_info['model'] or 'predictions'} on {run_info['data']}: "
             f"{run_info['questions']} questions, pipeline {run_info['pipeline']}, images {run_info['images']}")
-    lines = [head, table(["metric", "value", "questions"], rows, floatfmt="{:.4f}")]
+    lines = [head, rules_line(s["rules"]), table(["metric", "value", "questions"], rows, floatfmt="{:.4f}")]
     if not gpt["available"]:
         lines.append(f"GPT score unavailable: {gpt['note']} (plug one in with --judge module:attr)")
     if s["final"]["terms_missing"]:
         lines.append(f"terms missing from the final score: {', '.join(s['final']['terms_missing'])}")
-    if s["skipped_by_graph"]:
-        lines.append(f"graph filter skipped {s['skipped_by_graph']} question(s)")
-    per = [[cat, v["questions"], v["accuracy_questions"], v["accuracy"] if v["accuracy"] is not None else na]
-           for cat, v in s["per_category"].items()]
-    lines.append(table(["category", "questions", "choice+yes/no", "accuracy"], per, floatfmt="{:.4f}"))
+    if lang and lang["texts_split_by_tokenizer"]:
+        lines.append(f"{lang['texts_split_by_tokenizer']} language text(s) hold a line break other than \\n "
+                     f"(\\r, \\v, \\f, U+2028/9): the PTB tokenizer splits them and shifts every later answer "
+                     f"against the wrong reference, as in the challenge's script")
+    if s["rules"]["graph_filter"]:
+        lines.append(f"graph filter: {c['scored']} of {c['questions']} questions scored, "
+                     f"{s['skipped_by_graph']} skipped (they name objects the frame's first answer missed)")
+        if s["frames_without_graph"]:
+            lines.append(f"  {s['frames_without_graph']} frame(s) begin with a question whose reference names no "
+                         f"coordinates, so every later question naming an object there is skipped (the challenge's "
+                         f"test file begins each frame with 'What are the important objects...'; --lenient scores all)")
+    per = [[cat, v["questions"], v["skipped_by_graph"], v["accuracy_questions"],
+            v["accuracy"] if v["accuracy"] is not None else na] for cat, v in s["per_category"].items()]
+    lines.append(table(["category", "scored", "skipped", "choice+yes/no", "accuracy"], per, floatfmt="{:.4f}"))
     if "mean_total_ms" in run_info:
         lines.append(f"mean latency {run_info['mean_total_ms']:.1f} ms per answer, "
                      f"{run_info['mean_cameras']:.2f} cameras per question, {run_info['errors']} rejected")
     return "\n".join(lines)
+
+
+def rules_line(rules: dict) -> str:
+    if rules["name"] == "challenge":
+        text = "rules: the DriveLM challenge's evaluation.py (graph filter, exact answers, every d.d number a coordinate)"
+    else:
+        text = "rules: lenient (--lenient: every question, answers stripped, coordinates from <cN,CAM,x,y> tags only)"
+    from ..evaluation.metrics import MATCH_THRESHOLD_PX
+    if rules["match_threshold"] != MATCH_THRESHOLD_PX:
+        text += f"; match radius {rules['match_threshold']:g} px (challenge: 16)"
+    return text
+
+
+def template_table(rows: list[dict]) -> str:
+    """Per-template accuracy, one question count and one accuracy column per run."""
+    from ..report import table
+    names = list(rows[0]["accuracy"])
+    headers = ["question template"] + [h for n in names for h in (f"QA {n}" if len(names) > 1 else "QA", n)]
+    cells = [[r["template"]] + [c for n in names for c in (r["questions"][n], r["accuracy"][n]
+                                                            if r["accuracy"][n] is not None else "n/a")]
+             for r in rows]
+    return table(headers, cells, floatfmt="{:.3f}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .metrics import ACCURACY, Question
+from .metrics import ACCURACY, CHALLENGE, MATCH_THRESHOLD_PX, Question, Rules, answer_is_correct, graph_filter
 
 _OPTIONS = re.compile(r"\s*Please select the correct answer from the following options:.*$", re.S)
 _TAG = re.compile(r"<c\d+\s*,\s*CAM_[A-Z_]+\s*,\s*-?[\d.]+\s*,\s*-?[\d.]+\s*>")
@@ -35,17 +35,23 @@ def question_template(question: str) -> str:
     return text + (" (choice)" if choice else "")
 
 
-def accuracy_by_template(questions: list[Question], runs: dict[str, dict[str, str]]) -> list[dict]:
-    """Closed-form questions grouped by template, most frequent first: {template, questions, and
-    per run name its exact-match accuracy}. runs: name -> {question id: predicted answer}."""
-    groups: dict[str, list[Question]] = {}
-    for q in questions:
-        if ACCURACY in q.tags:
-            groups.setdefault(question_template(q.question), []).append(q)
-    rows = []
-    for template, qs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        row = {"template": template, "questions": len(qs)}
-        for name, predictions in runs.items():
-            row[name] = sum(predictions.get(q.id, "").strip() == q.answer.strip() for q in qs) / len(qs)
-        rows.append(row)
-    return rows
+def accuracy_by_template(questions: list[Question], runs: dict[str, dict[str, str]], rules: Rules = CHALLENGE,
+                         match_threshold: float = MATCH_THRESHOLD_PX) -> list[dict]:
+    """Closed-form questions grouped by template, most frequent in the file first:
+    {template, questions: {run: n}, accuracy: {run: accuracy or None}}, each run over exactly the
+    questions its scores count (under the challenge's graph filter that set depends on the run's
+    own answers, so the counts may differ). runs: name -> {question id: predicted answer}."""
+    templates = {q.id: question_template(q.question) for q in questions if ACCURACY in q.tags}
+    in_file: dict[str, int] = {}
+    for t in templates.values():
+        in_file[t] = in_file.get(t, 0) + 1
+    rows = {t: {"template": t, "questions": {}, "accuracy": {}}
+            for t in sorted(in_file, key=lambda t: (-in_file[t], t))}
+    for name, predictions in runs.items():
+        scored, _ = graph_filter(questions, predictions, rules, match_threshold)
+        for t, row in rows.items():
+            qs = [q for q in scored if templates.get(q.id) == t]
+            row["questions"][name] = len(qs)
+            row["accuracy"][name] = (sum(answer_is_correct(predictions[q.id], q.answer, rules) for q in qs) / len(qs)
+                                     if qs else None)
+    return list(rows.values())
