@@ -332,7 +332,7 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
 def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
     from .frame_store import Frame
-    from .images import CompressedPayload, RawPayload
+    from .images import payload_from_msg
     from .node import pipeline_options
     from ..pipeline import Pipeline
 
@@ -362,11 +362,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
         if topic in topics:
             msg = reader.deserialize(raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
-            if msgtype == "sensor_msgs/msg/CompressedImage":
-                payload = CompressedPayload(msg.format, bytes(msg.data))
-            else:
-                payload = RawPayload(msg.encoding, msg.height, msg.width, msg.step, bytes(msg.data))
-            server.frames.add(Frame(topics[topic], stamp, payload))
+            server.frames.add(Frame(topics[topic], stamp, payload_from_msg(msg)))
         elif topic == params["query_topic"]:
             msg = reader.deserialize(raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
