@@ -159,13 +159,17 @@ def raw_to_rgb(camera: str, p: RawPayload, max_image_pixels: int = MAX_IMAGE_PIX
     return scale_16_to_8(rgb) if enc.bits == 16 else rgb
 
 
+def raw_encoding(name: str) -> RawEncoding:
+    if name not in RAW_ENCODINGS:
+        raise InputError(f"raw encoding {name!r} unsupported (supported: {', '.join(RAW_ENCODINGS)})")
+    return RAW_ENCODINGS[name]
+
+
 def rgb_to_raw(rgb: np.ndarray, encoding: str) -> bytes:
     """HxWx3 uint8 RGB -> the rows (no padding, little-endian) of a sensor_msgs/Image in
     `encoding`: what `bag make --raw` writes. The inverse of raw_to_rgb up to the encoding's
     loss (chroma subsampling, Bayer sampling, grey)."""
-    enc = RAW_ENCODINGS.get(encoding)
-    if enc is None:
-        raise InputError(f"raw encoding {encoding!r} unsupported (supported: {', '.join(RAW_ENCODINGS)})")
+    enc = raw_encoding(encoding)
     h, w = rgb.shape[:2]
     if (enc.channels == 2 or enc.planar_420) and w % 2 or enc.planar_420 and h % 2:
         raise InputError(f"raw encoding {encoding}: needs an even width{' and height' if enc.planar_420 else ''}, "
