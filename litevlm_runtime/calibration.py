@@ -70,7 +70,7 @@ def queries_from_bag(path: Path, camera_topics: dict[str, str] | None = None) ->
     of litevlm_runtime.ros.bag."""
     from .cameras import CAMERAS
     from .ros.bag import QUERY_TOPIC, camera_topic, read_bag
-    from .ros.images import CompressedPayload, RawPayload, to_pipeline_image
+    from .ros.images import payload_from_msg, to_pipeline_image
 
     if camera_topics:
         topics = {t: c for c, t in camera_topics.items()}
@@ -80,11 +80,7 @@ def queries_from_bag(path: Path, camera_topics: dict[str, str] | None = None) ->
     out = []
     for _, topic, msgtype, raw, reader in read_bag(Path(path)):
         if topic in topics:
-            msg = reader.deserialize(raw, msgtype)
-            if msgtype == "sensor_msgs/msg/CompressedImage":
-                payload = CompressedPayload(msg.format, bytes(msg.data))
-            else:
-                payload = RawPayload(msg.encoding, msg.height, msg.width, msg.step, bytes(msg.data))
+            payload = payload_from_msg(reader.deserialize(raw, msgtype))
             latest[topics[topic]] = to_pipeline_image(topics[topic], payload)
         elif topic == QUERY_TOPIC or msgtype == "std_msgs/msg/String":
             msg = reader.deserialize(raw, msgtype)

@@ -116,6 +116,14 @@ def check_value(key: str, value, meta) -> None:
 
 
 @dataclass(frozen=True)
+class Images(_Validated):
+    max_pixels: int = setting(4096 * 4096, "refuse a camera image above this many pixels, from its header, before "
+                                           "decoding (a decompression bomb): bad_image naming the camera", lo=4)
+    jpeg_draft: bool = setting(True, "decode JPEG at libjpeg's reduced DCT scale nearest above the tile size (2-4x "
+                                     "faster; false: full decode then resize, as upstream InternVL)")
+
+
+@dataclass(frozen=True)
 class Views(_Validated):
     mode: ViewMode = setting(ViewMode.AUTO, "view selection: auto (the model's selector under pipeline=litevlm) | all | selector")
     selector_dir: str = setting("", "view selector folder ('': <model_dir>/view_selector)")
@@ -179,6 +187,7 @@ class PipelineOptions(_Validated):
     cameras: tuple = setting(CAMERAS, "the rig this pipeline serves, in rig order", ros=False)
     prompt_layout: str = setting("", "prompt layout: internvl | cameras | a template with <image> ('': the model "
                                      "folder's litevlm.json, else guessed from its tokenizer; prompt.py)")
+    images: Images = nested(Images)
     views: Views = nested(Views)
     tokens: Tokens = nested(Tokens)
     decoding: Decoding = nested(Decoding)
@@ -272,7 +281,7 @@ def default_threads() -> int:
 
 
 # The dotted prefix of each section's fields (for messages and the flat view).
-SECTION_OF = {"Views": "views.", "Tokens": "tokens.", "Decoding": "decoding.", "EagleTree": "decoding.eagle.",
+SECTION_OF = {"Images": "images.", "Views": "views.", "Tokens": "tokens.", "Decoding": "decoding.", "EagleTree": "decoding.eagle.",
               "Backend": "backend.", "FastVOptions": "fastv.", "PipelineOptions": ""}
 
 

@@ -129,8 +129,8 @@ def check_question(rt: Runtime, question: str) -> list[int]:
     return ids
 
 
-def check_images(images: dict, cameras: list[str]) -> None:
-    missing = [c for c in cameras if c not in images or images[c] is None]
+def check_images(images, cameras: list[str]) -> None:
+    missing = [c for c in cameras if c not in images]
     if missing:
         raise InputError(f"no image for camera(s) {', '.join(missing)}")
 
@@ -144,8 +144,11 @@ def select_views(rt: Runtime, question: str) -> list[str]:
 
 def preprocess(rt: Runtime, images: dict, cameras: list[str]) -> torch.Tensor:
     a, tpc, s = rt.arena, rt.options.tiles_per_camera, rt.cfg.force_image_size
+    limits = rt.options.images
     for i, cam in enumerate(cameras):
-        img = load_image(images[cam], cam, (s * tpc, s))
+        if images[cam] is None:
+            raise InputError(f"no image for camera(s) {cam}")
+        img = load_image(images[cam], cam, (s * tpc, s), limits.max_pixels, limits.jpeg_draft)
         to_tiles_uint8(img, s, tpc, a.pixels_u8[i * tpc:(i + 1) * tpc])
     n = len(cameras) * tpc
     return rt.normalize(a.pixels_u8[:n], a.pixels[:n])

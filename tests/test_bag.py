@@ -1,13 +1,22 @@
 """Bag making, reading and comparing without DDS (rosbags only), and bag eval's determinism."""
 
+import io
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+from helpers import ros2_msgdef
+from PIL import Image
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.ros.bag import (bag_topics, compare_runs, drivelm_contents, evaluate, latency_table,
-                                     load_node_params, read_bag, write_bag)
+from litevlm_runtime.ros.bag import (bag_files, bag_topic_info, bag_topics, camera_topic, compare_runs,
+                                     drivelm_contents, evaluate, latency_table, load_node_params,
+                                     msg_definitions_dir, read_bag, replay_qos, select_topics, typestore,
+                                     write_bag)
+from litevlm_runtime.ros.images import RAW_ENCODINGS
 from litevlm_runtime.ros.server import STATUS_CODES
 
 
@@ -117,3 +126,216 @@ def test_raw_image_bag_round_trip(tmp_path):
             assert (m.encoding, m.width, m.height, m.step) == ("bgr8", 40, 20, 120)
             rgb = to_pipeline_image("CAM_FRONT", RawPayload(m.encoding, m.height, m.width, m.step, bytes(m.data)))
             assert rgb.shape == (20, 40, 3) and tuple(rgb[0, 0]) == (200, 30, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bags as other tools write them: every raw encoding, image_transport format strings, extra
+# topics (/tf, /imu), recorded QoS, bare storage files without metadata.yaml.
+RAW_TOPICS = [camera_topic(c, raw=True) for c in CAMERAS]
+LOSSLESS = ("rgb8", "bgr8", "rgba8", "bgra8", "rgb16", "bgr16", "rgba16", "bgra16")
+
+
+def png_frames(folder, size=(64, 36), seed=0):
+    """One six-camera frame set of random PNGs (lossless) in the DriveLM layout."""
+    rng = np.random.default_rng(seed)
+    for cam in CAMERAS:
+        (folder / "samples" / cam).mkdir(parents=True)
+        pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / "samples" / cam / f"s-000__{cam}.png")
+    return folder
+
+
+def tiny_params(tiny_model, **over):
+    values = {"model_dir": str(tiny_model), "warmup": "false", "max_new_tokens": "2"}
+    return load_node_params(None, values | over)
+
+
+@pytest.fixture(scope="module")
+def png_bag_answers(tmp_path_factory, tiny_model):
+    """What the same frames, sent as lossless PNG CompressedImage, are answered."""
+    folder = png_frames(tmp_path_factory.mktemp("png"))
+    bag = write_bag(drivelm_contents(folder, questions_per_frame=1), folder / "bag")
+    return folder, [r.token_ids for r in evaluate(bag, tiny_params(tiny_model))]
+
+
+@pytest.mark.parametrize("encoding", list(RAW_ENCODINGS))
+def test_every_raw_encoding_answers_ok_in_bag_eval(encoding, tmp_path, tiny_model, png_bag_answers):
+    """rosbags sqlite3 bag of sensor_msgs/Image in `encoding`; default parameters but for the
+    tiny model and the raw camera topics. Lossless encodings answer exactly as the PNG bag."""
+    folder, png_tokens = png_bag_answers
+    bag = write_bag(drivelm_contents(folder, questions_per_frame=1, raw_encoding=encoding), tmp_path / "bag",
+                    storage="sqlite3")
+    msgs = [reader.deserialize(raw, mt) for _, _, mt, raw, reader in read_bag(bag) if mt == "sensor_msgs/msg/Image"]
+    assert len(msgs) == 6 and {m.encoding for m in msgs} == {encoding}
+    records = evaluate(bag, tiny_params(tiny_model, camera_topics=RAW_TOPICS))
+    assert [r.status for r in records] == ["ok"], [r.status_message for r in records]
+    if encoding in LOSSLESS:
+        assert [r.token_ids for r in records] == png_tokens
+
+
+def test_raw_frame_names_the_file_that_cannot_be_encoded(tmp_path):
+    png_frames(tmp_path, size=(63, 36))
+    with pytest.raises(InputError, match=r"s-000__CAM_FRONT\.png: raw encoding yuv422: needs an even width"):
+        drivelm_contents(tmp_path, raw_encoding="yuv422")
+    with pytest.raises(InputError, match="raw encoding 'yuv420' unsupported"):
+        drivelm_contents(tmp_path, raw_encoding="yuv420")
+
+
+QUERY_MSG = msg_definitions_dir() / "Query.msg"
+TF_MESSAGE = {"tf2_msgs/msg/TFMessage": "geometry_msgs/TransformStamped[] transforms"}   # not installed here
+
+
+def stamp(ns):
+    return {"sec": ns // 10**9, "nanosec": ns % 10**9}
+
+
+def mcap_ros2_bag(path, frames, t0=1_700_000_000 * 10**9):
+    """A bare .mcap written with mcap + mcap-ros2-support (their own CDR encoder, not rosbags):
+    six cameras as image_transport publishes them ("rgb8; jpeg compressed bgr8"), /tf, /imu and
+    two questions on /litevlm/query."""
+    from mcap_ros2.writer import Writer
+
+    with open(path, "wb") as fh:
+        w = Writer(fh)
+        image = w.register_msgdef("sensor_msgs/msg/CompressedImage", ros2_msgdef("sensor_msgs/msg/CompressedImage"))
+        query = w.register_msgdef("litevlm_msgs/msg/Query", ros2_msgdef(
+            "litevlm_msgs/msg/Query", {"litevlm_msgs/msg/Query": QUERY_MSG.read_text()}))
+        tf = w.register_msgdef("tf2_msgs/msg/TFMessage", ros2_msgdef("tf2_msgs/msg/TFMessage", TF_MESSAGE))
+        imu = w.register_msgdef("sensor_msgs/msg/Imu", ros2_msgdef("sensor_msgs/msg/Imu"))
+        for k in range(20):                                   # 200 Hz IMU and 20 Hz tf around the frames
+            t = t0 + k * 5_000_000
+            w.write_message("/imu", imu, {"header": {"stamp": stamp(t), "frame_id": "imu"},
+                                          "orientation": {"x": 0.0, "y": 0.0, "z": 0.0, "w": 1.0},
+                                          "linear_acceleration": {"x": 0.0, "y": 0.0, "z": 9.81}}, log_time=t)
+            if k % 10 == 0:
+                w.write_message("/tf", tf, {"transforms": [{"header": {"stamp": stamp(t), "frame_id": "map"},
+                                                            "child_frame_id": "base_link"}]}, log_time=t)
+        for i, cam in enumerate(CAMERAS):
+            t = t0 + 10_000_000 + i * 1_000_000
+            w.write_message(camera_topic(cam, raw=False), image,
+                            {"header": {"stamp": stamp(t), "frame_id": cam.lower()},
+                             "format": "rgb8; jpeg compressed bgr8", "data": frames[cam]}, log_time=t)
+        for j, text in enumerate(("What is in front of the ego car?", "Is there a car behind?")):
+            t = t0 + 80_000_000 + j * 10_000_000
+            w.write_message("/litevlm/query", query, {"header": {"stamp": stamp(t)}, "id": f"m{j}", "text": text},
+                            log_time=t)
+        w.finish()
+    return path
+
+
+def jpeg_frames(seed=0, size=(64, 36)):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for cam in CAMERAS:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="JPEG")
+        out[cam] = buf.getvalue()
+    return out
+
+
+def test_bare_mcap_from_another_writer(tmp_path, tiny_model):
+    """No metadata.yaml, extra topics of a type not installed here, image_transport format strings."""
+    bag = mcap_ros2_bag(tmp_path / "vehicle.mcap", jpeg_frames())
+    info = bag_topic_info(bag)
+    assert info["/tf"].msgtype == "tf2_msgs/msg/TFMessage" and info["/imu"].count == 20
+    assert info["/cam_front/image_raw/compressed"].msgtype == "sensor_msgs/msg/CompressedImage"
+    records = evaluate(bag, tiny_params(tiny_model))
+    assert [(r.query_id, r.status) for r in records] == [("m0", "ok"), ("m1", "ok")], [r.status_message for r in records]
+    # The same file in a folder without metadata.yaml (and next to a second recording): read directly.
+    folder = tmp_path / "copied_out"
+    folder.mkdir()
+    (folder / "vehicle_0.mcap").write_bytes(bag.read_bytes())
+    assert bag_files(folder) == [folder / "vehicle_0.mcap"]
+    again = evaluate(folder, tiny_params(tiny_model))
+    assert [r.token_ids for r in again] == [r.token_ids for r in records]
+
+
+def test_bag_eval_cli_default_parameters_use_the_bundled_model(tmp_path):
+    """`litevlm bag eval BAG --out X` with model_dir "" (the default): the bundled model answers,
+    as the node does (it used to answer pipeline_error ... model not loaded)."""
+    bag = mcap_ros2_bag(tmp_path / "v.mcap", jpeg_frames(1))
+    out = tmp_path / "eval.jsonl"
+    run = subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", "bag", "eval", str(bag), "--out", str(out),
+                          "--set", "warmup=false", "--set", "max_new_tokens=4"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert all(r["answer"] for r in rows)
+
+
+def qos(reliability, durability, depth=0, history="UNKNOWN"):
+    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+
+    never = QosTime(9223372036, 854775807)
+    return Qos(QosHistory[history], depth, QosReliability[reliability], QosDurability[durability], never, never,
+               QosLiveliness.AUTOMATIC, never, False)
+
+
+def test_rosbags_sqlite3_with_recorded_qos_and_extra_topics(tmp_path):
+    """Recorded QoS survives the bag (rosbags sqlite3, then the same .db3 without metadata.yaml)
+    and becomes the replay QoS; by default only the node's topics are chosen."""
+    from rosbags.rosbag2 import StoragePlugin, Writer
+
+    store = typestore()
+    image, tf = "sensor_msgs/msg/CompressedImage", "tf2_msgs/msg/TFMessage"
+    sensor = [qos("BEST_EFFORT", "VOLATILE", 5, "KEEP_LAST")]
+    latched = [qos("RELIABLE", "TRANSIENT_LOCAL"), qos("RELIABLE", "TRANSIENT_LOCAL")]
+    path = tmp_path / "rec"
+    with Writer(path, version=9, storage_plugin=StoragePlugin.SQLITE3) as w:
+        conns = {t: w.add_connection(t, image, typestore=store, offered_qos_profiles=sensor)
+                 for t in [camera_topic(c, raw=False) for c in CAMERAS]}
+        conns["/tf_static"] = w.add_connection("/tf_static", tf, typestore=store, offered_qos_profiles=latched)
+        conns["/litevlm/query"] = w.add_connection("/litevlm/query", "litevlm_msgs/msg/Query", typestore=store)
+        TF = store.types[tf]
+        w.write(conns["/tf_static"], 1, store.serialize_cdr(TF(transforms=[]), tf))
+    (path / "metadata.yaml").unlink()
+    [db3] = bag_files(path)
+    info = bag_topic_info(db3)
+    assert set(info) == set(conns)
+
+    from rclpy.qos import DurabilityPolicy, HistoryPolicy, ReliabilityPolicy
+
+    cam = replay_qos(info["/cam_front/image_raw/compressed"].qos)
+    assert (cam.reliability, cam.durability, cam.history, cam.depth) == \
+        (ReliabilityPolicy.BEST_EFFORT, DurabilityPolicy.VOLATILE, HistoryPolicy.KEEP_LAST, 5)
+    static = replay_qos(info["/tf_static"].qos)
+    assert (static.reliability, static.durability, static.depth) == \
+        (ReliabilityPolicy.RELIABLE, DurabilityPolicy.TRANSIENT_LOCAL, 100)     # depth not recorded
+    none = replay_qos(info["/litevlm/query"].qos)                               # nothing recorded
+    assert (none.reliability, none.durability, none.depth) == (ReliabilityPolicy.RELIABLE, DurabilityPolicy.VOLATILE, 100)
+    assert replay_qos(info["/tf_static"].qos, reliable=True).durability == DurabilityPolicy.VOLATILE
+    mixed = replay_qos(sensor + latched)
+    assert (mixed.reliability, mixed.durability) == (ReliabilityPolicy.BEST_EFFORT, DurabilityPolicy.VOLATILE)
+    # A reliable subscriber (the node's query subscription) gets nothing from a best-effort
+    # writer: the replayer says so.
+    from rclpy.qos import QoSProfile
+
+    from litevlm_runtime.ros.bag import _qos_mismatch
+
+    assert "requests reliable" in _qos_mismatch(cam, QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    assert _qos_mismatch(none, QoSProfile(depth=10, reliability=ReliabilityPolicy.BEST_EFFORT)) is None
+
+    params = load_node_params(None)
+    assert select_topics(info, params) == [*params["camera_topics"], "/litevlm/query"]
+    assert select_topics(info, params, topics=["/tf_static", "/nope"], progress=lambda m: None) == ["/tf_static"]
+    assert set(select_topics(info, params, all_topics=True)) == set(conns)
+
+
+def test_camera_topics_not_in_the_bag_are_named(tmp_path, tiny_model):
+    bag = write_bag(drivelm_contents(png_frames(tmp_path / "f"), raw_encoding="bayer_rggb8"), tmp_path / "bag")
+    for call in (lambda: evaluate(bag, tiny_params(tiny_model)), lambda: select_topics(bag_topic_info(bag), load_node_params(None))):
+        with pytest.raises(InputError) as e:
+            call()
+        assert "none of the node's camera topics" in str(e.value) and "/cam_back/image_raw" in str(e.value)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: p / "absent", "no such bag"),
+    (lambda p: p, "neither a rosbag2 folder"),
+    (lambda p: (p / "notes.txt").write_text("x") and p / "notes.txt", "not a rosbag2 bag"),
+    (lambda p: (p / "broken.mcap").write_bytes(b"not mcap") and p / "broken.mcap", "cannot read the bag"),
+])
+def test_not_a_bag_is_a_clear_error(tmp_path, make, words):
+    path = make(tmp_path)
+    with pytest.raises(InputError, match=words):
+        list(read_bag(path))

@@ -5,6 +5,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from helpers import png_claiming
 from PIL import Image
 
 from litevlm_runtime.errors import InputError
@@ -70,3 +71,77 @@ def test_drivelm_frames_decode(drivelm_dir):
         out = torch.zeros(2, 3, 448, 448, dtype=torch.uint8)
         to_tiles_uint8(img, 448, 2, out)
         assert out.float().std() > 10     # a real picture, not a blank
+
+
+def jpeg_bytes(arr, **kw):
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+def test_minimum_size_is_one_rule_for_every_input(tmp_path):
+    """A 1x1 image is refused whatever it comes as (it used to be answered as a JPEG and refused
+    as an array); 2x2 is accepted as every kind."""
+    from litevlm_runtime.preprocess import MIN_IMAGE_SIDE
+
+    for h, w, ok in ((1, 1, False), (1, 5, False), (5, 1, False), (MIN_IMAGE_SIDE, MIN_IMAGE_SIDE, True)):
+        arr = np.full((h, w, 3), 90, np.uint8)
+        p = tmp_path / f"{h}x{w}.png"
+        Image.fromarray(arr).save(p)
+        for src in (arr, arr[:, :, 0], png_bytes(arr), jpeg_bytes(arr), p, Image.fromarray(arr)):
+            if ok:
+                assert load_image(src, "CAM_BACK", (16, 16)).size == (w, h)
+            else:
+                with pytest.raises(InputError, match=f"CAM_BACK: image is {w}x{h} pixels; at least 2x2"):
+                    load_image(src, "CAM_BACK", (16, 16))
+
+
+def test_pixel_limit_is_checked_before_decoding(tmp_path):
+    arr = np.zeros((30, 40, 3), np.uint8)
+    p = tmp_path / "x.jpg"
+    p.write_bytes(jpeg_bytes(arr))
+    for src in (arr, png_bytes(arr), p, Image.fromarray(arr)):
+        assert load_image(src, "CAM_FRONT", (16, 16), max_image_pixels=1200).size == (40, 30)
+        with pytest.raises(InputError, match="CAM_FRONT: image is 40x30 = 0.0 Mpixel, above the limit"):
+            load_image(src, "CAM_FRONT", (16, 16), max_image_pixels=1199)
+
+
+@pytest.mark.parametrize("size, words", [
+    ((5000, 5000), "image is 5000x5000 = 25.0 Mpixel, above the limit of 16.8 Mpixel"),    # our limit
+    ((10000, 10000), "refused before decoding: Image size (100000000 pixels) exceeds"),    # PIL's warning
+    ((20000, 20000), "refused before decoding: Image size (400000000 pixels) exceeds"),    # PIL's error
+])
+def test_decompression_bombs_are_named_input_errors(size, words):
+    with pytest.raises(InputError) as e:
+        load_image(png_claiming(*size), "CAM_FRONT_LEFT", (448, 448))
+    assert str(e.value).startswith("CAM_FRONT_LEFT: ") and words in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [b"garbage, not an image", b"\xff\xd8\xff\xe0 truncated jpeg",
+                                 png_bytes(np.zeros((8, 8, 3), np.uint8))[:45]])
+def test_errors_carry_no_object_reprs(bad):
+    """PIL's own messages name the BytesIO object ("<_io.BytesIO object at 0x7f..>")."""
+    with pytest.raises(InputError) as e:
+        load_image(bad, "CAM_BACK", (16, 16))
+    assert str(e.value).startswith("CAM_BACK: cannot decode image") and " at 0x" not in str(e.value)
+    assert "object" not in str(e.value)
+
+
+def test_16bit_png_is_scaled_not_clipped():
+    """image_transport's "mono16; png compressed mono16": PIL's own conversion would clip every
+    value above 255 to white."""
+    samples = np.array([[0, 257 * 100], [65535, 30000]], np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(samples).save(buf, format="PNG")
+    img = load_image(buf.getvalue(), "CAM_FRONT", (2, 2))
+    want = np.rint(samples * 255.0 / 65535.0)
+    assert np.array_equal(np.asarray(img)[:, :, 0], want) and img.mode == "RGB"
+
+
+def test_jpeg_draft_can_be_turned_off():
+    rng = np.random.default_rng(1)
+    data = jpeg_bytes(rng.integers(0, 256, (90, 160, 3), dtype=np.uint8), quality=95)
+    assert load_image(data, "CAM_FRONT", (40, 20)).size == (40, 23)          # 1/4 DCT scale
+    full = load_image(data, "CAM_FRONT", (40, 20), jpeg_draft=False)
+    assert full.size == (160, 90)
+    assert np.array_equal(np.asarray(full), np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))

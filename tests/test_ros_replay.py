@@ -99,7 +99,7 @@ def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: 
     try:
         node.wait_for("ready (active)", timeout=120)
         recorder.wait_for("record: ready", timeout=60)
-        replayer = Proc(["bag", "replay", str(bag)], env, tmp_path / "replay.log")
+        replayer = Proc(["bag", "replay", str(bag), "--params", str(params)], env, tmp_path / "replay.log")
         assert replayer.wait(timeout) == 0, replayer.text()
         assert recorder.wait(timeout) == 0, recorder.text() + node.text()[-3000:]
     finally:

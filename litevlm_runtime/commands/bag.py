@@ -1,7 +1,7 @@
 """`litevlm bag make|replay|record|eval|compare`: rosbag2 test harness of the ROS 2 node.
 
-  make     --from-drivelm DIR | --from-synth DIR  --out BAG   six camera streams + timed questions
-  replay   BAG [--rate X]                 publish over DDS with the original timing
+  make     --from-drivelm DIR | --from-synth DIR  --out BAG [--raw ENCODING]   six cameras + timed questions
+  replay   BAG [--rate X] [--params FILE | --topics T.. | --all-topics]  publish over DDS, original timing and QoS
   record   --out FILE [--bag BAG] [--count N]  answers -> JSON lines (+ end-to-end latency), and a bag
   eval     BAG --out FILE                 the node's query server + pipeline on the bag, no DDS
   summary  FILE                           each answer with per-stage latency; median/p90 table
@@ -43,7 +43,9 @@ def cmd_make(args) -> int:
 def cmd_replay(args) -> int:
     from ..ros.bag import replay
 
-    return replay(args.bag, rate=args.rate, restamp=not args.keep_stamps, wait_s=args.wait)
+    return replay(args.bag, rate=args.rate, restamp=not args.keep_stamps, params_file=args.params,
+                  topics=args.topics, all_topics=args.all_topics, wait_s=0.0 if args.no_wait else args.wait,
+                  reliable=args.reliable)
 
 
 def cmd_record(args) -> int:
@@ -133,16 +135,28 @@ def register(subparsers) -> None:
     p.add_argument("--max-frames", type=int, help="at most this many six-camera frame sets")
     p.add_argument("--questions-per-frame", type=int, default=2)
     p.add_argument("--max-width", type=int, help="downscale frames wider than this (re-encoded JPEG)")
-    p.add_argument("--raw", choices=("rgb8", "bgr8", "mono8"),
-                   help="write sensor_msgs/Image in this encoding on .../image_raw (default: CompressedImage)")
+    # (the encodings are checked when used: listing them here would import OpenCV for every command)
+    p.add_argument("--raw", metavar="ENCODING",
+                   help="write sensor_msgs/Image in this encoding on .../image_raw (default: CompressedImage): rgb8, "
+                        "bgr8, rgba8, bgra8, mono8, mono16, rgb16, ..., bayer_rggb8, ..., yuv422, yuv422_yuy2, nv12, "
+                        "nv21 (docs/ros.md lists them all)")
     p.add_argument("--query-delay", type=float, default=0.2, help="seconds after a frame set that its first question comes")
     p.set_defaults(func=cmd_make)
 
     p = sub.add_parser("replay", help="publish a bag over DDS with its original timing")
-    p.add_argument("bag", type=Path)
+    p.add_argument("bag", type=Path, help="a rosbag2 folder, a folder of .mcap/.db3 files, or one such file")
     p.add_argument("--rate", type=float, default=1.0)
     p.add_argument("--keep-stamps", action="store_true", help="publish the bag's stamps unchanged (default: re-stamp to now)")
-    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for subscribers before publishing")
+    p.add_argument("--params", type=Path,
+                   help="the node's parameters YAML: its camera and query topics are what is replayed (default: config/drive.yaml)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--topics", nargs="+", metavar="TOPIC", help="replay these topics instead of the node's")
+    which.add_argument("--all-topics", action="store_true", help="replay every topic whose message type is installed")
+    p.add_argument("--wait", type=float, default=10.0,
+                   help="seconds to wait for the node's query subscription before publishing (once, not per topic)")
+    p.add_argument("--no-wait", action="store_true", help="publish at once")
+    p.add_argument("--reliable", action="store_true",
+                   help="publish every topic reliable, volatile, depth 100 instead of the QoS the bag recorded")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("record", help="write the node's answers to JSON lines")

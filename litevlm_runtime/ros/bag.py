@@ -2,8 +2,11 @@
 record the answers, evaluate the same bag without DDS, and compare two runs.
 
 Bags are written and read with the pure-Python `rosbags` package (rosbag2_py is not available as
-a wheel), MCAP by default. Its CDR bytes are what rclpy (de)serializes, so the replayer reads
-messages with rosbags and hands them to rclpy unchanged except for the re-stamping below.
+a wheel), MCAP by default. Any rosbag2 is read: a folder with metadata.yaml, a folder of
+.mcap/.db3 files without one, or a bare .mcap/.db3 file. Its CDR bytes are what rclpy
+(de)serializes, so the replayer reads messages with rosbags and hands them to rclpy unchanged
+except for the re-stamping below; it publishes only the node's topics by default, each with the
+QoS the bag recorded.
 
 Time. A bag keeps the capture times of the frames (nuScenes: 2018). Replaying them as they are
 would make every frame look years old to the node, so by default the replayer re-stamps: the
@@ -51,33 +54,35 @@ CAPTURE_US = re.compile(r"__(\d{16})\.(jpg|jpeg|png)$", re.IGNORECASE)
 @dataclass
 class CameraFrame:
     """One camera message: sensor_msgs/CompressedImage (data = JPEG/PNG bytes, or anything for
-    fault-injection bags), or sensor_msgs/Image when `encoding` is set (data = rows of pixels)."""
+    fault-injection bags), or sensor_msgs/Image when `encoding` is set (data = rows of pixels,
+    `step` bytes each, little-endian)."""
     stamp_ns: int
     data: bytes
     format: str = "jpeg"
-    encoding: str | None = None     # rgb8 | bgr8 | mono8 -> sensor_msgs/Image
+    encoding: str | None = None     # any of images.RAW_ENCODINGS -> sensor_msgs/Image
     width: int = 0
     height: int = 0
+    step: int = 0
 
     @property
     def raw(self) -> bool:
         return self.encoding is not None
 
 
-def raw_frame(stamp_ns: int, jpeg_or_png: bytes, encoding: str) -> CameraFrame:
-    """Decode an image into a sensor_msgs/Image payload (rgb8, bgr8 or mono8, no row padding)."""
+def raw_frame(stamp_ns: int, jpeg_or_png: bytes, encoding: str, name: str = "frame") -> CameraFrame:
+    """Decode an image into a sensor_msgs/Image payload in `encoding` (no row padding)."""
     from PIL import Image
 
+    from .images import raw_encoding, rgb_to_raw
+
     img = Image.open(io.BytesIO(jpeg_or_png))
-    if encoding == "mono8":
-        pixels = np.asarray(img.convert("L"))
-    else:
-        pixels = np.asarray(img.convert("RGB"))
-        if encoding == "bgr8":
-            pixels = pixels[:, :, ::-1]
-        elif encoding != "rgb8":
-            raise InputError(f"raw encoding {encoding!r}: use rgb8, bgr8 or mono8")
-    return CameraFrame(stamp_ns, np.ascontiguousarray(pixels).tobytes(), "", encoding, img.width, img.height)
+    try:
+        data = rgb_to_raw(np.asarray(img.convert("RGB")), encoding)
+    except InputError as exc:
+        raise InputError(f"{name}: {exc}") from None
+    enc = raw_encoding(encoding)
+    return CameraFrame(stamp_ns, data, "", encoding, img.width, img.height,
+                       step=img.width * enc.channels * enc.bits // 8)
 
 
 def camera_topic(camera: str, raw: bool) -> str:
@@ -160,9 +165,9 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
             if kind == "frame" and raw.get(key):
                 if not item.raw:
                     raise InputError(f"{key}: a camera topic carries one type; mixed raw and compressed frames")
-                step = len(item.data) // max(item.height, 1)
                 msg = RawImage(header=header, height=item.height, width=item.width, encoding=item.encoding,
-                               is_bigendian=0, step=step, data=np.frombuffer(item.data, dtype=np.uint8))
+                               is_bigendian=0, step=item.step or len(item.data) // max(item.height, 1),
+                               data=np.frombuffer(item.data, dtype=np.uint8))
                 writer.write(conns[key], t, store.serialize_cdr(msg, RawImage.__msgtype__))
             elif kind == "frame":
                 msg = CompressedImage(header=header, format=item.format, data=np.frombuffer(item.data, dtype=np.uint8))
@@ -224,6 +229,10 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
     Capture times come from the nuScenes file names (trailing 16-digit microseconds); files
     without one (rendered data) are put on a `synthetic_period_s` timeline. Scenes (file-name
     prefix before "__") follow each other with `scene_gap_s` between them."""
+    from .images import raw_encoding as check_encoding
+
+    if raw_encoding:
+        check_encoding(raw_encoding)
     folder = Path(folder)
     samples = folder / "samples" if (folder / "samples").is_dir() else folder
     if not all((samples / c).is_dir() for c in CAMERAS):
@@ -269,7 +278,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
                 original = path.read_bytes()
                 data = _downscale(original, max_width)
                 if raw_encoding:
-                    contents.frames[cam].append(raw_frame(t, data, raw_encoding))
+                    contents.frames[cam].append(raw_frame(t, data, raw_encoding, name=str(path)))
                 else:
                     fmt = "jpeg" if (data is not original or path.suffix.lower() != ".png") else "png"
                     contents.frames[cam].append(CameraFrame(t, data, fmt))
@@ -290,23 +299,88 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
 
 # --------------------------------------------------------------------------------------------
 # Reading a bag back
-def read_bag(path: Path):
-    """Yields (log_time_ns, topic, msgtype, rawdata, connection) in time order."""
-    from rosbags.highlevel import AnyReader
+STORAGE_SUFFIXES = (".mcap", ".db3")
 
+
+def bag_files(path: Path) -> list[Path]:
+    """What rosbags' AnyReader opens for `path`: a rosbag2 folder with its metadata.yaml as it
+    is; a folder without one (a recording copied out of its folder, or one whose recorder died
+    before writing it) as the storage files in it; a bare .mcap or .db3 file as it is. rosbags
+    reads MCAP and sqlite3 storage files directly (schemas and QoS are in the files)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such bag")
-    with AnyReader([path], default_typestore=typestore()) as reader:
-        for conn, t, raw in reader.messages():
-            yield t, conn.topic, conn.msgtype, raw, reader
+    if path.is_dir():
+        if (path / "metadata.yaml").is_file():
+            return [path]
+        files = sorted(p for p in path.iterdir() if p.suffix in STORAGE_SUFFIXES)
+        if not files:
+            raise InputError(f"{path}: neither a rosbag2 folder (no metadata.yaml) nor a folder of "
+                             f"{' / '.join(STORAGE_SUFFIXES)} files")
+        return files
+    if path.suffix in STORAGE_SUFFIXES:
+        return [path]
+    raise InputError(f"{path}: not a rosbag2 bag (a folder, or a {' / '.join(STORAGE_SUFFIXES)} file)")
+
+
+def _reader(path: Path):
+    from rosbags.highlevel import AnyReader, AnyReaderError
+    from rosbags.rosbag2 import ReaderError
+
+    reader = AnyReader(bag_files(path), default_typestore=typestore())
+    try:
+        reader.open()
+    except (AnyReaderError, ReaderError) as exc:
+        raise InputError(f"{path}: cannot read the bag ({exc})") from None
+    return reader
+
+
+def read_bag(path: Path, topics: Iterable[str] | None = None):
+    """Yields (log_time_ns, topic, msgtype, rawdata, reader) in time order, of every topic or only
+    of `topics` (the others are not read)."""
+    reader = _reader(path)
+    try:
+        wanted = None if topics is None else set(topics)
+        conns = [c for c in reader.connections if wanted is None or c.topic in wanted]
+        if conns:
+            for conn, t, raw in reader.messages(connections=conns):
+                yield t, conn.topic, conn.msgtype, raw, reader
+    finally:
+        reader.close()
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    msgtype: str
+    qos: tuple          # rosbags Qos profiles the recorded publishers offered (empty: not recorded)
+    count: int
+
+
+def bag_topic_info(path: Path) -> dict[str, TopicInfo]:
+    reader = _reader(path)
+    try:
+        out: dict[str, TopicInfo] = {}
+        for c in reader.connections:
+            qos = tuple(getattr(c.ext, "offered_qos_profiles", ()) or ())
+            prev = out.get(c.topic)
+            out[c.topic] = TopicInfo(c.msgtype, qos + (prev.qos if prev else ()), c.msgcount + (prev.count if prev else 0))
+        return out
+    finally:
+        reader.close()
 
 
 def bag_topics(path: Path) -> dict[str, str]:
-    from rosbags.highlevel import AnyReader
+    return {topic: info.msgtype for topic, info in bag_topic_info(path).items()}
 
-    with AnyReader([Path(path)], default_typestore=typestore()) as reader:
-        return {c.topic: c.msgtype for c in reader.connections}
+
+def missing_cameras(topics: dict[str, str], camera_topics: list[str]) -> str | None:
+    """None when some camera topic of the node is in the bag (topic -> msgtype), else why not,
+    naming the image topics the bag has."""
+    if any(t in topics for t in camera_topics):
+        return None
+    images = [t for t, msgtype in topics.items() if msgtype in ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")]
+    return (f"none of the node's camera topics ({', '.join(camera_topics)}) is in the bag; its image topics: "
+            f"{', '.join(images) or 'none'} (set camera_topics in the parameters, or --set camera_topics=[...])")
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,12 +411,15 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
 def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
     from .frame_store import Frame
-    from .images import CompressedPayload, RawPayload
+    from .images import payload_from_msg
     from ..bundled import DEFAULT_MODEL
     from ..pipeline import Pipeline
     from .parameters import pipeline_options_from
 
     topics = dict(zip(params["camera_topics"], CAMERAS))
+    why = missing_cameras(bag_topics(bag), params["camera_topics"])
+    if why:
+        raise InputError(f"{bag}: {why}")
     records: list[AnswerRecord] = []
 
     def publish(rec):
@@ -364,16 +441,12 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does
     server.active = server.pipeline is not None
-    for t, topic, msgtype, raw, reader in read_bag(bag):
+    for t, topic, msgtype, raw, reader in read_bag(bag, [*topics, params["query_topic"], params["question_topic"]]):
         clock[0] = t
         if topic in topics:
             msg = reader.deserialize(raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
-            if msgtype == "sensor_msgs/msg/CompressedImage":
-                payload = CompressedPayload(msg.format, bytes(msg.data))
-            else:
-                payload = RawPayload(msg.encoding, msg.height, msg.width, msg.step, bytes(msg.data))
-            server.frames.add(Frame(topics[topic], stamp, payload))
+            server.frames.add(Frame(topics[topic], stamp, payload_from_msg(msg)))
         elif topic == params["query_topic"]:
             msg = reader.deserialize(raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
@@ -490,37 +563,135 @@ def _rclpy_type(msgtype: str):
     return getattr(importlib.import_module(f"{pkg}.msg"), name)
 
 
-def replay(bag: Path, rate: float = 1.0, restamp: bool = True, wait_s: float = 30.0, settle_s: float = 1.0,
-           progress=print) -> int:
-    """Publish the bag's messages with their original timing (divided by `rate`). Waits until
-    every topic has a subscriber (up to wait_s), then `settle_s` more so that both ends of every
-    match are ready (a best-effort reader drops what arrives before it has matched)."""
+def node_topics(params: dict) -> list[str]:
+    """What the node subscribes to: its six camera topics, the query and the question topic."""
+    return [*params["camera_topics"], params["query_topic"], params["question_topic"]]
+
+
+def select_topics(info: dict[str, TopicInfo], params: dict, topics: list[str] | None = None,
+                  all_topics: bool = False, progress=print) -> list[str]:
+    """The topics to replay: `topics` as given, every topic with all_topics, else the node's own
+    topics that the bag has (a vehicle bag's /tf, /imu, lidar ... stay unpublished)."""
+    if all_topics:
+        return list(info)
+    if topics:
+        missing = [t for t in topics if t not in info]
+        if missing:
+            progress(f"replay: not in the bag, skipped: {', '.join(missing)}")
+        chosen = [t for t in topics if t in info]
+        if not chosen:
+            raise InputError(f"none of --topics is in the bag; it has {', '.join(info)}")
+        return chosen
+    why = missing_cameras({t: i.msgtype for t, i in info.items()}, params["camera_topics"])
+    if why:
+        raise InputError(why + ", or --topics")
+    chosen = [t for t in node_topics(params) if t in info]
+    absent = [t for t in params["camera_topics"] if t not in info]
+    if absent:
+        progress(f"replay: camera topics not in the bag: {', '.join(absent)}")
+    return chosen
+
+
+def replay_qos(profiles, reliable: bool = False):
+    """The QoS to publish a topic with: what its recorded publishers offered (rosbag2 stores
+    their profiles per topic), combined as `ros2 bag play` does: reliable unless one offered best
+    effort, transient-local only if all did. History and depth as recorded where known (a
+    recorder learns them from discovery, which does not carry them: rosbag2 writes "unknown",
+    depth 0), else keep-last 100. Nothing recorded (bags written by rosbags, as `bag make` does)
+    or `reliable`: reliable, volatile, depth 100."""
+    from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+    from rosbags.interfaces import QosDurability, QosHistory, QosReliability
+
+    if not profiles or reliable:
+        return QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+    best_effort = any(p.reliability == QosReliability.BEST_EFFORT for p in profiles)
+    transient = all(p.durability == QosDurability.TRANSIENT_LOCAL for p in profiles)
+    keep_all = all(p.history == QosHistory.KEEP_ALL for p in profiles)
+    known_depth = all(p.history == QosHistory.KEEP_LAST and p.depth > 0 for p in profiles)
+    return QoSProfile(
+        history=HistoryPolicy.KEEP_ALL if keep_all else HistoryPolicy.KEEP_LAST,
+        depth=max(p.depth for p in profiles) if known_depth else 100,
+        reliability=ReliabilityPolicy.BEST_EFFORT if best_effort else ReliabilityPolicy.RELIABLE,
+        durability=DurabilityPolicy.TRANSIENT_LOCAL if transient else DurabilityPolicy.VOLATILE,
+    )
+
+
+def _qos_text(q) -> str:
+    history = "keep_all" if q.history.name == "KEEP_ALL" else f"depth {q.depth}"
+    return f"{q.reliability.name.lower()}, {q.durability.name.lower()}, {history}"
+
+
+def _qos_mismatch(ours, theirs) -> str | None:
+    from rclpy.qos import DurabilityPolicy, ReliabilityPolicy
+
+    if theirs.reliability == ReliabilityPolicy.RELIABLE and ours.reliability == ReliabilityPolicy.BEST_EFFORT:
+        return "requests reliable, the bag recorded best_effort"
+    if theirs.durability == DurabilityPolicy.TRANSIENT_LOCAL and ours.durability == DurabilityPolicy.VOLATILE:
+        return "requests transient_local, the bag recorded volatile"
+    return None
+
+
+def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path | None = None,
+           topics: list[str] | None = None, all_topics: bool = False, wait_s: float = 10.0,
+           settle_s: float = 1.0, reliable: bool = False, progress=print) -> int:
+    """Publish the bag's messages with their original timing (divided by `rate`): the topics the
+    node subscribes to (its parameters, `params_file`, default config/drive.yaml), or `topics`, or
+    all of them; each with the QoS the bag recorded for it (replay_qos). A topic whose message type
+    is not installed here is skipped, with one warning per type. Before publishing: one wait of
+    at most wait_s (0: none) for the node's query subscription, then settle_s so that the
+    camera subscriptions have matched too (a best-effort reader drops what arrives before)."""
     import rclpy
-    from rclpy.qos import QoSProfile, ReliabilityPolicy
     from rclpy.serialization import deserialize_message
 
     from .node import use_large_data_profile
 
     if rate <= 0:
         raise InputError(f"--rate must be > 0, got {rate}")
+    info = bag_topic_info(bag)
+    params = load_node_params(params_file)
+    chosen = select_topics(info, params, topics, all_topics, progress)
+    types, missing = {}, defaultdict(list)
+    for t in chosen:
+        try:
+            types[t] = _rclpy_type(info[t].msgtype)
+        except (ImportError, AttributeError, ValueError) as exc:
+            missing[(info[t].msgtype, f"{type(exc).__name__}: {exc}")].append(t)
+    for (msgtype, why), names in missing.items():
+        progress(f"replay: skipping {', '.join(names)}: message type {msgtype} is not installed ({why})")
+    if not types:
+        raise InputError(f"{bag}: no topic left to publish")
     use_large_data_profile()
-    topics = bag_topics(bag)
     rclpy.init()
     node = rclpy.create_node("litevlm_bag_replay")
-    qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-    pubs = {t: node.create_publisher(_rclpy_type(mt), t, qos) for t, mt in topics.items()}
-    types = {t: _rclpy_type(mt) for t, mt in topics.items()}
+    pubs, qos = {}, {}
+    for t, msg_type in types.items():
+        qos[t] = replay_qos(info[t].qos, reliable)
+        pubs[t] = node.create_publisher(msg_type, t, qos[t])
+        recorded = "as recorded" if info[t].qos and not reliable else "default"
+        progress(f"replay: {t} ({info[t].msgtype}, {info[t].count} messages; QoS {_qos_text(qos[t])}, {recorded})")
+    # One bounded wait, for the node's query subscription (the question topic, or any, without one).
+    target = next((t for t in (params["query_topic"], params["question_topic"]) if t in pubs), None)
     try:
-        t0 = time.monotonic()
-        while any(p.get_subscription_count() == 0 for p in pubs.values()):
-            if time.monotonic() - t0 > wait_s:
-                lonely = [t for t, p in pubs.items() if p.get_subscription_count() == 0]
-                progress(f"replay: no subscriber after {wait_s:.0f} s on {', '.join(lonely)}; publishing anyway")
-                break
-            time.sleep(0.05)
-        time.sleep(settle_s)
+        if wait_s > 0:
+            def matched():
+                return (pubs[target].get_subscription_count() > 0 if target
+                        else any(p.get_subscription_count() > 0 for p in pubs.values()))
+            t0 = time.monotonic()
+            while not matched() and time.monotonic() - t0 < wait_s:
+                time.sleep(0.05)
+            what = target or "any topic"
+            if matched():
+                progress(f"replay: {what} has a subscriber after {time.monotonic() - t0:.1f} s")
+                time.sleep(settle_s)
+            else:
+                progress(f"replay: no subscriber on {what} after {wait_s:.0f} s; publishing anyway")
+        for t, pub in pubs.items():
+            for sub in node.get_subscriptions_info_by_topic(t):
+                why = _qos_mismatch(qos[t], sub.qos_profile)
+                if why:
+                    progress(f"replay: {t}: subscriber {sub.node_name} {why}: it receives nothing (--reliable)")
         n, first_t, start_wall, start_clock = 0, None, time.monotonic(), node.get_clock().now().nanoseconds
-        for t, topic, msgtype, raw, _ in read_bag(bag):
+        for t, topic, msgtype, raw, _ in read_bag(bag, pubs):
             if first_t is None:
                 first_t = t
             due = start_wall + (t - first_t) / 1e9 / rate

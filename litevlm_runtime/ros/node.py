@@ -34,7 +34,7 @@ from litevlm_msgs.msg import Answer, Query
 from ..answer import STAGES
 from ..cameras import CAMERAS
 from .frame_store import Frame
-from .images import CompressedPayload, RawPayload
+from .images import payload_from_msg
 from .parameters import declare_pipeline_parameters, pipeline_options_from, pipeline_settings
 from .server import AnswerRecord, QueryServer, ServerSettings
 
@@ -172,8 +172,7 @@ class DriveNode(LifecycleNode):
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         for cam, topic in zip(CAMERAS, self.p["camera_topics"]):
             msg_type = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
-            cb = (lambda m, c=cam: self._on_compressed(c, m)) if msg_type is CompressedImage \
-                else (lambda m, c=cam: self._on_raw(c, m))
+            cb = (lambda m, c=cam: self._on_image(c, m))
             self._camera_subs.append(self.create_subscription(msg_type, topic, cb, qos_profile_sensor_data))
         self.server.active = True
         self.server.start_worker()
@@ -202,12 +201,9 @@ class DriveNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     # ---- callbacks (executor thread: cheap work only) ----
-    def _on_compressed(self, camera: str, msg: CompressedImage) -> None:
-        self._add_frame(camera, ns_of(msg.header.stamp), CompressedPayload(msg.format, bytes(msg.data)))
-
-    def _on_raw(self, camera: str, msg: Image) -> None:
-        self._add_frame(camera, ns_of(msg.header.stamp), RawPayload(msg.encoding, msg.height, msg.width, msg.step,
-                                                                    bytes(msg.data)))
+    def _on_image(self, camera: str, msg) -> None:
+        """A CompressedImage or Image: kept undecoded until a query selects this camera."""
+        self._add_frame(camera, ns_of(msg.header.stamp), payload_from_msg(msg))
 
     def _add_frame(self, camera: str, stamp_ns: int, payload) -> None:
         self.server.frame_delay_ms.append((self._now_ns() - stamp_ns) / 1e6)

@@ -36,7 +36,7 @@ from ..answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
 from .frame_store import FrameMatchError, FrameSet, FrameStore
-from .images import ImageError, to_pipeline_image
+from .images import CameraImages, ImageError
 
 log = logging.getLogger("litevlm.server")
 
@@ -324,13 +324,13 @@ class QueryServer:
             rec.status, rec.status_message = "deadline_passed", (
                 f"deadline passed after {rec.queue_ms:.1f} ms in the queue")
             return self._finish(rec)
+        limit = self.pipeline.rt.options.images.max_pixels
+        images = CameraImages({c: f.payload for c, f in req.frames.frames.items()}, limit)
         try:
-            images = {c: to_pipeline_image(c, f.payload) for c, f in req.frames.frames.items()}
+            ans = self.pipeline.answer(images, req.text)
         except ImageError as exc:
             rec.status, rec.status_message = "bad_image", str(exc)
             return self._finish(rec)
-        try:
-            ans = self.pipeline.answer(images, req.text)
         except InputError as exc:
             # The pipeline names the camera first in image errors ("CAM_BACK: cannot decode
             # image ..."); anything else is about the question (reserved token, too many tokens).
