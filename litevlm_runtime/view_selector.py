@@ -242,8 +242,6 @@ class Fusion:
         }[self.rule]
 
 
-
-
 @dataclass
 class ViewSelectorConfig:
     vocab_size: int
