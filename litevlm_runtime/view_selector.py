@@ -7,9 +7,12 @@ Runs first in the pipeline, before any image is decoded (DESIGN.md section 3). T
    `<cN,CAM_X,x,y>` (those are certain).
 2. `ViewSelector`: a small transformer encoder over the tokenized question, one learnable latent
    query per camera cross-attending to it, and an MLP mapping each latent to one logit.
-3. `LoadedViewSelector.scores/select`: fusion `w * keyword + (1 - w) * sigmoid(logit)`, a
-   threshold, tagged cameras always kept, at least one camera kept when the question has a cue,
-   all cameras when it has none.
+3. `LoadedViewSelector.scores/select`: the fusion of both (`Fusion`). It starts from the keyword
+   map's choice and lets the module add cameras, or remove the ones the keyword map is unsure of
+   where the module is confident; the cameras the keyword map is certain of (tags, camera names,
+   a phrase naming one camera) are kept by every rule, so on every question whose cameras the
+   question names the selector keeps them. Which rule a trained selector uses is measured on
+   validation frames by `litevlm train views` and recorded in its config.json.
 
 The selector has its own word-level tokenizer (`tokenizer.json`, Hugging Face `tokenizers`
 format), so it does not depend on the VLM's tokenizer being present. A selector folder holds
@@ -199,6 +202,49 @@ def encode_batch(tokenizer, questions: list[str], max_len: int,
 # ---------------------------------------------------------------------------------------------
 
 
+FUSION_RULES = ("add", "remove", "add_remove", "weighted")
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How the keyword map and the module's probabilities decide the cameras.
+
+    Every rule starts from the keyword map's choice (cameras whose keyword score reaches
+    `threshold`, plus tagged ones; a question with no cue: all six) and never drops a camera the
+    keyword map is certain of (`certain_cameras`). The rules differ in what the module may do:
+
+    add        add a camera whose module probability reaches `add_threshold`; never removes, so
+               the kept set always contains the keyword map's and recall can only go up.
+    remove     remove an uncertain camera (a half-score neighbour such as CAM_FRONT_LEFT for
+               "ahead", or any camera of a question with no cue) whose module probability is
+               below `remove_threshold`, i.e. only where the module is confident it is not needed.
+    add_remove both.
+    weighted   the paper's rule: keep a camera when `keyword_weight * keyword + (1 -
+               keyword_weight) * module` reaches `threshold` (certain cameras still kept).
+    """
+
+    rule: str = "weighted"
+    threshold: float = 0.4
+    keyword_weight: float = 0.4
+    add_threshold: float = 0.5
+    remove_threshold: float = 0.1
+
+    def __post_init__(self):
+        if self.rule not in FUSION_RULES:
+            raise ValueError(f"fusion rule {self.rule!r}: expected one of {', '.join(FUSION_RULES)}")
+        for name in ("threshold", "keyword_weight", "add_threshold", "remove_threshold"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"fusion {name} {getattr(self, name)} is outside [0, 1]")
+
+    def describe(self) -> str:
+        return {
+            "add": f"add, module >= {self.add_threshold:g}",
+            "remove": f"remove, module < {self.remove_threshold:g}",
+            "add_remove": f"add >= {self.add_threshold:g}, remove < {self.remove_threshold:g}",
+            "weighted": f"weighted, w {self.keyword_weight:g}, thr {self.threshold:g}",
+        }[self.rule]
+
+
 @dataclass
 class ViewSelectorConfig:
     vocab_size: int
@@ -209,11 +255,16 @@ class ViewSelectorConfig:
     max_len: int = 160
     dropout: float = 0.1
     cameras: list[str] = field(default_factory=lambda: list(CAMERAS))
-    # Fusion at inference: score = keyword_weight * keyword_map + (1 - keyword_weight) * sigmoid.
-    # With keyword_weight >= threshold a keyword camera is always kept; a camera without a
-    # keyword needs sigmoid >= threshold / (1 - keyword_weight).
+    # Fusion at inference (see Fusion). A folder written before fusion rules existed has no
+    # fusion_rule and keeps the weighted sum it was tuned for.
+    fusion_rule: str = "weighted"
     keyword_weight: float = 0.4
     threshold: float = 0.4
+    add_threshold: float = 0.5
+    remove_threshold: float = 0.1
+
+    def fusion(self) -> Fusion:
+        return Fusion(self.fusion_rule, self.threshold, self.keyword_weight, self.add_threshold, self.remove_threshold)
 
 
 class ViewSelector(nn.Module):
@@ -255,38 +306,63 @@ class ViewSelector(nn.Module):
 @dataclass
 class Selection:
     cameras: list[str]          # kept, CAMERAS order, never empty
-    scores: dict[str, float]    # fused score per camera
+    scores: dict[str, float]    # per camera, higher = more needed; every kept camera scores above every dropped one
     keyword: dict[str, float]   # keyword-map score per camera
     module: dict[str, float]    # sigmoid of the module's logit per camera
     reason: str                 # "selected" | "argmax" (cue but nothing passed) | "no_cue" (all cameras)
 
 
-def fuse(
-    keyword: dict[str, float],
-    module: dict[str, float] | None,
-    tagged: list[str],
-    keyword_weight: float,
-    threshold: float,
-) -> Selection:
+def certain_cameras(keyword: dict[str, float], tagged: list[str]) -> set[str]:
+    """The keyword map's hard cues: cameras tagged in the question or named outright (a camera
+    name, or a phrase such as "back left" that means exactly that camera: score 1.0)."""
+    return set(tagged) | {c for c in CAMERAS if keyword[c] >= 1.0}
+
+
+def keyword_choice(keyword: dict[str, float], tagged: list[str], threshold: float) -> tuple[list[str], str]:
+    """The keyword map alone: tagged cameras and keyword scores >= threshold; with a cue but
+    nothing passing, the best-scoring camera; with no cue at all, every camera."""
+    kept = [c for c in CAMERAS if keyword[c] >= threshold or c in tagged]
+    if kept:
+        return kept, "selected"
+    if tagged or any(v > 0 for v in keyword.values()):
+        return [max(CAMERAS, key=lambda c: keyword[c])], "argmax"
+    return list(CAMERAS), "no_cue"
+
+
+def fuse(keyword: dict[str, float], module: dict[str, float] | None, tagged: list[str], fusion: Fusion) -> Selection:
     """The selection rule, shared by the trained selector and the keyword-only baseline.
 
-    module=None is the keyword-map-only selector (fused score = keyword score).
+    module=None is the keyword map alone (score = keyword score, cut at fusion.threshold).
     """
+    base, reason = keyword_choice(keyword, tagged, fusion.threshold)
     if module is None:
-        fused = dict(keyword)
+        return Selection(base, dict(keyword), dict(keyword), {c: 0.0 for c in CAMERAS}, reason)
+    certain = certain_cameras(keyword, tagged)
+    if fusion.rule == "weighted":
+        w = fusion.keyword_weight
+        scores = {c: w * keyword[c] + (1.0 - w) * module[c] for c in CAMERAS}
+        kept = {c for c in CAMERAS if scores[c] >= fusion.threshold} | certain
+        if not kept:  # nothing passed: the best-scoring camera with a cue, all six without
+            kept = {max(CAMERAS, key=lambda c: scores[c])} if reason != "no_cue" else set(base)
+        for c in certain:
+            scores[c] = max(scores[c], fusion.threshold)
     else:
-        fused = {c: keyword_weight * keyword[c] + (1.0 - keyword_weight) * module[c] for c in CAMERAS}
-    kept = [c for c in CAMERAS if fused[c] >= threshold or c in tagged]
-    has_cue = bool(tagged) or any(v > 0 for v in keyword.values())
-    reason = "selected"
-    if not kept:
-        if has_cue:
-            # At least one camera: the best-scoring one.
-            kept, reason = [max(CAMERAS, key=lambda c: fused[c])], "argmax"
-        else:
-            # No keyword, no tag and the module not confident about any camera: keep all.
-            kept, reason = list(CAMERAS), "no_cue"
-    return Selection(kept, fused, dict(keyword), dict(module) if module else {c: 0.0 for c in CAMERAS}, reason)
+        kept = set(base)
+        if fusion.rule in ("remove", "add_remove"):
+            kept -= {c for c in base if c not in certain and module[c] < fusion.remove_threshold}
+        if fusion.rule in ("add", "add_remove"):
+            kept |= {c for c in CAMERAS if module[c] >= fusion.add_threshold}
+        if not kept:
+            # Only a no-cue question can lose every camera (each cue names a certain one): the
+            # module claims no view is needed, which it cannot know; fall back to all six.
+            kept = set(base)
+        # One score per camera that orders kept above dropped (certain first, then by module
+        # probability), so that a caller with a camera budget can take the highest ones.
+        scores = {c: 1.0 if c in certain else 0.5 * (c in kept) + 0.49 * module[c] for c in CAMERAS}
+    cameras = [c for c in CAMERAS if c in kept]
+    if set(cameras) != set(base):
+        reason = "selected"  # the module changed the keyword map's choice
+    return Selection(cameras, scores, dict(keyword), dict(module), reason)
 
 
 class LoadedViewSelector:
@@ -297,6 +373,7 @@ class LoadedViewSelector:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.cfg = model.cfg
+        self.fusion = model.cfg.fusion()
 
     @torch.inference_mode()
     def module_probs(self, questions: list[str]) -> torch.Tensor:
@@ -309,15 +386,16 @@ class LoadedViewSelector:
             raise InputError("view selector: the question is empty")
         probs = self.module_probs([question])[0].tolist()
         module = dict(zip(CAMERAS, probs))
-        return fuse(keyword_map(question), module, tagged_cameras(question), self.cfg.keyword_weight, self.cfg.threshold)
+        return fuse(keyword_map(question), module, tagged_cameras(question), self.fusion)
 
     def select(self, question: str) -> list[str]:
         """Camera names to process, in CAMERAS order; never empty."""
         return self.explain(question).cameras
 
     def scores(self, question: str) -> dict[str, float]:
-        """Fused score per camera (what `select` thresholds)."""
-        return self.explain(question).scores
+        """Score per camera, highest first; the cameras `select` keeps come before the others."""
+        scores = self.explain(question).scores
+        return dict(sorted(scores.items(), key=lambda kv: -kv[1]))
 
 
 def save_view_selector(out_dir: Path, model: ViewSelector, tokenizer, extra: dict | None = None) -> None:
@@ -332,8 +410,7 @@ def save_view_selector(out_dir: Path, model: ViewSelector, tokenizer, extra: dic
         "architecture": asdict(model.cfg),
         "tokenizer_file": TOKENIZER_FILE,
         "weights_file": WEIGHTS_FILE,
-        "keyword_weight": model.cfg.keyword_weight,
-        "threshold": model.cfg.threshold,
+        "fusion": asdict(model.cfg.fusion()),  # the same settings as in "architecture", for reading
     }
     config.update(extra or {})
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -344,10 +421,13 @@ def load_view_selector(
     device: str | torch.device = "cpu",
     keyword_weight: float | None = None,
     threshold: float | None = None,
+    fusion_rule: str | None = None,
+    add_threshold: float | None = None,
+    remove_threshold: float | None = None,
 ) -> LoadedViewSelector:
     """Load a selector folder (config.json, model.safetensors, tokenizer.json).
 
-    keyword_weight / threshold override the saved fusion settings for this instance only.
+    The fusion arguments override the saved fusion settings for this instance only.
     """
     path = Path(path)
     config_path = path / CONFIG_FILE
@@ -361,11 +441,14 @@ def load_view_selector(
         raise CheckpointError(f"{config_path}: malformed view selector config ({exc})") from None
     if list(arch.get("cameras", CAMERAS)) != list(CAMERAS):
         raise CheckpointError(f"{config_path}: cameras {arch.get('cameras')} differ from the rig {list(CAMERAS)}")
-    if keyword_weight is not None:
-        arch["keyword_weight"] = keyword_weight
-    if threshold is not None:
-        arch["threshold"] = threshold
-    cfg = ViewSelectorConfig(**arch)
+    overrides = {"keyword_weight": keyword_weight, "threshold": threshold, "fusion_rule": fusion_rule,
+                 "add_threshold": add_threshold, "remove_threshold": remove_threshold}
+    arch.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = ViewSelectorConfig(**arch)
+        cfg.fusion()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{config_path}: bad view selector settings ({exc})") from None
     tokenizer = load_tokenizer(path / config.get("tokenizer_file", TOKENIZER_FILE))
     if tokenizer.get_vocab_size() != cfg.vocab_size:
         raise CheckpointError(

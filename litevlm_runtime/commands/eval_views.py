@@ -1,20 +1,25 @@
-"""`litevlm eval-views`: recall of tagged cameras and mean cameras kept for a trained view selector.
+"""`litevlm eval-views`: a view selector against the keyword map and all six cameras.
 
-    litevlm eval-views --selector DIR --data QA.json [--data ...] [--frames eval|all|TOKEN,...]
-                       [--keyword-weight W] [--threshold T] [--json]
+    litevlm eval-views --selector DIR --data QA.json [--data ...] [--frames eval|val|all|TOKEN,...]
+                       [--fusion RULE] [--threshold T] [--json] [--bench]
 
-Compares the selector against the same architecture at a random initialisation and against the
-keyword map alone, on the same questions (see litevlm_runtime.training.views.evaluate).
+On the same questions: the selector under its fusion rule, the same architecture at its random
+initialisation, the keyword map alone (at the selector's keyword threshold, and with only its
+certain cameras) and all six cameras. `--frames eval` (the default) takes the frames held out
+when the selector was trained, as recorded in its config.json. Metric definitions:
+litevlm_runtime.training.views.selection_metrics.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from ..errors import InputError
+from ..view_selector import FUSION_RULES
 
 
 def register(subparsers) -> None:
@@ -23,11 +28,15 @@ def register(subparsers) -> None:
     p.add_argument("--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)")
     p.add_argument(
         "--frames",
-        default="all",
-        help="'all' key frames, 'eval' (the frames held out when the selector was trained), or a comma-separated list",
+        default="eval",
+        help="'eval' (the frames held out when the selector was trained), 'val' (its validation frames), "
+             "'all' key frames, or a comma-separated list",
     )
-    p.add_argument("--keyword-weight", type=float, help="override the saved fusion weight")
-    p.add_argument("--threshold", type=float, help="override the saved threshold")
+    p.add_argument("--fusion", choices=FUSION_RULES, help="override the saved fusion rule")
+    p.add_argument("--keyword-weight", type=float, help="override the saved fusion weight (weighted)")
+    p.add_argument("--threshold", type=float, help="override the saved keyword threshold")
+    p.add_argument("--add-threshold", type=float, help="override the saved add threshold")
+    p.add_argument("--remove-threshold", type=float, help="override the saved remove threshold")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--bench", action="store_true",
                    help="also time one-question selection (selector vs keyword map alone) on these questions")
@@ -40,10 +49,10 @@ def _bench(selector, questions: list[str]) -> str:
     import statistics
     import time
 
-    from ..view_selector import fuse, keyword_map, tagged_cameras
+    from ..view_selector import Fusion, fuse, keyword_map, tagged_cameras
 
     def keyword_only(q):
-        return fuse(keyword_map(q), None, tagged_cameras(q), 0.0, selector.cfg.threshold)
+        return fuse(keyword_map(q), None, tagged_cameras(q), Fusion(threshold=selector.fusion.threshold))
 
     rows = {}
     for name, fn in (("keyword map only", keyword_only), ("selector (tokenize+model+fuse)", selector.explain)):
@@ -68,31 +77,39 @@ def _run(args) -> int:
     from ..view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
 
     torch.set_num_threads(args.threads)
-    selector = load_view_selector(args.selector, keyword_weight=args.keyword_weight, threshold=args.threshold)
+    selector = load_view_selector(args.selector, keyword_weight=args.keyword_weight, threshold=args.threshold,
+                                  fusion_rule=args.fusion, add_threshold=args.add_threshold,
+                                  remove_threshold=args.remove_threshold)
     config = json.loads((Path(args.selector) / CONFIG_FILE).read_text())
+    training = config.get("training", {})
     records = load_qa(args.data)
-    if args.frames == "eval":
-        frames = set(config.get("training", {}).get("eval_frames") or [])
+    if args.frames in ("eval", "val"):
+        frames = set(training.get(f"{args.frames}_frames") or [])
         if not frames:
-            raise InputError(f"{args.selector}: no held-out frames recorded (trained with --frames-holdout 0)")
+            what = "held-out" if args.frames == "eval" else "validation"
+            raise InputError(f"{args.selector}: no {what} frames recorded in its config.json (give --frames all or a list)")
     elif args.frames == "all":
         frames = {r.frame for r in records}
     else:
         frames = {f.strip() for f in args.frames.split(",") if f.strip()}
     records = [r for r in records if r.frame in frames]
+    seen = {r.frame for r in records} - set(training.get("eval_frames") or [])
+    if seen and training:
+        print(f"note: {len(seen)} of these frames are not among the frames held out when this selector was "
+              "trained: it was trained or tuned on them if they are in its training data", file=sys.stderr)
     if not records:
         raise InputError(f"eval-views: none of the frames {sorted(frames)} are in {args.data}")
 
     # The untrained baseline: the same architecture at the initialisation its training started
     # from (training seeds torch right before building the model).
-    torch.manual_seed(int(config.get("training", {}).get("seed", 0)))
+    torch.manual_seed(int(training.get("seed", 0)))
     untrained = LoadedViewSelector(ViewSelector(selector.cfg), selector.tokenizer)
     rows = compare(selector, untrained, records)
     if args.json:
         print(json.dumps({"frames": sorted({r.frame for r in records}), "metrics": rows}, indent=2))
     else:
-        print(f"{len(records)} questions from {len({r.frame for r in records})} key frame(s); "
-              f"keyword weight {selector.cfg.keyword_weight:g}, threshold {selector.cfg.threshold:g}")
+        print(f"{len(records)} questions from {len({r.frame for r in records})} key frame(s) "
+              f"({', '.join(sorted({r.frame for r in records}))}); fusion: {selector.fusion.describe()}")
         print(format_table(rows))
     if args.bench:
         print()

@@ -1,21 +1,22 @@
-"""`litevlm train views`: train the view selector on DriveLM-format QA, and evaluate it.
+"""`litevlm train views`: train the view selector on DriveLM-format QA, choose its fusion rule, and evaluate it.
 
     litevlm train views --data QA.json [--data more.json ...] --out DIR
     torchrun --nproc_per_node=N -m litevlm_runtime.cli train views ...   # same command, DDP
 
 Data: DriveLM v1.1 layout `{scene: {key_frames: {frame: {QA: {perception|prediction|planning|
-behavior: [{Q, A, ...}]}}}}}` (DriveLM-nuScenes and SynthDrive both use it).
+behavior: [{Q, A, ...}]}}}}}` (DriveLM-nuScenes and SynthDrive both use it; several files train
+together, e.g. real DriveLM frames and SynthDrive).
 
 Labels (per camera, CAMERAS order; see `camera_labels`): cameras named in object tags
 `<cN,CAM_X,x,y>` in the question, the cameras the keyword map is certain of (score 1.0), and
 cameras tagged in the answer (by default only when the question itself has a cue). A question
 with no camera is labelled "all cameras": from its text alone nothing says which view is enough,
-which is exactly the selector's no-cue rule. The selector itself only ever sees the question.
+which is exactly the keyword map's no-cue rule. The selector itself only ever sees the question.
 
-Evaluation splits by key frame (held-out frames are never trained on). Metrics:
-- recall: over every (question, camera tagged in its Q or A) pair, the fraction whose camera is
-  kept; question recall: the fraction of tagged questions whose tagged cameras are all kept;
-- mean cameras kept over all questions (of 6).
+Splits are by key frame, three disjoint sets: evaluation frames (`--frames-holdout`, never
+trained or tuned on), validation frames (`--val-frames`: `--fusion auto` picks the fusion rule
+and its thresholds there, see `tune_fusion`) and training frames. Metrics: `selection_metrics`
+(recall over tagged cameras, question recall, cameras kept), the same for every row compared.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import argparse
 import json
 import math
 import random
+import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,7 +43,9 @@ from ..errors import InputError
 from ..integrity import write_manifest
 from .distributed import setup
 from ..view_selector import (
+    FUSION_RULES,
     TOKENIZER_FILE,
+    Fusion,
     LoadedViewSelector,
     ViewSelector,
     ViewSelectorConfig,
@@ -133,26 +137,49 @@ def camera_labels(record: QARecord, answer_tags: str = "cued") -> list[float]:
     return [1.0 if c in needed else 0.0 for c in CAMERAS]
 
 
-def split_by_frame(records: list[QARecord], holdout: float, fold: int, seed: int):
-    """(train, eval, eval_frames). holdout < 1: fraction of frames; >= 1: number of frames.
+def frame_spec(text: str) -> float | list[str]:
+    """--frames-holdout / --val-frames: a fraction (< 1) or count (>= 1) of frames, or frame tokens."""
+    try:
+        value = float(text)
+    except ValueError:
+        tokens = [t.strip() for t in text.split(",") if t.strip()]
+        if not tokens:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction, a count or frame tokens") from None
+        return tokens
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a frame fraction or count cannot be negative")
+    return value
 
-    Frames are shuffled with `seed` and cut into consecutive blocks of the holdout size; `fold`
-    picks the block, so folds 0..k-1 with holdout 1/k are a k-fold cross-validation.
+
+def split_by_frame(records: list[QARecord], holdout: float | list[str], fold: int, seed: int):
+    """(kept, held_out, held_out_frames). holdout: frame tokens, a fraction (< 1) or a count (>= 1).
+
+    A number of frames: they are shuffled with `seed` and cut into consecutive blocks of that
+    size; `fold` picks the block, so folds 0..k-1 with holdout 1/k are a k-fold cross-validation.
     """
     frames = sorted({(r.source, r.frame) for r in records})
-    if holdout <= 0:
+    if isinstance(holdout, list):
+        known = {f for _, f in frames}
+        missing = [t for t in holdout if t not in known]
+        if missing:
+            raise InputError(f"frames {', '.join(missing)} are not among the {len(known)} key frames of the data")
+        held = {(src, f) for src, f in frames if f in set(holdout)}
+        if len(held) == len(frames):
+            raise InputError(f"holding out frames {', '.join(holdout)} leaves no frame to train on")
+    elif holdout <= 0:
         return records, [], []
-    n_eval = int(holdout) if holdout >= 1 else max(1, round(holdout * len(frames)))
-    if n_eval >= len(frames):
-        raise InputError(f"--frames-holdout {holdout} leaves no training frame (the data has {len(frames)} frames)")
-    random.Random(seed).shuffle(frames)
-    n_folds = len(frames) // n_eval
-    if not 0 <= fold < n_folds:
-        raise InputError(f"--fold {fold} out of range: {len(frames)} frames in blocks of {n_eval} give folds 0..{n_folds - 1}")
-    eval_frames = set(frames[fold * n_eval : (fold + 1) * n_eval])
-    train = [r for r in records if (r.source, r.frame) not in eval_frames]
-    evaluation = [r for r in records if (r.source, r.frame) in eval_frames]
-    return train, evaluation, sorted(f for _, f in eval_frames)
+    else:
+        n_eval = int(holdout) if holdout >= 1 else max(1, round(holdout * len(frames)))
+        if n_eval >= len(frames):
+            raise InputError(f"holding out {holdout} frames leaves no training frame (the data has {len(frames)} frames)")
+        random.Random(seed).shuffle(frames)
+        n_folds = len(frames) // n_eval
+        if not 0 <= fold < n_folds:
+            raise InputError(f"--fold {fold} out of range: {len(frames)} frames in blocks of {n_eval} give folds 0..{n_folds - 1}")
+        held = set(frames[fold * n_eval : (fold + 1) * n_eval])
+    kept = [r for r in records if (r.source, r.frame) not in held]
+    held_out = [r for r in records if (r.source, r.frame) in held]
+    return kept, held_out, sorted(f for _, f in held)
 
 
 class QuestionDataset(Dataset):
@@ -172,32 +199,25 @@ class QuestionDataset(Dataset):
 # ---------------------------------------------------------------------------------------------
 
 
-def evaluate(
-    selector: LoadedViewSelector | None,
-    records: list[QARecord],
-    keyword_weight: float | None = None,
-    threshold: float | None = None,
-) -> dict:
-    """Recall of tagged cameras (Q and A tags; the selector sees only Q) and mean cameras kept.
+def selection_metrics(records: list[QARecord], selections: list[list[str]]) -> dict:
+    """The metrics every selector is compared by, on the same questions.
 
-    selector=None evaluates the keyword map alone (tags + spatial phrases, threshold applied to
-    the keyword score).
+    Truth for a question: the cameras tagged `<cN,CAM_X,x,y>` in its question or its answer (the
+    selector sees only the question). A question with no tag has no camera truth: it counts in
+    the cameras kept (its cost) but not in recall.
+    - recall: over every (question, truth camera) pair, the fraction whose camera is kept;
+    - question_recall: the fraction of tagged questions whose truth cameras are all kept;
+    - mean_cameras_kept: cameras kept per question over all questions (of 6);
+    - all_cameras_fraction: the fraction of questions that keep all six.
     """
     if not records:
         raise InputError("evaluate: no questions")
-    kw_w = keyword_weight if keyword_weight is not None else (selector.cfg.keyword_weight if selector else 0.0)
-    thr = threshold if threshold is not None else (selector.cfg.threshold if selector else 0.4)
-    probs = selector.module_probs([r.question for r in records]) if selector else None
-    pairs = recalled = tagged_q = tagged_q_ok = kept_total = all_kept = 0
-    for i, r in enumerate(records):
-        module = dict(zip(CAMERAS, probs[i].tolist())) if probs is not None else None
-        sel = fuse(keyword_map(r.question), module, tagged_cameras(r.question), kw_w, thr)
-        kept_total += len(sel.cameras)
-        all_kept += len(sel.cameras) == len(CAMERAS)
+    pairs = recalled = tagged_q = tagged_q_ok = 0
+    for r, kept in zip(records, selections, strict=True):
         truth = set(tagged_cameras(r.question)) | set(tagged_cameras(r.answer))
         if truth:
+            hits = sum(c in kept for c in truth)
             tagged_q += 1
-            hits = sum(c in sel.cameras for c in truth)
             pairs += len(truth)
             recalled += hits
             tagged_q_ok += hits == len(truth)
@@ -206,29 +226,118 @@ def evaluate(
         "tagged_questions": tagged_q,
         "recall": recalled / pairs if pairs else float("nan"),
         "question_recall": tagged_q_ok / tagged_q if tagged_q else float("nan"),
-        "mean_cameras_kept": kept_total / len(records),
-        "all_cameras_fraction": all_kept / len(records),
+        "mean_cameras_kept": sum(len(s) for s in selections) / len(records),
+        "all_cameras_fraction": sum(len(s) == len(CAMERAS) for s in selections) / len(records),
     }
 
 
+def _cues(records: list[QARecord]) -> list[tuple[dict, list[str]]]:
+    return [(keyword_map(r.question), tagged_cameras(r.question)) for r in records]
+
+
+def _selections(cues, probs: torch.Tensor | None, fusion: Fusion) -> list[list[str]]:
+    rows = probs.tolist() if probs is not None else [None] * len(cues)
+    return [
+        fuse(keyword, dict(zip(CAMERAS, p)) if p is not None else None, tagged, fusion).cameras
+        for (keyword, tagged), p in zip(cues, rows)
+    ]
+
+
+def evaluate(selector: LoadedViewSelector | None, records: list[QARecord], fusion: Fusion | None = None) -> dict:
+    """selection_metrics of a selector under its own fusion (or `fusion`); selector=None is the
+    keyword map alone, cut at fusion.threshold (default 0.4)."""
+    if not records:
+        raise InputError("evaluate: no questions")
+    fusion = fusion or (selector.fusion if selector else Fusion())
+    probs = selector.module_probs([r.question for r in records]) if selector else None
+    return selection_metrics(records, _selections(_cues(records), probs, fusion))
+
+
 def format_table(rows: dict[str, dict]) -> str:
-    head = f"{'selector':<28} {'questions':>9} {'tagged':>6} {'recall':>7} {'q-recall':>8} {'cams kept':>9} {'all 6':>6}"
+    width = max([28] + [len(name) for name in rows])
+    head = f"{'selector':<{width}} {'questions':>9} {'tagged':>6} {'recall':>7} {'q-recall':>8} {'cams kept':>9} {'all 6':>6}"
     lines = [head, "-" * len(head)]
     for name, m in rows.items():
         lines.append(
-            f"{name:<28} {m['questions']:>9d} {m['tagged_questions']:>6d} {m['recall']:>7.4f} "
+            f"{name:<{width}} {m['questions']:>9d} {m['tagged_questions']:>6d} {m['recall']:>7.4f} "
             f"{m['question_recall']:>8.4f} {m['mean_cameras_kept']:>9.3f} {m['all_cameras_fraction']:>6.3f}"
         )
     return "\n".join(lines)
 
 
 def compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, records: list[QARecord]) -> dict[str, dict]:
-    """Trained vs untrained (same architecture at its random initialisation) vs keyword map only."""
+    """The selector vs the same architecture at its random initialisation (same fusion) vs the
+    keyword map alone (at the selector's keyword threshold, and with only its certain cameras)
+    vs all six cameras, on the same questions."""
+    thr = trained.fusion.threshold
     return {
-        "trained (fused)": evaluate(trained, records),
-        "untrained (fused)": evaluate(untrained, records),
-        f"keyword map only (thr {trained.cfg.threshold:g})": evaluate(None, records, threshold=trained.cfg.threshold),
+        f"selector ({trained.fusion.describe()})": evaluate(trained, records),
+        "untrained (same fusion)": evaluate(untrained, records, trained.fusion),
+        f"keyword map only (thr {thr:g})": evaluate(None, records, Fusion(threshold=thr)),
+        "keyword map, certain cues only": evaluate(None, records, Fusion(threshold=1.0)),
+        "all six cameras": selection_metrics(records, [list(CAMERAS)] * len(records)),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the fusion rule on validation frames
+# ---------------------------------------------------------------------------------------------
+
+GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98)
+# The module removes a camera only when confident it is not needed: at most a 30% probability.
+# (Measured: with higher thresholds even the untrained module, near 0.5 everywhere, removes, and
+# a validation frame cannot tell luck from skill there.)
+REMOVE_GRID = tuple(t for t in GRID if t <= 0.3)
+
+
+def fusion_candidates(base: Fusion, rules: tuple[str, ...] = FUSION_RULES) -> list[Fusion]:
+    """Every setting tried per rule, the most cautious first (the one that keeps the most
+    cameras wins a tie): low thresholds add more and remove less; a high keyword weight leaves
+    the module less say."""
+    out = []
+    for rule in rules:
+        if rule == "add":
+            out += [replace(base, rule=rule, add_threshold=t) for t in GRID]
+        elif rule == "remove":
+            out += [replace(base, rule=rule, remove_threshold=t) for t in REMOVE_GRID]
+        elif rule == "add_remove":
+            out += [replace(base, rule=rule, add_threshold=a, remove_threshold=r) for r in REMOVE_GRID for a in GRID if r < a]
+        else:
+            out += [replace(base, rule=rule, keyword_weight=w) for w in sorted(GRID, reverse=True)]
+    return out
+
+
+def tune_fusion(records: list[QARecord], probs: torch.Tensor, base: Fusion, rules: tuple[str, ...] = FUSION_RULES,
+                tolerance: float = 0.02):
+    """(chosen Fusion, {rule: {"fusion", "metrics", "feasible"}}, keyword-map metrics) on validation questions.
+
+    Feasible: recall and question recall at least the keyword map's (at base.threshold) on the
+    same questions. Per rule, the most cautious feasible setting within `tolerance` cameras per
+    question of that rule's fewest; then, of the rules, the first in FUSION_RULES order within
+    `tolerance` of the fewest. Why the tolerance: a validation frame has a few dozen tagged
+    questions, and a setting that saves one camera on one of them more than a cautious one is
+    noise, not evidence. "add" never loses recall, so some setting is always feasible.
+    """
+    cues = _cues(records)
+    floor = selection_metrics(records, _selections(cues, None, base))
+    tried: dict[str, list] = {}
+    for fusion in fusion_candidates(base, rules):
+        m = selection_metrics(records, _selections(cues, probs, fusion))
+        ok = m["recall"] >= floor["recall"] and m["question_recall"] >= floor["question_recall"]
+        tried.setdefault(fusion.rule, []).append((fusion, m, ok))
+
+    def pick(rows):  # rows in cautious-first order; the first within tolerance of the fewest cameras
+        fewest = min(m["mean_cameras_kept"] for _, m, _ in rows)
+        return next(row for row in rows if row[1]["mean_cameras_kept"] <= fewest + tolerance)
+
+    table = {}
+    for rule, rows in tried.items():
+        feasible = [row for row in rows if row[2]]
+        f, m, ok = pick(feasible) if feasible else max(rows, key=lambda row: row[1]["recall"])
+        table[rule] = {"fusion": asdict(f), "metrics": m, "feasible": ok}
+    best = [(Fusion(**row["fusion"]), row["metrics"], True) for row in table.values() if row["feasible"]]
+    chosen = pick(best)[0] if best else base
+    return chosen, table, floor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,13 +380,19 @@ def train(args) -> dict | None:
 def _train(args, rank: int, world: int, device: torch.device, log) -> dict | None:
     out_dir = Path(args.out) if args.out else Path(args.model) / "view_selector"
     records = load_qa(args.data)
-    train_records, eval_records, eval_frames = split_by_frame(records, args.frames_holdout, args.fold, args.seed)
+    # Three disjoint sets of key frames: evaluation (never trained or tuned on), validation
+    # (chooses the fusion rule and its thresholds) and training.
+    rest, eval_records, eval_frames = split_by_frame(records, args.frames_holdout, args.fold, args.seed)
+    train_records, val_records, val_frames = split_by_frame(rest, args.val_frames, 0, args.seed)
+    if args.fusion == "auto" and not val_records:
+        raise InputError("train views: --fusion auto chooses the rule on validation frames; give --val-frames or a fixed --fusion")
     # Separate evaluation files (other scenes, another data set) are never trained on.
     extra_eval = load_qa(args.eval_data) if args.eval_data else []
     log(
         f"view selector: {len(records)} questions from {len(args.data)} file(s); training on "
-        f"{len(train_records)} ({len({r.frame for r in train_records})} frames), evaluating on "
-        f"{len(eval_records)} ({len(eval_frames)} held-out frames); world size {world}, device {device}"
+        f"{len(train_records)} ({len({r.frame for r in train_records})} frames), validating on "
+        f"{len(val_records)} ({len(val_frames)} frames), evaluating on {len(eval_records)} "
+        f"({len(eval_frames)} held-out frames); world size {world}, device {device}"
     )
 
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts them)
@@ -289,8 +404,11 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         heads=args.heads,
         ffn=args.width * 2,
         max_len=args.max_len,
+        fusion_rule="add" if args.fusion == "auto" else args.fusion,  # "auto": replaced once validated
         keyword_weight=args.keyword_weight,
         threshold=args.threshold,
+        add_threshold=args.add_threshold,
+        remove_threshold=args.remove_threshold,
     )
     model = ViewSelector(cfg).to(device)
     initial_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
@@ -341,21 +459,44 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
 
     result = None
     if rank == 0:
+        from .vlm import data_provenance
+
+        model.eval()
+        tuning = None
+        if val_records:
+            probs = LoadedViewSelector(model, tokenizer, device).module_probs([r.question for r in val_records])
+            rules = FUSION_RULES if args.fusion == "auto" else (args.fusion,)
+            chosen, table, floor = tune_fusion(val_records, probs, cfg.fusion(), rules, args.tune_tolerance)
+            if args.fusion == "auto":
+                cfg.fusion_rule, cfg.keyword_weight = chosen.rule, chosen.keyword_weight
+                cfg.add_threshold, cfg.remove_threshold = chosen.add_threshold, chosen.remove_threshold
+            tuning = {"keyword map": floor, "rules": table, "chosen": asdict(cfg.fusion()), "tolerance": args.tune_tolerance}
+            log(f"\nvalidation ({', '.join(val_frames)}): the best setting of each fusion rule whose recall is at least the keyword map's")
+            log(format_table({"keyword map only": floor, **{
+                ("* " if rule == cfg.fusion_rule else "  ") + Fusion(**row["fusion"]).describe()
+                + ("" if row["feasible"] else " (loses recall)"): row["metrics"] for rule, row in table.items()}}))
         trained = LoadedViewSelector(model, tokenizer, device)
         untrained_model = ViewSelector(cfg)
         untrained_model.load_state_dict(initial_state)
         untrained = LoadedViewSelector(untrained_model, tokenizer, device)
         metrics = {"train": compare(trained, untrained, train_records)}
+        if val_records:
+            metrics["val"] = compare(trained, untrained, val_records)
         if eval_records:
             metrics["eval"] = compare(trained, untrained, eval_records)
         if extra_eval:
             metrics["eval_data"] = compare(trained, untrained, extra_eval)
         settings = {
+            "command": reproduce_command(args),
             "data_files": [str(p) for p in args.data],
+            "data": [data_provenance(Path(p)) for p in args.data],  # hashes, and SynthDrive's generator settings
             "frames_holdout": args.frames_holdout,
             "fold": args.fold,
             "eval_frames": eval_frames,
+            "val_frames": val_frames,
+            "train_frames": len({(r.source, r.frame) for r in train_records}),
             "train_questions": len(train_records),
+            "val_questions": len(val_records),
             "eval_questions": len(eval_records),
             "eval_data_files": [str(p) for p in args.eval_data or []],
             "epochs": args.epochs,
@@ -366,6 +507,8 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
             "world_size": world,
             "labels": "tags in Q + keyword cameras with score 1.0 + tags in A (policy answer_tags); none -> all cameras",
             "answer_tags": args.answer_tags,
+            "fusion": args.fusion,
+            "fusion_tuning": tuning,
             "loss_history": history,
             "train_seconds": round(time.monotonic() - start, 2),
             "tokenizer_source": args.tokenizer or "trained on the training questions",
@@ -376,6 +519,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         for split, rows in metrics.items():
             where = {
                 "train": "training frames",
+                "val": "validation frames " + ", ".join(val_frames),
                 "eval": "held-out frames " + ", ".join(eval_frames),
                 "eval_data": "--eval-data " + " ".join(str(p) for p in args.eval_data or []),
             }[split]
@@ -385,6 +529,19 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
     if world > 1:
         dist.barrier()
     return result
+
+
+def reproduce_command(args) -> str:
+    """The `litevlm train views` command line that repeats this run (every setting spelled out)."""
+    parts = ["litevlm", "train", "views"]
+    for k, v in vars(args).items():
+        if k in ("func", "command", "trainer") or v is None or v is False:
+            continue
+        for item in v if k in ("data", "eval_data") else [v]:
+            if isinstance(item, list):
+                item = ",".join(item)
+            parts += [f"--{k.replace('_', '-')}", shlex.quote(str(item))]
+    return " ".join(parts)
 
 
 def register(subparsers) -> None:
@@ -402,8 +559,12 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frames-holdout", type=float, default=0.25,
-                   help="key frames held out for evaluation: a fraction (<1) or a count (>=1); 0 trains on all")
+    p.add_argument("--frames-holdout", "--holdout-frames", type=frame_spec, default=0.25,
+                   help="key frames held out for evaluation, never trained or tuned on: a fraction (<1), a count "
+                        "(>=1) or comma-separated frame tokens; 0: none")
+    p.add_argument("--val-frames", type=frame_spec, default=0.25,
+                   help="of the other key frames, those that choose the fusion rule and thresholds (not trained on): "
+                        "a fraction, a count or frame tokens; 0: none (then give a fixed --fusion)")
     p.add_argument("--eval-data", action="append", metavar="QA.json",
                    help="also evaluate on this DriveLM-format file, never trained on (repeatable)")
     p.add_argument("--fold", type=int, default=0, help="which block of held-out frames (k-fold cross-validation)")
@@ -413,8 +574,18 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--max-len", type=int, default=160, help="question tokens kept (longer ones are truncated)")
-    p.add_argument("--keyword-weight", type=float, default=0.4, help="fusion weight w of the keyword map")
-    p.add_argument("--threshold", type=float, default=0.4, help="fused-score threshold for keeping a camera")
+    p.add_argument("--fusion", choices=("auto",) + FUSION_RULES, default="auto",
+                   help="how the module and the keyword map combine (see view_selector.Fusion); auto: the rule and "
+                        "thresholds with the fewest cameras on the validation frames at no less recall than the keyword map")
+    p.add_argument("--tune-tolerance", type=float, default=0.02,
+                   help="auto: a setting must save more than this many cameras per validation question to beat a more cautious one")
+    p.add_argument("--threshold", type=float, default=0.4,
+                   help="keyword map: keep a camera whose keyword score reaches this (weighted: the fused-score threshold)")
+    p.add_argument("--keyword-weight", type=float, default=0.4, help="weighted fusion: weight w of the keyword map")
+    p.add_argument("--add-threshold", type=float, default=0.5,
+                   help="add / add_remove: module probability at which a camera is added (a fixed --fusion; auto tunes it)")
+    p.add_argument("--remove-threshold", type=float, default=0.1,
+                   help="remove / add_remove: module probability below which an uncertain camera is removed")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--device", help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     p.set_defaults(func=_run)
@@ -425,8 +596,11 @@ def _run(args) -> int:
         raise InputError("train views: give --out DIR or --model DIR (output goes to <model>/view_selector)")
     if args.model and not Path(args.model).is_dir():
         raise InputError(f"train views: --model {args.model} is not a folder")
-    if not 0 <= args.keyword_weight <= 1 or not 0 < args.threshold <= 1:
-        raise InputError("train views: --keyword-weight must be in [0, 1] and --threshold in (0, 1]")
+    for name in ("keyword_weight", "threshold", "add_threshold", "remove_threshold"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise InputError(f"train views: --{name.replace('_', '-')} must be in [0, 1]")
+    if args.threshold == 0:
+        raise InputError("train views: --threshold 0 would keep every camera")
     train(args)
     return 0
 
