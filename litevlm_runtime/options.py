@@ -127,7 +127,7 @@ class Images(_Validated):
 class Views(_Validated):
     mode: ViewMode = setting(ViewMode.AUTO, "view selection: auto (the model's selector under pipeline=litevlm) | all | selector")
     selector_dir: str = setting("", "view selector folder ('': <model_dir>/view_selector)")
-    threshold: float = setting(0.0, "keep a camera whose fused selector score reaches this (0: the selector's saved threshold)",
+    threshold: float = setting(0.0, "the selector's keyword-map threshold (0: the threshold saved with the selector)",
                                lo=0.0, hi=1.0, live=False)
 
 
