@@ -103,7 +103,9 @@ class Pipeline:
         images = images or {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in rt.options.cameras}
         ans = self.answer(images, "warm-up: describe the scene.")
         if rt.options.decoding.mode == DecodingMode.EAGLE:
+            learned = rt.costs                        # what the warm-up answer's rounds measured online
             rt.costs = measure_costs(rt, context=ans.input_tokens)
+            rt.costs.carry_over(learned)
         return ans
 
     @torch.inference_mode()
