@@ -50,10 +50,11 @@ def test_drive_yaml_declares_only_known_parameters():
 
     from litevlm_runtime.options import settings
     from litevlm_runtime.ros.node import PARAMETERS
-    from litevlm_runtime.ros.parameters import flatten
+    from litevlm_runtime.ros.parameters import flatten, node_section
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())
-    params = flatten(doc["litevlm_drive"]["ros__parameters"])
+    assert list(doc) == ["/**/litevlm_drive"]            # any namespace (a bare node name: the root one only)
+    params = flatten(node_section(doc, "litevlm_drive"))
     declared = dict(PARAMETERS) | {s.key: s.default for s in settings()}
     assert set(params) == set(declared)
     for k, v in params.items():
