@@ -166,3 +166,46 @@ class RosClient:
 
         req = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
         return self.call(SetParameters, f"{node}/set_parameters", req).results[0]
+
+
+class Rig:
+    """Camera and query publishers plus answer subscribers for one node's topics under `prefix`
+    ("" or "/car1"), with the shipped names."""
+
+    def __init__(self, client: RosClient, prefix: str = ""):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+        from sensor_msgs.msg import CompressedImage
+
+        from litevlm_msgs.msg import Answer, Query
+        from litevlm_runtime.cameras import CAMERAS
+
+        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.client, self.prefix = client, prefix
+        self.cameras = {c: client.node.create_publisher(CompressedImage, f"{prefix}/{c.lower()}/image_raw/compressed",
+                                                        qos_profile_sensor_data) for c in CAMERAS}
+        self.query = client.node.create_publisher(Query, f"{prefix}/litevlm/query", reliable)
+        self.answers: list = []
+        client.node.create_subscription(Answer, f"{prefix}/litevlm/answer", self.answers.append, reliable)
+
+    def connected(self) -> bool:
+        return (self.query.get_subscription_count() > 0 and self.client.node.count_publishers(
+            f"{self.prefix}/litevlm/answer") > 0 and all(p.get_subscription_count() > 0 for p in self.cameras.values()))
+
+    def frames(self, seed: int, stamp_ns: int | None = None) -> int:
+        """One frame set (each camera its own image) stamped now or stamp_ns; returns the stamp."""
+        from builtin_interfaces.msg import Time
+        from sensor_msgs.msg import CompressedImage
+
+        stamp = self.client.node.get_clock().now().nanoseconds if stamp_ns is None else stamp_ns
+        for i, (cam, pub) in enumerate(self.cameras.items()):
+            msg = CompressedImage(format="jpeg", data=jpeg(seed * 10 + i))
+            msg.header.stamp = Time(sec=stamp // 10 ** 9, nanosec=stamp % 10 ** 9)
+            pub.publish(msg)
+        return stamp
+
+    def ask(self, query_id: str, text: str) -> None:
+        from litevlm_msgs.msg import Query
+
+        msg = Query(id=query_id, text=text)
+        msg.header.stamp = self.client.node.get_clock().now().to_msg()
+        self.query.publish(msg)

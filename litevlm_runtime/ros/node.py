@@ -56,15 +56,20 @@ PARAMETERS = {s.key: ros_default(s) for s in node_settings()}
 
 
 def config_dir() -> Path:
-    """config/ of the installed ROS package if there is one, else of this source tree."""
+    """config/ of the ROS package on the ament index; else of this source tree; else the
+    share/litevlm/config that a wheel or `pip install .` put beside this install's lib/
+    (<prefix>/lib/python3.X/site-packages/litevlm_runtime/ros/node.py), with no index set up."""
     try:
         from ament_index_python.packages import get_package_share_directory
         d = Path(get_package_share_directory("litevlm")) / "config"
         if d.is_dir():
             return d
-    except Exception:  # noqa: BLE001 - not installed as a ROS package: use the source tree
+    except Exception:  # noqa: BLE001 - not on the ament index: look beside this file
         pass
-    return Path(__file__).resolve().parents[2] / "config"
+    here = Path(__file__).resolve()
+    source = here.parents[2] / "config"
+    installed = here.parents[5] / "share" / "litevlm" / "config" if len(here.parents) > 5 else source
+    return source if source.is_dir() or not installed.is_dir() else installed
 
 
 def large_data_profile() -> Path:
