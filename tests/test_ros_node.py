@@ -119,7 +119,8 @@ def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model
                                   ("queue_size", 0, "out of range"),
                                   ("queue_size", "four", "Wrong parameter type"),
                                   ("model_dir", "/elsewhere", "read-only"),
-                                  ("tokens.keep_ratio", 0.5, "read-only")):
+                                  ("tokens.keep_ratio", 0.5, "read-only"),
+                                  ("serving.latency_budget_ms", 100.0, "read-only")):
             r = client.param_set(name, pname, value)
             assert not r.successful and why in r.reason, (pname, value, r.reason)
         assert client.param_get(name, "overflow_policy") == "reject_new"

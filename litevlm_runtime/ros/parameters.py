@@ -16,7 +16,7 @@ out of range) is kept out and named, and configure fails with it (validate_value
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
@@ -83,7 +83,10 @@ def pipeline_settings() -> list[Setting]:
 
 
 def all_settings() -> dict[str, Setting]:
-    return {s.key: s for s in (*node_settings(), *pipeline_settings())}
+    """Every parameter. A pipeline setting marked live in options.py (serving.latency_budget_ms)
+    is still read-only here: the built pipeline has no way yet to take a new value, and a
+    `ros2 param set` that reports success and does nothing is what the node must not do."""
+    return {s.key: s for s in (*node_settings(), *(replace(s, live=False) for s in pipeline_settings()))}
 
 
 def ros_default(s: Setting):
