@@ -390,13 +390,13 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
     import yaml
 
     from .node import NODE_NAME, PARAMETERS, config_dir
-    from .parameters import flatten, pipeline_settings
+    from .parameters import flatten, node_section, pipeline_settings
+    from .topics import shipped_topic_names
 
     params = dict(PARAMETERS) | {s.key: s.default for s in pipeline_settings()}
     path = Path(params_file) if params_file else config_dir() / "drive.yaml"
     doc = yaml.safe_load(path.read_text()) or {}
-    section = doc.get(NODE_NAME) or doc.get("/**") or {}
-    given = flatten(section.get("ros__parameters", {}))
+    given = flatten(node_section(doc, NODE_NAME))
     unknown = sorted(set(given) - set(params))
     if unknown:
         raise InputError(f"{path}: unknown parameter(s) {', '.join(unknown)}")
@@ -405,7 +405,8 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
         if k not in params:
             raise InputError(f"unknown parameter {k!r}")
         params[k] = yaml.safe_load(v) if isinstance(v, str) else v
-    return params
+    # The names the node uses in the root namespace with the shipped remappings (ros/topics.py).
+    return params | shipped_topic_names(params["camera_topics"])
 
 
 def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
