@@ -41,7 +41,9 @@ def install(tmp: Path) -> Path:
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)], check=True,
                    capture_output=True, timeout=120)
     wheel, = dist.glob("litevlm-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)], check=True,
+    # --ignore-installed: without it pip removes the litevlm this venv has installed (the developer's
+    # editable one) before installing into the prefix.
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--ignore-installed", "--prefix", str(prefix), str(wheel)], check=True,
                    capture_output=True, timeout=120)
     return prefix
 

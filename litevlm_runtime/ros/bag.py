@@ -99,6 +99,7 @@ class BagQuery:
     text: str
     id: str = ""
     deadline_ns: int = 0
+    budget_ms: float = 0.0         # the Query's latency budget (0: the node's default)
 
 
 @dataclass
@@ -173,7 +174,8 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
                 msg = CompressedImage(header=header, format=item.format, data=np.frombuffer(item.data, dtype=np.uint8))
                 writer.write(conns[key], t, store.serialize_cdr(msg, CompressedImage.__msgtype__))
             else:
-                msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns))
+                msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns),
+                            budget_ms=float(item.budget_ms))
                 writer.write(qconn, t, store.serialize_cdr(msg, Query.__msgtype__))
     return out
 

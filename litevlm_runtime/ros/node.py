@@ -114,6 +114,8 @@ def record_to_msg(rec: AnswerRecord) -> Answer:
     msg.input_tokens, msg.decode_steps = rec.input_tokens, rec.decode_steps
     msg.accepted_length = float(rec.accepted_length)
     msg.pipeline = rec.pipeline
+    msg.reused_cameras, msg.degraded = list(rec.reused_cameras), list(rec.degraded)
+    msg.budget_ms, msg.budget_met = float(rec.budget_ms), bool(rec.budget_met)
     msg.frame_cameras = list(rec.frame_stamps_ns)
     msg.frame_stamps = [time_of(s) for s in rec.frame_stamps_ns.values()]
     return msg
