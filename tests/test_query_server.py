@@ -167,6 +167,41 @@ def test_worker_thread_answers_every_query_exactly_once(pipeline):
     assert stats["answered"] == 6 and stats["queue_depth"] == 0
 
 
+def test_queued_queries_are_all_served_between_prefetches(pipeline):
+    """A queue deep enough for every query: each is answered ok, none lost to the idle-time
+    prefetch of the frame set (visual reuse) that runs between them."""
+    import time
+
+    records = []
+    server = QueryServer(ServerSettings(queue_size=8), records.append)
+    server.load(lambda: pipeline, warmup=False)
+    server.active = True
+    add_frames(server, time.time_ns())
+    server.start_worker()
+    for i in range(6):
+        server.submit(f"question {i}", query_id=f"p{i}")
+        time.sleep(0.01)
+    deadline = time.time() + 60
+    while len(records) < 6 and time.time() < deadline:
+        time.sleep(0.05)
+    server.stop_worker()
+    assert sorted((r.query_id, r.status) for r in records) == [(f"p{i}", "ok") for i in range(6)]
+
+
+def test_prefetch_never_touches_the_queue(pipeline):
+    """The idle-time prefetch stops for a waiting query and leaves it queued (and unanswered) for
+    the worker."""
+    server, records = make_server(pipeline, queue_size=4)
+    add_frames(server, 0)
+    first = server.submit("first?", now_ns=1)
+    server.serve(server.queue.get(timeout=0), now_ns=1)
+    waiting = server.submit("second?", now_ns=2)
+    server.prefetch(first)
+    assert len(server.queue) == 1 and [r.query_id for r in records] == [first.query_id]
+    server.serve(server.queue.get(timeout=0), now_ns=3)
+    assert [r.status for r in records] == ["ok", "ok"] and records[1].query_id == waiting.query_id
+
+
 def test_query_waits_for_frames_in_flight_then_gives_up(pipeline):
     server, records = make_server(pipeline, match_wait_s=0.2)
     add_frames(server, 0)

@@ -415,6 +415,8 @@ class QueryServer:
             if req is not None:
                 self.serve(req)
                 self.prefetch(req)
+        for req in self.queue.drain():
+            self._finish(self._record_for(req, "not_active", "node deactivated while the query was queued"))
 
     def prefetch(self, req: Request) -> None:
         """Idle after `req`: encode the rest of its frame set into the pipeline's feature cache
@@ -429,8 +431,6 @@ class QueryServer:
             pipe.prefetch(images, FrameKeys(frames), stop=lambda: len(self.queue) > 0)
         except Exception:  # noqa: BLE001 - prefetching is an optimisation: a failure must not stop serving
             log.error("prefetch after %s failed: %s", req.query_id, traceback.format_exc())
-        for req in self.queue.drain():
-            self._finish(self._record_for(req, "not_active", "node deactivated while the query was queued"))
 
     # ---- diagnostics ----
     def stats(self) -> dict:
