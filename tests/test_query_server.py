@@ -195,11 +195,22 @@ def test_prefetch_never_touches_the_queue(pipeline):
     add_frames(server, 0)
     first = server.submit("first?", now_ns=1)
     server.serve(server.queue.get(timeout=0), now_ns=1)
-    waiting = server.submit("second?", now_ns=2)
-    server.prefetch(first)
+    pipeline.rt.features.clear()                 # the frame set's views to encode again
+    arrived = []
+    real = pipeline.prefetch
+
+    def prefetch_while_a_query_arrives(images, keys, stop):
+        arrived.append(server.submit("second?", now_ns=2))          # arrives during the prefetch
+        return real(images, keys, stop)
+
+    pipeline.prefetch = prefetch_while_a_query_arrives
+    try:
+        server.prefetch(first)
+    finally:
+        del pipeline.prefetch
     assert len(server.queue) == 1 and [r.query_id for r in records] == [first.query_id]
     server.serve(server.queue.get(timeout=0), now_ns=3)
-    assert [r.status for r in records] == ["ok", "ok"] and records[1].query_id == waiting.query_id
+    assert [r.status for r in records] == ["ok", "ok"] and records[1].query_id == arrived[0].query_id
 
 
 def test_query_waits_for_frames_in_flight_then_gives_up(pipeline):
