@@ -47,6 +47,14 @@ def register(subparsers) -> None:
     p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
     p.add_argument("--limit", type=int, default=40, help="--ablation: first N questions")
     p.add_argument("--plot", type=Path, help="--ablation: write the per-stage bar chart (PNG) here")
+    p.add_argument("--contention", action="store_true",
+                   help="p50/p99 quiet and beside --hog busy processes, per --threads-configs (contention.py)")
+    p.add_argument("--hog", type=int, help="--contention: busy processes in the loaded condition (default: the cores)")
+    p.add_argument("--hog-kind", default="spin", help="--contention: spin (a Python loop) | matmul (numpy, one thread)")
+    p.add_argument("--threads-configs", default="default,torch+spin,half+spin,1",
+                   help="--contention: comma list of THREADS[+passive|+active|+spin], THREADS = default | torch | "
+                        "half | N (default: the shipped default, torch's own, the one before passive waiting, 1)")
+    p.add_argument("--rounds", type=int, default=1, help="--contention: quiet/loaded pairs per configuration")
     p.set_defaults(func=run)
 
 
@@ -69,6 +77,22 @@ def run_ablation_command(args) -> int:
     return 0
 
 
+def run_contention_command(args) -> int:
+    import sys
+
+    from ..benchmark import DEFAULT_QUESTIONS
+    from ..contention import contention_table, parse_configs, run_contention
+    from ..errors import InputError
+
+    if args.rounds < 1:
+        raise InputError(f"--rounds {args.rounds}: must be 1 or more")
+    summary = run_contention(args.model, pipeline_options(args), parse_configs(args.threads_configs), args.frames,
+                             args.frame_sets, DEFAULT_QUESTIONS[: args.questions], args.repeat, args.hog,
+                             args.hog_kind, args.rounds, progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(summary, indent=2) if args.json else contention_table(summary))
+    return 0
+
+
 def run(args) -> int:
     import sys
 
@@ -77,6 +101,8 @@ def run(args) -> int:
 
     if args.ablation:
         return run_ablation_command(args)
+    if args.contention:
+        return run_contention_command(args)
     options = pipeline_options(args)
     if args.backend:
         from ..backend_bench import parse_backends
