@@ -5,12 +5,12 @@ thread per core whose threads spin between parallel regions (libgomp, the OpenMP
 wheels bundle, spins about 300k iterations before it sleeps; MKL and oneDNN run on the same
 runtime). Beside other busy processes a spinning thread looks like one more CPU hog to the
 scheduler and gets time-sliced with them, and the team waits at each barrier for its slowest,
-descheduled, member: on 2 cores beside 2 busy processes the bundled model's median answer went
-from 0.5 s to 2.6 s. A thread that sleeps when idle (OMP_WAIT_POLICY=PASSIVE) leaves the cores to
-the others, and the scheduler, which favours a thread waking from sleep over one that has been
-running, gives it a core back as soon as the next region starts: the same test stays within
-1.3-1.6x of its quiet latency, with every core in use (README, "Threads on a shared CPU", has
-the table; `litevlm bench --contention` measures it on any machine).
+descheduled, member: on 2 shared cores, beside 2 more busy processes, the bundled model's median
+answer went from 0.46-0.75 s to 1.1-3.1 s. A thread that sleeps when idle (OMP_WAIT_POLICY=PASSIVE)
+leaves the cores to the others, and the scheduler gives a thread waking from sleep a core quickly:
+with both cores in use, the same test's median stayed within 0.6-1.7x of quiet and its p99 within
+1.5x in 5 of 6 runs (docs/threads.md has the tables and the price on an idle machine;
+`litevlm bench --contention` measures it on any machine).
 
 So: OMP_WAIT_POLICY=PASSIVE (set at package import, before torch loads libgomp, which reads it
 once) and one thread per core this process may use (its CPU affinity, capped by a cgroup CPU
@@ -32,14 +32,16 @@ WAIT_POLICY_OPT_OUT = "LITEVLM_OMP_DEFAULT_WAIT"
 torch_loaded_first = False
 
 
-def apply_wait_policy(environ=os.environ) -> str | None:
-    """OMP_WAIT_POLICY=PASSIVE unless the environment already chose one (or opts out); the policy
-    this process's OpenMP runtime will read, None where that is its own default."""
+def apply_wait_policy(environ: dict | None = None) -> str | None:
+    """OMP_WAIT_POLICY=PASSIVE in `environ` (default: this process's) unless it already chose one
+    (or opts out); the policy an OpenMP runtime started there reads, None where that is its own."""
     global torch_loaded_first
-    if "OMP_WAIT_POLICY" not in environ and not environ.get(WAIT_POLICY_OPT_OUT):
-        environ["OMP_WAIT_POLICY"] = WAIT_POLICY
-        torch_loaded_first = "torch" in sys.modules
-    return environ.get("OMP_WAIT_POLICY")
+    env = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" not in env and not env.get(WAIT_POLICY_OPT_OUT):
+        env["OMP_WAIT_POLICY"] = WAIT_POLICY
+        if environ is None:
+            torch_loaded_first = "torch" in sys.modules
+    return env.get("OMP_WAIT_POLICY")
 
 
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:

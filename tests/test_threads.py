@@ -45,12 +45,15 @@ def test_torch_imported_first_keeps_spinning_and_says_so():
 
 
 def test_apply_wait_policy_sets_only_what_is_not_chosen():
+    from litevlm_runtime import threads
+
     env: dict[str, str] = {}
     assert apply_wait_policy(env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
     env = {"OMP_WAIT_POLICY": "active"}
     assert apply_wait_policy(env) == "active"
     env = {WAIT_POLICY_OPT_OUT: "1"}
     assert apply_wait_policy(env) is None and "OMP_WAIT_POLICY" not in env
+    assert not threads.torch_loaded_first      # the tests import the package first (conftest.py)
 
 
 def test_cpu_quota_caps_the_cores(tmp_path):
