@@ -15,7 +15,6 @@ every `auto` by what will actually run, so an answer can say which pipeline serv
 
 from __future__ import annotations
 
-import os
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from enum import Enum
@@ -24,6 +23,7 @@ from typing import Any
 
 from .cameras import CAMERAS
 from .errors import InputError
+from .threads import default_threads
 
 
 class PipelineKind(str, Enum):
@@ -167,7 +167,8 @@ class Backend(_Validated):
                              choices=ENGINE_PRECISIONS)
     buckets: str = setting("", "torch-cudagraph shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
                                "('': derived from the arena)")
-    threads: int = setting(0, "CPU threads per stage (0: half the cores, at least 1; see threads.py)", lo=0, hi=1024)
+    threads: int = setting(0, "CPU threads per stage (0: one per core this process may use; idle threads sleep, "
+                               "so that a shared CPU does not collapse them: threads.py)", lo=0, hi=1024)
 
 
 @dataclass(frozen=True)
@@ -277,18 +278,6 @@ class PipelineOptions(_Validated):
 
     def limits_key(self) -> tuple:
         return (self.tiles_per_camera, self.max_new_tokens, self.max_question_tokens, len(self.cameras))
-
-
-def default_threads() -> int:
-    """Half the cores this process may run on, at least one: a car's CPU (and CI's) is shared,
-    and an OpenMP team as wide as the machine collapses when another process takes one of its
-    cores (its threads spin at every barrier waiting for the descheduled one). Measured with
-    `litevlm bench --contention` (README)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:   # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // 2)
 
 
 # The dotted prefix of each section's fields (for messages and the flat view).

@@ -13,6 +13,7 @@ arena's buffers. Nothing here is sized twice.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,12 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
 
 def set_threads(n: int) -> None:
     """torch's intra-op threads for this process (the one knob shared by every pipeline in it)."""
+    from . import threads
+
+    if n > 1 and threads.torch_loaded_first:
+        warnings.warn("torch was imported before litevlm_runtime, so its OpenMP threads spin when idle and a shared "
+                      "CPU can collapse them: set OMP_WAIT_POLICY=PASSIVE in the environment, or import "
+                      "litevlm_runtime first (threads.py)", RuntimeWarning, stacklevel=3)
     with _threads_lock:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import litevlm_runtime  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads; threads.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 DRIVELM = SHARED / "drivelm_sample"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..report import table
-from .ask import add_pipeline_args, pipeline_options
+from .ask import pipeline_options
 
 
 def load_frame_sets(frames: Path | None, count: int) -> list[dict]:
@@ -59,6 +59,14 @@ def register(subparsers) -> None:
                         "chooses from it (decodes with EAGLE-2; with --preset, a random draft head)")
     p.add_argument("--budget", type=float, action="append", metavar="F",
                    help="latency budgets at F x the unbudgeted median on --data questions (repeatable; e.g. 0.5)")
+    p.add_argument("--contention", action="store_true",
+                   help="p50/p99 quiet and beside --hog busy processes, per --threads-configs (contention.py)")
+    p.add_argument("--hog", type=int, help="--contention: busy processes in the loaded condition (default: the cores)")
+    p.add_argument("--hog-kind", default="spin", help="--contention: spin (a Python loop) | matmul (numpy, one thread)")
+    p.add_argument("--threads-configs", default="default,torch+spin,half+spin,1",
+                   help="--contention: comma list of THREADS[+passive|+active|+spin], THREADS = default | torch | "
+                        "half | N (default: the shipped default, torch's own, the one before passive waiting, 1)")
+    p.add_argument("--rounds", type=int, default=1, help="--contention: quiet/loaded pairs per configuration")
     p.set_defaults(func=run)
 
 
@@ -154,6 +162,19 @@ def run_budget_command(args) -> int:
     result = run_budget_bench(args.model, args.data, args.frames, pipeline_options(args), args.limit,
                               tuple(args.budget), progress=lambda m: print(m, file=sys.stderr))
     print(json.dumps(result, indent=2) if args.json else budget_table(result))
+def run_contention_command(args) -> int:
+    import sys
+
+    from ..benchmark import DEFAULT_QUESTIONS
+    from ..contention import contention_table, parse_configs, run_contention
+    from ..errors import InputError
+
+    if args.rounds < 1:
+        raise InputError(f"--rounds {args.rounds}: must be 1 or more")
+    summary = run_contention(args.model, pipeline_options(args), parse_configs(args.threads_configs), args.frames,
+                             args.frame_sets, DEFAULT_QUESTIONS[: args.questions], args.repeat, args.hog,
+                             args.hog_kind, args.rounds, progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(summary, indent=2) if args.json else contention_table(summary))
     return 0
 
 
@@ -161,21 +182,22 @@ def run(args) -> int:
     import sys
 
     from ..benchmark import DEFAULT_QUESTIONS, run_benchmark
-    from ..pipeline import Pipeline
 
     if args.costs:
         return run_costs_command(args)
     if args.preset:
         from ..errors import InputError
 
-        if args.ablation or args.budget or args.backend:
-            raise InputError("--preset (random weights) runs the latency table and --costs; --ablation, --budget "
-                             "and --backend need a trained --model")
+        if args.ablation or args.budget or args.backend or args.contention:
+            raise InputError("--preset (random weights) runs the latency table and --costs; --ablation, --budget, "
+                             "--contention and --backend need a trained --model")
         args.no_reference = True      # no checkpoint folder for transformers to load
     if args.ablation:
         return run_ablation_command(args)
     if args.budget:
         return run_budget_command(args)
+    if args.contention:
+        return run_contention_command(args)
     options = pipeline_options(args)
     if args.backend:
         from ..backend_bench import parse_backends
