@@ -21,7 +21,14 @@ class Answer:
     decode_steps: int                   # decoder forward passes after prefill
     accepted_length: float = 1.0        # mean tokens accepted per decode step (EAGLE-2; 1 for greedy)
     pipeline: str = ""                  # which pipeline served: "baseline" or "litevlm[views,tokens@0.8,eagle]"
+    reused_cameras: list[str] = field(default_factory=list)   # visual features from an earlier query's frames
+    degraded: list[str] = field(default_factory=list)         # what a latency budget cut ("views 3->1", ...)
+    budget_ms: float = 0.0              # the latency budget planned for (0: none)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def budget_met(self) -> bool:
+        return not self.budget_ms or self.total_ms <= self.budget_ms
 
     @property
     def total_ms(self) -> float:
@@ -30,4 +37,5 @@ class Answer:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["total_ms"] = self.total_ms
+        d["budget_met"] = self.budget_met
         return d

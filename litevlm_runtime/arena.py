@@ -22,6 +22,7 @@ class Limits:
     new_tokens: int = 64          # answer length
     tree_tokens: int = 64         # EAGLE-2 draft tree verified in one pass (scratch slots)
     draft_layers: int = 0         # EAGLE-2 draft head's own KV cache (0: no draft)
+    cached_cameras: int = 0       # visual features kept for later queries (feature_cache.py)
 
     def max_tiles(self) -> int:
         return self.cameras * self.tiles_per_camera
@@ -64,6 +65,9 @@ class Arena:
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
         self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)
+        # Visual reuse: one camera's visual tokens per slot (tiles per camera x tokens per tile).
+        self.feature_cache = torch.zeros(limits.cached_cameras, limits.tiles_per_camera * cfg.tokens_per_tile, d,
+                                         dtype=dtype, **alloc)
         draft_shape = (limits.draft_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
         self.draft_k = torch.zeros(draft_shape, dtype=dtype, **alloc)
         self.draft_v = torch.zeros(draft_shape, dtype=dtype, **alloc)

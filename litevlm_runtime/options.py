@@ -171,6 +171,16 @@ class Backend(_Validated):
 
 
 @dataclass(frozen=True)
+class Serving(_Validated):
+    feature_cache: bool = setting(True, "reuse each camera's visual features for later questions about the same frame")
+    feature_cache_cameras: int = setting(12, "camera features kept (oldest evicted first; 12 = two six-camera frame sets)",
+                                         lo=0, hi=1024)
+    latency_budget_ms: float = setting(0.0, "a query's default latency budget (0: none; a Query's budget_ms wins)",
+                                       lo=0.0, hi=600000.0, live=True)
+    stream_partials: bool = setting(True, "publish the answer as it is decoded (litevlm_msgs/AnswerPartial)", live=True)
+
+
+@dataclass(frozen=True)
 class FastVOptions(_Validated):
     k: int = setting(2, "FastV baseline: prune inside the decoder from layer K on", lo=1)
     ratio: float = setting(0.0, "FastV drop ratio R (0: off; the paper's 'FastV r=0.3' is R = 0.7)", lo=0.0, hi=0.99)
@@ -192,6 +202,7 @@ class PipelineOptions(_Validated):
     tokens: Tokens = nested(Tokens)
     decoding: Decoding = nested(Decoding)
     backend: Backend = nested(Backend)
+    serving: Serving = nested(Serving)
     fastv: FastVOptions = nested(FastVOptions)
 
     def __post_init__(self):
@@ -282,7 +293,7 @@ def default_threads() -> int:
 
 # The dotted prefix of each section's fields (for messages and the flat view).
 SECTION_OF = {"Images": "images.", "Views": "views.", "Tokens": "tokens.", "Decoding": "decoding.", "EagleTree": "decoding.eagle.",
-              "Backend": "backend.", "FastVOptions": "fastv.", "PipelineOptions": ""}
+              "Backend": "backend.", "Serving": "serving.", "FastVOptions": "fastv.", "PipelineOptions": ""}
 
 
 # ---------------------------------------------------------------------- the flat view

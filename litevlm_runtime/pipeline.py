@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .answer import Answer
+from .budget import Plan
 from .decoding import Prompt, choose, greedy
 from .errors import InputError
 from .options import DecodingMode, PipelineOptions
@@ -52,45 +53,59 @@ class Pipeline:
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
     def answer(self, images: dict, question: str, max_new_tokens: int | None = None, on_tokens=None,
-               decoder=None) -> Answer:
-        """One query. `decoder` (decoding.greedy, speculative.eagle2) overrides the configured
-        decoding for this call; `on_tokens(ids so far)` sees the answer as it is decoded."""
+               decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0) -> Answer:
+        """One query. `frame_keys` (camera -> what identifies its image, e.g. the frame's stamp)
+        lets later questions about the same frames reuse their visual features; `budget_ms` (0:
+        the configured default, none) makes the plan fit a latency budget; `on_tokens(ids so far)`
+        sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
+        overrides the configured decoding for this call."""
         rt = self.rt
         check_question(rt, question)
         max_new = min(max_new_tokens or rt.options.max_new_tokens, rt.arena.limits.new_tokens)
         rt.sampler.manual_seed(rt.options.decoding.seed)   # sampling: the same query, the same answer
+        budget = budget_ms or rt.options.serving.latency_budget_ms
         timer = StageTimer(rt.device)
 
         with timer("view_select"):
             cameras = select_views(rt, question)
-        check_images(images, cameras)
+            plan = plan_query(rt, question, cameras, frame_keys, budget, max_new)   # fewer/less if over budget
+        check_images(images, plan.cameras)
+        cached = cached_visual(rt, plan.cameras, frame_keys)  # camera -> visual tokens from earlier queries
+        todo = [c for c in plan.cameras if c not in cached]
         with timer("preprocess"):
-            pixels = preprocess(rt, images, cameras)
+            pixels = preprocess(rt, images, todo)
         with timer("vision"):
-            visual = encode(rt, pixels)                        # [cams, tokens_per_camera, D]
+            visual = encode(rt, pixels, todo, cached, plan.cameras, frame_keys)   # per camera [tokens, D]
         with timer("token_select"):
-            layout = assemble_prompt(rt, cameras, question, visual)   # full prompt, in the arena
-            keep = select_tokens(rt, layout)                   # per camera: kept token indices
+            layout = assemble_prompt(rt, plan.cameras, question, visual)   # full prompt, in the arena
+            keep = select_tokens(rt, layout, plan.keep_ratio)  # per camera: kept token indices
         with timer("prefill"):
             prompt = prefill(rt, layout, keep)
         with timer("decode"):
-            decode = decoder or (eagle2 if speculates(rt) else greedy)
-            out = decode(rt, prompt, max_new, on_tokens)
+            decode = decoder or (eagle2 if plan.decoding == "eagle" and speculates(rt) else greedy)
+            out = decode(rt, prompt, plan.max_new_tokens, on_tokens)
+        if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
+            plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
 
-        return Answer(
+        ans = Answer(
             question=question,
             text=rt.tok.decode(out.tokens).strip(),
             token_ids=out.tokens,
             stage_ms=timer.milliseconds(),
-            cameras=list(cameras),
-            visual_tokens=len(cameras) * rt.tokens_per_camera,
+            cameras=list(plan.cameras),
+            visual_tokens=len(plan.cameras) * rt.tokens_per_camera,
             kept_tokens=prompt.kept_tokens,
             input_tokens=prompt.input_tokens,
             decode_steps=out.steps,
             accepted_length=out.accepted,
             pipeline=rt.options.label(),
+            reused_cameras=[c for c in plan.cameras if c in cached],
+            degraded=list(plan.degraded),
+            budget_ms=float(budget),
             extra={"rounds": out.rounds} if out.rounds else {},
         )
+        rt.planner.costs.observe(ans, len(todo), plan.decoding)
+        return ans
 
     def warm_up(self, images: dict | None = None) -> Answer:
         """One synthetic query (black frames), then the speculation cost table measured on this
@@ -102,16 +117,42 @@ class Pipeline:
         rt = self.rt
         images = images or {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in rt.options.cameras}
         ans = self.answer(images, "warm-up: describe the scene.")
+        rt.planner.measure()                          # the latency-budget planner's stage costs
         if rt.options.decoding.mode == DecodingMode.EAGLE:
+            learned = rt.costs                        # what the warm-up answer's rounds measured online
             rt.costs = measure_costs(rt, context=ans.input_tokens)
+            rt.costs.carry_over(learned)
         return ans
+
+    @torch.inference_mode()
+    def prefetch(self, images, frame_keys, stop=lambda: False) -> list[str]:
+        """Encode into the feature cache, one camera at a time, every camera of this frame set
+        not there yet (the node does this when it is idle after a query, so that the frame set's
+        later questions find every view encoded); `stop()` is checked between cameras (a query
+        arrived). Returns the cameras encoded. A camera whose image fails is left for a query to
+        report."""
+        rt = self.rt
+        if rt.features is None:
+            return []
+        done = []
+        for cam in rt.options.cameras:
+            if stop():
+                break
+            if cam not in images or cam not in frame_keys or (cam, frame_keys[cam]) in rt.features.index:
+                continue
+            try:
+                encode(rt, preprocess(rt, images, [cam]), [cam], {}, [cam], frame_keys)
+            except InputError:
+                continue
+            done.append(cam)
+        return done
 
     @torch.inference_mode()
     def reference_inputs(self, images: dict, question: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [1, T] with `<IMG_CONTEXT>` placeholders, pixels [tiles, 3, S, S]) of the query
         as this pipeline would see it, for feeding a reference implementation the same inputs."""
         rt = self.rt
-        cameras = select_views(rt, question)
+        cameras = sorted(select_views(rt, question), key=list(rt.options.cameras).index)
         ids, _ = prompt_ids(rt, cameras, question)
         return torch.tensor([ids]), preprocess(rt, images, cameras).clone()
 
@@ -136,10 +177,44 @@ def check_images(images, cameras: list[str]) -> None:
 
 
 def select_views(rt: Runtime, question: str) -> list[str]:
+    """The cameras the question needs, most needed first (the view selector's scores, or the
+    keyword map's where there is none; rig order among equals): what a latency budget drops last."""
+    from .view_selector import keyword_map
+
     rig = list(rt.options.cameras)
     if rt.view_selector is None:
-        return rig
-    return [c for c in rt.view_selector.select(question) if c in rig] or rig
+        chosen, scores = rig, keyword_map(question)
+    else:
+        selection = rt.view_selector.explain(question)
+        chosen, scores = [c for c in selection.cameras if c in rig] or rig, selection.scores
+    return sorted(chosen, key=lambda c: (-scores.get(c, 0.0), rig.index(c)))
+
+
+def plan_query(rt: Runtime, question: str, cameras: list[str], frame_keys: dict | None, budget_ms: float,
+               max_new: int) -> Plan:
+    """What this query runs: the configured pipeline, or (with a budget) the least degraded plan
+    predicted to fit it (budget.py). `cameras`: the selection, most needed first; the plan's
+    cameras come back in rig order (the prompt's)."""
+    configured = "eagle" if rt.options.decoding.mode == DecodingMode.EAGLE else "greedy"
+    keep = rt.options.tokens.keep_ratio if rt.token_selector is not None else 1.0
+    rig = list(rt.options.cameras)
+    if not budget_ms:
+        return Plan(sorted(cameras, key=rig.index), keep, configured, max_new, 0.0)
+    cached = {c for c in cameras if rt.features is not None and frame_keys and c in frame_keys
+              and (c, frame_keys[c]) in rt.features.index}
+    text_rows = len(prompt_ids(rt, cameras, question)[0]) - len(cameras) * rt.tokens_per_camera
+    plan = rt.planner.plan(budget_ms, list(cameras), cached, keep, configured, max_new, text_rows)
+    plan.cameras.sort(key=rig.index)
+    if not plan.fits:
+        plan.degraded.append(f"budget {budget_ms:g} ms cannot be met (coarsest plan: {plan.predicted_ms:.0f} ms)")
+    return plan
+
+
+def cached_visual(rt: Runtime, cameras: list[str], frame_keys: dict | None) -> dict:
+    if rt.features is None or not frame_keys:
+        return {}
+    found = {c: rt.features.get(c, frame_keys[c]) for c in cameras if c in frame_keys}
+    return {c: v for c, v in found.items() if v is not None}
 
 
 def preprocess(rt: Runtime, images: dict, cameras: list[str]) -> torch.Tensor:
@@ -154,11 +229,20 @@ def preprocess(rt: Runtime, images: dict, cameras: list[str]) -> torch.Tensor:
     return rt.normalize(a.pixels_u8[:n], a.pixels[:n])
 
 
-def encode(rt: Runtime, pixels: torch.Tensor) -> torch.Tensor:
-    n_cams = pixels.shape[0] // rt.options.tiles_per_camera
+def encode(rt: Runtime, pixels: torch.Tensor, todo: list[str] | None = None, cached: dict | None = None,
+           cameras: list[str] | None = None, frame_keys: dict | None = None) -> list[torch.Tensor]:
+    """Visual tokens per camera of `cameras` [tokens_per_camera, D]: the cameras in `todo` through
+    the vision engine (their tiles in `pixels`, and into the feature cache when it has a key for
+    them), the others from `cached`."""
+    todo = list(todo) if todo is not None else list(rt.options.cameras)[:pixels.shape[0] // rt.options.tiles_per_camera]
+    cameras, cached = cameras or todo, cached or {}
     out = rt.arena.visual[:pixels.shape[0]]
-    out.copy_(rt.engines.vision.run(pixels))
-    return out.view(n_cams, rt.tokens_per_camera, -1)
+    if todo:
+        out.copy_(rt.engines.vision.run(pixels))
+    fresh = dict(zip(todo, out.view(len(todo), rt.tokens_per_camera, rt.cfg.llm.hidden_size)))
+    if rt.features is not None and frame_keys:
+        fresh = {c: rt.features.put(c, frame_keys[c], v) if c in frame_keys else v for c, v in fresh.items()}
+    return [cached[c] if c in cached else fresh[c] for c in cameras]
 
 
 def prompt_ids(rt: Runtime, cameras: list[str], question: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -182,14 +266,14 @@ def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual: torc
     return PromptLayout(n, list(prompt.image_spans), prompt.question_span)
 
 
-def select_tokens(rt: Runtime, layout: PromptLayout) -> list[torch.Tensor]:
+def select_tokens(rt: Runtime, layout: PromptLayout, keep_ratio: float | None = None) -> list[torch.Tensor]:
     """Per camera, the indices of the visual tokens to keep (ascending)."""
     a = rt.arena
-    if rt.token_selector is None:
+    keep_ratio = rt.options.tokens.keep_ratio if keep_ratio is None else keep_ratio
+    if rt.token_selector is None or keep_ratio >= 1.0:
         return [a.slots[:count] for _, count in layout.spans]
     n = layout.length
-    t = rt.options.tokens
-    return rt.token_selector.select(a.prompt_embeds[:n], a.slots[:n], layout, t.keep_ratio, t.scope)
+    return rt.token_selector.select(a.prompt_embeds[:n], a.slots[:n], layout, keep_ratio, rt.options.tokens.scope)
 
 
 def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor]) -> Prompt:

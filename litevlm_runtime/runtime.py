@@ -22,6 +22,8 @@ from .arena import Arena, Limits
 from .config import ModelConfig
 from .errors import InputError
 from .options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
+from .budget import BudgetPlanner
+from .feature_cache import FeatureCache
 from .preprocess import Normalizer
 from .prompt import resolve_layout
 from .tokenizer import Tokenizer
@@ -47,6 +49,7 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
         new_tokens=options.max_new_tokens,
         tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
         draft_layers=1 if eagle else 0,
+        cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
     )
 
 
@@ -77,6 +80,8 @@ class Runtime:
     fastv: object | None = None
     engines: object = None            # engines.Engines, bound last
     costs: object = None              # spec_policy.DeviceCosts, measured at warm-up (adaptive trees)
+    features: object = None           # feature_cache.FeatureCache (visual reuse), or None
+    planner: object = None            # budget.BudgetPlanner (latency budgets)
     prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
     extra: dict = field(default_factory=dict)
 
@@ -130,6 +135,9 @@ class Runtime:
         if options.fastv.ratio > 0:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
         rt.engines = make_engines(rt)
+        if arena.feature_cache.shape[0]:
+            rt.features = FeatureCache(arena.feature_cache)
+        rt.planner = BudgetPlanner(rt)
         if rt.fastv is not None:
             rt.engines.decoder = rt.fastv          # later passes run under FastV's per-layer masks
         if options.decoding.mode == DecodingMode.EAGLE:

@@ -17,6 +17,9 @@ tokens) corrects it online. Decisions:
 
   expand     draft another level only if the best tree after it is expected to be faster
   total      verify the T best nodes that maximise (1 + c * sum p) / (draft ms + verify(T + 1))
+  answers    speculate in an answer at all: the realised speed of the last rounds (tokens per ms
+             against a plain step, every cost included) is kept across answers; while it is below
+             1, answers decode greedily, with one probing answer in PROBE_EVERY
   draft_now  draft at all: the draft's first call catches up on the whole prompt, a cost paid
              once per answer that a short answer never earns back, so an answer starts with plain
              steps until they have cost as much as the catch-up would (ski rental: never worse
@@ -24,7 +27,9 @@ tokens) corrects it online. Decisions:
              a plain step, back off (plain steps for 1, 2, 4 .. 16 tokens, then probe again); and
              never draft when even a perfectly accepted chain cannot beat a plain step here
 
-Greedy output is token-identical whatever the policy chooses (verification is lossless).
+Every estimate includes the round's own work outside the two models (tree bookkeeping, host
+reads), measured online from the rounds' wall time. Greedy output is token-identical whatever the
+policy chooses (verification is lossless).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PENDING_SIZES = (1, 2, 4, 8)
 MAX_BACKOFF = 16
 CALIBRATION_BOUNDS = (0.05, 2.0)
+PROBE_EVERY = 8          # while speculation loses, one answer in this many still speculates
+MIN_ROUNDS = 8           # rounds before the realised speed may switch speculation off
 
 
 def interpolate(table: dict[int, float], x: float) -> float:
@@ -63,12 +70,21 @@ class DeviceCosts:
     draft_level_ms: float                # one draft level over top-k rows -> ms
     pending_ms: dict[int, float]         # draft over r pending pairs -> ms
     calibration: float = 1.0             # realised / predicted accepted tokens (EMA)
+    overhead_ms: float = 0.0             # a round's wall time beyond the models' (EMA, measured online)
+    speed: float = 1.0                   # realised tokens/ms of rounds over a plain step's (EMA)
     rounds: int = 0
+    answers_since_probe: int = 0
     source: str = "measured"
 
     @property
     def step_ms(self) -> float:
         return self.verify_ms[min(self.verify_ms)]
+
+    def carry_over(self, other: "DeviceCosts") -> None:
+        """Keep the statistics learned online when the tables are measured again."""
+        if other is not None and other.rounds:
+            self.calibration, self.overhead_ms, self.speed, self.rounds = (
+                other.calibration, other.overhead_ms, other.speed, other.rounds)
 
     def verify(self, rows: int) -> float:
         return interpolate(self.verify_ms, rows)
@@ -81,12 +97,27 @@ class DeviceCosts:
         depth could do), maximised over d; (rate, d)."""
         best = (0.0, 0)
         for d in range(1, max_depth + 1):
-            ms = self.pending(d) + (d - 1) * self.draft_level_ms + self.verify(d + 1)
+            ms = self.pending(d) + (d - 1) * self.draft_level_ms + self.verify(d + 1) + self.overhead_ms
             best = max(best, ((d + 1) / ms, d))
         return best
 
     def speculation_can_pay(self, max_depth: int) -> bool:
         return self.best_chain_rate(max_depth)[0] > 1.0 / self.step_ms
+
+    def speculate_this_answer(self, max_depth: int) -> bool:
+        """EAGLE-2 for the next answer? Not where even a perfect chain loses to a plain step; not
+        while the realised speed of recent rounds is below a plain step's, but for one probing
+        answer in PROBE_EVERY (the acceptance of other questions may differ)."""
+        if not self.speculation_can_pay(max_depth):
+            return False
+        if self.rounds < MIN_ROUNDS or self.speed >= 1.0:
+            self.answers_since_probe = 0
+            return True
+        self.answers_since_probe += 1
+        if self.answers_since_probe >= PROBE_EVERY:
+            self.answers_since_probe = 0
+            return True
+        return False
 
     def policy(self, tree) -> "TreePolicyState":
         return TreePolicyState(self, tree.total, tree.depth, tree.topk, adaptive=tree.policy.value == "adaptive")
@@ -134,7 +165,7 @@ class TreePolicyState:
     def expected_rate(self, probs_desc: list[float], extra_ms: float = 0.0) -> tuple[float, int]:
         """max over T of (1 + c * sum of the T best node probabilities) / (drafting + verify(T + 1)):
         (rate in tokens per ms, T). Plain floats: a few dozen candidates."""
-        c, base = self.costs.calibration, self.spent_ms + extra_ms
+        c, base = self.costs.calibration, self.spent_ms + extra_ms + self.costs.overhead_ms
         best, mass = (0.0, 1), 0.0
         for t, p in enumerate(probs_desc[:self.max_total], start=1):
             mass += p
@@ -187,10 +218,14 @@ class TreePolicyState:
         if predicted > 1e-6:
             ratio = min(max(accepted / predicted, CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
             c.calibration = 0.9 * c.calibration + 0.1 * ratio
+        t = len(tree)
+        if round_seconds > 0:
+            modelled = self.spent_ms + c.verify(t)
+            c.overhead_ms = 0.8 * c.overhead_ms + 0.2 * max(0.0, round_seconds * 1000.0 - modelled)
+            c.speed = 0.8 * c.speed + 0.2 * ((accepted + 1) / (round_seconds * 1000.0)) * c.step_ms
         c.rounds += 1
         # Did this round's shape (under the updated calibration) beat a plain step? If not, back off.
-        t = len(tree)
-        expected = (1.0 + c.calibration * predicted) / (self.spent_ms + c.verify(t))
+        expected = (1.0 + c.calibration * predicted) / (self.spent_ms + c.verify(t) + c.overhead_ms)
         self.chosen.append((int(tree.depths.max()), t))
         if self.adaptive and expected < 1.0 / c.step_ms:
             self.backoff, self.next_backoff = self.next_backoff, min(2 * self.next_backoff, MAX_BACKOFF)

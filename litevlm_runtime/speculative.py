@@ -333,7 +333,7 @@ def speculates(rt) -> bool:
     d = rt.options.decoding
     if d.mode != DecodingMode.EAGLE:
         return False
-    return d.eagle.policy == TreePolicy.FIXED or rt.costs.speculation_can_pay(d.eagle.depth)
+    return d.eagle.policy == TreePolicy.FIXED or rt.costs.speculate_this_answer(d.eagle.depth)
 
 
 def eagle2(rt, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:

@@ -52,3 +52,19 @@ def test_a_backend_the_node_cannot_run_is_refused_with_the_reason(sample_bag):
     records = evaluate(sample_bag, params)
     assert {r.status for r in records} == {"pipeline_error"}
     assert "backend.name onnxruntime needs backend.bundle" in records[0].status_message
+
+
+def test_later_questions_on_a_frame_set_reuse_its_vision(drivelm_dir, tmp_path):
+    """4 questions per frame set through bag eval: the later questions' vision stage is a fraction
+    of the first's, and every answer equals a run with serving.feature_cache false."""
+    import statistics
+
+    bag = write_bag(drivelm_contents(drivelm_dir, max_frames=3, questions_per_frame=4), tmp_path / "four")
+    on = evaluate(bag, load_node_params(None))
+    off = evaluate(bag, load_node_params(None, {"serving.feature_cache": "false"}))
+    assert [r.status for r in on] == ["ok"] * 12
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    firsts = [r.stage_ms["vision"] for i, r in enumerate(on) if i % 4 == 0]
+    laters = [r.stage_ms["vision"] for i, r in enumerate(on) if i % 4]
+    assert statistics.median(laters) <= 0.25 * statistics.median(firsts), (firsts, laters)
+    assert all(r.reused_cameras == [] for r in off)

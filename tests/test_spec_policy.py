@@ -118,3 +118,24 @@ def test_fixed_policy_is_the_configured_tree():
     pol = TreePolicyState(shallow(), 12, 4, 3, adaptive=False)
     scores = logs(*[0.01] * 9)
     assert pol.draft_now() and pol.expand(scores, scores[:3], 1) and pol.choose_total(scores, 12) == 9
+
+
+def test_answers_decode_greedily_while_speculation_loses_then_probe():
+    costs = gpu()
+    assert costs.speculate_this_answer(6)                 # no rounds yet: try
+    costs.rounds, costs.speed = 20, 0.8                   # realised: slower than a plain step
+    decisions = [costs.speculate_this_answer(6) for _ in range(16)]
+    assert decisions.count(True) == 2 and decisions[7] and decisions[15]     # one probe in PROBE_EVERY
+    costs.speed = 1.3
+    assert costs.speculate_this_answer(6)
+
+
+def test_round_overhead_is_learned_and_counts_against_trees():
+    costs = cpu()
+    pol = policy(costs)
+    pol.spent_ms = 0.12
+    tree = Tree(scores=logs(1.0, 0.9), depths=torch.tensor([0, 1]))
+    pol.observe_round(tree, 1, 0.0, (0.12 + 1.2 + 5.0) / 1000.0)     # 5 ms beyond the modelled cost
+    assert costs.overhead_ms == pytest.approx(1.0)                   # EMA: 0.2 of 5 ms
+    assert costs.speed < 1.0                                         # 2 tokens in 6.3 ms vs 1 per ms
+    assert not shallow().speculation_can_pay(6)

@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
     p.add_argument("--limit", type=int, default=40, help="--ablation: first N questions")
     p.add_argument("--plot", type=Path, help="--ablation: write the per-stage bar chart (PNG) here")
+    p.add_argument("--budget", type=float, action="append", metavar="F",
+                   help="latency budgets at F x the unbudgeted median on --data questions (repeatable; e.g. 0.5)")
     p.set_defaults(func=run)
 
 
@@ -69,6 +71,20 @@ def run_ablation_command(args) -> int:
     return 0
 
 
+def run_budget_command(args) -> int:
+    import sys
+
+    from ..budget_bench import budget_table, run_budget_bench
+    from ..errors import InputError
+
+    if not args.data or not args.frames:
+        raise InputError("--budget needs --data QA.json and --frames ROOT")
+    result = run_budget_bench(args.model, args.data, args.frames, pipeline_options(args), args.limit,
+                              tuple(args.budget), progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(result, indent=2) if args.json else budget_table(result))
+    return 0
+
+
 def run(args) -> int:
     import sys
 
@@ -77,6 +93,8 @@ def run(args) -> int:
 
     if args.ablation:
         return run_ablation_command(args)
+    if args.budget:
+        return run_budget_command(args)
     options = pipeline_options(args)
     if args.backend:
         from ..backend_bench import parse_backends

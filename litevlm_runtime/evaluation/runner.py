@@ -68,11 +68,12 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
                 images = blank_frame(root, frame)
             else:   # read once per frame: every question of the frame gets the very same inputs
                 images = {cam: p.read_bytes() for cam, p in frame_images(root, frame).items()}
+            keys = {cam: (frame.token, blank_images) for cam in images}     # the frame's questions share its features
             for q in questions:
                 record = {"id": q.id, "question": q.question, "gt_answer": q.answer, "category": q.category,
                           "tags": list(q.tags)}
                 try:
-                    ans = pipe.answer(images, q.question)
+                    ans = pipe.answer(images, q.question, frame_keys=keys)
                     record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
                                "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
                                "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,

@@ -457,12 +457,14 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
             if req is not None:
                 server.queue.drain()        # no DDS, no waiting: serve it now
                 server.serve(req, now_ns=t)
+                server.prefetch(req)        # idle until the next message, as the node's worker is
         elif topic == params["question_topic"]:
             msg = reader.deserialize(raw, msgtype)
             req = server.submit(msg.data, now_ns=t, allow_wait=False)
             if req is not None:
                 server.queue.drain()
                 server.serve(req, now_ns=t)
+                server.prefetch(req)        # idle until the next message, as the node's worker is
     return records
 
 

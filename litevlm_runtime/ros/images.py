@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+import zlib
 from collections.abc import Mapping
 
 from ..errors import InputError
@@ -28,6 +29,30 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 class ImageError(InputError):
     """A camera's frame cannot be used (the message names the camera): a bad_image answer."""
+
+
+class FrameKeys(Mapping):
+    """camera -> what identifies its frame for visual reuse: the header stamp and a CRC-32 of the
+    payload (a replayed bag, or another source, may reuse stamps for other images). Computed when
+    the pipeline looks a camera up, so only selected cameras are hashed (~0.1 ms per JPEG)."""
+
+    def __init__(self, frames: dict):
+        self.frames, self.keys = frames, {}
+
+    def __getitem__(self, camera: str):
+        if camera not in self.keys:
+            f = self.frames[camera]
+            self.keys[camera] = (f.stamp_ns, zlib.crc32(f.payload.data))
+        return self.keys[camera]
+
+    def __contains__(self, camera) -> bool:
+        return camera in self.frames
+
+    def __iter__(self):
+        return iter(self.frames)
+
+    def __len__(self) -> int:
+        return len(self.frames)
 
 
 class CameraImages(Mapping):

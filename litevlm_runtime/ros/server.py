@@ -48,7 +48,7 @@ from ..answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
 from .frame_store import FrameMatchError, FrameSet, FrameStore
-from .images import CameraImages, ImageError
+from .images import CameraImages, FrameKeys, ImageError
 
 log = logging.getLogger("litevlm.server")
 
@@ -129,6 +129,10 @@ class AnswerRecord:
     decode_steps: int = 0
     accepted_length: float = 0.0
     pipeline: str = ""                  # which pipeline served ("baseline", "litevlm[views,tokens@0.8,eagle]")
+    reused_cameras: list[str] = field(default_factory=list)   # visual features reused from earlier queries
+    degraded: list[str] = field(default_factory=list)         # what a latency budget cut
+    budget_ms: float = 0.0
+    budget_met: bool = True
     query_stamp_ns: int = 0
     frame_stamps_ns: dict[str, int] = field(default_factory=dict)
 
@@ -161,6 +165,10 @@ class AnswerRecord:
             "decode_steps": self.decode_steps,
             "accepted_length": self.accepted_length,
             "pipeline": self.pipeline,
+            "reused_cameras": list(self.reused_cameras),
+            "degraded": list(self.degraded),
+            "budget_ms": self.budget_ms,
+            "budget_met": self.budget_met,
             "query_stamp_ns": self.query_stamp_ns,
             "frame_stamps_ns": dict(self.frame_stamps_ns),
             "frame_offsets_ms": {c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()},
@@ -400,7 +408,8 @@ class QueryServer:
         limit = self.pipeline.rt.options.images.max_pixels
         images = CameraImages({c: f.payload for c, f in req.frames.frames.items()}, limit)
         try:
-            ans = self.pipeline.answer(images, req.text)
+            # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
+            ans = self.pipeline.answer(images, req.text, frame_keys=FrameKeys(req.frames.frames))
         except ImageError as exc:
             rec.status, rec.status_message = "bad_image", str(exc)
             return self._answer(req, rec)
@@ -423,6 +432,8 @@ class QueryServer:
         rec.input_tokens, rec.decode_steps = int(ans.input_tokens), int(ans.decode_steps)
         rec.accepted_length = float(ans.accepted_length)
         rec.pipeline = ans.pipeline
+        rec.reused_cameras, rec.degraded = list(ans.reused_cameras), list(ans.degraded)
+        rec.budget_ms, rec.budget_met = float(ans.budget_ms), bool(ans.budget_met)
         return self._answer(req, rec)
 
     def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:
@@ -518,6 +529,22 @@ class QueryServer:
                 self._running = req
                 self.serve(req)
                 self._running = None
+                if not self._stop.is_set():
+                    self.prefetch(req)
+
+    def prefetch(self, req: Request) -> None:
+        """Idle after `req`: encode the rest of its frame set into the pipeline's feature cache
+        (visual reuse), stopping as soon as a query is waiting (or the worker is stopping), so
+        that the set's later questions find every view encoded whichever cameras they select."""
+        pipe = self.pipeline
+        if pipe is None or len(self.queue) or not pipe.rt.options.serving.feature_cache:
+            return
+        frames = req.frames.frames
+        images = CameraImages({c: f.payload for c, f in frames.items()}, pipe.rt.options.images.max_pixels)
+        try:
+            pipe.prefetch(images, FrameKeys(frames), stop=lambda: len(self.queue) > 0 or self._stop.is_set())
+        except Exception:  # noqa: BLE001 - prefetching is an optimisation: a failure must not stop serving
+            log.error("prefetch after %s failed: %s", req.query_id, traceback.format_exc())
 
     # ---- diagnostics ----
     def stats(self) -> dict:

@@ -173,7 +173,7 @@ class Prepared:
         with torch.no_grad():
             for i, f in enumerate(needed):
                 pixels = preprocess(rt, frames[f].images, list(CAMERAS))
-                self.visual[f] = encode(rt, pixels).clone()
+                self.visual[f] = torch.stack(encode(rt, pixels)).clone()
             log(f"  encoded {len(needed)} frames ({time.monotonic() - t0:.0f} s)")
             t0 = time.monotonic()
             for i, s in enumerate(samples):

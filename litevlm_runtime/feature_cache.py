@@ -1,0 +1,59 @@
+"""Visual reuse: each camera's vision output (decoded, resized, InternViT, pixel shuffle, mlp1) for
+one frame is computed once and reused by every later query about the same frame set, whichever
+cameras each selects. A driving stack asks several questions of one frame set (perception,
+prediction, planning); the vision stage is then paid once per camera, not once per question.
+
+Keyed by (camera, frame key): the frame key is what identifies the image (the node and `bag eval`
+pass the frame's header stamp, `litevlm eval` the image file); the tile count and the model are
+fixed per runtime, so a cache belongs to one runtime. Entries live in a fixed-size region of the
+memory arena (`arena.feature_cache`, [slots, tokens per camera, D], allocated once), and the oldest
+entry is evicted first: no allocation in steady state.
+
+Why not the prompt prefix's KV as well: with token selection on (the deployed configuration) the
+visual tokens kept depend on the question (its attention to them), so two questions about the same
+cameras prefill different rows at different positions; the KV of "the same prefix" is exact only
+when every token is kept, i.e. for the baseline pipeline, and it would then only save the prefix's
+part of prefill. The visual features are exact for every configuration.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable
+
+import torch
+
+
+class FeatureCache:
+    def __init__(self, slots: torch.Tensor):
+        self.slots = slots                                   # [n, tokens_per_camera, D] arena region
+        self.index: OrderedDict[tuple, int] = OrderedDict()  # key -> slot, oldest first
+        self.hits = self.misses = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.shape[0]
+
+    def get(self, camera: str, frame_key: Hashable) -> torch.Tensor | None:
+        slot = self.index.get((camera, frame_key))
+        if slot is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return self.slots[slot]
+
+    def put(self, camera: str, frame_key: Hashable, visual: torch.Tensor) -> torch.Tensor:
+        """Store one camera's visual tokens [tokens_per_camera, D]; returns the cached view."""
+        key = (camera, frame_key)
+        if key in self.index:
+            slot = self.index[key]
+        elif len(self.index) < self.capacity:
+            slot = len(self.index)
+        else:
+            _, slot = self.index.popitem(last=False)         # evict the oldest
+        self.index[key] = slot
+        self.slots[slot].copy_(visual)
+        return self.slots[slot]
+
+    def clear(self) -> None:
+        self.index.clear()
