@@ -263,10 +263,13 @@ class SlowPipeline:
         self.pipe, self.rt, self.hold = pipe, pipe.rt, hold
         self.started, self.release = threading.Event(), threading.Event()
 
-    def answer(self, images, question):
+    def answer(self, images, question, **kw):
         self.started.set()
         self.release.wait(self.hold)
-        return self.pipe.answer(images, question)
+        return self.pipe.answer(images, question, **kw)
+
+    def prefetch(self, *args, **kw):
+        return self.pipe.prefetch(*args, **kw)
 
 
 def started_server(pipe, records, **kw):
@@ -356,3 +359,34 @@ def test_future_stamped_frames_are_not_served_and_counted(pipeline):
     assert [(r.query_id, r.status) for r in records] == [("f", "bad_stamp")]
     assert "CAM_FRONT 5.000 s" in records[0].status_message
     assert server.stats()["frames_bad_stamp"] == {c: 1 for c in CAMERAS}
+
+
+def test_a_query_that_arrives_while_the_worker_prefetches_is_answered(pipeline):
+    # The worker encodes the rest of a frame set when idle (visual reuse) and stops when a query
+    # arrives; the query must then be served (it was answered not_active once).
+    import threading
+
+    class HeldPrefetch(SlowPipeline):
+        def answer(self, images, question, **kw):
+            return self.pipe.answer(images, question, **kw)
+
+        def prefetch(self, images, keys, stop):
+            self.started.set()
+            end = threading.Event()
+            while not stop() and not end.wait(0.01):
+                pass
+            return []
+
+    records = []
+    held = HeldPrefetch(pipeline)
+    server = started_server(held, records, queue_size=4)
+    server.submit("first?", query_id="p0")
+    assert held.started.wait(30)                              # p0 answered, the worker is prefetching
+    server.submit("second?", query_id="p1")
+    import time
+
+    end = time.time() + 30
+    while len(records) < 2 and time.time() < end:
+        time.sleep(0.02)
+    server.stop_worker()
+    assert [(r.query_id, r.status) for r in records] == [("p0", "ok"), ("p1", "ok")]
