@@ -41,6 +41,7 @@ class BenchResult:
     reference_tokens: list[int] = field(default_factory=list)
     identical: int = 0
     queries: int = 0
+    rounds: list = field(default_factory=list)        # EAGLE-2: each round's (depth, nodes, accepted) or "greedy"
 
     def model_ms(self) -> list[float]:
         return [sum(self.stage_ms[s][i] for s in MODEL_STAGES) for i in range(self.queries)]
@@ -52,6 +53,11 @@ class BenchResult:
         out = {"queries": self.queries, "stages": rows,
                "model_ms": {"median": statistics.median(self.model_ms()), "p90": percentile(self.model_ms(), 0.9)},
                "mean_new_tokens": statistics.mean(self.tokens)}
+        if self.rounds:
+            from collections import Counter
+
+            shapes = Counter("plain step" if r == "greedy" else f"depth {r[0]}, {r[1]} nodes" for r in self.rounds)
+            out["eagle_rounds"] = dict(shapes.most_common())
         if self.reference_ms:
             ref_med = statistics.median(self.reference_ms)
             out["reference"] = {
@@ -85,6 +91,7 @@ def run_benchmark(pipe, frame_sets: list[dict], questions: list[str], repeat: in
         for s in STAGES:
             result.stage_ms[s].append(ans.stage_ms[s])
         result.tokens.append(len(ans.token_ids))
+        result.rounds += ans.extra.get("rounds", [])
         result.queries += 1
         if hf is not None:
             ids, pixels = pipe.reference_inputs(frames, question)

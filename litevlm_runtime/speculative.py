@@ -163,7 +163,7 @@ class Eagle2:
         f_anc = torch.zeros(k, scratch, dtype=torch.bool, device=dev)
         max_depth = min(self.max_depth, remaining)
         level = 1
-        while level < max_depth and self.policy.expand(torch.cat(score[1:]), f_score, level):
+        while level < max_depth and (not self.policy.adaptive or self.policy.expand(torch.cat(score[1:]), f_score, level)):
             level += 1
             used = (level - 2) * k                       # scratch slots taken by earlier levels
             f_anc[:, used:used + k] = self.eye_k

@@ -40,39 +40,7 @@ from litevlm_runtime.answer import STAGES  # noqa: E402
 from litevlm_runtime.benchmark import DEFAULT_QUESTIONS  # noqa: E402
 from litevlm_runtime.report import table  # noqa: E402
 
-ONES = ("norm.weight", "norm1.weight", "norm2.weight", "ls1", "ls2", "attention_norm.weight", "ffn_norm.weight",
-        "mlp1.0.weight")
-
-
-def random_model(preset_name: str, vocab_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """InternVL of the preset, initialised on the device as make-checkpoint does (normal(0, 0.02)
-    weights, unit norms and layer scales, zero biases); seconds even at 2B on a GPU."""
-    from litevlm_runtime.models.internvl import InternVL
-    from litevlm_runtime.presets import preset
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = InternVL(preset(preset_name, vocab_size=vocab_size))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(ONES):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-    return model.to(dtype).eval()
-
-
-def random_draft(model):
-    """An EAGLE-2 head started from the target's last layer, as `litevlm train eagle` starts it."""
-    from litevlm_runtime.models.eagle import DraftHead
-
-    lm = model.language_model
-    draft = DraftHead(lm.cfg).to(lm.embed.weight.device, lm.embed.weight.dtype)
-    src = lm.layers[-1].state_dict()
-    draft.layer.load_state_dict({k: v for k, v in src.items() if k in draft.layer.state_dict()})
-    return draft.eval()
+from litevlm_runtime.random_model import random_draft, random_internvl as random_model  # noqa: E402
 
 
 def frames_for_check(count: int):

@@ -25,7 +25,9 @@ PY="$VENV/bin/python"
 # 2. Python dependencies and the editable package, keyed on requirements*.txt + setup.py.
 deps_hash="$(hash_of requirements.txt requirements-stubs.txt setup.py)"
 deps_stamp="$VENV/.litevlm-deps-$deps_hash"
-if [ ! -f "$deps_stamp" ]; then
+# (The package itself must also still be importable from this checkout: a stamp alone would keep a
+# venv whose editable install was removed.)
+if [ ! -f "$deps_stamp" ] || ! (cd / && "$PY" -c "import litevlm_runtime, sys; sys.exit(not litevlm_runtime.__file__.startswith('$ROOT/'))") 2>/dev/null; then
     log "installing requirements.txt (first run: a few minutes)"
     # pip's output goes to a log (this machine's pip config is noisy); shown when pip fails.
     pip_log="$VENV/.litevlm-pip.log"

@@ -30,8 +30,15 @@ def load_frame_sets(frames: Path | None, count: int) -> list[dict]:
 
 
 def register(subparsers) -> None:
+    from ..options import add_option_flags
+    from ..presets import PRESETS
+
     p = subparsers.add_parser("bench", help="per-stage latency table, against transformers' generate")
-    add_pipeline_args(p)
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", type=Path, help="InternVL2.5 checkpoint folder")
+    model.add_argument("--preset", choices=PRESETS, help="random weights of a preset's shape, in memory "
+                                                        "(e.g. internvl2_5-2b: what the real sizes cost here)")
+    add_option_flags(p, with_model=False)
     p.add_argument("--frames", type=Path, help="frame folder (default: random frames)")
     p.add_argument("--frame-sets", type=int, default=2, help="how many frame sets to cycle through")
     p.add_argument("--questions", type=int, default=8, help="how many of the built-in questions")
@@ -47,6 +54,9 @@ def register(subparsers) -> None:
     p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
     p.add_argument("--limit", type=int, default=40, help="--ablation: first N questions")
     p.add_argument("--plot", type=Path, help="--ablation: write the per-stage bar chart (PNG) here")
+    p.add_argument("--costs", action="store_true",
+                   help="the speculation cost table measured on this device and backend, and the tree the policy "
+                        "chooses from it (decodes with EAGLE-2; with --preset, a random draft head)")
     p.add_argument("--budget", type=float, action="append", metavar="F",
                    help="latency budgets at F x the unbudgeted median on --data questions (repeatable; e.g. 0.5)")
     p.set_defaults(func=run)
@@ -71,6 +81,68 @@ def run_ablation_command(args) -> int:
     return 0
 
 
+def build_pipeline(args, options):
+    from ..pipeline import Pipeline
+
+    if args.preset:
+        from ..random_model import random_pipeline
+
+        return random_pipeline(args.preset, options)
+    return Pipeline.from_pretrained(args.model, options)
+
+
+def policy_choice(costs, tree) -> list[list]:
+    """What the adaptive policy does with these costs: whether it drafts at all, the best chain a
+    perfect draft could make, and the tree it keeps for a reference confidence profile (a draft
+    whose best child has p 0.6, the next 0.15, 0.05, ...; EAGLE-2's confidences look like this)."""
+    import torch
+
+    from ..spec_policy import TreePolicyState
+
+    rate, depth = costs.best_chain_rate(tree.depth)
+    pol = TreePolicyState(costs, tree.total, tree.depth, tree.topk, adaptive=True)
+    profile = torch.log(torch.tensor([0.6, 0.15, 0.05] + [0.02] * (tree.topk - 3))[:tree.topk])
+    levels, scores, frontier = 1, profile, profile
+    pol.spent_ms = costs.pending(2)
+    while levels < tree.depth and pol.expand(scores, frontier, levels):
+        frontier = (frontier[:, None] + profile[None]).flatten().topk(tree.topk).values
+        scores = torch.cat([scores, frontier])
+        levels += 1
+    total = pol.choose_total(scores, tree.total)
+    return [["a perfect draft could pay here", "yes" if costs.speculation_can_pay(tree.depth) else "no (a plain step is faster)"],
+            ["realised speed of rounds", f"{costs.speed:.2f} x a plain step over {costs.rounds} rounds "
+                                         f"({'speculating' if costs.speed >= 1 or costs.rounds < 8 else 'greedy, probing 1 answer in 8'})"],
+            ["best perfectly-accepted chain", f"depth {depth}: {rate * costs.step_ms:.2f} tokens per plain step"],
+            ["tree for the reference profile", f"depth {levels}, {total + 1} nodes verified"],
+            ["round overhead beyond the models", f"{costs.overhead_ms:.2f} ms (learned online)"]]
+
+
+def run_costs_command(args) -> int:
+    from ..options import options_from_flat
+    from ..spec_policy import measure_costs
+
+    options = pipeline_options(args)
+    options = options_from_flat({"decoding.mode": "eagle"} if options.decoding.mode.value == "auto" else {}, options)
+    pipe = build_pipeline(args, options)
+    rt = pipe.rt
+    if args.preset:
+        # Random weights: no answer worth running (and a 2B prefill takes minutes on a CPU); the
+        # costs at a prompt of 256 rows are what the policy needs.
+        context, learned = 256, None
+    else:
+        ans = pipe.warm_up(load_frame_sets(args.frames, 1)[0])
+        context, learned = ans.input_tokens, rt.costs
+    costs = measure_costs(rt, context=context, repeats=2 if args.preset else 5)
+    costs.carry_over(learned)
+    tree = rt.options.decoding.eagle
+    print(f"model {rt.name}  device {rt.options.device} {rt.options.dtype}  backend {rt.options.backend.name.value}  "
+          f"{rt.options.threads()} threads  context {context} rows\n")
+    print(table(["measured", "ms", "x plain step"], costs.table()))
+    print()
+    print(table(["adaptive policy", ""], policy_choice(costs, tree)))
+    return 0
+
+
 def run_budget_command(args) -> int:
     import sys
 
@@ -91,6 +163,15 @@ def run(args) -> int:
     from ..benchmark import DEFAULT_QUESTIONS, run_benchmark
     from ..pipeline import Pipeline
 
+    if args.costs:
+        return run_costs_command(args)
+    if args.preset:
+        from ..errors import InputError
+
+        if args.ablation or args.budget or args.backend:
+            raise InputError("--preset (random weights) runs the latency table and --costs; --ablation, --budget "
+                             "and --backend need a trained --model")
+        args.no_reference = True      # no checkpoint folder for transformers to load
     if args.ablation:
         return run_ablation_command(args)
     if args.budget:
@@ -107,7 +188,7 @@ def run(args) -> int:
         _, name, bundle = backends[0]
         options = replace(options, backend=replace(options.backend, name=name,
                                                    bundle=str(bundle) if bundle else options.backend.bundle))
-    pipe = Pipeline.from_pretrained(args.model, options)
+    pipe = build_pipeline(args, options)
     frame_sets = load_frame_sets(args.frames, args.frame_sets)
     questions = DEFAULT_QUESTIONS[: args.questions]
     res = run_benchmark(pipe, frame_sets, questions, args.repeat, reference=not args.no_reference,
@@ -120,6 +201,15 @@ def run(args) -> int:
     print(f"model {args.model}  queries {s['queries']}  mean new tokens {s['mean_new_tokens']:.1f}  "
           f"device {options.device} {options.dtype}  pipeline {pipe.rt.options.label()}\n")
     print(table(["stage", "median ms", "p90 ms"], rows))
+    rt = pipe.rt
+    if rt.costs is not None and rt.costs.source == "measured":
+        print("\nspeculation costs measured at warm-up on this device and backend:")
+        print(table(["measured", "ms", "x plain step"], rt.costs.table()))
+        print()
+        print(table(["adaptive policy", ""], policy_choice(rt.costs, rt.options.decoding.eagle)))
+    if "eagle_rounds" in s:
+        print("\ndecode rounds the policy chose (count):")
+        print(table(["round", "count"], [[k, v] for k, v in s["eagle_rounds"].items()]))
     if "reference" in s:
         r = s["reference"]
         print()
