@@ -125,8 +125,9 @@ def cmd_compare(args) -> int:
     return 0 if cmp.ok else 1
 
 
-def _harness(args):
-    """Start the node under test and a DDS client on the bag: (node, client, workload, closer)."""
+def _harness(args, extra: dict | None = None):
+    """Start the node under test (parameters: --params, --set, then `extra`) and a DDS client on
+    the bag: (node, client, workload, closer)."""
     import os
     import signal
     import tempfile
@@ -136,7 +137,7 @@ def _harness(args):
     from ..ros.soak import DDSClient, NodeProcess, workload_from_bag
 
     params_file = args.params or config_dir() / "drive.yaml"
-    overrides = _overrides(args.set)
+    overrides = _overrides(args.set) | (extra or {})
     params = load_node_params(params_file, overrides)
     work = workload_from_bag(args.bag, params)
     env = dict(os.environ)
@@ -144,7 +145,7 @@ def _harness(args):
         env["ROS_DOMAIN_ID"] = str(args.domain_id)
     log = args.node_log or Path(tempfile.mkdtemp(prefix="litevlm_soak_")) / "node.log"
     print(f"{args.bag_command}: {len(work.frame_sets)} frame sets, {len(work.questions)} questions from {args.bag}; "
-          f"starting the node (log {log})")
+          f"starting the node{' with ' + ', '.join(f'{k}={v}' for k, v in extra.items()) if extra else ''} (log {log})")
     node = NodeProcess(params_file, log, overrides, env)
     try:
         node.wait_for("ready (", timeout=args.start_timeout)
@@ -160,21 +161,45 @@ def _harness(args):
     return node, client, work, close
 
 
-def cmd_soak(args) -> int:
-    from ..ros.soak import soak
+def _versus(items: list[str]) -> dict[str, dict]:
+    """--versus LABEL=NAME=VALUE[,NAME=VALUE...] -> {label: overrides}; the baseline is ''."""
+    configs = {"": {}}
+    for item in items:
+        label, sep, rest = item.partition("=")
+        if not sep or not label or not rest:
+            raise InputError(f"--versus {item!r}: expected LABEL=NAME=VALUE[,NAME=VALUE...]")
+        configs[label] = _overrides(rest.split(","))
+    return configs
 
-    node, client, work, close = _harness(args)
-    try:
-        result = soak(client, work, args.count, args.rate, frame_rate=args.frame_rate, warmup=args.warmup,
-                      grace_s=args.grace, node=node)
-    finally:
-        close()
-    print(result.table())
+
+def cmd_soak(args) -> int:
+    from ..ros.soak import SoakResult, comparison_table, soak
+
+    configs = _versus(args.versus)
+    runs: dict[str, list] = {label: [] for label in configs}
+    for r in range(args.rounds):
+        for label, extra in configs.items():       # alternating, so that a change in load hits all alike
+            if args.node_log and (len(configs) > 1 or args.rounds > 1):
+                args.node_log = args.node_log.with_name(f"{args.node_log.stem.split('.')[0]}.{label or 'baseline'}{r}.log")
+            node, client, work, close = _harness(args, extra)
+            try:
+                runs[label].append(soak(client, work, args.count, args.rate, frame_rate=args.frame_rate,
+                                        warmup=args.warmup, grace_s=args.grace, node=node, prefix=f"soak{r}_"))
+            finally:
+                close()
+    results = {label: SoakResult.pooled(rs) for label, rs in runs.items()}
+    for label, result in results.items():
+        if len(configs) > 1:
+            print(f"\n== {label or 'baseline'}: {', '.join(f'{k}={v}' for k, v in configs[label].items()) or 'as given'}")
+        print(result.table())
+    if len(configs) > 1:
+        print("\n" + comparison_table(results, args.rounds))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in result.rows))
-        print(f"soak: {len(result.rows)} answers -> {args.out}")
-    return 0 if result.ok() else 1
+        args.out.write_text("".join(json.dumps({**r, "config": label}) + "\n"
+                                    for label, res in results.items() for r in res.rows))
+        print(f"soak: {sum(len(res.rows) for res in results.values())} answers -> {args.out}")
+    return 0 if all(res.ok() for res in results.values()) else 1
 
 
 def cmd_peak(args) -> int:
@@ -271,6 +296,10 @@ def register(subparsers) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="queries per second")
     p.add_argument("--warmup", type=int, default=10, help="first queries left out of the statistics")
     p.add_argument("--out", type=Path, help="every answer received, as JSON lines")
+    p.add_argument("--versus", action="append", default=[], metavar="LABEL=NAME=VALUE[,NAME=VALUE]",
+                   help="also soak the node with these parameters (a fresh node each), after the baseline, and "
+                        "compare them in one table")
+    p.add_argument("--rounds", type=int, default=1, help="repeat baseline and --versus runs alternately this often")
     p.set_defaults(func=cmd_soak)
 
     p = sub.add_parser("peak", help="the highest query rate with under 5%% queue_full answers, by bisection")

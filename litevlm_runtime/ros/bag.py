@@ -733,7 +733,8 @@ def answer_row(msg, received_ns: int) -> dict:
         cameras=list(msg.cameras), stage_ms=dict(zip(msg.stage_names, [float(v) for v in msg.stage_ms])),
         queue_ms=float(msg.queue_ms), visual_tokens=msg.visual_tokens, kept_tokens=msg.kept_tokens,
         input_tokens=msg.input_tokens, decode_steps=msg.decode_steps, accepted_length=float(msg.accepted_length),
-        pipeline=msg.pipeline, query_stamp_ns=stamp,
+        pipeline=msg.pipeline, reused_cameras=list(msg.reused_cameras), degraded=list(msg.degraded),
+        budget_ms=float(msg.budget_ms), budget_met=bool(msg.budget_met), query_stamp_ns=stamp,
         frame_stamps_ns={c: s.sec * 1_000_000_000 + s.nanosec for c, s in zip(msg.frame_cameras, msg.frame_stamps)},
     )
     row = rec.to_json()

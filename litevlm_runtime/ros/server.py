@@ -32,6 +32,7 @@ Overflow policy of the bounded request queue (`queue_size`):
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -51,6 +52,25 @@ from .frame_store import FrameMatchError, FrameSet, FrameStore
 from .images import CameraImages, FrameKeys, ImageError
 
 log = logging.getLogger("litevlm.server")
+
+
+class GcClock:
+    """Total time spent in Python's garbage collector, whichever thread triggered it (under
+    the GIL a collection stalls every thread). Installed once per process."""
+
+    def __init__(self):
+        self.total_ns = 0
+        self._start = 0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter_ns()
+        else:
+            self.total_ns += time.perf_counter_ns() - self._start
+
+
+GC_CLOCK = GcClock()
 
 # Status names and codes; the codes are the STATUS_* constants of litevlm_msgs/Answer.
 STATUS_CODES = {
@@ -133,6 +153,11 @@ class AnswerRecord:
     degraded: list[str] = field(default_factory=list)         # what a latency budget cut
     budget_ms: float = 0.0
     budget_met: bool = True
+    # Where the pipeline's wall time went (diagnostics; the JSON form only): CPU time of the
+    # serving thread (torch's intra-op threads beyond it are not counted), and garbage
+    # collection. Wall minus CPU is time the thread was not running: other processes or threads.
+    cpu_ms: float = 0.0
+    gc_ms: float = 0.0
     query_stamp_ns: int = 0
     frame_stamps_ns: dict[str, int] = field(default_factory=dict)
 
@@ -169,6 +194,8 @@ class AnswerRecord:
             "degraded": list(self.degraded),
             "budget_ms": self.budget_ms,
             "budget_met": self.budget_met,
+            "cpu_ms": self.cpu_ms,
+            "gc_ms": self.gc_ms,
             "query_stamp_ns": self.query_stamp_ns,
             "frame_stamps_ns": dict(self.frame_stamps_ns),
             "frame_offsets_ms": {c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()},
@@ -409,7 +436,9 @@ class QueryServer:
         images = CameraImages({c: f.payload for c, f in req.frames.frames.items()}, limit)
         try:
             # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
+            cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
             ans = self.pipeline.answer(images, req.text, frame_keys=FrameKeys(req.frames.frames))
+            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
         except ImageError as exc:
             rec.status, rec.status_message = "bad_image", str(exc)
             return self._answer(req, rec)

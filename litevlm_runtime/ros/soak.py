@@ -23,6 +23,7 @@ used. Questions: the bag's Query texts, in turn. RSS is read from /proc (Linux).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -120,6 +121,7 @@ class DDSClient:
         from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
         from rclpy.signals import SignalHandlerOptions
         from sensor_msgs.msg import CompressedImage, Image
+        from std_msgs.msg import String
 
         from litevlm_msgs.msg import Answer, Query
 
@@ -143,6 +145,9 @@ class DDSClient:
         self._lock = threading.Lock()
         self.rows: list[dict] = []
         self.node.create_subscription(Answer, self.answer_topic, self._on_answer, keep_all)
+        # The JSON mirror carries what the typed Answer does not (the pipeline's CPU and GC time).
+        self.mirrored: dict[str, dict] = {}
+        self.node.create_subscription(String, params["answer_json_topic"], self._on_json, keep_all)
         self.executor = SingleThreadedExecutor(context=self.ctx)
         self.executor.add_node(self.node)
         self._spinner = threading.Thread(target=self._spin, name="litevlm-soak-spin", daemon=True)
@@ -162,12 +167,18 @@ class DDSClient:
         with self._lock:
             self.rows.append(row)
 
+    def _on_json(self, msg) -> None:
+        d = json.loads(msg.data)
+        with self._lock:
+            self.mirrored[d["query_id"]] = {k: d[k] for k in ("cpu_ms", "gc_ms") if k in d}
+
     def now_ns(self) -> int:
         return time.time_ns()
 
     def answers(self) -> list[dict]:
+        """The Answer rows received so far, with the JSON mirror's extra fields where it came."""
         with self._lock:
-            return list(self.rows)
+            return [{**r, **self.mirrored.get(r["query_id"], {})} for r in self.rows]
 
     def wait_for_node(self, timeout: float = 30.0) -> None:
         """Until the node's query subscription and answer publisher are matched with ours."""
@@ -272,6 +283,11 @@ class SoakResult:
     warmup: int
     duration_s: float
     pipeline: str = ""
+    warmup_ids: frozenset = None         # default: the first `warmup` of `sent` (pooled runs: each run's)
+
+    def __post_init__(self):
+        if self.warmup_ids is None:
+            self.warmup_ids = frozenset(qid for qid, _ in self.sent[:self.warmup])
 
     # ---- accounting
     @property
@@ -296,8 +312,7 @@ class SoakResult:
 
     def measured(self) -> list[dict]:
         """ok answers after the warm-up queries."""
-        skip = {qid for qid, _ in self.sent[:self.warmup]}
-        return [r for r in self.rows if r["status"] == "ok" and r["query_id"] not in skip]
+        return [r for r in self.rows if r["status"] == "ok" and r["query_id"] not in self.warmup_ids]
 
     def determinism(self) -> tuple[int, list[str]]:
         """(how many (question, frame set) pairs were answered more than once, those whose
@@ -329,9 +344,15 @@ class SoakResult:
     def latency_rows(self) -> list[tuple[str, float, float, float, int]]:
         ok = self.measured()
         rows = []
-        for name in ("total", "queue", "e2e", *STAGES):
+        for name in ("total", "cpu", "not running", "gc", "queue", "e2e", *STAGES):
             if name == "total":
                 v = [r["total_ms"] for r in ok]
+            elif name == "cpu":
+                v = [r["cpu_ms"] for r in ok if "cpu_ms" in r]
+            elif name == "not running":
+                v = [r["total_ms"] - r["cpu_ms"] for r in ok if "cpu_ms" in r]
+            elif name == "gc":
+                v = [r["gc_ms"] for r in ok if "gc_ms" in r]
             elif name == "queue":
                 v = [r["queue_ms"] for r in ok]
             elif name == "e2e":
@@ -352,7 +373,8 @@ class SoakResult:
         lines = [f"soak: {len(self.sent)} queries at {self.rate:g}/s in {self.duration_s:.0f} s "
                  f"({self.pipeline or 'pipeline unknown'}); statistics after the first {self.warmup}",
                  f"{'ms':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'p99/p50':>9}{'n':>7}"]
-        names = {"total": "pipeline", "e2e": "end-to-end"}
+        names = {"total": "pipeline", "e2e": "end-to-end", "cpu": " its CPU time", "not running": " not running",
+                 "gc": " in GC"}
         for name, p50, p90, p99, n in self.latency_rows():
             ratio = p99 / p50 if p50 > 0 else float("nan")
             lines.append(f"{names.get(name, name):<14}{p50:>10.1f}{p90:>10.1f}{p99:>10.1f}{ratio:>9.2f}{n:>7}")
@@ -375,6 +397,39 @@ class SoakResult:
 
     def ok(self) -> bool:
         return not self.lost and not self.duplicated and not self.determinism()[1]
+
+    @classmethod
+    def pooled(cls, results: list["SoakResult"]) -> "SoakResult":
+        """Several runs (ids made distinct by their prefixes) as one; RSS of the first run."""
+        if len(results) == 1:
+            return results[0]
+        first = results[0]
+        return cls(first.rate, [s for r in results for s in r.sent], [x for r in results for x in r.rows],
+                   {k: v for r in results for k, v in r.set_of_stamp.items()}, first.rss, first.warmup,
+                   sum(r.duration_s for r in results), first.pipeline,
+                   frozenset().union(*(r.warmup_ids for r in results)))
+
+
+
+def comparison_table(results: dict[str, "SoakResult"], rounds: int) -> str:
+    """One row per configuration, ratios against the baseline (the first) of the same run."""
+    def stats(res):
+        ok = res.measured()
+        total = [r["total_ms"] for r in ok]
+        cpu = [r["cpu_ms"] for r in ok if "cpu_ms" in r]
+        idle = [r["total_ms"] - r["cpu_ms"] for r in ok if "cpu_ms" in r]
+        p50, _, p99 = percentiles(total)
+        c50, _, c99 = percentiles(cpu)
+        return p50, p99, c50, c99, percentiles(idle)[2], percentiles([r["e2e_ms"] for r in ok])[2], len(ok)
+    base = stats(next(iter(results.values())))
+    lines = [f"soak comparison ({rounds} round{'s' * (rounds > 1)}, runs alternating; pipeline ms)",
+             f"{'config':<16}{'p50':>8}{'p99':>8}{'p99/p50':>9}{'cpu p50':>9}{'cpu p99':>9}{'cpu p99/p50':>12}"
+             f"{'not running p99':>16}{'e2e p99':>9}{'p99 vs base':>12}{'n':>6}"]
+    for label, res in results.items():
+        p50, p99, c50, c99, idle99, e2e99, n = stats(res)
+        lines.append(f"{label or 'baseline':<16}{p50:>8.1f}{p99:>8.1f}{p99 / p50:>9.2f}{c50:>9.1f}{c99:>9.1f}"
+                     f"{c99 / c50:>12.2f}{idle99:>16.1f}{e2e99:>9.1f}{p99 / base[1]:>12.2f}{n:>6}")
+    return "\n".join(lines)
 
 
 class Playback:
@@ -444,7 +499,8 @@ def pipeline_of(node: NodeProcess | None) -> str:
 
 
 def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate: float = 2.0,
-         warmup: int = 10, grace_s: float = 30.0, node: NodeProcess | None = None, progress=print) -> SoakResult:
+         warmup: int = 10, grace_s: float = 30.0, node: NodeProcess | None = None, prefix: str = "soak",
+         progress=print) -> SoakResult:
     play = Playback(client, work, frame_rate, node).start()
     time.sleep(0.5)                  # the first frame set arrives before the first question
     try:
@@ -453,7 +509,7 @@ def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate:
         def report(n: int) -> None:
             progress(f"soak: {n}/{count} sent, {len(client.answers())} answered, node RSS "
                      f"{(node.rss_bytes() / 2**20) if node else float('nan'):.1f} MB")
-        sent = play.send(count, rate, "soak", every_s=30.0, on_every=report)
+        sent = play.send(count, rate, prefix, every_s=30.0, on_every=report)
         rows = client.wait_for_answers([q for q, _ in sent], timeout=grace_s, quiet_s=1.0)
         duration = time.monotonic() - t0
     finally:
