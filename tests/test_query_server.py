@@ -390,3 +390,25 @@ def test_a_query_that_arrives_while_the_worker_prefetches_is_answered(pipeline):
         time.sleep(0.02)
     server.stop_worker()
     assert [(r.query_id, r.status) for r in records] == [("p0", "ok"), ("p1", "ok")]
+
+
+def test_prefetch_encodes_the_frame_set_the_next_query_would_get(pipeline):
+    """After an answer the idle worker encodes the newest frame set (a newer one may have come
+    while it answered), not the rest of the set it answered about, which no query matches again."""
+    server, records = make_server(pipeline)
+    features = pipeline.rt.features
+    assert features is not None
+    features.clear()
+    add_frames(server, 0)
+    req = server.submit("What is in front?", now_ns=1 * MS)
+    server.queue.drain()
+    server.serve(req, now_ns=1 * MS)
+    newer = {c: CompressedPayload("jpeg", jpeg(20 + i)) for i, c in enumerate(CAMERAS)}
+    add_frames(server, 100 * MS, newer)                  # the next set arrived during the answer
+    server.clock_ns = lambda: 110 * MS
+    before = set(features.index)
+    server.prefetch(req)
+    encoded = set(features.index) - before
+    assert {stamp for (_, (stamp, _)) in encoded} == {100 * MS} and len(encoded) == len(CAMERAS)
+    server.prefetch(req)                                 # nothing left to do for that set
+    assert set(features.index) - before == encoded

@@ -562,13 +562,18 @@ class QueryServer:
                     self.prefetch(req)
 
     def prefetch(self, req: Request) -> None:
-        """Idle after `req`: encode the rest of its frame set into the pipeline's feature cache
-        (visual reuse), stopping as soon as a query is waiting (or the worker is stopping), so
-        that the set's later questions find every view encoded whichever cameras they select."""
+        """Idle after `req`: encode into the pipeline's feature cache (visual reuse) the frame set
+        a query arriving now would be matched to, stopping as soon as a query is waiting (or the
+        worker is stopping). That is `req`'s set while no newer one has come (its later questions
+        find every view encoded whichever cameras they select), else the newer set: the old one
+        will not be matched again, and encoding it would only take the CPU from the next query."""
         pipe = self.pipeline
         if pipe is None or len(self.queue) or not pipe.rt.options.serving.feature_cache:
             return
-        frames = req.frames.frames
+        try:
+            frames = self.frames.match(self.clock_ns()).frames
+        except FrameMatchError:
+            frames = req.frames.frames
         images = CameraImages({c: f.payload for c, f in frames.items()}, pipe.rt.options.images.max_pixels)
         try:
             pipe.prefetch(images, FrameKeys(frames), stop=lambda: len(self.queue) > 0 or self._stop.is_set())
