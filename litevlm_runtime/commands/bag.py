@@ -137,7 +137,9 @@ def _harness(args, extra: dict | None = None):
     from ..ros.soak import DDSClient, NodeProcess, workload_from_bag
 
     params_file = args.params or config_dir() / "drive.yaml"
-    overrides = _overrides(args.set) | (extra or {})
+    extra = dict(extra or {})
+    nice = int(extra.pop("nice", args.nice))          # a process setting, not a node parameter
+    overrides = _overrides(args.set) | extra
     params = load_node_params(params_file, overrides)
     work = workload_from_bag(args.bag, params)
     env = dict(os.environ)
@@ -145,8 +147,9 @@ def _harness(args, extra: dict | None = None):
         env["ROS_DOMAIN_ID"] = str(args.domain_id)
     log = args.node_log or Path(tempfile.mkdtemp(prefix="litevlm_soak_")) / "node.log"
     print(f"{args.bag_command}: {len(work.frame_sets)} frame sets, {len(work.questions)} questions from {args.bag}; "
-          f"starting the node{' with ' + ', '.join(f'{k}={v}' for k, v in extra.items()) if extra else ''} (log {log})")
-    node = NodeProcess(params_file, log, overrides, env)
+          f"starting the node{' with ' + ', '.join(f'{k}={v}' for k, v in extra.items()) if extra else ''}"
+          f"{f' at nice {nice}' if nice else ''} (log {log})")
+    node = NodeProcess(params_file, log, overrides, env, nice=nice)
     try:
         node.wait_for("ready (", timeout=args.start_timeout)
         client = DDSClient(params, domain_id=args.domain_id)
@@ -224,6 +227,8 @@ def _harness_args(p) -> None:
     p.add_argument("--domain-id", type=int, help="ROS_DOMAIN_ID for the node and the harness (default: the environment's)")
     p.add_argument("--node-log", type=Path, help="the node's output (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the node to configure and activate")
+    p.add_argument("--nice", type=int, default=0,
+                   help="the node process's nice value (CPU priority; below 0 needs CAP_SYS_NICE); in --versus, nice=N")
 
 
 def register(subparsers) -> None:

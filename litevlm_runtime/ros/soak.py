@@ -58,7 +58,7 @@ class NodeProcess:
     node's for /proc reads."""
 
     def __init__(self, params: Path, log: Path, overrides: dict | None = None, env: dict | None = None,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, nice: int = 0):
         args = [sys.executable, "-m", "litevlm_runtime.cli", "drive", "--params", str(params)]
         for k, v in (overrides or {}).items():
             args += ["--set", f"{k}={v}"]
@@ -66,8 +66,10 @@ class NodeProcess:
         self._fh = self.log.open("w")
         env = dict(os.environ if env is None else env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # (`python -m` imports litevlm_runtime from `cwd` first, where there is one)
-        self.p = subprocess.Popen(args, env=env, stdout=self._fh, stderr=subprocess.STDOUT, cwd=cwd)
+        # (`python -m` imports litevlm_runtime from `cwd` first, where there is one). `nice`: the
+        # CPU priority a deployment would give the node (below 0 needs CAP_SYS_NICE).
+        self.p = subprocess.Popen(args, env=env, stdout=self._fh, stderr=subprocess.STDOUT, cwd=cwd,
+                                  preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     @property
     def pid(self) -> int:
