@@ -82,10 +82,10 @@ def test_shipped_drive_yaml_is_the_deployed_configuration():
     """config/drive.yaml names every pipeline setting (nested as ROS 2 reads dotted names) and
     resolves, on the bundled model, to the LiteVLM pipeline."""
     from litevlm_runtime.ros.bag import load_node_params
-    from litevlm_runtime.ros.parameters import flatten, pipeline_options_from
+    from litevlm_runtime.ros.parameters import flatten, node_section, pipeline_options_from
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())
-    given = flatten(doc["litevlm_drive"]["ros__parameters"])
+    given = flatten(node_section(doc, "litevlm_drive"))
     assert {s.key for s in settings()} <= set(given)
     opts = pipeline_options_from(load_node_params(None))
     assert opts.resolved(DEFAULT_MODEL).label() == "litevlm[views,tokens@0.8,eagle]"

@@ -5,15 +5,12 @@ stamped in the future."""
 
 from __future__ import annotations
 
-import io
 import signal
 import time
 from collections import Counter
 
-import numpy as np
 import pytest
-from PIL import Image
-from test_ros_replay import ROOT, domain_id, ros_env, write_params
+from ros_helpers import PROFILE, ROOT, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.bag import load_node_params
@@ -26,20 +23,12 @@ def frame_set(seed: int = 0) -> dict:
     """camera -> (sensor_msgs/CompressedImage of a random JPEG, offset 0)."""
     from sensor_msgs.msg import CompressedImage
 
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i, cam in enumerate(CAMERAS):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 255, (90, 160, 3), dtype=np.uint8)).save(buf, format="JPEG")
-        out[cam] = (CompressedImage(format="jpeg", data=buf.getvalue()), 0)
-    return out
+    return {cam: (CompressedImage(format="jpeg", data=jpeg(10 * seed + i, (160, 90))), 0) for i, cam in enumerate(CAMERAS)}
 
 
 @pytest.fixture
 def graph(tmp_path, tiny_model, monkeypatch):
     """start(k, **params) -> (node process, DDS client) on a private domain; stopped afterwards."""
-    from test_ros_replay import PROFILE
-
     monkeypatch.setenv("FASTDDS_DEFAULT_PROFILES_FILE", str(PROFILE))
     started = []
 
@@ -138,5 +127,5 @@ def test_future_stamped_frames_are_not_served(graph):
         if values.get("status.ok") == "1":
             break
         time.sleep(0.1)
-    assert values["frames_bad_stamp.CAM_FRONT"] == "1" and values["bad_stamp_frames"] == "6"
+    assert values["camera.CAM_FRONT.bad_stamp"] == "1" and values["bad_stamp_frames"] == "6"
     assert values["status.bad_stamp"] == "1"

@@ -5,18 +5,14 @@ eval` on the same bag (the same query server and pipeline without DDS)."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.answer import STAGES
 from litevlm_runtime.cameras import CAMERAS
@@ -24,68 +20,8 @@ from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, camera_
                                      drivelm_contents, evaluate, load_node_params, raw_frame, read_jsonl, write_bag)
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ROOT / "config" / "fastdds_large_data.xml"
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
-
-
-def domain_id(k: int) -> int:
-    """Own DDS domain per test and per test run (several suites may share a machine)."""
-    return 1 + (os.getpid() * 5 + k) % 200
-
-
-def ros_env(domain: int) -> dict:
-    env = dict(os.environ)
-    env.update(ROS_DOMAIN_ID=str(domain), FASTDDS_DEFAULT_PROFILES_FILE=str(PROFILE), PYTHONUNBUFFERED="1")
-    env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)      # it would override the profile (ENVIRONMENT.md)
-    return env
-
-
-class Proc:
-    """A `litevlm ...` child process with its output in a log file."""
-
-    def __init__(self, args: list[str], env: dict, log: Path):
-        self.log = log
-        self.fh = log.open("w")
-        self.p = subprocess.Popen([sys.executable, "-m", "litevlm_runtime.cli", *args], env=env, cwd=ROOT,
-                                  stdout=self.fh, stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_for(self, needle: str, timeout: float) -> None:
-        end = time.time() + timeout
-        while time.time() < end:
-            if needle in self.text():
-                return
-            if self.p.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{needle!r} not seen in {self.log.name}:\n{self.text()[-3000:]}")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.log.name} still running after {timeout} s:\n{self.text()[-3000:]}") from None
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-            try:
-                self.p.wait(15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self.fh.close()
-
-
-def write_params(path: Path, **values) -> Path:
-    lines = ["litevlm_drive:", "  ros__parameters:"]
-    for k, v in values.items():
-        lines.append(f"    {k}: {json.dumps(v)}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: int, timeout: float = 150):
@@ -107,13 +43,6 @@ def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: 
             if p is not None:
                 p.stop()
     return read_jsonl(out), node.text()
-
-
-def jpeg(seed: int, size=(192, 108)) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="JPEG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

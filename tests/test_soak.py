@@ -4,16 +4,13 @@ CI (-m slow)."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from PIL import Image
-from test_ros_replay import ROOT, domain_id, ros_env, write_params
+from ros_helpers import ROOT, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.bag import BagContents, BagQuery, CameraFrame, drivelm_contents, write_bag
@@ -47,20 +44,13 @@ def test_soak_accounting_finds_lost_duplicated_and_differing_answers():
     assert clean.ok()
 
 
-def jpeg(seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (90, 160, 3), dtype=np.uint8)).save(buf, format="JPEG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def small_bag(tmp_path_factory):
     """Three frame sets of generated frames and four questions."""
     c = BagContents()
     for k in range(3):
         for i, cam in enumerate(CAMERAS):
-            c.frames[cam].append(CameraFrame(T0 + k * S // 2 + i * 8_000_000, jpeg(10 * k + i)))
+            c.frames[cam].append(CameraFrame(T0 + k * S // 2 + i * 8_000_000, jpeg(10 * k + i, (160, 90))))
     for j, q in enumerate(["What is in front?", "Is there a car behind?", "What should the ego car do?",
                            "Anything on the left?"]):
         c.queries.append(BagQuery(T0 + S + j * S // 10, q, id=f"q{j}"))

@@ -1,20 +1,26 @@
-"""`litevlm drive [--params FILE] [--set NAME=VALUE ...]`: run the ROS 2 node.
+"""`litevlm drive [--params FILE] [--set NAME=VALUE ...] [--namespace NS] [--remap FROM:=TO ...]`
 
-The same node and parameters as `ros2 launch litevlm drive.launch.py`, for machines without the
-`ros2` CLI and launch (the ROS 2 wheels): it also drives the lifecycle (configure, activate) and
-selects the Fast DDS large-data profile (config/fastdds_large_data.xml) unless
-FASTDDS_DEFAULT_PROFILES_FILE is set.
+The same node, parameters and remappings as `ros2 launch litevlm drive.launch.py`, for machines
+without the `ros2` CLI and launch (the ROS 2 wheels): it also drives the lifecycle (configure,
+activate). Like the `litevlm bag` tools it talks to, it selects the Fast DDS large-data profile
+(config/fastdds_large_data.xml: shared memory + UDP on 127.0.0.1 only) unless
+FASTDDS_DEFAULT_PROFILES_FILE is set; `--fastdds-profile none` leaves Fast DDS's defaults (other
+hosts reachable), `--fastdds-profile FILE` picks one.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import InputError
 
+LOG_LEVELS = ("debug", "info", "warn", "error", "fatal")
+
 
 def run(args) -> int:
-    from ..ros.node import NODE_NAME, config_dir, run_node
+    from ..ros.bag import load_node_params
+    from ..ros.node import NODE_NAME, config_dir, ros_arguments, run_node, use_large_data_profile
 
     params = args.params or config_dir() / "drive.yaml"
     if not Path(params).is_file():
@@ -25,7 +31,23 @@ def run(args) -> int:
         if not sep or not name:
             raise InputError(f"--set {item!r}: expected NAME=VALUE")
         overrides[name] = value
-    return run_node(params, overrides, node_name=args.node_name or NODE_NAME)
+    for rule in args.remap:
+        if ":=" not in rule or rule.startswith(":=") or rule.endswith(":="):
+            raise InputError(f"--remap {rule!r}: expected FROM:=TO, e.g. query:=/car1/ask")
+    # rclpy ignores a parameter the node does not declare: a misspelt key in the file or in --set
+    # would silently do nothing, so both are checked against the declared names first.
+    load_node_params(params, overrides)
+    if args.fastdds_profile == "none":
+        os.environ.pop("FASTDDS_DEFAULT_PROFILES_FILE", None)
+    elif args.fastdds_profile:
+        if not Path(args.fastdds_profile).is_file():
+            raise InputError(f"--fastdds-profile {args.fastdds_profile}: no such file")
+        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(Path(args.fastdds_profile).resolve())
+    else:
+        use_large_data_profile()
+    ros_args = ros_arguments(params, overrides, namespace=args.namespace, remaps=args.remap,
+                             log_level=args.log_level)
+    return run_node(ros_args, node_name=args.node_name or NODE_NAME)
 
 
 def register(subparsers) -> None:
@@ -33,5 +55,13 @@ def register(subparsers) -> None:
     p.add_argument("--params", type=Path, help="node parameters YAML (default: config/drive.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override one parameter (YAML value syntax), e.g. --set model_dir=runs/models/tiny")
+    p.add_argument("--namespace", default="", help="the node's namespace, e.g. /car1 (every relative topic moves with it)")
+    p.add_argument("--remap", action="append", default=[], metavar="FROM:=TO",
+                   help="a ROS remapping rule, before the shipped ones (query:=litevlm/query ...), e.g. "
+                        "cam_front/image_raw/compressed:=/front/image/compressed")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="", help="the node's log level (default info)")
+    p.add_argument("--fastdds-profile", default="", metavar="FILE|none",
+                   help="Fast DDS XML profile (default: $FASTDDS_DEFAULT_PROFILES_FILE, else config/fastdds_large_data.xml; "
+                        "none: Fast DDS defaults)")
     p.add_argument("--node-name", help="node name (the YAML must use the same name)")
     p.set_defaults(func=run)

@@ -99,6 +99,7 @@ class BagQuery:
     text: str
     id: str = ""
     deadline_ns: int = 0
+    budget_ms: float = 0.0         # the Query's latency budget (0: the node's default)
 
 
 @dataclass
@@ -173,7 +174,8 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
                 msg = CompressedImage(header=header, format=item.format, data=np.frombuffer(item.data, dtype=np.uint8))
                 writer.write(conns[key], t, store.serialize_cdr(msg, CompressedImage.__msgtype__))
             else:
-                msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns))
+                msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns),
+                            budget_ms=float(item.budget_ms))
                 writer.write(qconn, t, store.serialize_cdr(msg, Query.__msgtype__))
     return out
 
@@ -390,13 +392,13 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
     import yaml
 
     from .node import NODE_NAME, PARAMETERS, config_dir
-    from .parameters import flatten, pipeline_settings
+    from .parameters import flatten, node_section, pipeline_settings
+    from .topics import shipped_topic_names
 
     params = dict(PARAMETERS) | {s.key: s.default for s in pipeline_settings()}
     path = Path(params_file) if params_file else config_dir() / "drive.yaml"
     doc = yaml.safe_load(path.read_text()) or {}
-    section = doc.get(NODE_NAME) or doc.get("/**") or {}
-    given = flatten(section.get("ros__parameters", {}))
+    given = flatten(node_section(doc, NODE_NAME))
     unknown = sorted(set(given) - set(params))
     if unknown:
         raise InputError(f"{path}: unknown parameter(s) {', '.join(unknown)}")
@@ -405,7 +407,8 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
         if k not in params:
             raise InputError(f"unknown parameter {k!r}")
         params[k] = yaml.safe_load(v) if isinstance(v, str) else v
-    return params
+    # The names the node uses in the root namespace with the shipped remappings (ros/topics.py).
+    return params | shipped_topic_names(params["camera_topics"])
 
 
 def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
@@ -430,7 +433,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     settings = ServerSettings(cameras=CAMERAS, max_skew_s=params["max_skew_s"], max_frame_age_s=params["max_frame_age_s"],
                               frame_history=params["frame_history"], queue_size=params["queue_size"],
                               overflow_policy=params["overflow_policy"], max_question_chars=params["max_question_chars"],
-                              match_wait_s=params["match_wait_s"])
+                              match_wait_s=params["match_wait_s"], max_future_s=params["max_future_s"])
     clock = [0]
     server = QueryServer(settings, publish, clock_ns=lambda: clock[0])
     try:

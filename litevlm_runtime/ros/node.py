@@ -1,16 +1,18 @@
 """The LiteVLM ROS 2 node: a thin lifecycle adapter between DDS and the QueryServer.
 
-  constructed   query subscriptions, answer publishers and /diagnostics exist from the start,
-                so a query that arrives before the model is ready still gets an answer
-                (status not_active, or pipeline_error naming why the model failed to load)
-  configure     loads the model (Pipeline.from_pretrained) and warms it up
+  constructed   parameters declared (ros/parameters.py); query subscriptions, answer publishers
+                and /diagnostics exist from the start, so a query that arrives before the model
+                is ready still gets an answer (not_active, or pipeline_error naming why)
+  configure     validates every parameter (a bad one fails the transition, named in the log and
+                on /diagnostics; the process stays up), loads the model and warms it up
   activate      subscribes to the six cameras and starts the pipeline worker thread
   deactivate    unsubscribes the cameras; queued queries are answered not_active
 Everything between "a query arrives" and "an answer record" is server.QueryServer, shared
-with `litevlm bag eval`; this file only converts messages.
+with `litevlm bag eval`; this file only converts messages and parameters.
 
-Topic types: a camera topic whose name ends in "/compressed" carries sensor_msgs/CompressedImage
-(JPEG or PNG), any other sensor_msgs/Image (rgb8, bgr8, mono8), as image_transport names them.
+Topic names are relative (ros/topics.py); the shipped names come from remapping. A camera topic
+whose name ends in "/compressed" carries sensor_msgs/CompressedImage, any other sensor_msgs/Image,
+as image_transport names them.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ import json
 import os
 import signal
 import threading
+import time
+from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import rclpy
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import Node as LifecycleNode
@@ -37,10 +44,13 @@ from litevlm_msgs.msg import Answer, Query
 
 from ..answer import STAGES
 from ..cameras import CAMERAS
+from ..errors import InputError
 from .frame_store import Frame
 from .images import payload_from_msg
-from .parameters import declare_pipeline_parameters, pipeline_options_from, pipeline_settings
+from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
+                         ros_default, validate_values)
 from .server import AnswerRecord, QueryServer, ServerSettings
+from .topics import ANSWER, ANSWER_JSON, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
 
 NODE_NAME = "litevlm_drive"
 # Queries and answers must not be lost: reliable, and deep enough for a burst of questions.
@@ -49,44 +59,45 @@ RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 # taken yet, which lost 18-55% of a 1,000/s burst at depth 100. With KEEP_ALL the reader's
 # history grows instead and reliable flow control holds the writers back when it is full.
 QUERY_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPolicy.RELIABLE)
+# The node's own parameters (name -> default, as ROS values); the pipeline's are options.py's.
+PARAMETERS = {s.key: ros_default(s) for s in node_settings()}
 
-DEFAULT_CAMERA_TOPICS = [f"/{c.lower()}/image_raw/compressed" for c in CAMERAS]
-# The node's own parameters (name -> default); the pipeline's settings are declared from the typed
-# configuration (ros/parameters.py) under their dotted names, e.g. tokens.keep_ratio.
-PARAMETERS = {
-    "model_dir": "",                  # an InternVL2.5-layout folder ("": the bundled SynthDrive model)
-    "warmup": True,
-    "camera_topics": DEFAULT_CAMERA_TOPICS,
-    "query_topic": "/litevlm/query",
-    "question_topic": "/litevlm/question",
-    "answer_topic": "/litevlm/answer",
-    "answer_json_topic": "/litevlm/answer_json",
-    "diagnostics_period_s": 1.0,
-    "max_skew_s": 0.1,
-    "max_frame_age_s": 1.0,
-    "frame_history": 8,
-    "queue_size": 4,
-    "overflow_policy": "reject_new",
-    "max_question_chars": 2000,
-    "match_wait_s": 0.2,
-}
+
 def config_dir() -> Path:
-    """config/ of the installed ROS package if there is one, else of this source tree."""
+    """config/ of the ROS package on the ament index; else of this source tree; else the
+    share/litevlm/config that a wheel or `pip install .` put beside this install's lib/
+    (<prefix>/lib/python3.X/site-packages/litevlm_runtime/ros/node.py), with no index set up."""
     try:
         from ament_index_python.packages import get_package_share_directory
         d = Path(get_package_share_directory("litevlm")) / "config"
         if d.is_dir():
             return d
-    except Exception:  # noqa: BLE001 - not installed as a ROS package: use the source tree
+    except Exception:  # noqa: BLE001 - not on the ament index: look beside this file
         pass
-    return Path(__file__).resolve().parents[2] / "config"
+    here = Path(__file__).resolve()
+    source = here.parents[2] / "config"
+    installed = here.parents[5] / "share" / "litevlm" / "config" if len(here.parents) > 5 else source
+    return source if source.is_dir() or not installed.is_dir() else installed
+
+
+def large_data_profile() -> Path:
+    return config_dir() / "fastdds_large_data.xml"
 
 
 def use_large_data_profile() -> None:
-    """Point Fast DDS at config/fastdds_large_data.xml unless the user chose a profile already.
-    Must run before rclpy.init (the DDS participant reads it when created)."""
+    """Point Fast DDS at config/fastdds_large_data.xml unless the user chose a profile already
+    (the development tools: `litevlm drive`, `litevlm bag replay|record`; never the node
+    executable that launch starts). Must run before rclpy.init."""
     if not os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE"):
-        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(config_dir() / "fastdds_large_data.xml")
+        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(large_data_profile())
+
+
+def model_label(model_dir: str) -> str:
+    """What /diagnostics calls the model: the folder as given, or the bundled one's name."""
+    if model_dir:
+        return model_dir
+    from ..bundled import DEFAULT_MODEL_NAME
+    return f"{DEFAULT_MODEL_NAME} (bundled)"
 
 
 def ns_of(t: Time) -> int:
@@ -111,81 +122,142 @@ def record_to_msg(rec: AnswerRecord) -> Answer:
     msg.input_tokens, msg.decode_steps = rec.input_tokens, rec.decode_steps
     msg.accepted_length = float(rec.accepted_length)
     msg.pipeline = rec.pipeline
+    msg.reused_cameras, msg.degraded = list(rec.reused_cameras), list(rec.degraded)
+    msg.budget_ms, msg.budget_met = float(rec.budget_ms), bool(rec.budget_met)
     msg.frame_cameras = list(rec.frame_stamps_ns)
     msg.frame_stamps = [time_of(s) for s in rec.frame_stamps_ns.values()]
     return msg
 
 
+def apply_live(server: QueryServer, settings: ServerSettings) -> None:
+    """Live limits into a serving QueryServer, in place. QueryServer.apply_settings would rebuild
+    the frame store and the request queue, losing the frames held (queries would get no_frames
+    until every camera sent again), the per-camera counters and every queued query (the worker
+    takes from the new queue, so the old one's would never be answered). Here the queue keeps
+    its requests: shrunk below its depth, it refuses new ones (reject_new) or answers its oldest
+    queue_full (drop_oldest) until the worker has served it down; nothing goes unanswered."""
+    server.settings = settings
+    server.frames.max_skew_ns = int(settings.max_skew_s * 1e9)
+    server.frames.max_age_ns = int(settings.max_frame_age_s * 1e9)
+    server.queue.size, server.queue.policy = settings.queue_size, settings.overflow_policy
+
+
+class CameraMonitor:
+    """Per camera, for /diagnostics: arrival rate, the newest frame's stamp, and frames DDS
+    reported lost (best-effort sensor QoS drops silently otherwise)."""
+
+    WINDOW_S = 5.0
+
+    def __init__(self):
+        self.arrivals = {c: deque(maxlen=100) for c in CAMERAS}   # monotonic s
+        self.newest_ns = {c: 0 for c in CAMERAS}
+        self.lost = {c: 0 for c in CAMERAS}
+
+    def frame(self, camera: str, stamp_ns: int) -> None:
+        self.arrivals[camera].append(time.monotonic())
+        self.newest_ns[camera] = max(self.newest_ns[camera], stamp_ns)
+
+    def rate_hz(self, camera: str) -> float:
+        now = time.monotonic()
+        recent = [t for t in self.arrivals[camera] if now - t <= self.WINDOW_S]
+        return (len(recent) - 1) / (recent[-1] - recent[0]) if len(recent) >= 2 and recent[-1] > recent[0] else 0.0
+
+
 class DriveNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs):
         super().__init__(node_name, **kwargs)
-        for name, default in PARAMETERS.items():
-            self.declare_parameter(name, default)
-        declare_pipeline_parameters(self)
-        self.p = self._params()
-        if len(self.p["camera_topics"]) != len(CAMERAS):
-            raise ValueError(f"camera_topics needs {len(CAMERAS)} topics in rig order {CAMERAS}, "
-                             f"got {len(self.p['camera_topics'])}")
-        self.server = QueryServer(self._settings(), self._publish, clock_ns=self._now_ns)
-        self.answer_pub = self.create_publisher(Answer, self.p["answer_topic"], RELIABLE)
-        self.answer_json_pub = self.create_publisher(String, self.p["answer_json_topic"], RELIABLE)
-        self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.create_subscription(Query, self.p["query_topic"], self._on_query, QUERY_QOS)
-        self.create_subscription(String, self.p["question_topic"], self._on_question, QUERY_QOS)
-        self.create_timer(self.p["diagnostics_period_s"], self._publish_diagnostics)
+        self.refused = declare_parameters(self)           # start values rclpy refused: configure fails on them
+        self.config_error = ""
+        self.settings = NodeSettings()                      # configure replaces it by the validated values
+        self.model_name = model_label(str(self.get_parameter("model_dir").value))
+        self.server = QueryServer(self.settings.server_settings(CAMERAS), self._publish, clock_ns=self._now_ns)
+        self.cameras = CameraMonitor()
+        self.answer_pub = self.create_publisher(Answer, ANSWER, RELIABLE)
+        self.answer_json_pub = self.create_publisher(String, ANSWER_JSON, RELIABLE)
+        self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS, 10)
+        self.create_subscription(Query, QUERY, self._on_query, QUERY_QOS)
+        self.create_subscription(String, QUESTION, self._on_question, QUERY_QOS)
+        self.create_timer(float(self.get_parameter("diagnostics_period_s").value), self._publish_diagnostics)
         self.create_timer(0.01, self.server.retry_pending)     # queries waiting for frames in flight
+        self.add_on_set_parameters_callback(self._check_parameters)
+        self.add_post_set_parameters_callback(self._apply_parameters)
         self._camera_subs = []
         self._state = "unconfigured"
 
-    def _params(self) -> dict:
-        names = list(PARAMETERS) + [s.key for s in pipeline_settings()]
-        return {name: self.get_parameter(name).value for name in names}
-
-    def _settings(self) -> ServerSettings:
-        p = self.p
-        return ServerSettings(cameras=CAMERAS, max_skew_s=p["max_skew_s"], max_frame_age_s=p["max_frame_age_s"],
-                              frame_history=p["frame_history"], queue_size=p["queue_size"],
-                              overflow_policy=p["overflow_policy"], max_question_chars=p["max_question_chars"],
-                              match_wait_s=p["match_wait_s"])
+    def values(self) -> dict:
+        return {name: self.get_parameter(name).value for name in all_settings()}
 
     def _now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
 
+    # ---- parameters (`ros2 param set`) ----
+    def _check_parameters(self, params) -> SetParametersResult:
+        for p in params:
+            why = check_live_change(p.name, p.value)
+            if why:
+                return SetParametersResult(successful=False, reason=why)
+        return SetParametersResult(successful=True)
+
+    def _apply_parameters(self, params) -> None:
+        live = {p.name: (tuple(p.value) if isinstance(p.value, list) else p.value)
+                for p in params if p.name in PARAMETERS}
+        if not live:
+            return
+        for name in live:
+            self.refused.pop(name, None)
+        self.settings = replace(self.settings, **live)
+        apply_live(self.server, self.settings.server_settings(CAMERAS))
+        self.get_logger().info("parameters applied live: " + ", ".join(f"{k}={v!r}" for k, v in live.items()))
+
     # ---- lifecycle ----
     def on_configure(self, state: State) -> TransitionCallbackReturn:
-        self.p = self._params()
-        self.server.apply_settings(self._settings())    # parameters may have changed since construction
+        values = self.values()
+        try:
+            if self.refused:
+                raise InputError("; ".join(self.refused.values()))
+            settings, options = validate_values(values)
+        except InputError as exc:
+            return self._configure_failed(f"bad parameter: {exc}")
+        self.settings = settings
+        self.server.apply_settings(settings.server_settings(CAMERAS))   # nothing is queued before activate
         from ..bundled import DEFAULT_MODEL
 
-        model_dir = self.p["model_dir"] or str(DEFAULT_MODEL)      # "": the bundled default model
-        self.model_name = self.p["model_dir"] or f"{Path(model_dir).name} (bundled)"
+        model_dir = settings.model_dir or str(DEFAULT_MODEL)      # "": the bundled default model
+        self.model_name = model_label(settings.model_dir)
+        self.get_logger().info(f"configure: loading {model_dir} (pipeline {options.pipeline.value}, backend "
+                               f"{options.backend.name.value}, {options.device}, {options.dtype})")
+
+        def factory():
+            from ..pipeline import Pipeline
+
+            return Pipeline.from_pretrained(model_dir, options)
         try:
-            options = pipeline_options_from(self.p)
-            self.get_logger().info(f"configure: loading {model_dir} (pipeline {options.pipeline.value}, backend "
-                                   f"{options.backend.name.value}, {options.device}, {options.dtype})")
-
-            def factory():
-                from ..pipeline import Pipeline
-
-                return Pipeline.from_pretrained(model_dir, options)
-            self.server.load(factory, warmup=self.p["warmup"])
+            self.server.load(factory, warmup=settings.warmup)
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
-            self.get_logger().error(f"configure failed: {type(exc).__name__}: {exc}")
-            self._state = "failed"
-            return TransitionCallbackReturn.FAILURE
+            return self._configure_failed(f"{type(exc).__name__}: {exc}")
+        self.config_error = ""
         self._state = "inactive"
         self.get_logger().info(f"configure: model loaded and warmed up; serving {self.server.pipeline.options.label()}")
         return TransitionCallbackReturn.SUCCESS
 
+    def _configure_failed(self, why: str) -> TransitionCallbackReturn:
+        self.config_error = why
+        self._state = "unconfigured"
+        self.get_logger().error(f"configure failed: {why}")
+        self._publish_diagnostics()
+        return TransitionCallbackReturn.FAILURE
+
     def on_activate(self, state: State) -> TransitionCallbackReturn:
-        for cam, topic in zip(CAMERAS, self.p["camera_topics"]):
+        for cam, topic in zip(CAMERAS, self.settings.camera_topics):
             msg_type = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
-            cb = (lambda m, c=cam: self._on_image(c, m))
-            self._camera_subs.append(self.create_subscription(msg_type, topic, cb, qos_profile_sensor_data))
+            events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info))
+            self._camera_subs.append(self.create_subscription(
+                msg_type, topic, lambda m, c=cam: self._on_image(c, m), qos_profile_sensor_data,
+                event_callbacks=events))
         self.server.active = True
         self.server.start_worker()
         self._state = "active"
-        self.get_logger().info("activate: listening on " + ", ".join(self.p["camera_topics"]))
+        self.get_logger().info("activate: listening on " + ", ".join(s.topic_name for s in self._camera_subs))
         return super().on_activate(state)
 
     def on_deactivate(self, state: State) -> TransitionCallbackReturn:
@@ -214,7 +286,11 @@ class DriveNode(LifecycleNode):
 
     def _add_frame(self, camera: str, stamp_ns: int, payload) -> None:
         self.server.frame_delay_ms.append((self._now_ns() - stamp_ns) / 1e6)
+        self.cameras.frame(camera, stamp_ns)
         self.server.frames.add(Frame(camera, stamp_ns, payload))
+
+    def _on_lost(self, camera: str, info) -> None:
+        self.cameras.lost[camera] += int(info.total_count_change)
 
     def log_summary(self) -> None:
         s = self.server.stats()
@@ -243,22 +319,49 @@ class DriveNode(LifecycleNode):
         else:
             self.get_logger().warning(f"{rec.query_id} [{rec.status}] {rec.status_message}")
 
+    def camera_values(self, s: dict) -> tuple[dict, list[str]]:
+        """Per camera: topic, arrival rate, age of the newest frame, received, dropped (the frame
+        store's duplicates/too-old plus what DDS reported lost); and the cameras gone stale."""
+        now, values, stale = self._now_ns(), {}, []
+        topics = [sub.topic_name for sub in self._camera_subs] or list(self.settings.camera_topics)
+        for cam, topic in zip(CAMERAS, topics):
+            newest = self.cameras.newest_ns[cam]
+            age = (now - newest) / 1e9 if newest else None
+            values[f"camera.{cam}.topic"] = topic
+            values[f"camera.{cam}.rate_hz"] = f"{self.cameras.rate_hz(cam):.2f}"
+            values[f"camera.{cam}.newest_frame_age_s"] = f"{age:.3f}" if age is not None else "no frame yet"
+            values[f"camera.{cam}.received"] = s["frames_received"][cam]
+            values[f"camera.{cam}.dropped"] = s["frames_dropped"][cam] + self.cameras.lost[cam]
+            values[f"camera.{cam}.bad_stamp"] = s["frames_bad_stamp"][cam]
+            values[f"camera.{cam}.history_resets"] = s["frames_history_resets"][cam]
+            if age is None or age > self.settings.max_frame_age_s:
+                stale.append(cam)
+        return values, stale
+
     def _publish_diagnostics(self) -> None:
         s = self.server.stats()
-        status = DiagnosticStatus(name=f"{self.get_name()}: vision-language node", hardware_id=str(self.p["device"]))
+        cameras, stale = self.camera_values(s)
+        status = DiagnosticStatus(name=f"{self.get_fully_qualified_name()}: vision-language node",
+                                  hardware_id=str(self.get_parameter("device").value))
         if self.server.load_error:
             status.level, status.message = DiagnosticStatus.ERROR, f"model not loaded: {self.server.load_error}"
+        elif self.config_error:
+            status.level, status.message = DiagnosticStatus.ERROR, f"configure failed: {self.config_error}"
         elif self._state != "active":
             status.level, status.message = DiagnosticStatus.WARN, f"lifecycle state {self._state}"
+        elif stale:
+            status.level, status.message = DiagnosticStatus.WARN, (
+                f"serving, but no fresh frame from {', '.join(stale)} (max_frame_age_s {self.settings.max_frame_age_s:g})")
         else:
             status.level, status.message = DiagnosticStatus.OK, f"serving ({s['answered']} answered, {s['errors']} errors)"
         values = {
             "state": self._state,
-            "model": getattr(self, "model_name", "") or self.p["model_dir"],
+            "model": self.model_name,
             "pipeline": self.server.pipeline.options.label() if self.server.pipeline else "",
-            "backend": self.p["backend.name"],
-            "device": self.p["device"],
-            "dtype": self.p["dtype"],
+            "backend": self.get_parameter("backend.name").value,
+            "device": self.get_parameter("device").value,
+            "dtype": self.get_parameter("dtype").value,
+            "configure_error": self.config_error,
             "queue_depth": s["queue_depth"],
             "queue_size": s["queue_size"],
             "waiting_for_frames": s["waiting_for_frames"],
@@ -266,7 +369,7 @@ class DriveNode(LifecycleNode):
             "answered": s["answered"],
             "errors": s["errors"],
             "last_error": s["last_error"],
-            "dropped_frames": sum(s["frames_dropped"].values()),
+            "dropped_frames": sum(s["frames_dropped"].values()) + sum(self.cameras.lost.values()),
             "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
             "publish_failed": s["publish_failed"],
             "frame_delay_ms.p50": f"{s['frame_delay_ms'][0]:.2f}",
@@ -279,15 +382,29 @@ class DriveNode(LifecycleNode):
                 p50, p90, n = s["latency_ms"][stage]
                 values[f"latency_ms.{stage}.p50"] = f"{p50:.2f}"
                 values[f"latency_ms.{stage}.p90"] = f"{p90:.2f}"
-        for cam in CAMERAS:
-            values[f"frames_received.{cam}"] = s["frames_received"][cam]
-            values[f"frames_dropped.{cam}"] = s["frames_dropped"][cam]
-            values[f"frames_bad_stamp.{cam}"] = s["frames_bad_stamp"][cam]
-            values[f"frames_history_resets.{cam}"] = s["frames_history_resets"][cam]
+        values.update(cameras)
         status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
         arr = DiagnosticArray(status=[status])
         arr.header.stamp = self.get_clock().now().to_msg()
         self.diag_pub.publish(arr)
+
+
+def ros_arguments(params_file=None, overrides: dict | None = None, namespace: str = "",
+                  remaps=(), log_level: str = "") -> list[str]:
+    """The `--ros-args` of `litevlm drive`: the namespace, the user's remaps, then the shipped
+    ones (rcl uses the first rule that matches, so the user's win), the params file, `-p`s."""
+    args = ["--ros-args"]
+    if namespace:
+        args += ["-r", f"__ns:={'/' + namespace.strip('/')}"]
+    for rule in [*remaps, *(f"{src}:={dst}" for src, dst in SHIPPED_REMAPS)]:
+        args += ["-r", rule]
+    if params_file:
+        args += ["--params-file", str(params_file)]
+    for k, v in (overrides or {}).items():
+        args += ["-p", f"{k}:={v}"]
+    if log_level:
+        args += ["--log-level", log_level]
+    return args
 
 
 def drain_and_close(node: DriveNode, executor, ack_timeout_s: float = 2.0) -> None:
@@ -309,20 +426,11 @@ def drain_and_close(node: DriveNode, executor, ack_timeout_s: float = 2.0) -> No
         rclpy.shutdown()
 
 
-def run_node(params_file: str | None = None, overrides: dict | None = None, node_name: str = NODE_NAME,
-             ros_args: list[str] | None = None, self_drive: bool = True) -> int:
-    """Start the node and spin until SIGINT or SIGTERM, then drain (drain_and_close). With
-    self_drive (`litevlm drive`) the node takes itself through configure and activate, as a
-    lifecycle manager does under `ros2 launch`. A failed configure keeps the node up: it answers
-    every query with pipeline_error and reports the cause on /diagnostics."""
-    use_large_data_profile()
-    args = list(ros_args or [])
-    if params_file or overrides:
-        args += ["--ros-args"]
-    if params_file:
-        args += ["--params-file", str(params_file)]
-    for k, v in (overrides or {}).items():
-        args += ["-p", f"{k}:={v}"]
+def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = True) -> int:
+    """Start the node with these command-line arguments and spin until SIGINT or SIGTERM, then
+    drain (drain_and_close). With self_drive (`litevlm drive`) the node takes itself through
+    configure and activate, as the launch file does under `ros2 launch`. A failed configure keeps
+    the node up: it answers every query with an error and reports the cause on /diagnostics."""
     # rclpy's own handlers would shut the context down on the signal, before the worker could
     # publish what it owes ("publisher's context is invalid"): the node handles both itself.
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
@@ -354,7 +462,8 @@ def run_node(params_file: str | None = None, overrides: dict | None = None, node
 
 
 def main() -> int:
-    """`litevlm_drive_node`: the executable launch_ros starts (lib/litevlm/litevlm_drive_node);
-    transitions come from the launch file or `ros2 lifecycle set`."""
+    """`litevlm_drive_node`: the executable launch_ros starts (lib/litevlm/litevlm_drive_node).
+    Transitions come from the launch file or `ros2 lifecycle set`; names, remaps, parameters and
+    the DDS profile are entirely the caller's (no shipped remap is added here)."""
     import sys
-    return run_node(ros_args=sys.argv, self_drive=False)
+    return run_node(sys.argv, self_drive=False)

@@ -1,21 +1,107 @@
-"""ROS 2 parameters of the node, derived from the typed configuration (options.py): every
-pipeline setting is a parameter of the same dotted name (`tokens.keep_ratio`), with a descriptor
-(description, type, range, choices), so `ros2 param describe` says what it is and
-config/drive.yaml nests the same names. Pipeline settings are read-only: the pipeline is built
-at configure, so a change needs cleanup + configure (a relaunch with new overrides).
+"""ROS 2 parameters of the node, from two typed configurations with one kind of metadata
+(options.setting: help, lo/hi, choices, live):
+
+  NodeSettings      the node's own: model folder, camera topics, frame matching, request queue
+  PipelineOptions   the pipeline's (options.py), under their dotted names (`tokens.keep_ratio`)
+
+Each setting is a parameter of the same name with a descriptor (description, type, range,
+choices), so `ros2 param describe` says what it is, and config/drive.yaml nests the same names.
+A `live` setting may change while the node serves (`ros2 param set`; the node applies it at
+once); every other one is read-only: the pipeline is built, and the cameras subscribed, at
+configure/activate, so a change needs a relaunch with the new value.
+
+Bad values never take the process down: a value the descriptor refuses at start (wrong type,
+out of range) is kept out and named, and configure fails with it (validate_values).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
-from ..options import Setting, options_from_flat, settings
+from ..errors import InputError
+from ..options import Setting, _Validated, options_from_flat, parse_value, setting, settings
+from .server import OVERFLOW_POLICIES, ServerSettings
+from .topics import DEFAULT_CAMERA_TOPICS, expand
 
 ROS_TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
-             float: ParameterType.PARAMETER_DOUBLE, str: ParameterType.PARAMETER_STRING}
+             float: ParameterType.PARAMETER_DOUBLE, str: ParameterType.PARAMETER_STRING,
+             tuple: ParameterType.PARAMETER_STRING_ARRAY}
 
 
-def descriptor(s: Setting, read_only: bool = True) -> ParameterDescriptor:
+@dataclass(frozen=True)
+class NodeSettings(_Validated):
+    model_dir: str = setting("", "InternVL2.5-layout model folder ('': the bundled SynthDrive model)")
+    warmup: bool = setting(True, "run one synthetic query during configure (and measure the speculation costs)")
+    camera_topics: tuple = setting(
+        DEFAULT_CAMERA_TOPICS, "six camera topics in rig order (FRONT, FRONT_LEFT, FRONT_RIGHT, BACK, BACK_LEFT, "
+        "BACK_RIGHT); relative names are under the node's namespace and remappable; a name ending in /compressed "
+        "is sensor_msgs/CompressedImage, any other sensor_msgs/Image")
+    diagnostics_period_s: float = setting(1.0, "period of /diagnostics (s)", lo=0.05, hi=3600.0)
+    max_skew_s: float = setting(0.1, "the six stamps of a frame set lie within this (s; nuScenes rig ~0.045)",
+                                lo=0.0, hi=60.0, live=True)
+    max_frame_age_s: float = setting(1.0, "every frame of the set younger than this when the query arrives (s)",
+                                     lo=0.001, hi=3600.0, live=True)
+    frame_history: int = setting(8, "frames kept per camera", lo=1, hi=1000)
+    match_wait_s: float = setting(0.2, "a query whose frames are missing, stale or out of sync is retried this long "
+                                       "before its error answer (s; frames may still be in flight)",
+                                  lo=0.0, hi=60.0, live=True)
+    max_future_s: float = setting(0.5, "a frame stamped more than this ahead of the node's clock is refused "
+                                       "(bad_stamp, counted per camera on /diagnostics) (s)", lo=0.0, hi=3600.0)
+    queue_size: int = setting(4, "queries queued for the pipeline, at most", lo=1, hi=10000, live=True)
+    overflow_policy: str = setting("reject_new", "a query to a full queue: reject_new (it gets queue_full) | "
+                                                 "drop_oldest (the oldest queued one does)",
+                                   choices=OVERFLOW_POLICIES, live=True)
+    max_question_chars: int = setting(2000, "longer questions are answered bad_question", lo=1, hi=1_000_000,
+                                      live=True)
+    drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
+                                          "running query (queued ones are answered shutting_down at once) (s)",
+                                     lo=0.0, hi=3600.0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        from rclpy.validate_full_topic_name import validate_full_topic_name
+
+        if len(self.camera_topics) != 6:
+            raise InputError(f"camera_topics: needs 6 topics in rig order, got {len(self.camera_topics)}")
+        for topic in self.camera_topics:
+            try:
+                validate_full_topic_name(expand(str(topic)))
+            except Exception as exc:  # noqa: BLE001 - rclpy's message says which character
+                raise InputError(f"camera_topics: {topic!r} is not a valid topic name: "
+                                 f"{str(exc).splitlines()[0]}") from None
+
+    def server_settings(self, cameras) -> ServerSettings:
+        return ServerSettings(cameras=cameras, max_skew_s=self.max_skew_s, max_frame_age_s=self.max_frame_age_s,
+                              frame_history=self.frame_history, queue_size=self.queue_size,
+                              overflow_policy=self.overflow_policy, max_question_chars=self.max_question_chars,
+                              match_wait_s=self.match_wait_s, max_future_s=self.max_future_s,
+                              drain_timeout_s=self.drain_timeout_s)
+
+
+def node_settings() -> list[Setting]:
+    return settings(NodeSettings)
+
+
+def pipeline_settings() -> list[Setting]:
+    return settings()
+
+
+def all_settings() -> dict[str, Setting]:
+    """Every parameter. A pipeline setting marked live in options.py (serving.latency_budget_ms)
+    is still read-only here: the built pipeline has no way yet to take a new value, and a
+    `ros2 param set` that reports success and does nothing is what the node must not do."""
+    return {s.key: s for s in (*node_settings(), *(replace(s, live=False) for s in pipeline_settings()))}
+
+
+def ros_default(s: Setting):
+    return list(s.default) if s.kind is tuple else s.default
+
+
+def descriptor(s: Setting, read_only: bool | None = None) -> ParameterDescriptor:
+    """The parameter's descriptor; read-only unless the setting is live."""
+    read_only = (not s.live) if read_only is None else read_only
     d = ParameterDescriptor(name=s.key, type=ROS_TYPES[s.kind], description=s.help, read_only=read_only)
     if s.choices:
         d.additional_constraints = "one of: " + ", ".join(map(str, s.choices))
@@ -28,19 +114,60 @@ def descriptor(s: Setting, read_only: bool = True) -> ParameterDescriptor:
     return d
 
 
-def pipeline_settings() -> list[Setting]:
-    return settings()
+def declare_parameters(node) -> dict[str, str]:
+    """Declare every setting on `node`. A start value (params file, -p) that rclpy refuses
+    against the descriptor would raise in the constructor; it is replaced by the default and
+    returned (name -> why), so that configure can fail naming it while the process stays up."""
+    from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+
+    refused = {}
+    for s in all_settings().values():
+        try:
+            node.declare_parameter(s.key, ros_default(s), descriptor(s))
+        except (InvalidParameterTypeException, InvalidParameterValueException) as exc:
+            hint = " (write a float, e.g. 1.0)" if s.kind is float and "INTEGER" in str(exc) else ""
+            refused[s.key] = f"{s.key}: {exc}{hint}"
+            node.declare_parameter(s.key, ros_default(s), descriptor(s), ignore_override=True)
+    return refused
 
 
-def declare_pipeline_parameters(node) -> None:
-    for s in pipeline_settings():
-        node.declare_parameter(s.key, s.default, descriptor(s))
+def node_settings_from(values: dict) -> NodeSettings:
+    """Node parameter values (by name) -> validated NodeSettings (InputError naming the key)."""
+    kwargs = {}
+    for f in fields(NodeSettings):
+        if f.name in values:
+            raw = values[f.name]
+            kwargs[f.name] = tuple(raw) if isinstance(raw, (list, tuple)) else parse_value(
+                f.name, type(f.default) if f.name != "camera_topics" else tuple, raw)
+    if "camera_topics" in kwargs and not all(isinstance(t, str) for t in kwargs["camera_topics"]):
+        raise InputError(f"camera_topics: {list(kwargs['camera_topics'])!r} is not a list of strings")
+    return NodeSettings(**kwargs)
 
 
 def pipeline_options_from(values: dict):
     """Node parameter values (by name) -> validated PipelineOptions (raises InputError naming the key)."""
     keys = {s.key for s in pipeline_settings()}
     return options_from_flat({k: v for k, v in values.items() if k in keys})
+
+
+def validate_values(values: dict):
+    """Everything configure checks before it loads anything: (NodeSettings, PipelineOptions)."""
+    return node_settings_from(values), pipeline_options_from(values)
+
+
+def check_live_change(name: str, value) -> str | None:
+    """Why `ros2 param set name value` is refused (None: accepted). rclpy has already checked
+    the type, the range and read_only against the descriptor; this adds the choices."""
+    s = all_settings().get(name)
+    if s is None:
+        return None                      # not ours (use_sim_time ...): rclpy's own
+    if not s.live:
+        return f"{name} is read-only while the node runs: relaunch with the new value"
+    try:
+        node_settings_from({name: value})
+    except InputError as exc:
+        return str(exc)
+    return None
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -53,3 +180,12 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = value
     return out
+
+
+def node_section(doc: dict, node_name: str) -> dict:
+    """The ros__parameters that apply to node `node_name` in a params file, by the keys the
+    shipped files use: `/**/NAME` (any namespace), `NAME` (root namespace only), `/**`."""
+    for key in (f"/**/{node_name}", node_name, f"/{node_name}", "/**"):
+        if key in (doc or {}):
+            return (doc[key] or {}).get("ros__parameters", {}) or {}
+    return {}

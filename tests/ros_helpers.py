@@ -1,0 +1,211 @@
+"""What the DDS tests share: an own ROS_DOMAIN_ID per test, the environment for child processes,
+a child process with its log, and a client node that does what `ros2 lifecycle`, `ros2 param`
+and `ros2 topic` do (the same services and topics; the ros2 CLI is not installable here)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "config" / "fastdds_large_data.xml"
+
+
+def domain_id(k: int) -> int:
+    """Own DDS domain per test and per test run (several suites may share a machine). k: 1..3
+    test_ros_replay, 4 test_bag_replay, 5..9 the node tests."""
+    return 1 + (os.getpid() * 5 + k) % 200
+
+
+def ros_env(domain: int, **extra) -> dict:
+    env = dict(os.environ)
+    env.update(ROS_DOMAIN_ID=str(domain), FASTDDS_DEFAULT_PROFILES_FILE=str(PROFILE), PYTHONUNBUFFERED="1", **extra)
+    env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)      # it would override the profile (ENVIRONMENT.md)
+    return env
+
+
+class Proc:
+    """A child process (by default `python -m litevlm_runtime.cli ARGS`) with its output in a log file."""
+
+    def __init__(self, args: list[str], env: dict, log: Path, cmd: list[str] | None = None, cwd: Path = ROOT):
+        self.log = log
+        self.fh = log.open("w")
+        self.p = subprocess.Popen(cmd or [sys.executable, "-m", "litevlm_runtime.cli", *args], env=env, cwd=cwd,
+                                  stdout=self.fh, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            if needle in self.text():
+                return
+            if self.p.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not seen in {self.log.name}:\n{self.text()[-3000:]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.log.name} still running after {timeout} s:\n{self.text()[-3000:]}") from None
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+
+
+def write_params(path: Path, **values) -> Path:
+    """A params file for the node in any namespace (`/**/litevlm_drive`, as config/drive.yaml)."""
+    lines = ["/**/litevlm_drive:", "  ros__parameters:"]
+    for k, v in values.items():
+        lines.append(f"    {k}: {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def jpeg(seed: int, size=(192, 108)) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+class RosClient:
+    """A plain rclpy node in its own context on `domain`, spun by the test's own thread."""
+
+    def __init__(self, domain: int, name: str = "test_client"):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+
+        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(PROFILE)
+        self.ctx = rclpy.Context()
+        rclpy.init(context=self.ctx, domain_id=domain)
+        self.node = rclpy.create_node(name, context=self.ctx)
+        self.executor = SingleThreadedExecutor(context=self.ctx)
+        self.executor.add_node(self.node)
+
+    def close(self) -> None:
+        import rclpy
+
+        self.node.destroy_node()
+        rclpy.shutdown(context=self.ctx)
+
+    def spin_until(self, cond, timeout: float) -> bool:
+        end = time.time() + timeout
+        while not cond() and time.time() < end:
+            self.executor.spin_once(timeout_sec=0.05)
+        return bool(cond())
+
+    def spin_for(self, seconds: float) -> None:
+        self.spin_until(lambda: False, seconds)
+
+    def call(self, srv_type, name: str, request, timeout: float = 30.0):
+        """One service call, as the ros2 CLI makes it: wait for the service, call, wait for the answer."""
+        client = self.node.create_client(srv_type, name)
+        try:
+            assert self.spin_until(client.service_is_ready, timeout), f"service {name} not available"
+            future = client.call_async(request)
+            assert self.spin_until(future.done, timeout), f"no answer from {name}"
+            return future.result()
+        finally:
+            self.node.destroy_client(client)
+
+    # `ros2 lifecycle set|get NODE ...`
+    def lifecycle_set(self, node: str, transition: str) -> bool:
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+
+        req = ChangeState.Request()
+        req.transition.id = getattr(Transition, f"TRANSITION_{transition.upper()}")
+        return self.call(ChangeState, f"{node}/change_state", req, timeout=120).success
+
+    def lifecycle_get(self, node: str) -> str:
+        from lifecycle_msgs.srv import GetState
+
+        return self.call(GetState, f"{node}/get_state", GetState.Request()).current_state.label
+
+    # `ros2 param describe|get|set NODE NAME [VALUE]`
+    def param_describe(self, node: str, names: list[str]):
+        from rcl_interfaces.srv import DescribeParameters
+
+        return self.call(DescribeParameters, f"{node}/describe_parameters", DescribeParameters.Request(names=names)).descriptors
+
+    def param_get(self, node: str, name: str):
+        from rclpy.parameter import parameter_value_to_python
+        from rcl_interfaces.srv import GetParameters
+
+        values = self.call(GetParameters, f"{node}/get_parameters", GetParameters.Request(names=[name])).values
+        return parameter_value_to_python(values[0])
+
+    def param_set(self, node: str, name: str, value):
+        """-> SetParametersResult (successful, reason)."""
+        from rclpy.parameter import Parameter
+        from rcl_interfaces.srv import SetParameters
+
+        req = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
+        return self.call(SetParameters, f"{node}/set_parameters", req).results[0]
+
+
+class Rig:
+    """Camera and query publishers plus answer subscribers for one node's topics under `prefix`
+    ("" or "/car1"), with the shipped names."""
+
+    def __init__(self, client: RosClient, prefix: str = ""):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+        from sensor_msgs.msg import CompressedImage
+
+        from litevlm_msgs.msg import Answer, Query
+        from litevlm_runtime.cameras import CAMERAS
+
+        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.client, self.prefix = client, prefix
+        self.cameras = {c: client.node.create_publisher(CompressedImage, f"{prefix}/{c.lower()}/image_raw/compressed",
+                                                        qos_profile_sensor_data) for c in CAMERAS}
+        self.query = client.node.create_publisher(Query, f"{prefix}/litevlm/query", reliable)
+        self.answers: list = []
+        client.node.create_subscription(Answer, f"{prefix}/litevlm/answer", self.answers.append, reliable)
+
+    def connected(self) -> bool:
+        return (self.query.get_subscription_count() > 0 and self.client.node.count_publishers(
+            f"{self.prefix}/litevlm/answer") > 0 and all(p.get_subscription_count() > 0 for p in self.cameras.values()))
+
+    def frames(self, seed: int, stamp_ns: int | None = None) -> int:
+        """One frame set (each camera its own image) stamped now or stamp_ns; returns the stamp."""
+        from builtin_interfaces.msg import Time
+        from sensor_msgs.msg import CompressedImage
+
+        stamp = self.client.node.get_clock().now().nanoseconds if stamp_ns is None else stamp_ns
+        for i, (cam, pub) in enumerate(self.cameras.items()):
+            msg = CompressedImage(format="jpeg", data=jpeg(seed * 10 + i))
+            msg.header.stamp = Time(sec=stamp // 10 ** 9, nanosec=stamp % 10 ** 9)
+            pub.publish(msg)
+        return stamp
+
+    def ask(self, query_id: str, text: str) -> None:
+        from litevlm_msgs.msg import Query
+
+        msg = Query(id=query_id, text=text)
+        msg.header.stamp = self.client.node.get_clock().now().to_msg()
+        self.query.publish(msg)
