@@ -77,7 +77,7 @@ def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
     for name in ("pipeline", "queue", "end-to-end", "vision", "decode"):
         assert re.search(rf"^{name}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+35$", text, re.M), (name, text)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["query_id"] for r in rows) == sorted(f"soak{i}" for i in range(40))
+    assert sorted(r["query_id"] for r in rows) == sorted(f"soak0_{i}" for i in range(40))
     assert "summary: 40 answered" in (tmp_path / "node.log").read_text()     # the node was stopped by SIGINT, drained
 
 
@@ -110,3 +110,16 @@ def test_soak_1500_queries_on_the_bundled_model(tmp_path, drivelm_dir):
     run = harness(["peak", str(bag), "--max-rate", "32"], tmp_path, 24, timeout=1800)
     print(run.stdout)
     assert run.returncode == 0 and "peak rate:" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_soak_versus_compares_configurations_in_one_table(tmp_path, tiny_model, small_bag):
+    params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=4, queue_size=4)
+    run = harness(["soak", str(small_bag), "--params", str(params), "--count", "20", "--rate", "10", "--warmup", "2",
+                   "--versus", "short=max_new_tokens=1"], tmp_path, 25)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    table = run.stdout[run.stdout.index("soak comparison"):]
+    base = re.search(r"^baseline\s+([\d.]+)\s+([\d.]+).*\s1\.00\s+18$", table, re.M)
+    short = re.search(r"^short\s+([\d.]+)\s+([\d.]+).*\s([\d.]+)\s+18$", table, re.M)
+    assert base and short, table
+    assert float(short.group(1)) < float(base.group(1))      # one token instead of four: a shorter decode
+    assert "with max_new_tokens=1" in run.stdout              # the second node really got the setting
