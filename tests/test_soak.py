@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from ros_helpers import ROOT, domain_id, jpeg, ros_env, write_params
 
@@ -21,7 +22,8 @@ T0 = 1_700_000_000 * S
 
 
 def row(qid, question, tokens, front_stamp, status="ok", total=10.0):
-    return {"query_id": qid, "question": question, "status": status, "token_ids": list(tokens),
+    return {"query_id": qid, "question": question, "status": status, "token_ids": list(tokens), "cameras": ["CAM_FRONT"],
+            "decode_steps": len(tokens),
             "frame_stamps_ns": {"CAM_FRONT": front_stamp}, "total_ms": total, "queue_ms": 0.0, "e2e_ms": total + 1,
             "stage_ms": {"decode": total}}
 
@@ -123,3 +125,19 @@ def test_soak_versus_compares_configurations_in_one_table(tmp_path, tiny_model, 
     assert base and short, table
     assert float(short.group(1)) < float(base.group(1))      # one token instead of four: a shorter decode
     assert "with max_new_tokens=1" in run.stdout              # the second node really got the setting
+
+
+def test_identical_work_tail_divides_each_answer_by_its_group_median():
+    from litevlm_runtime.ros.soak import identical_work_tail
+
+    def r(q, total, cpu, cams=("CAM_FRONT",)):
+        return {"status": "ok", "question": q, "cameras": list(cams), "reused_cameras": [], "decode_steps": 3,
+                "total_ms": total, "cpu_ms": cpu}
+    rows = [r("a", t, c) for t, c in [(10, 8), (10, 8), (10, 8), (10, 8), (30, 9)]]
+    rows += [r("b", t, t) for t in (100, 100, 100, 100, 100)]                 # 10x slower work: not a tail
+    rows += [r("a", 50, 50, cams=("CAM_FRONT", "CAM_BACK"))]                  # other work, group of one: left out
+    groups, n, wall99, cpu99 = identical_work_tail(rows)
+    ratios = [1, 1, 1, 1, 3] + [1] * 5
+    assert (groups, n) == (2, 10)
+    assert wall99 == pytest.approx(float(np.percentile(ratios, 99)))
+    assert cpu99 == pytest.approx(float(np.percentile([1, 1, 1, 1, 9 / 8] + [1] * 5, 99)))

@@ -386,6 +386,9 @@ class SoakResult:
             lines.append(f"per question: {len(pq)} questions; pipeline p99/p50 within one question "
                          f"<= {worst[2] / worst[1]:.2f} ({worst[0][:40]!r}, n {worst[3]}); "
                          f"question medians {min(x[1] for x in pq):.1f}..{max(x[1] for x in pq):.1f} ms")
+        groups, n, wall99, cpu99 = identical_work_tail(self.measured())
+        lines.append(f"identical work ({groups} groups of the same question, cameras, reused cameras and decode steps; "
+                     f"{n} answers): p99 of latency / its group's median: wall {wall99:.2f}, CPU {cpu99:.2f}")
         start, end, growth, slope = self.rss_summary()
         lines.append(f"RSS: {start:.1f} MB after the warm-up, {end:.1f} MB at the end: growth {growth:+.1f} MB "
                      f"({slope:+.2f} MB per 1000 queries)")
@@ -432,6 +435,25 @@ def comparison_table(results: dict[str, "SoakResult"], rounds: int) -> str:
         lines.append(f"{label or 'baseline':<16}{p50:>8.1f}{p99:>8.1f}{p99 / p50:>9.2f}{c50:>9.1f}{c99:>9.1f}"
                      f"{c99 / c50:>12.2f}{idle99:>16.1f}{e2e99:>9.1f}{p99 / base[1]:>12.2f}{n:>6}")
     return "\n".join(lines)
+
+
+def identical_work_tail(rows: list[dict], min_group: int = 5) -> tuple[int, int, float, float]:
+    """The runtime's own tail, without the mix of work: ok answers grouped by what they did (question,
+    cameras selected, cameras reused, decode steps), each divided by its group's median; returns
+    (groups, answers, p99 of that ratio for the wall time, for the serving thread's CPU time)."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["status"] == "ok":
+            key = (r["question"], tuple(r["cameras"]), tuple(r.get("reused_cameras", ())), r["decode_steps"])
+            groups[key].append(r)
+    groups = {k: v for k, v in groups.items() if len(v) >= min_group}
+    if not groups:
+        return 0, 0, float("nan"), float("nan")
+
+    def tail(field):
+        ratios = [x[field] / np.median([y[field] for y in g]) for g in groups.values() for x in g if field in x]
+        return percentiles(ratios, (99,))[0] if ratios else float("nan")
+    return len(groups), sum(len(g) for g in groups.values()), tail("total_ms"), tail("cpu_ms")
 
 
 class Playback:
