@@ -87,3 +87,96 @@ def test_frames_older_than_max_age_are_not_matched():
     with pytest.raises(FrameMatchError) as e:
         store.match(1200 * MS)
     assert e.value.status == "stale_frames"
+
+
+# ---- clock faults: stamps are the camera's clock, ages the node's (the store's clock_ns) ----
+class Clock:
+    def __init__(self, t_ns: int):
+        self.t = t_ns
+
+    def __call__(self) -> int:
+        return self.t
+
+
+def test_frames_stamped_ahead_of_the_node_clock_are_refused_and_counted_per_camera():
+    clock = Clock(10_000 * MS)
+    store = FrameStore(CAMERAS, SKEW, AGE, max_future_ns=500 * MS, clock_ns=clock)
+    add_set(store, 10_000 * MS)                               # good frames first
+    for step in range(3):                                    # then every camera +5 s ...
+        clock.t += 100 * MS
+        add_set(store, clock.t + 5000 * MS)
+    assert store.bad_stamp == {c: 3 for c in CAMERAS} and store.received == {c: 4 for c in CAMERAS}
+    # ... and stopped. The last good set serves while it is fresh; the future frames never do
+    # (they had a negative age and were answered ok for 4.5 s after the cameras stopped); the
+    # diagnosis names the cameras and how far ahead they were.
+    assert store.match(10_400 * MS).frames["CAM_FRONT"].stamp_ns == 10_000 * MS
+    for later in (1100, 4500, 6000):
+        with pytest.raises(FrameMatchError) as e:
+            store.match(10_000 * MS + later * MS)
+        assert e.value.status == "bad_stamp", later
+        assert "CAM_FRONT 5.000 s" in str(e.value) and "max_future 0.500 s" in str(e.value)
+
+
+def test_a_little_ahead_is_tolerated_and_ages_normally():
+    clock = Clock(10_000 * MS)
+    store = FrameStore(CAMERAS, SKEW, AGE, max_future_ns=500 * MS, clock_ns=clock)
+    add_set(store, clock.t + 300 * MS)                        # a camera clock 0.3 s ahead of ours
+    assert sum(store.bad_stamp.values()) == 0
+    assert store.match(clock.t).frames["CAM_FRONT"].stamp_ns == clock.t + 300 * MS
+    with pytest.raises(FrameMatchError) as e:                  # it still goes stale, 0.3 s later
+        store.match(clock.t + 300 * MS + AGE + 100 * MS)
+    assert e.value.status == "stale_frames"
+
+
+def test_one_camera_ahead_for_two_seconds_is_served_again_at_its_first_good_frame():
+    # The issue: CAM_BACK stamped +5 s for 2 s was then blind ~3 s more, its correct frames
+    # dropped as older than the (future) history it held.
+    clock = Clock(20_000 * MS)
+    store = FrameStore(CAMERAS, SKEW, AGE, max_future_ns=500 * MS, clock_ns=clock)
+    t = clock.t
+    while t < 22_000 * MS:                                     # 12 Hz, CAM_BACK +5 s
+        clock.t = t
+        add_set(store, t, offsets={c: 5000 if c == "CAM_BACK" else 0 for c in CAMERAS})
+        t += 83 * MS
+    with pytest.raises(FrameMatchError) as e:
+        store.match(t)
+    assert e.value.status == "bad_stamp" and "CAM_BACK" in str(e.value) and "CAM_FRONT" not in str(e.value)
+    clock.t = t
+    add_set(store, t, offsets={c: 0 for c in CAMERAS})         # the first correctly stamped set
+    fs = store.match(t + 10 * MS)
+    assert fs.frames["CAM_BACK"].stamp_ns == t and fs.skew_ns == 0
+
+
+def test_node_clock_stepping_back_discards_the_history_at_once():
+    # An NTP step (or a restarted simulation clock) moves the node and the cameras back 3 s:
+    # the held frames now lie 3 s in the future; they are not matched, and the first frame on
+    # the new timeline replaces them.
+    clock = Clock(50_000 * MS)
+    store = FrameStore(CAMERAS, SKEW, AGE, max_future_ns=500 * MS, clock_ns=clock)
+    for k in range(8):
+        clock.t = 50_000 * MS + k * 100 * MS
+        add_set(store, clock.t, offsets={c: 0 for c in CAMERAS})
+    clock.t = 47_000 * MS
+    with pytest.raises(FrameMatchError) as e:                  # before any new frame: not served
+        store.match(clock.t)
+    assert e.value.status == "bad_stamp" and "CAM_BACK 3.000 s" in str(e.value)    # its oldest frame, 3 s ahead
+    add_set(store, clock.t, offsets={c: 0 for c in CAMERAS})
+    assert store.history_resets == {c: 1 for c in CAMERAS} and store.depth() == {c: 1 for c in CAMERAS}
+    assert store.match(clock.t + 20 * MS).frames["CAM_FRONT"].stamp_ns == 47_000 * MS
+
+
+def test_camera_clock_stepping_back_restarts_its_history_but_a_straggler_does_not():
+    store = FrameStore(["A"], SKEW, AGE, history=4, clock_ns=Clock(10_000 * MS))
+    for t in (9_600, 9_700, 9_800, 9_900):
+        store.add(Frame("A", t * MS, t))
+    store.add(Frame("A", 9_000 * MS, "straggler"))             # one late frame, older than the history
+    assert store.dropped["A"] == 1 and store.history_resets["A"] == 0
+    assert [f.payload for f in store._frames["A"]] == [9_600, 9_700, 9_800, 9_900]
+    store.add(Frame("A", 10_000 * MS, 10_000))                 # normal again: the straggler count restarts
+    store.add(Frame("A", 9_300 * MS, "stepped"))               # the camera's clock steps back 0.7 s ...
+    store.add(Frame("A", 9_383 * MS, "stepped+1"))             # ... and stays there: a new history
+    assert store.history_resets["A"] == 1
+    assert [f.payload for f in store._frames["A"]] == ["stepped", "stepped+1"]
+    assert store.match(10_090 * MS).frames["A"].payload == "stepped+1"
+    store.add(Frame("A", 9_466 * MS, "stepped+2"))             # and carries on from there
+    assert [f.payload for f in store._frames["A"]][-1] == "stepped+2"

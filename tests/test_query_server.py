@@ -39,7 +39,8 @@ def make_server(pipeline, **kw):
 
 def add_frames(server, t, payloads=None):
     for cam in CAMERAS:
-        server.frames.add(Frame(cam, t, (payloads or {}).get(cam) or CompressedPayload("jpeg", jpeg(CAMERAS.index(cam)))))
+        server.frames.add(Frame(cam, t, (payloads or {}).get(cam) or CompressedPayload("jpeg", jpeg(CAMERAS.index(cam)))),
+                          now_ns=t)     # arriving as stamped (the server's clock is fixed at 0 here)
 
 
 def test_answer_is_what_the_pipeline_gives(pipeline):
@@ -72,12 +73,16 @@ def test_bad_questions(pipeline):
     add_frames(server, 0)
     assert server.submit("   ", now_ns=1) is None
     assert server.submit("x" * 51, now_ns=1) is None
-    req = server.submit("what is <img> here?", now_ns=1)        # a reserved token: the pipeline refuses it
-    server.serve(req, now_ns=1)
-    assert [r.status for r in records] == ["bad_question"] * 3
+    assert server.submit("what is <img> here?", now_ns=1) is None     # a reserved token: refused on arrival
+    assert server.submit("\u200b\u200b\u200b", now_ns=1) is None      # zero-width spaces only
+    assert server.submit("\u2060\ufeff\u200d \u00ad\n", now_ns=1) is None   # joiners, BOM, soft hyphen
+    assert [r.status for r in records] == ["bad_question"] * 5
     assert "empty" in records[0].status_message and "51" in records[1].status_message
     assert "<img>" in records[2].status_message
-    assert len({r.query_id for r in records}) == 3
+    assert all("invisible" in r.status_message for r in records[3:])
+    assert len({r.query_id for r in records}) == 5
+    # A question that is visible text around invisible characters is a question.
+    assert server.submit("front\u200b?", now_ns=1) is not None
 
 
 def test_undecodable_image_names_the_camera(pipeline):
@@ -216,7 +221,7 @@ def test_prefetch_never_touches_the_queue(pipeline):
 def test_query_waits_for_frames_in_flight_then_gives_up(pipeline):
     server, records = make_server(pipeline, match_wait_s=0.2)
     add_frames(server, 0)
-    server.frames.add(Frame("CAM_BACK", 900 * MS, CompressedPayload("jpeg", jpeg(9))))
+    server.frames.add(Frame("CAM_BACK", 900 * MS, CompressedPayload("jpeg", jpeg(9))), now_ns=900 * MS)
     # At 1.05 s five cameras are stale; their new frames are "in flight" and arrive at 1.1 s.
     assert server.submit("early?", query_id="wait_ok", now_ns=1050 * MS) is None and not records
     server.retry_pending(now_ns=1080 * MS)
@@ -238,3 +243,218 @@ def test_query_waits_for_frames_in_flight_then_gives_up(pipeline):
     server.submit("last?", query_id="wait_stop", now_ns=3400 * MS)
     server.stop_worker("node shutting down")
     assert records[-1].query_id == "wait_stop" and records[-1].status == "not_active"
+
+
+def test_question_is_checked_before_the_frames(pipeline):
+    # A reserved token with a stale camera used to get stale_frames; with no frames, no_frames.
+    server, records = make_server(pipeline)
+    server.submit("what is <img> here?", query_id="no_frames_yet", now_ns=1)
+    add_frames(server, 0)
+    server.submit("what is <|im_end|> here?", query_id="stale", now_ns=5000 * MS)
+    server.submit("is the road clear?", query_id="really_stale", now_ns=5000 * MS)
+    assert [(r.query_id, r.status) for r in records] == [
+        ("no_frames_yet", "bad_question"), ("stale", "bad_question"), ("really_stale", "stale_frames")]
+    assert "<|im_end|>" in records[1].status_message
+
+
+def test_a_1x1_jpeg_is_refused_like_a_1x1_raw_image(pipeline):
+    server, records = make_server(pipeline)
+    tiny_jpeg = CompressedPayload("jpeg", jpeg(5, size=(1, 1)))
+    tiny_raw = RawPayload("rgb8", 1, 1, 3, b"\0\0\0")
+    for t, payload in ((1, tiny_jpeg), (2, tiny_raw)):
+        add_frames(server, t * MS, {"CAM_FRONT": payload})
+        server.serve(server.submit("What is in front?", now_ns=t * MS), now_ns=t * MS)
+    assert [r.status for r in records] == ["bad_image", "bad_image"]
+    assert all(r.status_message.startswith("CAM_FRONT: image is 1x1 pixels") for r in records)
+
+
+def test_duplicate_ids_are_answered_once_and_node_ids_never_collide(pipeline):
+    server, records = make_server(pipeline, queue_size=8)
+    add_frames(server, 0)
+    assert server.submit("first?", query_id="a", now_ns=1) is not None
+    assert server.submit("again?", query_id="a", now_ns=2) is None        # the same id again
+    assert [(r.query_id, r.status) for r in records] == [("a", "duplicate_id")]
+    assert "already used" in records[0].status_message and records[0].question == "again?"
+    # A caller that happens to use the node's own id form: the node's ids skip it.
+    assert server.submit("caller's q1", query_id="q1", now_ns=3) is not None
+    assert server.submit("caller's q3", query_id="q3", now_ns=3) is not None
+    assigned = [server.submit(f"string question {i}", now_ns=4).query_id for i in range(3)]
+    assert assigned == ["q2", "q4", "q5"]
+    assert server.submit("caller reuses a node id", query_id="q4", now_ns=5) is None
+    assert [(r.query_id, r.status) for r in records][-1] == ("q4", "duplicate_id")
+    queued = [r.query_id for r in server.queue.drain()]
+    assert queued == ["a", "q1", "q3", "q2", "q4", "q5"] and len(set(queued)) == len(queued)
+
+
+def test_duplicate_detection_remembers_a_bounded_number_of_ids(pipeline, monkeypatch):
+    from litevlm_runtime.ros import server as server_module
+
+    monkeypatch.setattr(server_module, "ID_MEMORY", 3)
+    server, records = make_server(None)
+    for qid in ("a", "b", "c", "d"):
+        server.submit("hello?", query_id=qid, now_ns=1)       # not active: answered, ids remembered
+    server.submit("hello?", query_id="b", now_ns=1)           # still remembered
+    server.submit("hello?", query_id="a", now_ns=1)           # forgotten (the window holds b, c, d)
+    assert [r.status for r in records][-2:] == ["duplicate_id", "not_active"]
+    assert len(server._seen_ids) == 3
+
+
+class SlowPipeline:
+    """The real pipeline, with each answer held until the test releases it: a query that is
+    running when shutdown begins, without depending on how fast this machine is."""
+
+    def __init__(self, pipe, hold: float = 30.0):
+        import threading
+
+        self.pipe, self.rt, self.hold = pipe, pipe.rt, hold
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def answer(self, images, question, **kw):
+        self.started.set()
+        self.release.wait(self.hold)
+        return self.pipe.answer(images, question, **kw)
+
+    def prefetch(self, *args, **kw):
+        return self.pipe.prefetch(*args, **kw)
+
+
+def started_server(pipe, records, **kw):
+    import time
+
+    server = QueryServer(ServerSettings(**kw), records.append)
+    server.load(lambda: pipe, warmup=False)
+    server.active = True
+    add_frames_now(server, time.time_ns())
+    server.start_worker()
+    return server
+
+
+def add_frames_now(server, t):
+    for cam in CAMERAS:
+        server.frames.add(Frame(cam, t, CompressedPayload("jpeg", jpeg(CAMERAS.index(cam)))))
+
+
+def test_shutdown_finishes_the_running_query_and_answers_the_queued_ones(pipeline):
+    import threading
+
+    records = []
+    slow = SlowPipeline(pipeline)
+    server = started_server(slow, records, queue_size=8)
+    for i in range(6):
+        server.submit(f"question {i}", query_id=f"s{i}")
+    assert slow.started.wait(30)                              # s0 is running, s1..s5 queued
+    threading.Timer(0.3, slow.release.set).start()            # s0 finishes during the drain
+    assert server.shutdown(timeout_s=30) is True
+    server.submit("too late?", query_id="late")               # intake has stopped
+    got = {r.query_id: r for r in records}
+    assert len(records) == 7 and set(got) == {f"s{i}" for i in range(6)} | {"late"}
+    assert got["s0"].status == "ok"
+    assert all(got[f"s{i}"].status == "shutting_down" and "queued" in got[f"s{i}"].status_message for i in range(1, 6))
+    assert got["late"].status == "shutting_down" and "intake stopped" in got["late"].status_message
+    stats = server.stats()
+    assert stats["answered"] == 7 and stats["status_counts"]["shutting_down"] == 6
+    assert server.shutdown() is True                          # twice: nothing more happens
+    assert len(records) == 7
+
+
+def test_shutdown_is_bounded_and_a_late_result_is_not_published_twice(pipeline):
+    records = []
+    slow = SlowPipeline(pipeline)
+    server = started_server(slow, records, queue_size=4, drain_timeout_s=0.2)
+    server.submit("stuck?", query_id="stuck")
+    server.submit("queued?", query_id="queued")
+    assert slow.started.wait(30)
+    assert server.shutdown() is False                         # gave up on the running query after 0.2 s
+    assert [(r.query_id, r.status) for r in records] == [("queued", "shutting_down"), ("stuck", "shutting_down")]
+    assert "drain_timeout_s 0.2" in records[1].status_message
+    worker = threading_worker(server)
+    slow.release.set()                                        # the stuck query finishes after all
+    if worker is not None:
+        worker.join(30)
+    assert len(records) == 2                                  # ... and is not answered a second time
+
+
+def threading_worker(server):
+    import threading
+
+    return next((t for t in threading.enumerate() if t.name == "litevlm-pipeline"), None)
+
+
+def test_answers_that_fail_to_publish_are_not_counted_as_answered(pipeline):
+    delivered = []
+
+    def publish(rec):
+        if rec.query_id == "lost":
+            raise RuntimeError("Failed to publish: publisher's context is invalid")
+        delivered.append(rec)
+
+    server = QueryServer(ServerSettings(), publish, clock_ns=lambda: 0)
+    server.submit("hello?", query_id="kept", now_ns=1)
+    server.submit("hello?", query_id="lost", now_ns=1)
+    stats = server.stats()
+    assert [r.query_id for r in delivered] == ["kept"]
+    assert stats["answered"] == 1 and stats["publish_failed"] == 1 and "lost" in stats["last_error"]
+
+
+def test_future_stamped_frames_are_not_served_and_counted(pipeline):
+    server, records = make_server(pipeline, max_future_s=0.5)
+    add_frames(server, 0)
+    for cam in CAMERAS:                                       # every camera 5 s ahead, arriving at 0.1 s
+        server.frames.add(Frame(cam, 5100 * MS, CompressedPayload("jpeg", jpeg(1))), now_ns=100 * MS)
+    server.submit("in front?", query_id="f", now_ns=1500 * MS)
+    assert [(r.query_id, r.status) for r in records] == [("f", "bad_stamp")]
+    assert "CAM_FRONT 5.000 s" in records[0].status_message
+    assert server.stats()["frames_bad_stamp"] == {c: 1 for c in CAMERAS}
+
+
+def test_a_query_that_arrives_while_the_worker_prefetches_is_answered(pipeline):
+    # The worker encodes the rest of a frame set when idle (visual reuse) and stops when a query
+    # arrives; the query must then be served (it was answered not_active once).
+    import threading
+
+    class HeldPrefetch(SlowPipeline):
+        def answer(self, images, question, **kw):
+            return self.pipe.answer(images, question, **kw)
+
+        def prefetch(self, images, keys, stop):
+            self.started.set()
+            end = threading.Event()
+            while not stop() and not end.wait(0.01):
+                pass
+            return []
+
+    records = []
+    held = HeldPrefetch(pipeline)
+    server = started_server(held, records, queue_size=4)
+    server.submit("first?", query_id="p0")
+    assert held.started.wait(30)                              # p0 answered, the worker is prefetching
+    server.submit("second?", query_id="p1")
+    import time
+
+    end = time.time() + 30
+    while len(records) < 2 and time.time() < end:
+        time.sleep(0.02)
+    server.stop_worker()
+    assert [(r.query_id, r.status) for r in records] == [("p0", "ok"), ("p1", "ok")]
+
+
+def test_prefetch_encodes_the_frame_set_the_next_query_would_get(pipeline):
+    """After an answer the idle worker encodes the newest frame set (a newer one may have come
+    while it answered), not the rest of the set it answered about, which no query matches again."""
+    server, records = make_server(pipeline)
+    features = pipeline.rt.features
+    assert features is not None
+    features.clear()
+    add_frames(server, 0)
+    req = server.submit("What is in front?", now_ns=1 * MS)
+    server.queue.drain()
+    server.serve(req, now_ns=1 * MS)
+    newer = {c: CompressedPayload("jpeg", jpeg(20 + i)) for i, c in enumerate(CAMERAS)}
+    add_frames(server, 100 * MS, newer)                  # the next set arrived during the answer
+    server.clock_ns = lambda: 110 * MS
+    before = set(features.index)
+    server.prefetch(req)
+    encoded = set(features.index) - before
+    assert {stamp for (_, (stamp, _)) in encoded} == {100 * MS} and len(encoded) == len(CAMERAS)
+    server.prefetch(req)                                 # nothing left to do for that set
+    assert set(features.index) - before == encoded

@@ -250,7 +250,7 @@ def test_server_answers_bad_image_naming_the_camera(tiny_model):
            "CAM_FRONT_LEFT": RawPayload("rgb8", 1, 1, 3, b"\0\0\0")}
     for t, (cam, payload) in enumerate([*bad.items(), ("CAM_BACK", good)], start=1):
         for c in CAMERAS:
-            server.frames.add(Frame(c, t * 10**9, payload if c == cam else good))
+            server.frames.add(Frame(c, t * 10**9, payload if c == cam else good), now_ns=t * 10**9)
         server.serve(server.submit("front?", now_ns=t * 10**9), now_ns=t * 10**9)
     assert [r.status for r in records] == ["bad_image", "bad_image", "ok"]
     assert records[0].status_message.startswith("CAM_BACK: refused before decoding")

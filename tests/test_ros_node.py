@@ -187,18 +187,23 @@ def test_bad_start_values_fail_configure_and_the_process_stays_up(tmp_path, tiny
         node.stop()
 
 
-def test_live_queue_change_keeps_queued_queries():
-    """apply_live shrinks the queue in place: queued queries are kept and served (what
-    QueryServer.apply_settings, which rebuilds the queue, would lose)."""
+def test_live_queue_change_keeps_queued_queries(tiny_model):
+    """apply_live shrinks the queue in place: queued queries are kept and served, none
+    answered; QueryServer.apply_settings (configure) rebuilds the queue and answers those
+    beyond the new size queue_full, so nothing is lost either way."""
     from litevlm_runtime.cameras import CAMERAS
+    from litevlm_runtime.options import PipelineOptions
+    from litevlm_runtime.pipeline import Pipeline
     from litevlm_runtime.ros.frame_store import Frame
     from litevlm_runtime.ros.node import apply_live
     from litevlm_runtime.ros.server import QueryServer, ServerSettings
 
+    pipeline = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
+
     def server():
         published = []
         s = QueryServer(ServerSettings(queue_size=4), published.append, clock_ns=lambda: 10 ** 9)
-        s.pipeline, s.active = object(), True        # "loaded": submit only queues, nothing is run here
+        s.pipeline, s.active = pipeline, True        # loaded, no worker: submit only queues
         for cam in CAMERAS:
             s.frames.add(Frame(cam, 10 ** 9, b""))
         for i in range(4):
@@ -219,7 +224,8 @@ def test_live_queue_change_keeps_queued_queries():
 
     rebuilt, published = server()
     rebuilt.apply_settings(ServerSettings(queue_size=2))
-    assert len(rebuilt.queue) == 0 and not published          # q0..q3: gone, never answered
+    assert [r.query_id for r in rebuilt.queue.drain()] == ["q0", "q1"]      # kept, in order
+    assert [(r.query_id, r.status) for r in published] == [("q2", "queue_full"), ("q3", "queue_full")]
 
 
 @pytest.mark.parametrize("bad, why", [({"camera_topics": ["a"] * 5}, "needs 6 topics"),

@@ -7,6 +7,10 @@
   summary  FILE                           each answer with per-stage latency; median/p90 table
   compare  A B                            answer-by-answer differences and latency deltas;
                                           exit 1 when any answer differs (the regression check)
+  soak     BAG [--count N --rate R]       start the node, replay the bag's frames and questions over
+                                          DDS at a fixed rate: RSS, latency percentiles, lost and
+                                          duplicated answers, determinism (exit 1 on any of those)
+  peak     BAG                            the highest query rate with under 5% queue_full (bisection)
 """
 
 from __future__ import annotations
@@ -121,6 +125,112 @@ def cmd_compare(args) -> int:
     return 0 if cmp.ok else 1
 
 
+def _harness(args, extra: dict | None = None):
+    """Start the node under test (parameters: --params, --set, then `extra`) and a DDS client on
+    the bag: (node, client, workload, closer)."""
+    import os
+    import signal
+    import tempfile
+
+    from ..ros.bag import load_node_params
+    from ..ros.node import config_dir
+    from ..ros.soak import DDSClient, NodeProcess, workload_from_bag
+
+    params_file = args.params or config_dir() / "drive.yaml"
+    extra = dict(extra or {})
+    nice = int(extra.pop("nice", args.nice))          # a process setting, not a node parameter
+    overrides = _overrides(args.set) | extra
+    params = load_node_params(params_file, overrides)
+    work = workload_from_bag(args.bag, params)
+    env = dict(os.environ)
+    if args.domain_id is not None:
+        env["ROS_DOMAIN_ID"] = str(args.domain_id)
+    log = args.node_log or Path(tempfile.mkdtemp(prefix="litevlm_soak_")) / "node.log"
+    print(f"{args.bag_command}: {len(work.frame_sets)} frame sets, {len(work.questions)} questions from {args.bag}; "
+          f"starting the node{' with ' + ', '.join(f'{k}={v}' for k, v in extra.items()) if extra else ''}"
+          f"{f' at nice {nice}' if nice else ''} (log {log})")
+    node = NodeProcess(params_file, log, overrides, env, nice=nice)
+    try:
+        node.wait_for("ready (", timeout=args.start_timeout)
+        client = DDSClient(params, domain_id=args.domain_id)
+        client.wait_for_node()
+    except BaseException:
+        node.stop(signal.SIGINT)
+        raise
+
+    def close() -> None:
+        client.close()
+        node.stop(signal.SIGINT)
+    return node, client, work, close
+
+
+def _versus(items: list[str]) -> dict[str, dict]:
+    """--versus LABEL=NAME=VALUE[,NAME=VALUE...] -> {label: overrides}; the baseline is ''."""
+    configs = {"": {}}
+    for item in items:
+        label, sep, rest = item.partition("=")
+        if not sep or not label or not rest:
+            raise InputError(f"--versus {item!r}: expected LABEL=NAME=VALUE[,NAME=VALUE...]")
+        configs[label] = _overrides(rest.split(","))
+    return configs
+
+
+def cmd_soak(args) -> int:
+    from ..ros.soak import SoakResult, comparison_table, soak
+
+    configs = _versus(args.versus)
+    runs: dict[str, list] = {label: [] for label in configs}
+    for r in range(args.rounds):
+        for label, extra in configs.items():       # alternating, so that a change in load hits all alike
+            if args.node_log and (len(configs) > 1 or args.rounds > 1):
+                args.node_log = args.node_log.with_name(f"{args.node_log.stem.split('.')[0]}.{label or 'baseline'}{r}.log")
+            node, client, work, close = _harness(args, extra)
+            try:
+                runs[label].append(soak(client, work, args.count, args.rate, frame_rate=args.frame_rate,
+                                        warmup=args.warmup, grace_s=args.grace, node=node, prefix=f"soak{r}_"))
+            finally:
+                close()
+    results = {label: SoakResult.pooled(rs) for label, rs in runs.items()}
+    for label, result in results.items():
+        if len(configs) > 1:
+            print(f"\n== {label or 'baseline'}: {', '.join(f'{k}={v}' for k, v in configs[label].items()) or 'as given'}")
+        print(result.table())
+    if len(configs) > 1:
+        print("\n" + comparison_table(results, args.rounds))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("".join(json.dumps({**r, "config": label}) + "\n"
+                                    for label, res in results.items() for r in res.rows))
+        print(f"soak: {sum(len(res.rows) for res in results.values())} answers -> {args.out}")
+    return 0 if all(res.ok() for res in results.values()) else 1
+
+
+def cmd_peak(args) -> int:
+    from ..ros.soak import peak
+
+    node, client, work, close = _harness(args)
+    try:
+        result = peak(client, work, lo=args.min_rate, hi=args.max_rate, steps=args.steps, trial_count=args.trial_count,
+                      max_queue_full=args.max_queue_full, frame_rate=args.frame_rate, grace_s=args.grace)
+    finally:
+        close()
+    print(result.table())
+    return 0
+
+
+def _harness_args(p) -> None:
+    p.add_argument("bag", type=Path, help="a bag with the six camera topics and questions (litevlm bag make)")
+    p.add_argument("--params", type=Path, help="the node's parameters YAML (default: config/drive.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one node parameter")
+    p.add_argument("--frame-rate", type=float, default=2.0, help="frame sets published per second (re-stamped to now)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds without a new answer before the rest count as lost")
+    p.add_argument("--domain-id", type=int, help="ROS_DOMAIN_ID for the node and the harness (default: the environment's)")
+    p.add_argument("--node-log", type=Path, help="the node's output (default: a temporary folder)")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the node to configure and activate")
+    p.add_argument("--nice", type=int, default=0,
+                   help="the node process's nice value (CPU priority; below 0 needs CAP_SYS_NICE); in --versus, nice=N")
+
+
 def register(subparsers) -> None:
     bag = subparsers.add_parser("bag", help="rosbag2 harness: make, replay, record, eval, compare")
     sub = bag.add_subparsers(dest="bag_command", required=True)
@@ -183,3 +293,25 @@ def register(subparsers) -> None:
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("soak", help="run the node on the bag's frames and questions at a fixed rate over DDS: "
+                                    "RSS, latency percentiles, lost/duplicated answers, determinism")
+    _harness_args(p)
+    p.add_argument("--count", type=int, default=1500, help="queries to send")
+    p.add_argument("--rate", type=float, default=2.0, help="queries per second")
+    p.add_argument("--warmup", type=int, default=10, help="first queries left out of the statistics")
+    p.add_argument("--out", type=Path, help="every answer received, as JSON lines")
+    p.add_argument("--versus", action="append", default=[], metavar="LABEL=NAME=VALUE[,NAME=VALUE]",
+                   help="also soak the node with these parameters (a fresh node each), after the baseline, and "
+                        "compare them in one table")
+    p.add_argument("--rounds", type=int, default=1, help="repeat baseline and --versus runs alternately this often")
+    p.set_defaults(func=cmd_soak)
+
+    p = sub.add_parser("peak", help="the highest query rate with under 5%% queue_full answers, by bisection")
+    _harness_args(p)
+    p.add_argument("--min-rate", type=float, default=0.5, help="queries/s expected to pass")
+    p.add_argument("--max-rate", type=float, default=64.0, help="queries/s expected to fail")
+    p.add_argument("--steps", type=int, default=6, help="bisection steps between them")
+    p.add_argument("--trial-count", type=int, default=60, help="queries per trial")
+    p.add_argument("--max-queue-full", type=float, default=0.05, help="the fraction of queue_full a passing rate stays under")
+    p.set_defaults(func=cmd_peak)

@@ -433,7 +433,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     settings = ServerSettings(cameras=CAMERAS, max_skew_s=params["max_skew_s"], max_frame_age_s=params["max_frame_age_s"],
                               frame_history=params["frame_history"], queue_size=params["queue_size"],
                               overflow_policy=params["overflow_policy"], max_question_chars=params["max_question_chars"],
-                              match_wait_s=params["match_wait_s"])
+                              match_wait_s=params["match_wait_s"], max_future_s=params["max_future_s"])
     clock = [0]
     server = QueryServer(settings, publish, clock_ns=lambda: clock[0])
     try:
@@ -726,6 +726,26 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
     return 0
 
 
+def answer_row(msg, received_ns: int) -> dict:
+    """A litevlm_msgs/Answer as the JSON-lines row (AnswerRecord.to_json), plus `received_ns`
+    and `e2e_ms` (receipt minus the query's stamp)."""
+    stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
+    rec = AnswerRecord(
+        query_id=msg.query_id, question=msg.question, status=STATUS_NAMES.get(msg.status, f"code{msg.status}"),
+        status_message=msg.status_message, answer=msg.answer, token_ids=[int(t) for t in msg.token_ids],
+        cameras=list(msg.cameras), stage_ms=dict(zip(msg.stage_names, [float(v) for v in msg.stage_ms])),
+        queue_ms=float(msg.queue_ms), visual_tokens=msg.visual_tokens, kept_tokens=msg.kept_tokens,
+        input_tokens=msg.input_tokens, decode_steps=msg.decode_steps, accepted_length=float(msg.accepted_length),
+        pipeline=msg.pipeline, reused_cameras=list(msg.reused_cameras), degraded=list(msg.degraded),
+        budget_ms=float(msg.budget_ms), budget_met=bool(msg.budget_met), query_stamp_ns=stamp,
+        frame_stamps_ns={c: s.sec * 1_000_000_000 + s.nanosec for c, s in zip(msg.frame_cameras, msg.frame_stamps)},
+    )
+    row = rec.to_json()
+    row["received_ns"] = received_ns
+    row["e2e_ms"] = (received_ns - stamp) / 1e6
+    return row
+
+
 def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, timeout_s: float | None = None,
            progress=print, bag_out: Path | None = None, storage: str = "mcap") -> int:
     """Append every litevlm_msgs/Answer on `topic` to a JSON-lines file (and, with bag_out, to a
@@ -759,20 +779,8 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
         conn = writer.add_connection(topic, "litevlm_msgs/msg/Answer", typestore=store)
 
     def on_answer(msg: Answer) -> None:
-        now = node.get_clock().now().nanoseconds
-        stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
-        rec = AnswerRecord(
-            query_id=msg.query_id, question=msg.question, status=STATUS_NAMES.get(msg.status, f"code{msg.status}"),
-            status_message=msg.status_message, answer=msg.answer, token_ids=[int(t) for t in msg.token_ids],
-            cameras=list(msg.cameras), stage_ms=dict(zip(msg.stage_names, [float(v) for v in msg.stage_ms])),
-            queue_ms=float(msg.queue_ms), visual_tokens=msg.visual_tokens, kept_tokens=msg.kept_tokens,
-            input_tokens=msg.input_tokens, decode_steps=msg.decode_steps, accepted_length=float(msg.accepted_length),
-            query_stamp_ns=stamp,
-            frame_stamps_ns={c: s.sec * 1_000_000_000 + s.nanosec for c, s in zip(msg.frame_cameras, msg.frame_stamps)},
-        )
-        row = rec.to_json()
-        row["received_ns"] = now
-        row["e2e_ms"] = (now - stamp) / 1e6
+        row = answer_row(msg, node.get_clock().now().nanoseconds)
+        now = row["received_ns"]
         fh.write(json.dumps(row) + "\n")
         fh.flush()
         if writer is not None:

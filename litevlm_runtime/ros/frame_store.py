@@ -6,17 +6,33 @@ Matching rule (DESIGN.md section 5): the newest complete set of one frame per ca
 stamps lie within `max_skew_ns` of each other, every frame younger than `max_age_ns` at the
 time the query arrives. A query that cannot be matched gets a `FrameMatchError` whose status
 says why (never silence):
+  bad_stamp     some camera delivers, but its frames are stamped ahead of the node's clock by
+                more than max_future_ns, so none of them can be used (checked first: it is the
+                specific diagnosis behind what would otherwise look like no_frames/stale_frames)
   no_frames     some camera has never delivered a frame
   stale_frames  some camera's newest frame is older than max_age (camera stopped, or bag gap)
   out_of_sync   every camera is fresh, but no set of frames fits within max_skew
+
+Clock faults. Stamps are the camera's clock, ages are the node's (`clock_ns`):
+  - a frame stamped more than max_future_ns ahead of the node's clock is refused on arrival and
+    counted in `bad_stamp` (a frame from the future would have a negative age and never go
+    stale); within the tolerance it is kept (clocks of two computers differ by a little);
+  - stamps that jump back: a frame older than the newest held one is inserted in stamp order
+    (late delivery). When the held frames are by then too far ahead of the node's clock (the
+    node's clock stepped back), they are discarded at once. When two frames in a row are older
+    than the whole held history (a camera clock that stepped back, not one late straggler, which
+    is dropped), the history restarts from them. Both count in `history_resets`;
+  - a held frame that is ahead of the node's clock by more than the tolerance when a query
+    arrives (the node's clock stepped back) is not matched.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -46,52 +62,117 @@ class FrameMatchError(Exception):
         self.status = status
 
 
+# Frames in a row older than a camera's whole history before it is taken for a clock that
+# stepped back (one such frame is a late straggler).
+STEPS_BACK_TO_RESET = 2
+
+
 class FrameStore:
     """Thread-safe: cameras are added from executor callbacks, matched from query callbacks."""
 
-    def __init__(self, cameras: Sequence[str], max_skew_ns: int, max_age_ns: int, history: int = 8):
-        if max_skew_ns < 0 or max_age_ns <= 0 or history < 1:
-            raise ValueError("max_skew_ns >= 0, max_age_ns > 0 and history >= 1 are required")
+    def __init__(self, cameras: Sequence[str], max_skew_ns: int, max_age_ns: int, history: int = 8,
+                 max_future_ns: int = 500_000_000, clock_ns: Callable[[], int] = time.time_ns):
+        if max_skew_ns < 0 or max_age_ns <= 0 or history < 1 or max_future_ns < 0:
+            raise ValueError("max_skew_ns >= 0, max_age_ns > 0, history >= 1 and max_future_ns >= 0 are required")
         self.cameras = tuple(cameras)
         self.max_skew_ns = int(max_skew_ns)
         self.max_age_ns = int(max_age_ns)
+        self.max_future_ns = int(max_future_ns)
+        self.clock_ns = clock_ns
         # Per camera, frames in stamp order; old ones fall off the left end.
         self._frames: dict[str, deque[Frame]] = {c: deque(maxlen=history) for c in self.cameras}
         self._lock = threading.Lock()
         self.received = {c: 0 for c in self.cameras}
         self.out_of_order = {c: 0 for c in self.cameras}   # arrived with a stamp older than one held
         self.dropped = {c: 0 for c in self.cameras}        # discarded on arrival (duplicate, too old)
+        self.bad_stamp = {c: 0 for c in self.cameras}      # refused: stamped too far ahead of the node's clock
+        self.history_resets = {c: 0 for c in self.cameras} # stamps jumped back: held frames discarded
+        self._behind: dict[str, list[Frame]] = {c: [] for c in self.cameras}   # in a row, older than the history
+        # Per camera: when (node clock) the last frame was accepted, and the last refused one
+        # (arrival, how far ahead): a query names bad_stamp only while refusals are the news.
+        self._accepted_at = {c: -1 for c in self.cameras}
+        self._refused: dict[str, tuple[int, int] | None] = {c: None for c in self.cameras}
 
-    def add(self, frame: Frame) -> None:
+    def add(self, frame: Frame, now_ns: int | None = None) -> None:
         if frame.camera not in self._frames:
             raise KeyError(f"unknown camera {frame.camera!r}; known: {', '.join(self.cameras)}")
+        now = self.clock_ns() if now_ns is None else now_ns
+        cam = frame.camera
         with self._lock:
-            frames = self._frames[frame.camera]
-            self.received[frame.camera] += 1
-            if frames and frame.stamp_ns < frames[-1].stamp_ns:
-                # Late delivery: insert in stamp order so matching still sees it (rare; bounded).
-                self.out_of_order[frame.camera] += 1
+            frames = self._frames[cam]
+            self.received[cam] += 1
+            ahead = frame.stamp_ns - now
+            if ahead > self.max_future_ns:
+                self.bad_stamp[cam] += 1
+                self._refused[cam] = (now, ahead)
+                return
+            self._accepted_at[cam] = now
+            if not frames or frame.stamp_ns > frames[-1].stamp_ns:
+                self._behind[cam].clear()
+                frames.append(frame)
+            elif frame.stamp_ns == frames[-1].stamp_ns:
+                self._behind[cam].clear()
+                self.dropped[cam] += 1
+                frames[-1] = frame   # same stamp again: the newer message wins
+            elif frames[-1].stamp_ns - now > self.max_future_ns:
+                # Held frames are now too far ahead of the node's clock (it stepped back since
+                # they came): they can never be matched; start again from this one.
+                self.history_resets[cam] += 1
+                self._behind[cam].clear()
+                kept = [f for f in frames if f.stamp_ns - now <= self.max_future_ns and f.stamp_ns < frame.stamp_ns]
+                frames.clear()
+                frames.extend([*kept, frame])
+            elif frame.stamp_ns < frames[0].stamp_ns:
+                behind = self._behind[cam]
+                behind.append(frame)
+                if len(behind) >= STEPS_BACK_TO_RESET:
+                    # Frames keep coming from before the history: the camera's clock stepped back.
+                    self.history_resets[cam] += 1
+                    frames.clear()
+                    frames.extend(sorted(behind, key=lambda f: f.stamp_ns))
+                    behind.clear()
+                elif len(frames) < frames.maxlen:
+                    self.out_of_order[cam] += 1
+                    frames.appendleft(frame)
+                else:
+                    self.out_of_order[cam] += 1
+                    self.dropped[cam] += 1     # a late straggler older than the whole history: useless
+            else:
+                # Late delivery within the history: insert in stamp order so matching sees it.
+                self._behind[cam].clear()
+                self.out_of_order[cam] += 1
                 items = sorted([*frames, frame], key=lambda f: f.stamp_ns)
-                if len(items) > frames.maxlen and items[0] is frame:
-                    self.dropped[frame.camera] += 1     # older than the whole history: useless
                 frames.clear()
                 frames.extend(items[-frames.maxlen:])
-            elif frames and frame.stamp_ns == frames[-1].stamp_ns:
-                self.dropped[frame.camera] += 1
-                frames[-1] = frame   # same stamp again: the newer message wins
-            else:
-                frames.append(frame)
+
+    def _bad_stamp_message(self, cam: str) -> str | None:
+        """Why `cam` has nothing usable, when the reason is that its frames are refused."""
+        refused = self._refused[cam]
+        if refused is None or refused[0] < self._accepted_at[cam]:
+            return None
+        return f"{cam} {refused[1] / 1e9:.3f} s"
 
     def match(self, now_ns: int) -> FrameSet:
         with self._lock:
             held = {c: list(self._frames[c]) for c in self.cameras}
-        missing = [c for c in self.cameras if not held[c]]
+            refused = {c: self._bad_stamp_message(c) for c in self.cameras}
+        # Frames from the future are never matched (the node's clock may have stepped back since).
+        usable = {c: [f for f in held[c] if f.stamp_ns - now_ns <= self.max_future_ns] for c in self.cameras}
+        fresh = {c: [f for f in usable[c] if now_ns - f.stamp_ns <= self.max_age_ns] for c in self.cameras}
+        for c in self.cameras:
+            if held[c] and not usable[c]:        # held, but all ahead of a clock that stepped back
+                refused[c] = refused[c] or f"{c} {(held[c][0].stamp_ns - now_ns) / 1e9:.3f} s"
+        bad = [refused[c] for c in self.cameras if not fresh[c] and refused[c]]
+        if bad:
+            raise FrameMatchError(
+                "bad_stamp", f"frames stamped ahead of the node's clock by more than max_future "
+                             f"{self.max_future_ns / 1e9:.3f} s: {', '.join(bad)}")
+        missing = [c for c in self.cameras if not usable[c]]
         if missing:
             raise FrameMatchError("no_frames", f"no frame received yet from {', '.join(missing)}")
-        fresh = {c: [f for f in held[c] if now_ns - f.stamp_ns <= self.max_age_ns] for c in self.cameras}
         stale = [c for c in self.cameras if not fresh[c]]
         if stale:
-            ages = ", ".join(f"{c} {(now_ns - held[c][-1].stamp_ns) / 1e9:.3f} s" for c in stale)
+            ages = ", ".join(f"{c} {(now_ns - usable[c][-1].stamp_ns) / 1e9:.3f} s" for c in stale)
             raise FrameMatchError(
                 "stale_frames", f"newest frame older than max_frame_age {self.max_age_ns / 1e9:.3f} s: {ages}"
             )

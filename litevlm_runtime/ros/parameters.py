@@ -47,12 +47,17 @@ class NodeSettings(_Validated):
     match_wait_s: float = setting(0.2, "a query whose frames are missing, stale or out of sync is retried this long "
                                        "before its error answer (s; frames may still be in flight)",
                                   lo=0.0, hi=60.0, live=True)
+    max_future_s: float = setting(0.5, "a frame stamped more than this ahead of the node's clock is refused "
+                                       "(bad_stamp, counted per camera on /diagnostics) (s)", lo=0.0, hi=3600.0)
     queue_size: int = setting(4, "queries queued for the pipeline, at most", lo=1, hi=10000, live=True)
     overflow_policy: str = setting("reject_new", "a query to a full queue: reject_new (it gets queue_full) | "
                                                  "drop_oldest (the oldest queued one does)",
                                    choices=OVERFLOW_POLICIES, live=True)
     max_question_chars: int = setting(2000, "longer questions are answered bad_question", lo=1, hi=1_000_000,
                                       live=True)
+    drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
+                                          "running query (queued ones are answered shutting_down at once) (s)",
+                                     lo=0.0, hi=3600.0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -71,7 +76,8 @@ class NodeSettings(_Validated):
         return ServerSettings(cameras=cameras, max_skew_s=self.max_skew_s, max_frame_age_s=self.max_frame_age_s,
                               frame_history=self.frame_history, queue_size=self.queue_size,
                               overflow_policy=self.overflow_policy, max_question_chars=self.max_question_chars,
-                              match_wait_s=self.match_wait_s)
+                              match_wait_s=self.match_wait_s, max_future_s=self.max_future_s,
+                              drain_timeout_s=self.drain_timeout_s)
 
 
 def node_settings() -> list[Setting]:
