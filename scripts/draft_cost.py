@@ -29,15 +29,19 @@ from litevlm_runtime.models.internvl import DECODERS
 from litevlm_runtime.presets import preset
 
 
-def median_ms(fn, reps: int, warmup: int = 20) -> float:
+def median_ms(fns: dict, reps: int, warmup: int = 20) -> dict:
+    """Median milliseconds of each function, timed in turns (one call of each per round), so that
+    load from other processes on the machine falls on all of them alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 @torch.inference_mode()
@@ -66,10 +70,8 @@ def measure(llm_cfg, context: int, topk: int, reps: int) -> dict:
                        mask, draft_k, draft_v)
         return torch.log_softmax(lm.head(hidden).float(), dim=-1).topk(topk, dim=-1)
 
-    target = median_ms(target_step, reps)
-    one = median_ms(lambda: draft_step(1), reps)
-    level = median_ms(lambda: draft_step(topk), reps)
-    return {"layers": llm_cfg.num_hidden_layers, "target": target, "draft1": one, "draftk": level}
+    ms = median_ms({"target": target_step, "draft1": lambda: draft_step(1), "draftk": lambda: draft_step(topk)}, reps)
+    return {"layers": llm_cfg.num_hidden_layers} | ms
 
 
 def main() -> None:
