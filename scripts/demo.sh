@@ -11,7 +11,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LITEVLM_VENV:-$ROOT/.venv}"
-MODEL="${LITEVLM_MODEL:-$ROOT/litevlm_runtime/bundled/synthdrive-internvl2_5-3m}"
+MODEL="${LITEVLM_MODEL:-$ROOT/litevlm_runtime/bundled/synthdrive-internvl2_5-v2}"
 DRIVELM="${LITEVLM_DRIVELM:-$ROOT/../shared/drivelm_sample}"
 WORK="$ROOT/runs/demo"
 L="$VENV/bin/litevlm"

@@ -10,7 +10,7 @@ from litevlm_runtime.pipeline import Pipeline, PipelineOptions
 
 def test_bundled_model_is_small_and_answers_like_its_training(tmp_path):
     size = sum(p.stat().st_size for p in DEFAULT_MODEL.rglob("*") if p.is_file())
-    assert size <= 30 * 2**20
+    assert size <= 40 * 2**20
     from litevlm_runtime.synth.generate import generate
 
     generate(tmp_path / "set", 1, seed=99, width=480, height=270, val_fraction=0.0, workers=1, progress=False)

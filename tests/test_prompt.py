@@ -34,7 +34,7 @@ from litevlm_runtime.tokenizer import SPECIAL_TOKENS, Tokenizer, train_bpe_token
 
 QUESTION = "Is there a pedestrian in front of the ego car?"
 TOKENS_PER_TILE = 256          # upstream's num_image_token at 448 px tiles
-BUNDLED = "litevlm_runtime/bundled/synthdrive-internvl2_5-3m"
+BUNDLED = "litevlm_runtime/bundled/synthdrive-internvl2_5-v2"
 
 
 def upstream_query(system: str, question: str, num_patches_list: list[int]) -> str:

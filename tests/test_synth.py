@@ -14,7 +14,7 @@ from PIL import Image
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.synth.camera import rig
-from litevlm_runtime.synth.generate import build_scene, generate
+from litevlm_runtime.synth.generate import TAG_FRAME, build_scene, generate, scene_size
 from litevlm_runtime.synth.render import render
 from litevlm_runtime.synth.world import BARRIER_RGB, COLOURS, LIGHT_RGB
 
@@ -67,29 +67,32 @@ def test_layout_and_splits(synth_set):
 
 
 def test_every_tagged_object_is_drawn_at_its_tag(synth_set):
-    """For each object tag in the QA: (1) the JPEG at the tagged pixel has the object's colour and
-    differs from the same view rendered without objects; (2) an independent re-render of the
-    scene's object mask puts that very object under the tagged pixel."""
+    """Tags are pixels of the 1600x900 frame (DriveLM's) whatever the render size. For each object
+    tag in the QA: (1) a render of the scene at 1600x900 has the object's colour at the tagged
+    pixel, unlike the same view without objects; (2) an independent re-render of the scene's object
+    mask puts that very object under the tagged pixel; (3) in the set's own JPEG (448x252) the
+    tagged point, scaled to that size, lies in the object's box there."""
     truth = json.loads((synth_set / "ground_truth.json").read_text())
+    tw, th = TAG_FRAME
     checked = 0
     for _, frame_token, frame in _frames(synth_set):
         gt = truth[frame_token]
+        assert gt["image_size"] == [W, H]
         by_id = {o["id"]: o for o in gt["objects"] if o["id"]}
         texts = [frame_token] + [q["Q"] + " " + q["A"] for qs in frame["QA"].values() for q in qs]
         tags = {m for text in texts for m in TAG.findall(text)} | {m for k in frame["key_object_infos"]
                                                                    for m in TAG.findall(k)}
         if not tags:
             continue
-        scene = build_scene(SEED, gt["index"], W, H, None)          # world + images, nothing written
+        scene = build_scene(SEED, gt["index"], tw, th, None)        # world + images, nothing written
         world = scene["world"]
-        cams = rig(W, H)
+        cams = rig(tw, th)
         for cid, cam, xs, ys in tags:
             obj = by_id[cid]
             assert cam == obj["camera"]
             x, y = int(float(xs)), int(float(ys))
-            with Image.open(synth_set / frame["image_paths"][cam]) as im:
-                jpeg = np.asarray(im.convert("RGB"), dtype=np.float64)
-            patch = np.median(jpeg[max(0, y - 1):y + 2, max(0, x - 1):x + 2].reshape(-1, 3), axis=0)
+            image = np.asarray(scene["images"][cam].convert("RGB"), dtype=np.float64)
+            patch = np.median(image[max(0, y - 1):y + 2, max(0, x - 1):x + 2].reshape(-1, 3), axis=0)
             empty = np.asarray(render(world, cams[cam], objects=False)[0], dtype=np.float64)[y, x]
             colour_error = min(np.linalg.norm(patch - c) for c in _expected_colours(obj))
             assert colour_error < 50, (frame_token, cid, cam, obj["kind"], obj["colour"], patch)
@@ -98,6 +101,10 @@ def test_every_tagged_object_is_drawn_at_its_tag(synth_set):
                          if o.kind == obj["kind"] and abs(o.x - obj["x"]) < 1e-3 and abs(o.y - obj["y"]) < 1e-3)
             mask = render(world, cams[cam])[1]
             assert mask[y, x] == 2 * index + 1, (frame_token, cid, cam, mask[y, x], index)
+            if cam in obj["cameras"]:        # drawn at the set's size too (tiny far objects may not be)
+                x0, y0, x1, y1 = obj["cameras"][cam]["bbox"]
+                sx, sy = float(xs) * W / tw, float(ys) * H / th
+                assert x0 - 1 <= sx <= x1 + 1 and y0 - 1 <= sy <= y1 + 1, (frame_token, cid, (sx, sy), (x0, y0, x1, y1))
             checked += 1
     assert checked >= 3 * SCENES          # the check really ran over many tags
 
@@ -134,10 +141,34 @@ def test_same_seed_same_bytes(tmp_path):
 
 
 def test_questions_do_not_depend_on_resolution():
-    small, large = build_scene(3, 5, 320, 180, None), build_scene(3, 5, 960, 540, None)
-    strip = lambda scene: re.sub(r"<(c\d+),(CAM_[A-Z_]+),[\d.]+,[\d.]+>", r"<\1,\2>", json.dumps(
-        next(iter(scene["scene"]["key_frames"].values()))["QA"]))
-    assert strip(small) == strip(large)
+    """The same scene at three sizes: the same frame, QA, tags and key-object boxes (all in the
+    1600x900 frame), while the ground truth's boxes are in each render's own pixels."""
+    scenes = [build_scene(3, 5, w, h, None) for w, h in ((320, 180), (960, 540), (1600, 900))]
+    frames = [json.dumps(s["scene"]) for s in scenes]
+    assert frames[0] == frames[1] == frames[2]
+    assert TAG.search(frames[0])
+    boxes = [[o["cameras"][o["camera"]]["bbox"] for o in s["ground_truth"]["objects"] if o["camera"] in o["cameras"]]
+             for s in scenes]
+    assert boxes[0] != boxes[2] and boxes[0]
+
+
+def test_mixed_sizes_render_each_scene_at_its_drawn_size(tmp_path):
+    sizes = [(160, 90), (320, 180)]
+    info = generate(tmp_path / "m", 6, 11, val_fraction=0.0, workers=1, progress=False, sizes=sizes)
+    assert info["sizes"] == ["160x90", "320x180"]
+    truth = json.loads((tmp_path / "m" / "ground_truth.json").read_text())
+    drawn = [tuple(truth[t]["image_size"]) for t in sorted(truth, key=lambda t: truth[t]["index"])]
+    assert drawn == [scene_size(11, i, sizes) for i in range(6)] and set(drawn) == set(sizes)
+    doc = json.loads((tmp_path / "m" / "train.json").read_text())
+    for scene in doc.values():
+        for fid, frame in scene["key_frames"].items():
+            for rel in frame["image_paths"].values():
+                with Image.open(tmp_path / "m" / rel) as im:
+                    assert im.size == tuple(truth[fid]["image_size"])
+    # The QA of a scene is the one its single-size render has.
+    single = generate(tmp_path / "s", 6, 11, 160, 90, val_fraction=0.0, workers=1, progress=False)
+    assert single["qa_train"] == info["qa_train"]
+    assert (tmp_path / "s" / "train.json").read_text() == (tmp_path / "m" / "train.json").read_text()
 
 
 def test_bad_arguments(tmp_path):

@@ -373,23 +373,28 @@ def test_flags_that_cannot_work_are_refused_before_anything_is_written(synth_set
     assert not (tmp_path / "m").exists()
 
 
+def _continue_tiny_run(tiny_run, synth_set: Path, out: Path, *flags: str) -> dict:
+    """Two steps of `train vlm --init <the tiny run>` with `flags`."""
+    from litevlm_runtime.cli import build_parser
+
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
+        "--val", str(synth_set / "val.json"), "--out", str(out), "--preset", "tiny", "--init", str(tiny_run[0]),
+        "--steps", "2", "--frames-per-step", "2", "--questions-per-frame", "4",
+        "--eval-every", "0", "--seed", "1", "--threads", "1", *flags])
+    return vlm.train(args)
+
+
 def test_tile_size_fine_tune_interpolates_the_position_grid_and_runs_in_the_pipeline(tiny_run, synth_set, tmp_path):
     """--init a 112 px checkpoint with --tile-size 140: the vision tower keeps its 8x8 position grid
     (interpolated to 10x10 in every forward, as InternViT does), the saved config says tile 140,
     and the pipeline answers with 25 visual tokens per camera."""
     from litevlm_runtime.checkpoint import load_model
-    from litevlm_runtime.cli import build_parser
     from litevlm_runtime.evaluation.data import load_frames
     from litevlm_runtime.pipeline import Pipeline, PipelineOptions
 
-    init, _ = tiny_run
     out = tmp_path / "m140"
-    args = build_parser().parse_args([
-        "train", "vlm", "--data", str(synth_set / "train.json"), "--frames", str(synth_set),
-        "--val", str(synth_set / "val.json"), "--out", str(out), "--preset", "tiny", "--init", str(init),
-        "--tile-size", "140", "--steps", "2", "--frames-per-step", "2", "--questions-per-frame", "4",
-        "--eval-every", "0", "--seed", "1", "--threads", "1"])
-    record = vlm.train(args)
+    record = _continue_tiny_run(tiny_run, synth_set, out, "--tile-size", "140")
     assert record["steps"] == 2
     model = load_model(out)
     assert model.cfg.force_image_size == 140 and model.cfg.vision.image_size == 112
@@ -399,4 +404,73 @@ def test_tile_size_fine_tune_interpolates_the_position_grid_and_runs_in_the_pipe
     images = {cam: synth_set / p for cam, p in frame.image_paths.items()}
     answer = Pipeline.from_model(model, Tokenizer(out), PipelineOptions(max_new_tokens=4)).answer(
         images, frame.questions[0].question)
+    assert answer.text is not None
+
+
+def test_grown_decoder_computes_the_same_logits_then_trains_its_new_layers(synth_set, tmp_path):
+    """grow_decoder 2 -> 5 layers (float64): the trained layers keep their order at the interleaved
+    positions, the new ones start as identities, so the logits of the whole model (images and
+    prompt) equal the original's to 1e-12; one optimizer step moves them (the new layers learn)."""
+    frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
+    e = vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, frames[0].qa[0])
+    pixels = torch.randn(len(CAMERAS), 3, cfg.force_image_size, cfg.force_image_size, dtype=torch.float64)
+    batch = vlm.pack([(0, [e])])
+
+    def logits(m):
+        lm = m.language_model
+        visual = m.encode_images(pixels)
+        embeds = lm.embed(batch.ids).index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]))
+        hidden, _, _ = lm(embeds, batch.positions, batch.mask)     # a packed sequence on its own, as in training
+        return lm.head(hidden)
+
+    grown = vlm.grow_decoder(model, 5, seed=4)
+    assert grown.cfg.llm.num_hidden_layers == 5 and grown.cfg.vision == model.cfg.vision
+    assert vlm.grown_layer_positions(2, 5) == [0, 2] and vlm.grown_layer_positions(3, 12) == [0, 4, 8]
+    old, new = model.language_model.layers, grown.language_model.layers
+    for i, j in enumerate([0, 2]):
+        assert all(torch.equal(a, b) for a, b in zip(old[i].state_dict().values(), new[j].state_dict().values()))
+    for j in (1, 3, 4):
+        assert not new[j].out_proj.weight.any() and not new[j].mlp_gate_up_down()[2].weight.any()
+        assert new[j].qkv(torch.ones(1, cfg.llm.hidden_size, dtype=torch.float64))[0].abs().sum() > 0
+    with torch.no_grad():
+        before, after = logits(model), logits(grown)
+    err = (after - before).abs().max() / before.abs().max()
+    assert err < 1e-12, float(err)
+
+    opt = torch.optim.SGD(grown.parameters(), lr=0.1)
+    vlm.PackedLoss(grown)(pixels, batch).backward()
+    assert new[1].out_proj.weight.grad.abs().sum() > 0 and new[4].mlp_gate_up_down()[2].weight.grad.abs().sum() > 0
+    opt.step()
+    with torch.no_grad():
+        assert (logits(grown) - before).abs().max() > 1e-6
+    from litevlm_runtime.errors import InputError
+    with pytest.raises(InputError, match="cannot remove trained ones"):
+        vlm.grow_decoder(model, 1, seed=4)
+
+
+def test_init_with_more_decoder_layers_grows_trains_and_saves_bf16(tiny_run, synth_set, tmp_path):
+    """`train vlm --init DIR --decoder-layers 4 --save-dtype bfloat16` from the 2-layer tiny run: a
+    4-layer checkpoint in bf16 safetensors, which loads as float32 and answers through the pipeline."""
+    from safetensors import safe_open
+
+    from litevlm_runtime.checkpoint import load_model
+    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+
+    init, _ = tiny_run
+    out = tmp_path / "deeper"
+    record = _continue_tiny_run(tiny_run, synth_set, out, "--decoder-layers", "4", "--save-dtype", "bfloat16")
+    assert record["steps"] == 2 and "--decoder-layers 4" in record["command"] and record["saved_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    model = load_model(out)
+    assert model.cfg.llm.num_hidden_layers == 4
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(t.float(), model.state_dict()[name]) for name, t in stored.items())
+    original = load_model(init).language_model.layers
+    # Layer 0 trained on (it moved), new layer 1 left the identity (its zeroed wo is no longer zero).
+    assert not torch.equal(model.language_model.layers[0].attention.wqkv.weight, original[0].attention.wqkv.weight)
+    assert model.language_model.layers[1].attention.wo.weight.abs().sum() > 0
+    frame = vlm.load_frames(synth_set / "val.json", synth_set)[0]
+    answer = Pipeline.from_pretrained(out, PipelineOptions(max_new_tokens=4)).answer(frame.images, frame.qa[0].question)
     assert answer.text is not None

@@ -427,7 +427,7 @@ def test_model_option_writes_beside_the_model(drivelm_dir, tmp_path):
 
 # --- the shipped selector ---------------------------------------------------------------------
 
-BUNDLED_SELECTOR = ROOT / "litevlm_runtime" / "bundled" / "synthdrive-internvl2_5-3m" / "view_selector"
+BUNDLED_SELECTOR = ROOT / "litevlm_runtime" / "bundled" / "synthdrive-internvl2_5-v2" / "view_selector"
 
 
 def test_shipped_selector_on_its_held_out_real_frames(drivelm_dir, capsys):

@@ -6,5 +6,5 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "synthdrive-internvl2_5-3m"
+DEFAULT_MODEL_NAME = "synthdrive-internvl2_5-v2"
 DEFAULT_MODEL = Path(__file__).resolve().parent / DEFAULT_MODEL_NAME

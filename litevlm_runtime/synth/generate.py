@@ -1,9 +1,14 @@
 """`litevlm synth`: scenes -> six JPEGs each + DriveLM v1.1 QA (train/val) + per-object ground truth.
 
 Scene i of seed S is drawn from its own RNG, numpy's default_rng([S, i]): a scene does not depend
-on how many scenes are generated, on the worker that renders it, or on the image size (which
-objects count as visible is decided on a fixed 480x270 render, so the same seed gives the same
-questions at every resolution; only the pixel coordinates in the tags scale).
+on how many scenes are generated, on the worker that renders it, or on the image size. The QA
+does not depend on the image size either: which objects count as visible is decided on a fixed
+480x270 render, and object tags `<cN,CAM_X,x,y>` and key-object 2d boxes are pixels of the
+1600x900 frame whatever size the images are rendered at, as in DriveLM, whose tags are pixels
+of nuScenes' 1600x900 camera images (a render at 480x270 asks the same questions as one at
+1600x900, so a model is not shown the same object under different coordinates; per-render
+pixel boxes are in ground_truth.json). `sizes` renders each scene at one of several sizes,
+drawn per scene: a training set at mixed resolutions.
 
 Output layout (DIR):
   train.json, val.json     DriveLM v1.1: {scene_token: {scene_description, key_frames: {frame_token:
@@ -34,8 +39,9 @@ from .qa import frame_qa
 from .render import background, render, render_alone
 from .world import World, decide_ego, sample_world
 
-VERSION = 1
+VERSION = 2                      # 2: tags in TAG_FRAME at every size (1: in the render's pixels)
 CULL_SIZE = (480, 270)           # visibility is decided at this size, whatever the output size
+TAG_FRAME = (1600, 900)          # tags and 2d boxes in the QA are pixels of this frame (DriveLM's), at any size
 MIN_VISIBLE_FRACTION = 0.5       # of the object's unoccluded footprint in its own camera
 MIN_PIXELS = {"traffic light": 6, "pedestrian": 20}   # body pixels at CULL_SIZE
 MIN_PIXELS_DEFAULT = 30
@@ -81,20 +87,28 @@ def cull(world: World) -> None:
 
 
 def _views(mask: np.ndarray, n_objects: int) -> dict[int, View]:
+    # One pass over the drawn pixels, grouped by mask value (a stable sort keeps each object's
+    # pixels in row-major order, as np.nonzero(mask == v) gives them): a comparison of the whole
+    # mask per object made 1600x900 masks the slowest part of generating a scene.
+    ys, xs = np.nonzero(mask)
+    values = mask[ys, xs]
+    order = np.argsort(values, kind="stable")
+    ys, xs = ys[order], xs[order]
+    start = np.searchsorted(values[order], np.arange(2 * n_objects + 3))   # first pixel of each value
     out = {}
-    counts = _mask_stats(mask, n_objects)
     for i in range(n_objects):
-        if counts[2 * i + 1] == 0:
+        body, rest, end = start[2 * i + 1], start[2 * i + 2], start[2 * i + 3]
+        if rest == body:
             continue
-        ys, xs = np.nonzero(mask == 2 * i + 1)
-        cx, cy = xs.mean(), ys.mean()
+        bx, by = xs[body:rest], ys[body:rest]
+        cx, cy = bx.mean(), by.mean()
         # The body pixel nearest the body's centroid: the centroid itself can fall on a window or
         # between a pedestrian's legs, a tag must point at the object's own colour.
-        k = int(np.argmin((xs - cx) ** 2 + (ys - cy) ** 2))
-        ay, ax = np.nonzero((mask == 2 * i + 1) | (mask == 2 * i + 2))
-        out[i] = View((float(xs[k]) + 0.5, float(ys[k]) + 0.5),
+        k = int(np.argmin((bx - cx) ** 2 + (by - cy) ** 2))
+        ax, ay = xs[body:end], ys[body:end]
+        out[i] = View((float(bx[k]) + 0.5, float(by[k]) + 0.5),
                       (float(ax.min()), float(ay.min()), float(ax.max()) + 1, float(ay.max()) + 1),
-                      int(counts[2 * i + 1] + counts[2 * i + 2]))
+                      int(end - body))
     return out
 
 
@@ -119,20 +133,27 @@ def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | N
         if out_dir is not None:
             path = Path(out_dir) / rel
             image.save(path, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
-    objects = []
+    if (width, height) == TAG_FRAME:
+        tag_views = views
+    else:                              # the QA's views: the object masks of a render at TAG_FRAME
+        tag_cams, blank = rig(*TAG_FRAME), np.zeros((TAG_FRAME[1], TAG_FRAME[0], 3), np.uint8)
+        tag_views = {name: _views(render(world, tag_cams[name], blank.copy(), road=False)[1], len(world.objects))
+                     for name in CAMERAS}
+    objects, rendered = [], []          # (object, camera, views) in TAG_FRAME for the QA; views in this render
     for i, obj in enumerate(world.objects):
-        seen_in = {cam: views[cam][i] for cam in CAMERAS if i in views[cam]}
+        seen_in = {cam: tag_views[cam][i] for cam in CAMERAS if i in tag_views[cam]}
         primary = sector_camera(obj.bearing)
-        if primary not in seen_in:                    # only at very small output sizes
+        if primary not in seen_in:
             if not seen_in:
                 continue
             primary = max(seen_in, key=lambda c: seen_in[c].pixels)
         objects.append((obj, primary, seen_in))
+        rendered.append({cam: views[cam][i] for cam in CAMERAS if i in views[cam]})
     qa_rng = np.random.default_rng([seed, index, 1])
     frame, tags = frame_qa(world, objects, qa_rng)
     frame["image_paths"] = image_paths
     gt_objects = []
-    for obj, primary, seen_in in objects:
+    for (obj, primary, _), seen_in in zip(objects, rendered):
         gt_objects.append({
             "id": tags.get(id(obj)), "kind": obj.kind, "colour": obj.colour, "status": obj.status,
             "observed_status": obj.observed_status, "moving": obj.moving, "place": obj.place,
@@ -179,12 +200,23 @@ def _work(job):
     return build_scene(*job)
 
 
+def scene_size(seed: int, index: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The size scene `index` is rendered at: one of `sizes`, from the scene's own RNG stream (so it
+    depends on neither the scene count nor the workers, and leaves the scene's content alone)."""
+    return sizes[int(np.random.default_rng([seed, index, 2]).integers(len(sizes)))] if len(sizes) > 1 else sizes[0]
+
+
 def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, height: int = 900,
-             val_fraction: float = 0.1, workers: int | None = None, progress: bool = True) -> dict:
+             val_fraction: float = 0.1, workers: int | None = None, progress: bool = True,
+             sizes: list[tuple[int, int]] | None = None) -> dict:
+    """`sizes`: render each scene at one of these (width, height), drawn per scene, instead of
+    width x height: the same scenes and questions, at mixed resolutions."""
     if scenes < 1:
         raise InputError("--scenes must be at least 1")
-    if width < 64 or height < 36 or width > 8192 or height > 8192:
-        raise InputError(f"image size {width}x{height} out of range (64x36 .. 8192x8192)")
+    sizes = list(sizes) if sizes else [(width, height)]
+    for w, h in sizes:
+        if w < 64 or h < 36 or w > 8192 or h > 8192:
+            raise InputError(f"image size {w}x{h} out of range (64x36 .. 8192x8192)")
     if not 0.0 <= val_fraction < 1.0:
         raise InputError("--val-fraction must be in [0, 1)")
     out = Path(out_dir)
@@ -194,13 +226,14 @@ def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, hei
         (out / "samples" / cam).mkdir(parents=True, exist_ok=True)
         for stale in (out / "samples" / cam).glob("synthdrive-*.jpg"):   # an earlier run into this folder
             stale.unlink()
-    info = {"generator": "SynthDrive", "version": VERSION, "seed": seed, "scenes": scenes, "width": width,
-            "height": height, "complete": False}
+    info = {"generator": "SynthDrive", "version": VERSION, "seed": seed, "scenes": scenes, "width": sizes[0][0],
+            "height": sizes[0][1]} | ({"sizes": [f"{w}x{h}" for w, h in sizes]} if len(sizes) > 1 else {}) | \
+           {"tag_frame": f"{TAG_FRAME[0]}x{TAG_FRAME[1]}", "complete": False}
     (out / "synthdrive.json").write_text(json.dumps(info, indent=1))    # marks the folder as ours at once
     n_val = int(round(scenes * val_fraction))
     n_train = scenes - n_val
     workers = max(1, min(workers or os.cpu_count() or 1, scenes))
-    jobs = [(seed, i, width, height, str(out)) for i in range(scenes)]
+    jobs = [(seed, i, *scene_size(seed, i, sizes), str(out)) for i in range(scenes)]
     train, val, truth = {}, {}, {}
     n_qa = {"train": 0, "val": 0}
     start = time.perf_counter()

@@ -32,6 +32,11 @@ fixes the training time instead of the step count: the learning-rate schedule th
 fraction of the budget spent (the one way to size a run for a machine whose speed is not known
 in advance, such as a lent GPU), and the record states the steps it took.
 
+`--init DIR --decoder-layers N` grows a trained checkpoint's decoder to N layers: new layers,
+interleaved after the trained ones, start as exact identities (zeroed output projections), so
+training continues from the same logits (`grow_decoder`). `--save-dtype bfloat16` writes the
+weights in bf16 (half the size; training keeps float32 masters, the loader reads either).
+
 Two options serve the LiteVLM pipeline and the vision tower:
 - `--view-selector DIR`: a fraction of the QA is trained on the prompt the LiteVLM pipeline will
   build, with only the cameras the (text-only) view selector picks for the question. A model
@@ -165,6 +170,60 @@ def with_tile_size(cfg, tile: int, keep_position_grid: bool):
                          f"(patch {patch}, pixel shuffle {cfg.downsample_ratio})")
     vision = cfg.vision if keep_position_grid else replace(cfg.vision, image_size=tile)
     return replace(cfg, vision=vision, force_image_size=tile)
+
+
+def with_decoder_layers(cfg, layers: int):
+    """The config with another decoder depth (`--decoder-layers`)."""
+    if layers < 1:
+        raise InputError(f"--decoder-layers {layers}: at least 1")
+    return replace(cfg, llm=replace(cfg.llm, num_hidden_layers=layers))
+
+
+def grown_layer_positions(old: int, new: int) -> list[int]:
+    """Where the `old` trained layers go in a stack of `new`: spread out, the first one first, the
+    new layers between and after them (3 -> 12: 0, 4, 8)."""
+    return [i * new // old for i in range(old)]
+
+
+def grow_decoder(model: InternVL, layers: int, seed: int) -> InternVL:
+    """The same model with `layers` decoder layers: the trained layers keep their order, and new
+    layers are interleaved after them that start as exact identities, so the grown model computes
+    the same logits as the original before any training.
+
+    Each new layer's residual branches end in zeroed output projections (attention `wo`,
+    feed-forward `w2`; Qwen2's `o_proj`, `down_proj`), the rest is freshly initialised like a
+    from-scratch layer. Why these choices:
+    - zero out-projections (as LLaMA Pro's block expansion and zero-init residual branches do):
+      the residual stream passes through unchanged, and the out-projections still get gradients
+      (their inputs are non-zero), so the layer leaves the identity at the first step;
+    - fresh inner weights rather than copies of a neighbour: several new layers follow each
+      trained one, and copies of one layer would receive near-identical updates for a long time;
+    - interleaved rather than appended: every depth of the residual stream gets new capacity
+      (LLaMA Pro found interleaving better than stacking on top), and layer 0 stays layer 0, the
+      layer the token selector is a copy of."""
+    old = model.cfg.llm.num_hidden_layers
+    if layers < old:
+        raise InputError(f"--decoder-layers {layers}: the --init model has {old} decoder layers; "
+                         "growing adds layers, it cannot remove trained ones")
+    if layers == old:
+        return model
+    rope = getattr(model.language_model, "rope", None)      # the source's RoPE table size, if it has one
+    grown = InternVL(with_decoder_layers(model.cfg, layers), max_len=None if rope is None else rope.cos.shape[0]) \
+        .to(next(model.parameters()).dtype)
+    init_weights(grown, seed)
+    src, dst = model.language_model, grown.language_model
+    keep = grown_layer_positions(old, layers)
+    stack = next(name for name, m in model.named_modules() if m is src.layers) + "."
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if not name.startswith(stack):          # vision tower, projector, embeddings, norm, head
+                grown.state_dict()[name].copy_(t)
+        for i, j in enumerate(keep):
+            dst.layers[j].load_state_dict(src.layers[i].state_dict())
+        for j in set(range(layers)) - set(keep):
+            dst.layers[j].out_proj.weight.zero_()
+            dst.layers[j].mlp_gate_up_down()[2].weight.zero_()
+    return grown.train(model.training)
 
 
 def is_closed_form(question: str, answer: str) -> bool:
@@ -563,6 +622,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     bf16 = args.precision == "bfloat16" or (args.precision == "auto" and device.type == "cuda")
     if bf16 and device.type != "cuda":
         raise InputError("--precision bfloat16 is for GPUs (bf16 autocast on the CPU is slower than float32)")
+    save_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.save_dtype]
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -598,6 +658,8 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         tok_file.write_text(payload[0])
     tok = Tokenizer(work)
     cfg = preset(args.preset, vocab_size=tok.vocab_size)
+    if args.decoder_layers:
+        cfg = with_decoder_layers(cfg, args.decoder_layers)
     if args.tile_size:
         cfg = with_tile_size(cfg, args.tile_size, keep_position_grid=bool(args.init))
     tokens_per_camera = cfg.tokens_per_tile
@@ -624,6 +686,12 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         model.train()
         if args.tile_size:
             model.cfg = with_tile_size(model.cfg, args.tile_size, keep_position_grid=True)
+        if args.decoder_layers:
+            before = model.cfg.llm.num_hidden_layers
+            model = grow_decoder(model, args.decoder_layers, args.seed)
+            if args.decoder_layers > before:
+                log(f"grew the decoder from {before} to {args.decoder_layers} layers: trained layers at "
+                    f"{grown_layer_positions(before, args.decoder_layers)}, the others start as identities")
         if model.cfg != cfg:
             raise InputError(f"--init {args.init}: its config differs from --preset {args.preset}")
     else:
@@ -637,7 +705,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         f"{tokens_per_camera} visual tokens per camera; world size {world}, {where}")
 
     def save_checkpoint() -> None:
-        write_checkpoint(out, model, tok_file)
+        write_checkpoint(out, model, tok_file, dtype=save_dtype)
         write_layout(out, layout)   # the layout the prompts were built in, for every later load
 
     cache = TileCache(frames, cfg.force_image_size)
@@ -820,6 +888,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         "world_size": world,
         "device": str(device) if device.type == "cpu" else f"{device}: {torch.cuda.get_device_name(device)}",
         "precision": "bfloat16 autocast" if bf16 else "float32",
+        "saved_dtype": args.save_dtype,
         "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__,
         "data": data_provenance(args.data),
@@ -854,6 +923,9 @@ def register(subparsers) -> None:
     p.add_argument("--tile-size", type=int,
                    help="tile size in pixels instead of the preset's; with --init the position embedding is "
                         "interpolated from the checkpoint's grid (a higher-resolution fine-tune)")
+    p.add_argument("--decoder-layers", type=int,
+                   help="decoder depth instead of the preset's; with --init a shallower checkpoint is grown to it "
+                        "(new layers interleaved, starting as identities)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--frames-per-step", type=int, default=8, help="frame groups per optimizer step (global)")
@@ -868,6 +940,9 @@ def register(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--max-answer-tokens", type=int, default=64)
+    p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the written weights (training keeps float32 masters; the loader reads either "
+                        "into the pipeline's dtype): bfloat16 halves the folder")
     p.add_argument("--vision-labels", type=Path,
                    help="SynthDrive ground_truth.json: also train a linear probe on every visual token to predict the "
                         "objects drawn there (training only; not in the checkpoint)")
