@@ -37,6 +37,7 @@ REMAPPINGS = [
     ("question", "litevlm/question"),
     ("answer", "litevlm/answer"),
     ("answer_json", "litevlm/answer_json"),
+    ("answer_partial", "litevlm/answer_partial"),
 ]
 
 

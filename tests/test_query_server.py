@@ -1,6 +1,7 @@
 """The node's query server without ROS: every query gets exactly one record, with the right
 status, and accepted queries give what the pipeline itself gives. Uses the real tiny pipeline."""
 
+import dataclasses
 import io
 
 import numpy as np
@@ -458,3 +459,47 @@ def test_prefetch_encodes_the_frame_set_the_next_query_would_get(pipeline):
     assert {stamp for (_, (stamp, _)) in encoded} == {100 * MS} and len(encoded) == len(CAMERAS)
     server.prefetch(req)                                 # nothing left to do for that set
     assert set(features.index) - before == encoded
+
+
+def test_partials_and_budget_reach_the_pipeline(pipeline, monkeypatch):
+    """A query's budget_ms is the pipeline's budget (bad values refused naming it); partials go
+    out while decoding, the last one final with the record's text; a query that fails after
+    partials gets a final partial with the error's empty text; stream_partials false: none."""
+    partials = []
+    records = []
+    server = QueryServer(ServerSettings(), records.append, clock_ns=lambda: 0, publish_partial=partials.append)
+    server.load(lambda: pipeline, warmup=False)
+    server.active = True
+    add_frames(server, 1000 * MS)
+    budgets = []
+    real_answer = pipeline.answer
+    monkeypatch.setattr(pipeline, "answer", lambda *a, **kw: (budgets.append(kw["budget_ms"]), real_answer(*a, **kw))[1])
+
+    rec = server.serve(server.submit("What is in front?", query_id="a", now_ns=1000 * MS, budget_ms=250.0), now_ns=1000 * MS)
+    assert rec.status == "ok" and budgets == [250.0]
+    assert [p.token_count for p in partials] == [*range(1, len(rec.token_ids) + 1), len(rec.token_ids)]
+    assert [p.final for p in partials] == [False] * len(rec.token_ids) + [True]
+    assert partials[-1].text == partials[-2].text == rec.answer and {p.query_id for p in partials} == {"a"}
+
+    for bad in (-1.0, float("nan"), float("inf")):
+        assert server.submit("What is in front?", query_id=f"b{bad}", now_ns=1000 * MS, budget_ms=bad) is None
+        assert records[-1].status == "bad_question" and "budget_ms" in records[-1].status_message
+
+    partials.clear()
+
+    def fails_after_two_tokens(images, question, on_tokens=None, **kw):
+        on_tokens([5])
+        on_tokens([5, 6])
+        raise RuntimeError("engine lost")
+    monkeypatch.setattr(pipeline, "answer", fails_after_two_tokens)
+    rec = server.serve(server.submit("What is behind?", query_id="c", now_ns=1000 * MS), now_ns=1000 * MS)
+    assert rec.status == "pipeline_error"
+    assert [(p.token_count, p.final, p.text) for p in partials[-1:]] == [(0, True, "")] and len(partials) == 3
+
+    monkeypatch.setattr(pipeline, "answer", real_answer)
+    partials.clear()
+    opts = pipeline.rt.options
+    monkeypatch.setattr(pipeline.rt, "options", dataclasses.replace(
+        opts, serving=dataclasses.replace(opts.serving, stream_partials=False)))
+    rec = server.serve(server.submit("What is in front?", query_id="d", now_ns=1000 * MS), now_ns=1000 * MS)
+    assert rec.status == "ok" and rec.token_ids and not partials

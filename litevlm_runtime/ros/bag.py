@@ -454,9 +454,10 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
             msg = reader.deserialize(raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             deadline = msg.deadline.sec * 1_000_000_000 + msg.deadline.nanosec
-            # No frames are in flight in a bag: a failed match is final (allow_wait=False).
+            # No frames are in flight in a bag: a failed match is final (allow_wait=False). A bag
+            # recorded before Query had budget_ms carries its old type: no budget.
             req = server.submit(msg.text, query_id=msg.id, stamp_ns=stamp, deadline_ns=deadline, now_ns=t,
-                                allow_wait=False)
+                                allow_wait=False, budget_ms=float(getattr(msg, "budget_ms", 0.0)))
             if req is not None:
                 server.queue.drain()        # no DDS, no waiting: serve it now
                 server.serve(req, now_ns=t)

@@ -40,7 +40,7 @@ from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
-from litevlm_msgs.msg import Answer, Query
+from litevlm_msgs.msg import Answer, AnswerPartial, Query
 
 from ..answer import STAGES
 from ..cameras import CAMERAS
@@ -49,8 +49,8 @@ from .frame_store import Frame
 from .images import payload_from_msg
 from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
                          ros_default, validate_values)
-from .server import AnswerRecord, QueryServer, ServerSettings
-from .topics import ANSWER, ANSWER_JSON, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
+from .server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
+from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
 
 NODE_NAME = "litevlm_drive"
 # Queries and answers must not be lost: reliable, and deep enough for a burst of questions.
@@ -170,10 +170,12 @@ class DriveNode(LifecycleNode):
         self.config_error = ""
         self.settings = NodeSettings()                      # configure replaces it by the validated values
         self.model_name = model_label(str(self.get_parameter("model_dir").value))
-        self.server = QueryServer(self.settings.server_settings(CAMERAS), self._publish, clock_ns=self._now_ns)
+        self.server = QueryServer(self.settings.server_settings(CAMERAS), self._publish, clock_ns=self._now_ns,
+                                  publish_partial=self._publish_partial)
         self.cameras = CameraMonitor()
         self.answer_pub = self.create_publisher(Answer, ANSWER, RELIABLE)
         self.answer_json_pub = self.create_publisher(String, ANSWER_JSON, RELIABLE)
+        self.partial_pub = self.create_publisher(AnswerPartial, ANSWER_PARTIAL, RELIABLE)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS, 10)
         self.create_subscription(Query, QUERY, self._on_query, QUERY_QOS)
         self.create_subscription(String, QUESTION, self._on_question, QUERY_QOS)
@@ -304,12 +306,19 @@ class DriveNode(LifecycleNode):
             + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-"))
 
     def _on_query(self, msg: Query) -> None:
-        self.server.submit(msg.text, query_id=msg.id, stamp_ns=ns_of(msg.header.stamp), deadline_ns=ns_of(msg.deadline))
+        self.server.submit(msg.text, query_id=msg.id, stamp_ns=ns_of(msg.header.stamp), deadline_ns=ns_of(msg.deadline),
+                           budget_ms=float(msg.budget_ms))
 
     def _on_question(self, msg: String) -> None:
         self.server.submit(msg.data)
 
     # ---- output (worker thread or executor thread) ----
+    def _publish_partial(self, partial: PartialRecord) -> None:
+        msg = AnswerPartial(query_id=partial.query_id, text=partial.text, token_count=partial.token_count,
+                            final=partial.final)
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self.partial_pub.publish(msg)
+
     def _publish(self, rec: AnswerRecord) -> None:
         self.answer_pub.publish(record_to_msg(rec))
         self.answer_json_pub.publish(String(data=json.dumps(rec.to_json())))
@@ -417,7 +426,7 @@ def drain_and_close(node: DriveNode, executor, ack_timeout_s: float = 2.0) -> No
     while not drained.is_set() and executor.context.ok():
         executor.spin_once(timeout_sec=0.05)
     drained.wait()
-    for pub in (node.answer_pub, node.answer_json_pub):
+    for pub in (node.answer_pub, node.answer_json_pub, node.partial_pub):
         if executor.context.ok() and not pub.wait_for_all_acked(Duration(seconds=ack_timeout_s)):
             node.get_logger().warning(f"{pub.topic_name}: not every subscriber acknowledged within {ack_timeout_s:.0f} s")
     node.log_summary()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import math
 import threading
 import time
 import traceback
@@ -129,7 +130,19 @@ class Request:
     deadline_ns: int        # 0: none
     received_ns: int
     frames: FrameSet
+    budget_ms: float = 0.0  # the Query's latency budget (0: the pipeline's serving.latency_budget_ms)
     answered: bool = False  # set once, under QueryServer._answer_lock
+    streamed: bool = False  # a partial answer was published: the last partial (final) must follow
+
+
+@dataclass
+class PartialRecord:
+    """The answer so far (litevlm_msgs/AnswerPartial): after the first token, after every decode
+    pass, and a last one with final=True and the Answer's text just before the Answer."""
+    query_id: str
+    text: str
+    token_count: int
+    final: bool = False
 
 
 @dataclass
@@ -268,8 +281,10 @@ def is_blank(text: str) -> bool:
 
 class QueryServer:
     def __init__(self, settings: ServerSettings, publish: Callable[[AnswerRecord], None],
-                 clock_ns: Callable[[], int] = time.time_ns):
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 publish_partial: Callable[[PartialRecord], None] | None = None):
         self.publish_record = publish
+        self.publish_partial = publish_partial    # None: no partial answers (serving.stream_partials)
         self.clock_ns = clock_ns
         self.queue: RequestQueue | None = None
         self.apply_settings(settings)
@@ -339,9 +354,10 @@ class QueryServer:
 
     # ---- queries ----
     def submit(self, text: str, query_id: str = "", stamp_ns: int = 0, deadline_ns: int = 0,
-               now_ns: int | None = None, allow_wait: bool = True) -> Request | None:
+               now_ns: int | None = None, allow_wait: bool = True, budget_ms: float = 0.0) -> Request | None:
         """Accept one query. Returns the queued Request, or None when it was answered at once
-        or is waiting for frames (see match_wait_s and retry_pending)."""
+        or is waiting for frames (see match_wait_s and retry_pending). `budget_ms`: the query's
+        latency budget (0: the pipeline's default); a negative or non-finite one is bad_question."""
         now = self.clock_ns() if now_ns is None else now_ns
         query_id, new_id = self._take_id(query_id)
         rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp_ns or now)
@@ -374,6 +390,8 @@ class QueryServer:
             check_question(self.pipeline.rt, text)
         except InputError as exc:
             return refuse("bad_question", str(exc))
+        if not math.isfinite(budget_ms) or budget_ms < 0:
+            return refuse("bad_question", f"budget_ms {budget_ms!r}: must be a finite number >= 0 (0: the node's default)")
         if deadline_ns and now > deadline_ns:
             return refuse("deadline_passed", f"deadline passed {(now - deadline_ns) / 1e6:.1f} ms before the query arrived")
         try:
@@ -382,10 +400,10 @@ class QueryServer:
             if allow_wait and self.settings.match_wait_s > 0:
                 with self._pending_lock:
                     self._pending.append((now + int(self.settings.match_wait_s * 1e9), query_id, text,
-                                          stamp_ns or now, deadline_ns, now))
+                                          stamp_ns or now, deadline_ns, now, budget_ms))
                 return None
             return refuse(exc.status, str(exc))
-        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames))
+        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames, budget_ms))
 
     def _enqueue(self, req: Request) -> Request | None:
         queue = self.queue
@@ -408,7 +426,7 @@ class QueryServer:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for item in pending:
-            until, query_id, text, stamp, deadline, received = item
+            until, query_id, text, stamp, deadline, received, budget = item
             try:
                 frames = self.frames.match(now)
             except FrameMatchError as exc:
@@ -421,7 +439,7 @@ class QueryServer:
                 rec.queue_ms = (now - received) / 1e6
                 self._finish(rec)
                 continue
-            self._enqueue(Request(query_id, text, stamp, deadline, received, frames))
+            self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget))
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
@@ -437,7 +455,8 @@ class QueryServer:
         try:
             # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
             cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
-            ans = self.pipeline.answer(images, req.text, frame_keys=FrameKeys(req.frames.frames))
+            ans = self.pipeline.answer(images, req.text, frame_keys=FrameKeys(req.frames.frames),
+                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req))
             rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
         except ImageError as exc:
             rec.status, rec.status_message = "bad_image", str(exc)
@@ -473,13 +492,39 @@ class QueryServer:
         )
 
     def _answer(self, req: Request, rec: AnswerRecord) -> AnswerRecord:
-        """Publish the one record of a queued request (a second attempt is discarded)."""
+        """Publish the one record of a queued request (a second attempt is discarded); a request
+        whose answer was streamed gets its final partial, with the Answer's text, first."""
         with self._answer_lock:
             if req.answered:
                 log.warning("%s: already answered; a late %s record is discarded", req.query_id, rec.status)
                 return rec
             req.answered = True
+        if req.streamed:
+            self._send_partial(PartialRecord(req.query_id, rec.answer, len(rec.token_ids), final=True))
         return self._finish(rec)
+
+    def _partials_of(self, req: Request):
+        """The pipeline's on_tokens for `req`: each call publishes the answer so far, decoded as
+        the final text is (so the last partial of an ok answer is its text); None when partials
+        are off. Publishing stops once the request is answered (a drain gave up on it)."""
+        if self.publish_partial is None or not self.pipeline.rt.options.serving.stream_partials:
+            return None
+        tok = self.pipeline.rt.tok
+
+        def on_tokens(ids: list[int]) -> None:
+            partial = PartialRecord(req.query_id, tok.decode(ids).strip(), len(ids))
+            with self._answer_lock:     # no partial after the answer; none lost before it
+                if req.answered:
+                    return
+                req.streamed = True
+                self._send_partial(partial)
+        return on_tokens
+
+    def _send_partial(self, partial: PartialRecord) -> None:
+        try:
+            self.publish_partial(partial)
+        except Exception:  # noqa: BLE001 - a partial is a courtesy: its failure must not fail the answer
+            log.error("publishing a partial of %s failed: %s", partial.query_id, traceback.format_exc())
 
     def _finish(self, rec: AnswerRecord) -> AnswerRecord:
         try:
@@ -514,7 +559,7 @@ class QueryServer:
             self._answer(req, self._record_for(req, status, reason))
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        for _, query_id, text, stamp, _, _ in pending:
+        for _, query_id, text, stamp, *_ in pending:
             self._finish(AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp,
                                       status=status, status_message=reason))
 

@@ -6,6 +6,7 @@ Inside the node every name is relative, so `__ns` and remapping place an instanc
                                          namespace, then image_transport's image_raw[/compressed])
     query, question                      in:  litevlm_msgs/Query, std_msgs/String
     answer, answer_json                  out: litevlm_msgs/Answer, std_msgs/String (JSON)
+    answer_partial                       out: litevlm_msgs/AnswerPartial (serving.stream_partials)
     /diagnostics                         absolute, by ROS convention
 
 The shipped names (`/cam_front/image_raw/compressed`, `/litevlm/query`, ...) come from the root
@@ -19,6 +20,7 @@ from __future__ import annotations
 from ..cameras import CAMERAS
 
 QUERY, QUESTION, ANSWER, ANSWER_JSON = "query", "question", "answer", "answer_json"
+ANSWER_PARTIAL = "answer_partial"
 DIAGNOSTICS = "/diagnostics"
 DEFAULT_CAMERA_TOPICS = tuple(f"{c.lower()}/image_raw/compressed" for c in CAMERAS)
 
@@ -29,6 +31,7 @@ SHIPPED_REMAPS = (
     (QUESTION, "litevlm/question"),
     (ANSWER, "litevlm/answer"),
     (ANSWER_JSON, "litevlm/answer_json"),
+    (ANSWER_PARTIAL, "litevlm/answer_partial"),
 )
 
 
@@ -56,12 +59,13 @@ def resolve(name: str, namespace: str = "/", remaps=SHIPPED_REMAPS, node_name: s
 
 def shipped_topic_names(camera_topics, namespace: str = "/") -> dict:
     """The node's topics where the shipped remappings apply: camera_topics resolved, plus
-    query_topic, question_topic, answer_topic and answer_json_topic (what the bag tools publish
-    and read)."""
+    query_topic, question_topic, answer_topic, answer_json_topic and answer_partial_topic (what
+    the bag tools publish and read)."""
     return {
         "camera_topics": [resolve(t, namespace) for t in camera_topics],
         "query_topic": resolve(QUERY, namespace),
         "question_topic": resolve(QUESTION, namespace),
         "answer_topic": resolve(ANSWER, namespace),
         "answer_json_topic": resolve(ANSWER_JSON, namespace),
+        "answer_partial_topic": resolve(ANSWER_PARTIAL, namespace),
     }
