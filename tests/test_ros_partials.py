@@ -26,7 +26,7 @@ def params_with(path, **overrides):
 
 
 def test_partials_then_the_final_answer_equal_to_the_unstreamed_one(tmp_path):
-    from litevlm_msgs.msg import Answer, AnswerPartial
+    from litevlm_msgs.msg import Answer, AnswerPartial, Query
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
     from litevlm_runtime.bundled import DEFAULT_MODEL
@@ -54,13 +54,22 @@ def test_partials_then_the_final_answer_equal_to_the_unstreamed_one(tmp_path):
         rig.ask("p1", QUESTION)
         assert client.spin_until(lambda: answers and partials and partials[-1].final, 120), node.text()[-2000:]
         client.spin_for(0.5)                              # nothing may follow the final partial
+        rig.frames(seed=3)                                # fresh frames (the first set may be stale by now)
+        client.spin_for(0.3)
+        budgeted = Query(id="p2", text=QUESTION, budget_ms=60_000.0)     # a Query's own budget reaches the pipeline
+        budgeted.header.stamp = client.node.get_clock().now().to_msg()
+        rig.query.publish(budgeted)
+        assert client.spin_until(lambda: len(answers) == 2, 120), node.text()[-2000:]
+        client.spin_for(0.5)
     finally:
         client.close()
         node.stop()
 
-    assert len(answers) == 1
+    assert [a.query_id for a in answers] == ["p1", "p2"] and answers[1].status == 0
+    assert (answers[0].budget_ms, answers[1].budget_ms, answers[1].budget_met) == (0.0, 60_000.0, True)
     answer = answers[0]
-    assert answer.query_id == "p1" and answer.status == 0, answer
+    assert answer.status == 0, answer
+    partials = [m for m in partials if m.query_id == "p1"]
     assert answer.pipeline.startswith("litevlm[") and "eagle" in answer.pipeline, answer.pipeline
     assert len(partials) >= 3 and all(m.query_id == "p1" for m in partials)
     assert [m.final for m in partials] == [False] * (len(partials) - 1) + [True]
