@@ -339,3 +339,16 @@ def test_not_a_bag_is_a_clear_error(tmp_path, make, words):
     path = make(tmp_path)
     with pytest.raises(InputError, match=words):
         list(read_bag(path))
+
+
+def test_reuse_summary_compares_first_and_later_questions_per_frame_set():
+    from litevlm_runtime.ros.bag import reuse_summary
+
+    def r(stamp, vision, status="ok", reused=()):
+        return {"status": status, "frame_stamps_ns": {"CAM_FRONT": stamp, "CAM_BACK": stamp + 1},
+                "stage_ms": {"vision": vision}, "reused_cameras": list(reused)}
+    rows = [r(1, 40.0), r(1, 4.0, reused=["CAM_FRONT"]), r(1, 0.0, reused=["CAM_FRONT"]), r(2, 60.0),
+            r(2, 99.0, status="bad_image"), r(2, 6.0, reused=["CAM_BACK"]), r(3, 50.0)]
+    s = reuse_summary(rows)
+    assert (s["first"], s["first_ms"], s["later"], s["later_ms"], s["answers_reusing"]) == (3, 50.0, 3, 4.0, 3)
+    assert reuse_summary([r(1, 40.0), r(2, 30.0)]) is None          # no later question: nothing to say

@@ -94,7 +94,7 @@ def cmd_eval(args) -> int:
 
 def cmd_summary(args) -> int:
     from ..answer import STAGES
-    from ..ros.bag import read_jsonl
+    from ..ros.bag import read_jsonl, reuse_summary
 
     rows = read_jsonl(args.file)
     print(f"{len(rows)} answers in {args.file}")
@@ -106,6 +106,11 @@ def cmd_summary(args) -> int:
         said = r["answer"] if r["status"] == "ok" else r["status_message"]
         print(f"{r['query_id']:<12}{r['status']:<16}{stages}{r['total_ms']:>9.1f}{e2e}  {r['question'][:50]!r} -> {said[:60]!r}")
     print_latency(rows, "latency over ok answers (transport = end-to-end - queue - pipeline)")
+    reuse = reuse_summary(rows)
+    if reuse:
+        print(f"\nvisual reuse: vision median {reuse['first_ms']:.2f} ms for the first question on a frame set "
+              f"({reuse['first']}), {reuse['later_ms']:.2f} ms for the later ones ({reuse['later']}): "
+              f"{reuse['later_ms'] / max(reuse['first_ms'], 1e-9):.2f}x; {reuse['answers_reusing']} answers reused cameras")
     return 0
 
 

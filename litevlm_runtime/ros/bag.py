@@ -540,6 +540,24 @@ def compare_runs(a_rows: list[dict], b_rows: list[dict]) -> Comparison:
     return Comparison(diffs, rows, len(common))
 
 
+def reuse_summary(rows: list[dict]) -> dict | None:
+    """Visual reuse over ok answers: the vision stage of the first question answered on each frame
+    set (its stamps) against the later ones on the same set; None without a later question."""
+    first, later, seen = [], [], set()
+    reused = 0
+    for r in rows:
+        if r.get("status") != "ok" or "vision" not in r.get("stage_ms", {}):
+            continue
+        key = tuple(sorted(r.get("frame_stamps_ns", {}).items()))
+        (later if key in seen else first).append(r["stage_ms"]["vision"])
+        seen.add(key)
+        reused += bool(r.get("reused_cameras"))
+    if not first or not later:
+        return None
+    return {"first": len(first), "first_ms": float(np.median(first)), "later": len(later),
+            "later_ms": float(np.median(later)), "answers_reusing": reused}
+
+
 def latency_table(rows: list[dict]) -> list[tuple[str, float, float, int]]:
     """Median and p90 per stage (and total, queue, end-to-end and transport when recorded) over ok answers."""
     ok = [r for r in rows if r.get("status") == "ok"]
