@@ -82,8 +82,11 @@ class Pipeline:
         with timer("prefill"):
             prompt = prefill(rt, layout, keep)
         with timer("decode"):
-            decode = decoder or (eagle2 if plan.decoding == "eagle" and speculates(rt) else greedy)
+            speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
+            decode = decoder or (eagle2 if speculate else greedy)
             out = decode(rt, prompt, plan.max_new_tokens, on_tokens)
+        if decoder is None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
+            rt.costs.observe_answer("eagle" if speculate else "greedy", len(out.tokens), timer.milliseconds()["decode"])
         if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
             plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
 

@@ -17,9 +17,15 @@ tokens) corrects it online. Decisions:
 
   expand     draft another level only if the best tree after it is expected to be faster
   total      verify the T best nodes that maximise (1 + c * sum p) / (draft ms + verify(T + 1))
-  answers    speculate in an answer at all: the realised speed of the last rounds (tokens per ms
-             against a plain step, every cost included) is kept across answers; while it is below
-             1, answers decode greedily, with one probing answer in PROBE_EVERY
+  answers    speculate in an answer at all, by the realised decode time per token of whole answers
+             with and without speculation (every cost included: the draft's catch-up over the
+             prompt, plain steps before and between rounds, bookkeeping), kept across answers. The
+             first answers alternate to measure both; then answers speculate while that is
+             faster, else decode greedily with a probing answer now and then (every PROBE_EVERY
+             answers, doubling up to PROBE_LIMIT while probes keep losing). Rounds alone cannot
+             decide this: on a short answer the catch-up, paid once, is what loses (measured on
+             the bundled model's LiteVLM prompts: rounds at 1.3 tokens per plain step, answers
+             1.9x slower in the median)
   draft_now  draft at all: the draft's first call catches up on the whole prompt, a cost paid
              once per answer that a short answer never earns back, so an answer starts with plain
              steps until they have cost as much as the catch-up would (ski rental: never worse
@@ -45,8 +51,10 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PENDING_SIZES = (1, 2, 4, 8)
 MAX_BACKOFF = 16
 CALIBRATION_BOUNDS = (0.05, 2.0)
-PROBE_EVERY = 8          # while speculation loses, one answer in this many still speculates
-MIN_ROUNDS = 8           # rounds before the realised speed may switch speculation off
+PROBE_EVERY = 8          # while speculation loses, one answer in this many still speculates ...
+PROBE_LIMIT = 64         # ... the interval doubling up to this while the probes keep losing
+MIN_ANSWERS = 3          # answers of each kind (greedy, speculative) before their speeds decide
+ANSWER_EMA = 0.2
 
 
 def interpolate(table: dict[int, float], x: float) -> float:
@@ -73,7 +81,12 @@ class DeviceCosts:
     overhead_ms: float = 0.0             # a round's wall time beyond the models' (EMA, measured online)
     speed: float = 1.0                   # realised tokens/ms of rounds over a plain step's (EMA)
     rounds: int = 0
+    # Whole answers, per kind ("greedy", "eagle"): EMAs of decode ms and of tokens, and counts.
+    answer_ms: dict = field(default_factory=lambda: {"greedy": 0.0, "eagle": 0.0})
+    answer_tokens: dict = field(default_factory=lambda: {"greedy": 0.0, "eagle": 0.0})
+    answers: dict = field(default_factory=lambda: {"greedy": 0, "eagle": 0})
     answers_since_probe: int = 0
+    probe_every: int = PROBE_EVERY
     source: str = "measured"
 
     @property
@@ -85,6 +98,10 @@ class DeviceCosts:
         if other is not None and other.rounds:
             self.calibration, self.overhead_ms, self.speed, self.rounds = (
                 other.calibration, other.overhead_ms, other.speed, other.rounds)
+        if other is not None and any(other.answers.values()):
+            self.answer_ms, self.answer_tokens, self.answers = (
+                dict(other.answer_ms), dict(other.answer_tokens), dict(other.answers))
+            self.answers_since_probe, self.probe_every = other.answers_since_probe, other.probe_every
 
     def verify(self, rows: int) -> float:
         return interpolate(self.verify_ms, rows)
@@ -104,18 +121,38 @@ class DeviceCosts:
     def speculation_can_pay(self, max_depth: int) -> bool:
         return self.best_chain_rate(max_depth)[0] > 1.0 / self.step_ms
 
+    def observe_answer(self, kind: str, tokens: int, ms: float) -> None:
+        """One answer's decode stage: `tokens` emitted in `ms` (wall clock), kind greedy|eagle."""
+        a = ANSWER_EMA if self.answers[kind] else 1.0
+        self.answer_ms[kind] = (1 - a) * self.answer_ms[kind] + a * ms
+        self.answer_tokens[kind] = (1 - a) * self.answer_tokens[kind] + a * tokens
+        self.answers[kind] += 1
+
+    def answer_speed(self) -> float | None:
+        """Greedy's decode ms per token over speculation's, whole answers (> 1: speculation is
+        faster); None until both kinds have MIN_ANSWERS."""
+        if min(self.answers.values()) < MIN_ANSWERS:
+            return None
+        per_token = {k: self.answer_ms[k] / max(self.answer_tokens[k], 1e-9) for k in self.answers}
+        return per_token["greedy"] / max(per_token["eagle"], 1e-9)
+
     def speculate_this_answer(self, max_depth: int) -> bool:
-        """EAGLE-2 for the next answer? Not where even a perfect chain loses to a plain step; not
-        while the realised speed of recent rounds is below a plain step's, but for one probing
-        answer in PROBE_EVERY (the acceptance of other questions may differ)."""
+        """EAGLE-2 for the next answer? Not where even a perfect chain loses to a plain step;
+        while learning, every other answer; then while whole speculative answers are faster
+        per token than greedy ones, else only a probe now and then (the acceptance of other
+        questions may differ)."""
         if not self.speculation_can_pay(max_depth):
             return False
-        if self.rounds < MIN_ROUNDS or self.speed >= 1.0:
-            self.answers_since_probe = 0
+        speed = self.answer_speed()
+        if speed is None:
+            return self.answers["eagle"] <= self.answers["greedy"]
+        if speed >= 1.0:
+            self.answers_since_probe, self.probe_every = 0, PROBE_EVERY
             return True
         self.answers_since_probe += 1
-        if self.answers_since_probe >= PROBE_EVERY:
+        if self.answers_since_probe >= self.probe_every:
             self.answers_since_probe = 0
+            self.probe_every = min(2 * self.probe_every, PROBE_LIMIT)
             return True
         return False
 

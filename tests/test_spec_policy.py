@@ -120,14 +120,28 @@ def test_fixed_policy_is_the_configured_tree():
     assert pol.draft_now() and pol.expand(scores, scores[:3], 1) and pol.choose_total(scores, 12) == 9
 
 
-def test_answers_decode_greedily_while_speculation_loses_then_probe():
+def test_answers_alternate_to_learn_then_decode_greedily_while_speculation_loses_then_probe():
+    from litevlm_runtime.spec_policy import MIN_ANSWERS, PROBE_EVERY, PROBE_LIMIT
+
     costs = gpu()
-    assert costs.speculate_this_answer(6)                 # no rounds yet: try
-    costs.rounds, costs.speed = 20, 0.8                   # realised: slower than a plain step
-    decisions = [costs.speculate_this_answer(6) for _ in range(16)]
-    assert decisions.count(True) == 2 and decisions[7] and decisions[15]     # one probe in PROBE_EVERY
-    costs.speed = 1.3
-    assert costs.speculate_this_answer(6)
+
+    def answer(kind_if_eagle_ms, greedy_ms, tokens=10):
+        eagle = costs.speculate_this_answer(6)
+        costs.observe_answer("eagle" if eagle else "greedy", tokens, kind_if_eagle_ms if eagle else greedy_ms)
+        return eagle
+
+    learning = [answer(30.0, 10.0) for _ in range(2 * MIN_ANSWERS)]
+    assert learning == [True, False] * MIN_ANSWERS                # both kinds measured, in turn
+    assert costs.answer_speed() == pytest.approx(1 / 3)            # whole answers: 3x slower per token
+    later = [answer(30.0, 10.0) for _ in range(PROBE_EVERY + 2 * PROBE_EVERY + 4 * PROBE_EVERY)]
+    probes = [i for i, e in enumerate(later) if e]
+    assert probes == [PROBE_EVERY - 1, 3 * PROBE_EVERY - 1, 7 * PROBE_EVERY - 1]   # losing probes: rarer
+    assert costs.probe_every == min(8 * PROBE_EVERY, PROBE_LIMIT)
+    # Speculation that wins is kept: after enough fast speculative answers it is on for every answer.
+    costs.answer_ms["eagle"], costs.answer_tokens["eagle"] = 5.0, 10.0
+    assert costs.answer_speed() == pytest.approx(2.0)
+    assert all(costs.speculate_this_answer(6) for _ in range(5)) and costs.probe_every == PROBE_EVERY
+    assert not shallow().speculate_this_answer(6)                  # a perfect chain cannot pay: never
 
 
 def test_round_overhead_is_learned_and_counts_against_trees():

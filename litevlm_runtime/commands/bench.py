@@ -118,11 +118,20 @@ def policy_choice(costs, tree) -> list[list]:
         levels += 1
     total = pol.choose_total(scores, tree.total)
     return [["a perfect draft could pay here", "yes" if costs.speculation_can_pay(tree.depth) else "no (a plain step is faster)"],
-            ["realised speed of rounds", f"{costs.speed:.2f} x a plain step over {costs.rounds} rounds "
-                                         f"({'speculating' if costs.speed >= 1 or costs.rounds < 8 else 'greedy, probing 1 answer in 8'})"],
+            ["realised speed of rounds", f"{costs.speed:.2f} x a plain step over {costs.rounds} rounds"],
+            ["realised speed of answers", answer_speed_line(costs)],
             ["best perfectly-accepted chain", f"depth {depth}: {rate * costs.step_ms:.2f} tokens per plain step"],
             ["tree for the reference profile", f"depth {levels}, {total + 1} nodes verified"],
             ["round overhead beyond the models", f"{costs.overhead_ms:.2f} ms (learned online)"]]
+
+
+def answer_speed_line(costs) -> str:
+    speed = costs.answer_speed()
+    counts = f"{costs.answers['eagle']} speculative, {costs.answers['greedy']} greedy answers"
+    if speed is None:
+        return f"learning ({counts}; alternating)"
+    verdict = "speculating" if speed >= 1 else f"greedy, probing 1 answer in {costs.probe_every}"
+    return f"{speed:.2f}x greedy's decode time per token ({counts}): {verdict}"
 
 
 def run_costs_command(args) -> int:
