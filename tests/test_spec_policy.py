@@ -153,3 +153,19 @@ def test_round_overhead_is_learned_and_counts_against_trees():
     assert costs.overhead_ms == pytest.approx(1.0)                   # EMA: 0.2 of 5 ms
     assert costs.speed < 1.0                                         # 2 tokens in 6.3 ms vs 1 per ms
     assert not shallow().speculation_can_pay(6)
+
+
+def test_bench_reports_the_answer_level_decision():
+    from litevlm_runtime.commands.bench import policy_choice
+    from litevlm_runtime.options import EagleTree
+    from litevlm_runtime.spec_policy import MIN_ANSWERS
+
+    costs = cpu()
+    rows = dict(policy_choice(costs, EagleTree()))
+    assert rows["realised speed of answers"].startswith("learning (0 speculative, 0 greedy")
+    for _ in range(MIN_ANSWERS):
+        costs.observe_answer("eagle", 10, 20.0)
+        costs.observe_answer("greedy", 10, 10.0)
+    rows = dict(policy_choice(costs, EagleTree()))
+    assert rows["realised speed of answers"].startswith("0.50x greedy's tokens per ms, whole answers")
+    assert rows["realised speed of answers"].endswith("greedy, probing 1 answer in 8")

@@ -131,7 +131,7 @@ def answer_speed_line(costs) -> str:
     if speed is None:
         return f"learning ({counts}; alternating)"
     verdict = "speculating" if speed >= 1 else f"greedy, probing 1 answer in {costs.probe_every}"
-    return f"{speed:.2f}x greedy's decode time per token ({counts}): {verdict}"
+    return f"{speed:.2f}x greedy's tokens per ms, whole answers ({counts}): {verdict}"
 
 
 def run_costs_command(args) -> int:
@@ -171,6 +171,9 @@ def run_budget_command(args) -> int:
     result = run_budget_bench(args.model, args.data, args.frames, pipeline_options(args), args.limit,
                               tuple(args.budget), progress=lambda m: print(m, file=sys.stderr))
     print(json.dumps(result, indent=2) if args.json else budget_table(result))
+    return 0
+
+
 def run_contention_command(args) -> int:
     import sys
 
