@@ -187,6 +187,22 @@ def test_bad_start_values_fail_configure_and_the_process_stays_up(tmp_path, tiny
         node.stop()
 
 
+def test_a_misspelt_key_in_the_params_file_fails_configure(tmp_path, tiny_model):
+    """rclpy drops an override the node never declares; under ros2 launch a typo would run the
+    default silently. The node fails configure naming the key, and stays up."""
+    domain = domain_id(9)
+    params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, queue_sise=3)
+    node = start_node(tmp_path, domain, "/", params)
+    client = RosClient(domain)
+    try:
+        assert not client.lifecycle_set("/litevlm_drive", "configure")
+        assert client.lifecycle_get("/litevlm_drive") == "unconfigured" and node.alive()
+        assert "queue_sise: not a parameter of this node" in node.text()
+    finally:
+        client.close()
+        node.stop()
+
+
 def test_live_queue_change_keeps_queued_queries(tiny_model):
     """apply_live shrinks the queue in place: queued queries are kept and served, none
     answered; QueryServer.apply_settings (configure) rebuilds the queue and answers those
