@@ -22,12 +22,12 @@ answer length, so an answer that runs long is cut at the cap rather than over bu
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+from .timing import median_ms
 
 EMA = 0.2                     # weight of a new observation
 KEEP_LADDER = (0.6, 0.4, 0.25, 0.1)
@@ -97,18 +97,9 @@ class BudgetPlanner:
         from .decoding import step_one
 
         rt, a = self.rt, self.rt.arena
-        sync = (lambda: torch.cuda.synchronize(rt.device)) if rt.device.type == "cuda" else (lambda: None)
 
         def ms(fn) -> float:
-            fn()
-            sync()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times.append((time.perf_counter() - t0) * 1000.0)
-            return statistics.median(times)
+            return median_ms(fn, repeats, rt.device)
 
         tiles = rt.options.tiles_per_camera
         cams = len(rt.options.cameras)

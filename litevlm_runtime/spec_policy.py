@@ -41,11 +41,11 @@ policy chooses (verification is lossless).
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .timing import median_ms
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PENDING_SIZES = (1, 2, 4, 8)
@@ -271,18 +271,6 @@ class TreePolicyState:
 
 
 # ---------------------------------------------------------------------- measurement
-def _median_ms(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def measure_costs(rt, context: int | None = None, repeats: int = 5) -> DeviceCosts:
     """Time the target's verification of T rows, one draft level and the draft over pending
@@ -291,7 +279,6 @@ def measure_costs(rt, context: int | None = None, repeats: int = 5) -> DeviceCos
     a, e = rt.arena, rt.engines
     tree = rt.options.decoding.eagle
     context = min(context or a.max_prompt // 2, a.max_len - max(VERIFY_SIZES) - 1)
-    sync = (lambda: torch.cuda.synchronize(rt.device)) if rt.device.type == "cuda" else (lambda: None)
     d = rt.cfg.llm.hidden_size
     x = torch.zeros(max(VERIFY_SIZES + PENDING_SIZES + (tree.topk,)), d, dtype=rt.dtype, device=rt.device)
     sizes = [t for t in VERIFY_SIZES if t <= a.limits.tree_tokens]
@@ -304,7 +291,7 @@ def measure_costs(rt, context: int | None = None, repeats: int = 5) -> DeviceCos
             e.head.run(hidden).argmax(-1)
         return run
 
-    verify_ms = {t: _median_ms(verify(t), repeats, sync) for t in sizes}
+    verify_ms = {t: median_ms(verify(t), repeats, rt.device) for t in sizes}
     if e.draft is None:
         return DeviceCosts(verify_ms, math.inf, {r: math.inf for r in PENDING_SIZES})
 
@@ -317,6 +304,6 @@ def measure_costs(rt, context: int | None = None, repeats: int = 5) -> DeviceCos
                 lp.topk(tree.topk, dim=-1)
         return run
 
-    pending_ms = {r: _median_ms(draft(r), repeats, sync) for r in PENDING_SIZES}
-    level_ms = _median_ms(draft(tree.topk, topk=True), repeats, sync)
+    pending_ms = {r: median_ms(draft(r), repeats, rt.device) for r in PENDING_SIZES}
+    level_ms = median_ms(draft(tree.topk, topk=True), repeats, rt.device)
     return DeviceCosts(verify_ms, level_ms, pending_ms)

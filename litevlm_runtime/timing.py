@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -31,3 +32,18 @@ class StageTimer:
             torch.cuda.synchronize()
             return {s: a.elapsed_time(b) for s, a, b in self._marks}
         return {s: (b - a) * 1000.0 for s, a, b in self._marks}
+
+
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    """Median wall milliseconds of `fn()` over `repeats` calls after one untimed call, synchronising
+    the device after each (warm-up cost tables: budget.py, spec_policy.py)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
