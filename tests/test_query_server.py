@@ -29,9 +29,9 @@ def pipeline(tiny_model):
     return Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=3))      # tiny: the baseline
 
 
-def make_server(pipeline, **kw):
+def make_server(pipeline, clock_ns=lambda: 0, publish_partial=None, **kw):
     records = []
-    server = QueryServer(ServerSettings(**kw), records.append, clock_ns=lambda: 0)
+    server = QueryServer(ServerSettings(**kw), records.append, clock_ns=clock_ns, publish_partial=publish_partial)
     if pipeline is not None:
         server.load(lambda: pipeline, warmup=False)
         server.active = True
@@ -154,10 +154,7 @@ def test_pipeline_failure_mid_run_is_answered_and_serving_continues(tiny_model):
 def test_worker_thread_answers_every_query_exactly_once(pipeline):
     import time
 
-    records = []
-    server = QueryServer(ServerSettings(queue_size=2), records.append)
-    server.load(lambda: pipeline, warmup=False)
-    server.active = True
+    server, records = make_server(pipeline, clock_ns=time.time_ns, queue_size=2)
     add_frames(server, time.time_ns())
     server.start_worker()
     for i in range(6):
@@ -178,10 +175,7 @@ def test_queued_queries_are_all_served_between_prefetches(pipeline):
     prefetch of the frame set (visual reuse) that runs between them."""
     import time
 
-    records = []
-    server = QueryServer(ServerSettings(queue_size=8), records.append)
-    server.load(lambda: pipeline, warmup=False)
-    server.active = True
+    server, records = make_server(pipeline, clock_ns=time.time_ns, queue_size=8)
     add_frames(server, time.time_ns())
     server.start_worker()
     for i in range(6):
@@ -319,28 +313,21 @@ class SlowPipeline:
         return self.pipe.prefetch(*args, **kw)
 
 
-def started_server(pipe, records, **kw):
+def started_server(pipe, **kw):
+    """A server on the real clock with frames of now and its worker running: (server, records)."""
     import time
 
-    server = QueryServer(ServerSettings(**kw), records.append)
-    server.load(lambda: pipe, warmup=False)
-    server.active = True
-    add_frames_now(server, time.time_ns())
+    server, records = make_server(pipe, clock_ns=time.time_ns, **kw)
+    add_frames(server, time.time_ns())
     server.start_worker()
-    return server
-
-
-def add_frames_now(server, t):
-    for cam in CAMERAS:
-        server.frames.add(Frame(cam, t, CompressedPayload("jpeg", jpeg(CAMERAS.index(cam)))))
+    return server, records
 
 
 def test_shutdown_finishes_the_running_query_and_answers_the_queued_ones(pipeline):
     import threading
 
-    records = []
     slow = SlowPipeline(pipeline)
-    server = started_server(slow, records, queue_size=8)
+    server, records = started_server(slow, queue_size=8)
     for i in range(6):
         server.submit(f"question {i}", query_id=f"s{i}")
     assert slow.started.wait(30)                              # s0 is running, s1..s5 queued
@@ -359,9 +346,8 @@ def test_shutdown_finishes_the_running_query_and_answers_the_queued_ones(pipelin
 
 
 def test_shutdown_is_bounded_and_a_late_result_is_not_published_twice(pipeline):
-    records = []
     slow = SlowPipeline(pipeline)
-    server = started_server(slow, records, queue_size=4, drain_timeout_s=0.2)
+    server, records = started_server(slow, queue_size=4, drain_timeout_s=0.2)
     server.submit("stuck?", query_id="stuck")
     server.submit("queued?", query_id="queued")
     assert slow.started.wait(30)
@@ -424,9 +410,8 @@ def test_a_query_that_arrives_while_the_worker_prefetches_is_answered(pipeline):
                 pass
             return []
 
-    records = []
     held = HeldPrefetch(pipeline)
-    server = started_server(held, records, queue_size=4)
+    server, records = started_server(held, queue_size=4)
     server.submit("first?", query_id="p0")
     assert held.started.wait(30)                              # p0 answered, the worker is prefetching
     server.submit("second?", query_id="p1")
@@ -466,10 +451,7 @@ def test_partials_and_budget_reach_the_pipeline(pipeline, monkeypatch):
     out while decoding, the last one final with the record's text; a query that fails after
     partials gets a final partial with the error's empty text; stream_partials false: none."""
     partials = []
-    records = []
-    server = QueryServer(ServerSettings(), records.append, clock_ns=lambda: 0, publish_partial=partials.append)
-    server.load(lambda: pipeline, warmup=False)
-    server.active = True
+    server, records = make_server(pipeline, publish_partial=partials.append)
     add_frames(server, 1000 * MS)
     budgets = []
     real_answer = pipeline.answer
