@@ -31,52 +31,52 @@ class ImageError(InputError):
     """A camera's frame cannot be used (the message names the camera): a bad_image answer."""
 
 
-class FrameKeys(Mapping):
-    """camera -> what identifies its frame for visual reuse: the header stamp and a CRC-32 of the
-    payload (a replayed bag, or another source, may reuse stamps for other images). Computed when
-    the pipeline looks a camera up, so only selected cameras are hashed (~0.1 ms per JPEG)."""
+class LazyByCamera(Mapping):
+    """camera -> a value made from `source[camera]` the first time the pipeline reads that camera,
+    then kept: the view selector runs first, so only the cameras it selects are ever made."""
 
-    def __init__(self, frames: dict):
-        self.frames, self.keys = frames, {}
+    def __init__(self, source: dict):
+        self.source, self._made = source, {}
+
+    def make(self, camera: str, item):
+        raise NotImplementedError
 
     def __getitem__(self, camera: str):
-        if camera not in self.keys:
-            f = self.frames[camera]
-            self.keys[camera] = (f.stamp_ns, zlib.crc32(f.payload.data))
-        return self.keys[camera]
+        if camera not in self._made:
+            self._made[camera] = self.make(camera, self.source[camera])
+        return self._made[camera]
 
     def __contains__(self, camera) -> bool:
-        return camera in self.frames
+        return camera in self.source
 
     def __iter__(self):
-        return iter(self.frames)
+        return iter(self.source)
 
     def __len__(self) -> int:
-        return len(self.frames)
+        return len(self.source)
 
 
-class CameraImages(Mapping):
+class FrameKeys(LazyByCamera):
+    """camera -> what identifies its frame for visual reuse: the header stamp and a CRC-32 of the
+    payload (a replayed bag, or another source, may reuse stamps for other images). Only selected
+    cameras are hashed (~0.1 ms per JPEG)."""
+
+    def make(self, camera: str, frame):
+        return frame.stamp_ns, zlib.crc32(frame.payload.data)
+
+
+class CameraImages(LazyByCamera):
     """camera -> what Pipeline.answer takes, converted from the ROS payload when the pipeline first
-    reads that camera: the view selector runs first, so an unselected camera is never converted
-    (a Bayer or YUV frame is not demosaiced for nothing, a broken one does not fail the query), and
-    the conversion is timed in the pipeline's preprocess stage."""
+    reads that camera: an unselected camera is never converted (a Bayer or YUV frame is not
+    demosaiced for nothing, a broken one does not fail the query), and the conversion is timed in
+    the pipeline's preprocess stage."""
 
     def __init__(self, payloads: dict, max_image_pixels: int = MAX_IMAGE_PIXELS):
-        self.payloads, self.max_image_pixels, self.converted = payloads, max_image_pixels, {}
+        super().__init__(payloads)
+        self.max_image_pixels = max_image_pixels
 
-    def __getitem__(self, camera: str):
-        if camera not in self.converted:
-            self.converted[camera] = to_pipeline_image(camera, self.payloads[camera], self.max_image_pixels)
-        return self.converted[camera]
-
-    def __contains__(self, camera) -> bool:
-        return camera in self.payloads
-
-    def __iter__(self):
-        return iter(self.payloads)
-
-    def __len__(self) -> int:
-        return len(self.payloads)
+    def make(self, camera: str, payload):
+        return to_pipeline_image(camera, payload, self.max_image_pixels)
 
 
 @dataclass(frozen=True)
