@@ -85,8 +85,9 @@ class Pipeline:
             speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
             decode = decoder or (eagle2 if speculate else greedy)
             out = decode(rt, prompt, plan.max_new_tokens, on_tokens)
+        stage_ms = timer.milliseconds()                       # (one device sync, after the last stage)
         if decoder is None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
-            rt.costs.observe_answer("eagle" if speculate else "greedy", len(out.tokens), timer.milliseconds()["decode"])
+            rt.costs.observe_answer("eagle" if speculate else "greedy", len(out.tokens), stage_ms["decode"])
         if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
             plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
 
@@ -94,7 +95,7 @@ class Pipeline:
             question=question,
             text=rt.tok.decode(out.tokens).strip(),
             token_ids=out.tokens,
-            stage_ms=timer.milliseconds(),
+            stage_ms=stage_ms,
             cameras=list(plan.cameras),
             visual_tokens=len(plan.cameras) * rt.tokens_per_camera,
             kept_tokens=prompt.kept_tokens,
