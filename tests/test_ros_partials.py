@@ -9,7 +9,7 @@ the two topics."""
 from __future__ import annotations
 
 import yaml
-from ros_helpers import ROOT, Proc, RosClient, Rig, domain_id, jpeg, ros_env
+from ros_helpers import ROOT, Proc, RosClient, Rig, domain_id, jpeg, ros_env, write_params
 
 QUESTION = "What actions could the ego vehicle take based on <c1,CAM_FRONT,800.0,500.0>? Why take this action and what's the probability?"
 
@@ -19,9 +19,8 @@ def params_with(path, **overrides):
     from litevlm_runtime.ros.parameters import flatten, node_section
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())
-    values = flatten(node_section(doc, "litevlm_drive"))
-    values.update(overrides)
-    path.write_text(yaml.safe_dump({"/**/litevlm_drive": {"ros__parameters": values}}))
+    values = flatten(node_section(doc, "litevlm_drive")) | overrides
+    write_params(path, **values)
     return values
 
 
