@@ -166,12 +166,7 @@ class CameraMonitor:
 class DriveNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs):
         super().__init__(node_name, **kwargs)
-        self.refused = declare_parameters(self)           # start values rclpy refused: configure fails on them
-        # rclpy drops an override the node does not declare without a word (a misspelt key in a
-        # params file under ros2 launch would silently run the default): configure fails on it.
-        # _parameter_overrides is rclpy's own record of them (no public accessor).
-        for name in sorted(set(getattr(self, "_parameter_overrides", {})) - set(self._parameters)):
-            self.refused[name] = f"{name}: not a parameter of this node (misspelt? `ros2 param list` shows them)"
+        self.refused = declare_parameters(self)           # start values refused (or unknown): configure fails on them
         self.config_error = ""
         self.settings = NodeSettings()                      # configure replaces it by the validated values
         self.model_name = model_label(str(self.get_parameter("model_dir").value))

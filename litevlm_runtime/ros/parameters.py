@@ -117,7 +117,9 @@ def descriptor(s: Setting, read_only: bool | None = None) -> ParameterDescriptor
 def declare_parameters(node) -> dict[str, str]:
     """Declare every setting on `node`. A start value (params file, -p) that rclpy refuses
     against the descriptor would raise in the constructor; it is replaced by the default and
-    returned (name -> why), so that configure can fail naming it while the process stays up."""
+    returned (name -> why), so that configure can fail naming it while the process stays up. So
+    is an override of a name the node does not declare: rclpy would drop it without a word (a
+    misspelt key in a params file under ros2 launch would silently run the default)."""
     from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 
     refused = {}
@@ -128,6 +130,9 @@ def declare_parameters(node) -> dict[str, str]:
             hint = " (write a float, e.g. 1.0)" if s.kind is float and "INTEGER" in str(exc) else ""
             refused[s.key] = f"{s.key}: {exc}{hint}"
             node.declare_parameter(s.key, ros_default(s), descriptor(s), ignore_override=True)
+    # _parameter_overrides is rclpy's own record of the start values (no public accessor).
+    for name in sorted(set(getattr(node, "_parameter_overrides", {})) - set(node._parameters)):
+        refused[name] = f"{name}: not a parameter of this node (misspelt? `ros2 param list` shows them)"
     return refused
 
 
