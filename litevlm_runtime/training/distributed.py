@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,12 @@ class Dist:
             print(*parts, flush=True)
 
     def close(self) -> None:
+        """Leave the process group together. Rank 0 keeps working after training (evaluation,
+        writing); a rank that tore its gloo group down meanwhile and exited could abort
+        ("terminate called without an active exception") while the peer's connection was open,
+        failing the whole torchrun. So every rank waits here for the others first."""
         if self.world > 1 and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 
@@ -66,7 +72,9 @@ def setup(device: str | None = None) -> Dist:
         return Dist(device=dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    # The other ranks wait in close() while rank 0 evaluates and writes after training; the
+    # default 30-minute collective timeout is shorter than a full `train vlm` evaluation.
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(hours=3))
     return Dist(dist.get_rank(), dist.get_world_size(), dev)
 
 
