@@ -101,7 +101,9 @@ def test_a_burst_of_1000_queries_in_one_second_gets_1000_answers(graph):
     print(f"burst: 1000 sent in {sent_s:.2f} s, answered in {answered_s:.2f} s: {dict(statuses)}")
     assert len(once) == 1000 and not twice, (1000 - len(once), twice[:5])
     assert set(statuses) <= {"ok", "queue_full"} and statuses["ok"] >= 4, statuses
-    assert sent_s < 1.5                      # it really was a burst (this machine's publisher kept up)
+    # It really was a burst: the 4-deep queue overflowed (a correctness observable; how long the
+    # publisher took depends on the machine's load and is only printed).
+    assert statuses["queue_full"] >= 1, statuses
 
 
 def test_future_stamped_frames_are_not_served(graph):
