@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from litevlm_runtime.ros.soak import LoggedProcess
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"
 
@@ -32,27 +34,11 @@ def ros_env(domain: int, **extra) -> dict:
     return env
 
 
-class Proc:
+class Proc(LoggedProcess):
     """A child process (by default `python -m litevlm_runtime.cli ARGS`) with its output in a log file."""
 
     def __init__(self, args: list[str], env: dict, log: Path, cmd: list[str] | None = None, cwd: Path = ROOT):
-        self.log = log
-        self.fh = log.open("w")
-        self.p = subprocess.Popen(cmd or [sys.executable, "-m", "litevlm_runtime.cli", *args], env=env, cwd=cwd,
-                                  stdout=self.fh, stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_for(self, needle: str, timeout: float) -> None:
-        end = time.time() + timeout
-        while time.time() < end:
-            if needle in self.text():
-                return
-            if self.p.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{needle!r} not seen in {self.log.name}:\n{self.text()[-3000:]}")
+        super().__init__(cmd or [sys.executable, "-m", "litevlm_runtime.cli", *args], log, env, cwd)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -63,15 +49,8 @@ class Proc:
     def alive(self) -> bool:
         return self.p.poll() is None
 
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-            try:
-                self.p.wait(15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self.fh.close()
+    def stop(self) -> int:
+        return super().stop(signal.SIGINT, timeout=15)
 
 
 def write_params(path: Path, **values) -> Path:

@@ -18,7 +18,7 @@ turn at `frame_rate`, re-stamped to now (keeping each camera's offset within its
 query finds a fresh set; the CAM_FRONT stamp a set was published with says which set an answer
 used. Questions: the bag's Query texts, in turn. RSS is read from /proc (Linux).
 
-`DDSClient` and `NodeProcess` are also what the DDS tests drive the node with.
+`DDSClient`, `NodeProcess` and `LoggedProcess` are also what the DDS tests drive the node with.
 """
 
 from __future__ import annotations
@@ -52,23 +52,20 @@ def percentiles(values, qs=(50, 90, 99)) -> tuple[float, ...]:
 
 # --------------------------------------------------------------------------------------------
 # The graph under test
-class NodeProcess:
-    """`litevlm drive --params FILE [--set NAME=VALUE ...]` as a child process, its output in a
-    log file. The venv's bootstrapper re-executes Python in place (execve), so the pid is the
-    node's for /proc reads."""
+class LoggedProcess:
+    """A child process with its output (stdout and stderr) in a log file, waited on by what it
+    prints. The DDS tests' child processes are these too."""
 
-    def __init__(self, params: Path, log: Path, overrides: dict | None = None, env: dict | None = None,
-                 cwd: Path | None = None, nice: int = 0):
-        args = [sys.executable, "-m", "litevlm_runtime.cli", "drive", "--params", str(params)]
-        for k, v in (overrides or {}).items():
-            args += ["--set", f"{k}={v}"]
+    what = "the process"       # what the error says did not print
+
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None,
+                 nice: int = 0):
         self.log = Path(log)
         self._fh = self.log.open("w")
         env = dict(os.environ if env is None else env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # (`python -m` imports litevlm_runtime from `cwd` first, where there is one). `nice`: the
-        # CPU priority a deployment would give the node (below 0 needs CAP_SYS_NICE).
-        self.p = subprocess.Popen(args, env=env, stdout=self._fh, stderr=subprocess.STDOUT, cwd=cwd,
+        # `nice`: the CPU priority a deployment would give the node (below 0 needs CAP_SYS_NICE).
+        self.p = subprocess.Popen(cmd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, cwd=cwd,
                                   preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     @property
@@ -86,7 +83,7 @@ class NodeProcess:
             if self.p.poll() is not None:
                 break
             time.sleep(0.1)
-        raise InputError(f"the node did not print {needle!r} (log {self.log}):\n{self.text()[-3000:]}")
+        raise InputError(f"{self.what} did not print {needle!r} (log {self.log}):\n{self.text()[-3000:]}")
 
     def rss_bytes(self) -> int:
         """Resident set size now (0 once the process is gone)."""
@@ -109,6 +106,21 @@ class NodeProcess:
                 self.p.wait()
         self._fh.close()
         return self.p.returncode
+
+
+class NodeProcess(LoggedProcess):
+    """`litevlm drive --params FILE [--set NAME=VALUE ...]` as a child process. The venv's
+    bootstrapper re-executes Python in place (execve), so the pid is the node's for /proc reads;
+    `python -m` imports litevlm_runtime from `cwd` first, where there is one."""
+
+    what = "the node"
+
+    def __init__(self, params: Path, log: Path, overrides: dict | None = None, env: dict | None = None,
+                 cwd: Path | None = None, nice: int = 0):
+        args = [sys.executable, "-m", "litevlm_runtime.cli", "drive", "--params", str(params)]
+        for k, v in (overrides or {}).items():
+            args += ["--set", f"{k}={v}"]
+        super().__init__(args, log, env, cwd, nice)
 
 
 # --------------------------------------------------------------------------------------------
