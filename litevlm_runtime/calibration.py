@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from .errors import InputError, LiteVLMError
-from .export import MANIFEST, read_manifest, sha256_file, write_manifest
+from .engines.bundle import MANIFEST, read_manifest, write_manifest
+from .integrity import sha256_file
 
 PRECISIONS = ("int8", "fp8")
 METHODS = ("entropy", "max")
@@ -150,7 +151,7 @@ def collect_traffic(pipe, bundle, queries: list[Query], recorder: Recorder, prog
     """Answer `queries` with `pipe` (torch) on the bundle's buckets, recording every graph's inputs."""
     from .engines.bound_stages import bound_engines
     from .engines.cuda_graph import StaticStage
-    from .export import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+    from .engines.stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
     rt = pipe.rt
     modules = {"vision": VisionStage(rt.model, rt.pos_embed).eval(), "decoder": DecoderStage(rt.lm).eval(),

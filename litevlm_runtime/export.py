@@ -27,7 +27,6 @@ stage's bucket graphs, so more buckets cost graph bytes, not weight bytes.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,70 +36,13 @@ import torch
 from torch import nn
 
 from .engines.buckets import Buckets, check_fits, default_buckets
+from .engines.bundle import FORMAT_VERSION, MANIFEST, checkpoint_hash, write_manifest
+from .engines.stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from .errors import LiteVLMError
-from .integrity import file_digest, sha256_file
+from .integrity import sha256_file
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
 TORCH_TO_ONNX_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                        torch.int64: "int64", torch.bool: "bool", torch.int32: "int32", torch.uint8: "uint8"}
-
-
-# ------------------------------------------------------------------------------------------ stages
-class VisionStage(nn.Module):
-    """pixels -> visual tokens (InternViT + pixel shuffle + mlp1), position table baked in."""
-
-    def __init__(self, model, pos_embed: torch.Tensor):
-        super().__init__()
-        self.model = model
-        self.register_buffer("pos_embed", pos_embed.detach().clone(), persistent=False)
-
-    def forward(self, pixels):
-        return self.model.encode_images(pixels, self.pos_embed)
-
-
-class DecoderStage(nn.Module):
-    """The decoder over the static cache: cache in, new rows out (the decoder's own forward)."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
-        return self.lm(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
-
-
-class PrefillStage(nn.Module):
-    """The decoder over a prompt that starts an empty cache: no cache input, the prompt's K/V
-    rows as outputs (attention over T x T rather than T x (max_len + T))."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, embeds, positions, mask_new):
-        return self.lm(embeds, positions, mask_new)
-
-
-class DraftStage(nn.Module):
-    """One EAGLE-2 draft step (models/eagle.py DraftHead): its own one-layer KV cache
-    [1, Hkv, S, D] as input, the new rows as outputs. Its logits come from the head graph."""
-
-    def __init__(self, draft):
-        super().__init__()
-        self.draft = draft
-
-    def forward(self, token_embeds, features, positions, mask_cache, mask_new, k_cache, v_cache):
-        return self.draft(token_embeds, features, positions, mask_new, k_cache, v_cache, mask_cache)
-
-
-class HeadStage(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.head = lm.head
-
-    def forward(self, hidden):
-        return self.head(hidden)
 
 
 # ----------------------------------------------------------------------------------- graph specs
@@ -197,18 +139,6 @@ def view_selector_spec(model_dir: Path) -> tuple[GraphSpec | None, str]:
     pad = torch.ones(1, length, dtype=torch.bool)
     pad[0, :4] = False
     return GraphSpec("view_selector", length, sel.model.eval(), {"ids": ids, "pad_mask": pad}, ["logits"]), "exported"
-
-
-# ------------------------------------------------------------------------------------ hashing
-def checkpoint_hash(model_dir: Path) -> str:
-    """sha256 over config.json and every *.safetensors file (names and contents, sorted)."""
-    h = hashlib.sha256()
-    files = [model_dir / "config.json"] + sorted(model_dir.glob("*.safetensors"))
-    for f in files:
-        if f.is_file():
-            h.update(f.name.encode())
-            h.update(file_digest(f).encode())   # cached per file version: a bundle load does not rehash 4 GB
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------ export
@@ -353,57 +283,6 @@ def export_bundle(rt, out: Path, buckets: Buckets | None = None,
     write_manifest(out, manifest)
     progress(f"exported {len(graphs)} graphs in {time.perf_counter() - t_all:.1f} s -> {out / MANIFEST}")
     return manifest
-
-
-def write_manifest(bundle: Path, manifest: dict) -> None:
-    tmp = Path(bundle) / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(Path(bundle) / MANIFEST)
-
-
-def read_manifest(bundle: Path) -> dict:
-    path = Path(bundle) / MANIFEST
-    if not path.is_file():
-        raise LiteVLMError(f"{bundle}: no {MANIFEST} (not an export bundle; run `litevlm export` first)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LiteVLMError(f"{path}: not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise LiteVLMError(f"{path}: bundle format {manifest.get('format')!r}, this runtime reads {FORMAT_VERSION}")
-    return manifest
-
-
-def check_bundle_matches(manifest: dict, rt, bundle: Path) -> None:
-    """The bundle must have been exported for this runtime's arena, dtype and checkpoint."""
-    a = rt.arena
-    want = {"max_len": a.max_len, "max_tiles": a.limits.max_tiles(), "max_query": a.max_query}
-    have = manifest["arena"]
-    for key, value in want.items():
-        if have.get(key) != value:
-            raise LiteVLMError(f"{bundle}: exported for arena {key}={have.get(key)}, this pipeline has {value} "
-                               f"(re-export with the same --tiles-per-camera/--max-new-tokens)")
-    if manifest["dtype"] != rt.options.dtype:
-        raise LiteVLMError(f"{bundle}: exported in {manifest['dtype']}, pipeline runs {rt.options.dtype}")
-    model_dir = rt.model_dir
-    ck = manifest["model"].get("checkpoint_sha256")
-    if model_dir is not None and ck and checkpoint_hash(Path(model_dir)) != ck:
-        raise LiteVLMError(f"{bundle}: exported from a different checkpoint than {model_dir} (hash mismatch)")
-
-
-def verify_files(manifest: dict, bundle: Path) -> None:
-    """Every graph and weights file listed must be there with the recorded sha256."""
-    files = {g["file"]: g["sha256"] for g in manifest["graphs"]} | dict(manifest["weights"])
-    for name, digest in files.items():
-        path = Path(bundle) / name
-        if not path.is_file():
-            raise LiteVLMError(f"{bundle}: missing {name}")
-        if sha256_file(path) != digest:
-            raise LiteVLMError(f"{bundle}: {name} does not match its sha256 in {MANIFEST} (modified or corrupt)")
-
-
-def graphs_of(manifest: dict, stage: str) -> dict[int, dict]:
-    return {g["bucket"]: g for g in manifest["graphs"] if g["stage"] == stage}
 
 
 # ------------------------------------------------------------------------------------ verify

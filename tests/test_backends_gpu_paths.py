@@ -108,7 +108,7 @@ GPU = {"name": "NVIDIA Jetson AGX Thor", "compute_capability": "11.0"}
 
 
 def fabricated_bundle(tmp_path: Path) -> tuple[dict, Path]:
-    from litevlm_runtime.export import sha256_file
+    from litevlm_runtime.integrity import sha256_file
 
     engine = tmp_path / "decoder_1.fp16.engine"
     engine.write_bytes(b"serialized engine bytes")

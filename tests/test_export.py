@@ -10,7 +10,9 @@ from export_fixtures import MAX_NEW_TOKENS, TEST_BUCKETS, exported_bundle, livel
 
 from litevlm_runtime.engines.buckets import Buckets, default_buckets, parse_buckets, pick
 from litevlm_runtime.errors import LiteVLMError
-from litevlm_runtime.export import checkpoint_hash, read_manifest, sha256_file, verify_bundle
+from litevlm_runtime.engines.bundle import checkpoint_hash, read_manifest
+from litevlm_runtime.export import verify_bundle
+from litevlm_runtime.integrity import sha256_file
 from helpers import options
 from litevlm_runtime.pipeline import Pipeline
 

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import LiteVLMError
-from ..export import read_manifest, sha256_file, write_manifest
+from ..integrity import sha256_file
+from .bundle import read_manifest, write_manifest
 from .base import Engines
 from .bound_stages import bound_engines
 

@@ -1,0 +1,78 @@
+"""The stage modules: each stage of the pipeline as a plain nn.Module with fixed named inputs and
+outputs, the form every bound backend runs (ONNX export, TensorRT, CUDA graphs, calibration).
+
+  vision      pixels [n, 3, s, s]                                  -> visual [n, tokens_per_tile, D]
+  prefill     embeds [T, D], positions [T], mask_new [T, T]        -> hidden [T, D],
+                                                                      k_new, v_new [layers, kv, T, hd]
+  decoder     embeds [T, D], positions [T], mask_cache [T, S],
+              mask_new [T, T], k_cache, v_cache [layers, kv, S, hd] -> hidden [T, D],
+                                                                      k_new, v_new [layers, kv, T, hd]
+  head        hidden [T, D]                                        -> logits [T, V]
+  eagle_draft token_embeds, features [T, D], positions, the two masks,
+              k_cache, v_cache [1, kv, S, hd]                      -> features_out [T, D], k_new, v_new
+
+The decoder stages are the decoder's one forward (models/decoder.py): the cache is an explicit
+input and the new K/V rows are explicit outputs (the engine stores them at their slots), so the
+graph has no in-place update and no aliasing, which ONNX Runtime, TensorRT and CUDA graphs need.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class VisionStage(nn.Module):
+    """pixels -> visual tokens (InternViT + pixel shuffle + mlp1), position table baked in."""
+
+    def __init__(self, model, pos_embed: torch.Tensor):
+        super().__init__()
+        self.model = model
+        self.register_buffer("pos_embed", pos_embed.detach().clone(), persistent=False)
+
+    def forward(self, pixels):
+        return self.model.encode_images(pixels, self.pos_embed)
+
+
+class DecoderStage(nn.Module):
+    """The decoder over the static cache: cache in, new rows out (the decoder's own forward)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
+        return self.lm(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
+
+
+class PrefillStage(nn.Module):
+    """The decoder over a prompt that starts an empty cache: no cache input, the prompt's K/V
+    rows as outputs (attention over T x T rather than T x (max_len + T))."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, embeds, positions, mask_new):
+        return self.lm(embeds, positions, mask_new)
+
+
+class DraftStage(nn.Module):
+    """One EAGLE-2 draft step (models/eagle.py DraftHead): its own one-layer KV cache
+    [1, Hkv, S, D] as input, the new rows as outputs. Its logits come from the head graph."""
+
+    def __init__(self, draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, token_embeds, features, positions, mask_cache, mask_new, k_cache, v_cache):
+        return self.draft(token_embeds, features, positions, mask_new, k_cache, v_cache, mask_cache)
+
+
+class HeadStage(nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.head = lm.head
+
+    def forward(self, hidden):
+        return self.head(hidden)
