@@ -1,9 +1,9 @@
 """`litevlm` command line. Each sub-command lives in its own module and registers itself here.
 
 A module in COMMAND_MODULES exposes `register(subparsers)`, which adds its parser(s) and sets
-`func` (called with the parsed args; its return value is the exit code). Modules are imported
-lazily so that `litevlm --help` stays fast and a missing optional dependency only breaks its own
-command.
+`func` (called with the parsed args; its return value is the exit code). A command module keeps
+its heavy imports (torch, rclpy, onnxruntime) inside its `run`, so that building the parser, and
+`litevlm --help`, loads none of them.
 """
 
 from __future__ import annotations
@@ -36,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="litevlm", description="LiteVLM six-camera VLM runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("litevlm_runtime"):
-                continue  # command not built yet in this checkout
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

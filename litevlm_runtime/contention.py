@@ -166,7 +166,7 @@ def worker_main() -> None:
     try:
         import torch
 
-        from .commands.bench import load_frame_sets
+        from .frames import load_frame_sets
         from .options import options_from_flat
         from .pipeline import Pipeline
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .cameras import CAMERAS
 from .errors import InputError
 
@@ -33,3 +35,18 @@ def frame_set(folder: str | Path, index: int = 0, cameras=CAMERAS) -> dict[str, 
 
 def read_frame_set(folder: str | Path, index: int = 0) -> dict[str, bytes]:
     return {cam: path.read_bytes() for cam, path in frame_set(folder, index).items()}
+
+
+def load_frame_sets(frames: Path | None, count: int) -> list[dict]:
+    """Up to `count` frame sets of a folder (at least its first), or `count` sets of random 800x450
+    frames when no folder is given (what `litevlm bench` measures without data)."""
+    if frames is None:
+        rng = np.random.default_rng(0)
+        return [{c: rng.integers(0, 256, (450, 800, 3), dtype=np.uint8) for c in CAMERAS} for _ in range(count)]
+    sets = []
+    for i in range(count):
+        try:
+            sets.append(read_frame_set(frames, i))
+        except InputError:
+            break
+    return sets or [read_frame_set(frames, 0)]

@@ -40,7 +40,7 @@ from litevlm_runtime.answer import STAGES  # noqa: E402
 from litevlm_runtime.benchmark import DEFAULT_QUESTIONS  # noqa: E402
 from litevlm_runtime.report import table  # noqa: E402
 
-from litevlm_runtime.random_model import random_draft, random_internvl as random_model  # noqa: E402
+from litevlm_runtime.weights.random_init import random_draft, random_internvl as random_model  # noqa: E402
 
 
 def frames_for_check(count: int):
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (capture off): tests the script")
     args = ap.parse_args(argv)
 
-    from litevlm_runtime.commands.make_checkpoint import make_checkpoint
+    from litevlm_runtime.weights.random_init import make_checkpoint
     from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
     from litevlm_runtime.options import options_from_flat
     from litevlm_runtime.pipeline import Pipeline

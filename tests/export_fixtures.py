@@ -22,7 +22,7 @@ def lively_checkpoint(root: Path) -> Path:
         from helpers import make_tiny_checkpoint
 
         from litevlm_runtime.checkpoint import load_model, write_checkpoint
-        from litevlm_runtime.commands.make_checkpoint import init_weights
+        from litevlm_runtime.weights.random_init import init_weights
 
         tiny = make_tiny_checkpoint(root / "tiny-base")
         model = load_model(tiny)

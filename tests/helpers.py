@@ -10,7 +10,7 @@ from litevlm_runtime.cameras import CAMERAS
 
 
 def make_tiny_checkpoint(path: Path, preset: str = "tiny", seed: int = 0, **kw) -> Path:
-    from litevlm_runtime.commands.make_checkpoint import make_checkpoint
+    from litevlm_runtime.weights.random_init import make_checkpoint
 
     if not (path / "config.json").is_file():
         make_checkpoint(path, preset, seed=seed, **kw)

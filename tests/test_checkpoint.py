@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from litevlm_runtime.checkpoint import load_model, read_config
-from litevlm_runtime.commands.make_checkpoint import make_checkpoint
+from litevlm_runtime.weights.random_init import make_checkpoint
 from litevlm_runtime.errors import CheckpointError
 from litevlm_runtime.integrity import MANIFEST_FILE, write_manifest
 from litevlm_runtime.pipeline import Pipeline, PipelineOptions

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.commands.make_checkpoint import init_weights
+from litevlm_runtime.weights.random_init import init_weights
 from litevlm_runtime.models.internvl import InternVL
 from litevlm_runtime.preprocess import Normalizer
 from litevlm_runtime.presets import preset

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.cli import build_parser, main
 from litevlm_runtime.errors import CheckpointError, InputError
-from litevlm_runtime.training.views import QARecord, camera_labels, evaluate, load_qa, split_by_frame, train
+from litevlm_runtime.evaluation.views import QARecord, evaluate, load_qa
+from litevlm_runtime.training.views import camera_labels, split_by_frame, train
 from litevlm_runtime.view_selector import (
     FUSION_RULES,
     WEIGHTS_FILE,

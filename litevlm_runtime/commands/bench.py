@@ -6,27 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..frames import load_frame_sets
 from ..report import table
 from .ask import pipeline_options
-
-
-def load_frame_sets(frames: Path | None, count: int) -> list[dict]:
-    from ..frames import read_frame_set
-
-    if frames is None:
-        import numpy as np
-
-        from ..cameras import CAMERAS
-
-        rng = np.random.default_rng(0)
-        return [{c: rng.integers(0, 256, (450, 800, 3), dtype=np.uint8) for c in CAMERAS} for _ in range(count)]
-    sets = []
-    for i in range(count):
-        try:
-            sets.append(read_frame_set(frames, i))
-        except Exception:
-            break
-    return sets or [read_frame_set(frames, 0)]
 
 
 def register(subparsers) -> None:
@@ -93,7 +75,7 @@ def build_pipeline(args, options):
     from ..pipeline import Pipeline
 
     if args.preset:
-        from ..random_model import random_pipeline
+        from ..bench.random_model import random_pipeline
 
         return random_pipeline(args.preset, options)
     return Pipeline.from_pretrained(args.model, options)

@@ -73,7 +73,7 @@ def _bench(selector, questions: list[str]) -> str:
 
 
 def _run(args) -> int:
-    from ..training.views import compare, format_table, load_qa
+    from ..evaluation.views import compare, format_table, load_qa
     from ..view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
 
     torch.set_num_threads(args.threads)

@@ -23,13 +23,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
-# Backend name -> factory(runtime) -> Engines. Backends other than torch register themselves.
-BACKENDS: dict[str, Callable] = {}
-
 
 class StageEngine(ABC):
     stage: str = ""

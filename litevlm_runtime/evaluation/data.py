@@ -1,4 +1,6 @@
-"""Reading DriveLM v1.1 QA files (real DriveLM or SynthDrive) into questions and frame image sets."""
+"""The one DriveLM reader: DriveLM v1.1 QA files (real DriveLM or SynthDrive) into key frames,
+their questions and their six image files. Evaluation, every trainer, calibration and `bag make`
+read DriveLM data through it, so a question is numbered and an image path resolved one way."""
 
 from __future__ import annotations
 
@@ -31,51 +33,63 @@ def load_frames(path: str | Path) -> list[Frame]:
     except FileNotFoundError:
         raise InputError(f"{path}: no such QA file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not a JSON file ({exc})") from None
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a DriveLM v1.1 object {{scene_token: {{key_frames: ...}}}}")
     frames = []
     for scene_token, scene in data.items():
         if not isinstance(scene, dict) or not isinstance(scene.get("key_frames"), dict):
-            raise InputError(f"{path}: scene {scene_token} has no key_frames object")
+            raise InputError(f"{path}: scene {scene_token} has no key_frames object (not DriveLM layout)")
         for frame_token, frame in scene["key_frames"].items():
-            qa = frame.get("QA")
+            qa = frame.get("QA") if isinstance(frame, dict) else None
             if not isinstance(qa, dict):
                 raise InputError(f"{path}: frame {frame_token} has no QA object")
             paths = frame.get("image_paths") or {}
             questions = []
-            i = 0
-            for category in CATEGORIES:
-                for item in qa.get(category, []):
-                    if not isinstance(item, dict) or not isinstance(item.get("Q"), str) or not isinstance(
-                            item.get("A"), str):
-                        raise InputError(f"{path}: frame {frame_token}, {category} item {i}: needs string Q and A")
-                    tags = tuple(item["tag"]) if isinstance(item.get("tag"), list) else derive_tags(item["Q"], item["A"])
-                    questions.append(Question(f"{scene_token}_{frame_token}_{i}", frame_token, item["Q"], item["A"],
+            # The four categories in the challenge's order (its ids count through them), then any
+            # other category in file order.
+            categories = [c for c in CATEGORIES if c in qa] + [c for c in qa if c not in CATEGORIES]
+            for category in categories:
+                for item in qa[category]:
+                    i = len(questions)
+                    if (not isinstance(item, dict) or not isinstance(item.get("Q"), str)
+                            or not isinstance(item.get("A", ""), str)):
+                        raise InputError(f"{path}: frame {frame_token}, {category} item {i}: needs a string Q "
+                                         f"(and A, when given)")
+                    answer = item.get("A", "")
+                    tags = tuple(item["tag"]) if isinstance(item.get("tag"), list) else derive_tags(item["Q"], answer)
+                    questions.append(Question(f"{scene_token}_{frame_token}_{i}", frame_token, item["Q"], answer,
                                               tags, category))
-                    i += 1
             frames.append(Frame(scene_token, frame_token, dict(paths), questions))
     return frames
 
 
-def resolve_image(root: Path, written: str) -> Path:
-    """Find an image named in a QA file under the frames root: the path as written (absolute, or
-    relative to root), else its part from "samples/" on (DriveLM writes
-    ../nuscenes/samples/CAM_X/file.jpg relative to its own data root)."""
+def resolve_image(root: Path, written: str, camera: str | None = None) -> Path:
+    """Find an image named in a QA file under the frames root. DriveLM writes
+    ../nuscenes/samples/CAM_X/file.jpg relative to its own data root; SynthDrive writes paths
+    relative to its output folder. Tried in order: the path as written (absolute, or relative to
+    root), without its `..`/`.` parts, its part from "samples/" on, without its first folder, then
+    samples/CAM_X/<name> and CAM_X/<name> under root (CAM_X: `camera`, else the file's folder)."""
     p = Path(written)
+    parts = [part for part in p.parts if part not in ("..", ".")]
+    camera = camera or p.parent.name
     candidates = [p] if p.is_absolute() else [root / p]
-    parts = p.parts
-    if "samples" in parts:
-        candidates.append(root.joinpath(*parts[parts.index("samples"):]))
-    candidates.append(root / p.parent.name / p.name)      # root given as the samples/ folder itself
-    for c in candidates:
+    if parts and not p.is_absolute():
+        candidates.append(root.joinpath(*parts))
+    if "samples" in p.parts:
+        candidates.append(root.joinpath(*p.parts[p.parts.index("samples"):]))
+    if len(parts) > 1 and not p.is_absolute():
+        candidates.append(root.joinpath(*parts[1:]))
+    candidates += [root / "samples" / camera / p.name, root / camera / p.name]
+    for c in dict.fromkeys(candidates):
         if c.is_file():
             return c
-    raise InputError(f"image {written!r} not found under {root} (tried {', '.join(str(c) for c in candidates)})")
+    raise InputError(f"image {written!r} not found under {root} "
+                     f"(tried {', '.join(str(c) for c in dict.fromkeys(candidates))})")
 
 
 def frame_images(root: str | Path, frame: Frame) -> dict[str, Path]:
     missing = [cam for cam in CAMERAS if cam not in frame.image_paths]
     if missing:
         raise InputError(f"frame {frame.token}: no image path for {', '.join(missing)}")
-    return {cam: resolve_image(Path(root), frame.image_paths[cam]) for cam in CAMERAS}
+    return {cam: resolve_image(Path(root), frame.image_paths[cam], cam) for cam in CAMERAS}

@@ -37,6 +37,7 @@ import numpy as np
 from ..answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..evaluation.data import load_frames
 from .server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
 
 QUERY_TOPIC = "/litevlm/query"
@@ -197,21 +198,24 @@ def _downscale(data: bytes, max_width: int | None) -> bytes:
 
 
 def _drivelm_questions(qa_files: Iterable[Path]) -> dict[str, list[str]]:
-    """CAM_FRONT image file name -> that key frame's questions, interleaving the categories
-    (perception, prediction, planning, behavior) so the first few cover all of them."""
+    """CAM_FRONT image file name -> that key frame's questions (read by evaluation.data, the one
+    DriveLM reader), interleaving the categories (perception, prediction, planning, behavior) so
+    the first few cover all of them. JSON files that are not DriveLM QA (SynthDrive's
+    ground_truth.json, synthdrive.json) are skipped."""
     by_frame: dict[str, list[str]] = {}
     for qa_file in qa_files:
-        data = json.loads(Path(qa_file).read_text())
-        if not isinstance(data, dict):
+        try:
+            frames = load_frames(qa_file)
+        except InputError:
             continue
-        for scene in data.values():
-            if not isinstance(scene, dict) or not isinstance(scene.get("key_frames"), dict):
-                continue      # not DriveLM QA (SynthDrive's ground_truth.json, synthdrive.json)
-            for key_frame in scene["key_frames"].values():
-                front = Path(key_frame["image_paths"]["CAM_FRONT"]).name
-                cats = [[qa["Q"] for qa in key_frame["QA"].get(c, [])] for c in ("perception", "prediction", "planning", "behavior")]
-                interleaved = [q for group in _zip_longest(cats) for q in group]
-                by_frame[front] = interleaved
+        for frame in frames:
+            if "CAM_FRONT" not in frame.image_paths:
+                continue
+            by_category: dict[str, list[str]] = {}
+            for q in frame.questions:
+                by_category.setdefault(q.category, []).append(q.question)
+            cats = list(by_category.values())
+            by_frame[Path(frame.image_paths["CAM_FRONT"]).name] = [q for group in _zip_longest(cats) for q in group]
     return by_frame
 
 

@@ -22,13 +22,11 @@ and its thresholds there, see `tune_fusion`) and training frames. Metrics: `sele
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shlex
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +38,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..evaluation.views import QARecord, compare, cues_of, format_table, load_qa, selection_metrics, selections_of
 from ..integrity import write_manifest
 from .distributed import setup
 from ..view_selector import (
@@ -50,7 +49,6 @@ from ..view_selector import (
     ViewSelector,
     ViewSelectorConfig,
     encode_batch,
-    fuse,
     keyword_map,
     load_tokenizer,
     save_view_selector,
@@ -61,49 +59,6 @@ from ..view_selector import (
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class QARecord:
-    source: str      # data file
-    scene: str
-    frame: str       # key frame token: the unit of the train/eval split
-    category: str    # perception | prediction | planning | behavior
-    question: str
-    answer: str
-
-
-def load_qa(paths: list[str | Path]) -> list[QARecord]:
-    """Every QA pair of the given DriveLM-format files, in file order."""
-    records: list[QARecord] = []
-    for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"{path}: no such QA file")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise InputError(f"{path}: expected a DriveLM object {{scene: {{key_frames: ...}}}}")
-        before = len(records)
-        for scene, scene_data in data.items():
-            frames = scene_data.get("key_frames") if isinstance(scene_data, dict) else None
-            if not isinstance(frames, dict):
-                raise InputError(f"{path}: scene {scene!r} has no 'key_frames' object (not DriveLM layout)")
-            for frame, frame_data in frames.items():
-                qa = frame_data.get("QA", {}) if isinstance(frame_data, dict) else None
-                if not isinstance(qa, dict):
-                    raise InputError(f"{path}: frame {frame!r} has no 'QA' object")
-                for category, items in qa.items():
-                    for i, item in enumerate(items):
-                        q, a = item.get("Q"), item.get("A", "")
-                        if not isinstance(q, str) or not q.strip():
-                            raise InputError(f"{path}: frame {frame} {category}[{i}] has no question 'Q'")
-                        records.append(QARecord(str(path), scene, frame, category, q, a if isinstance(a, str) else ""))
-        if len(records) == before:
-            raise InputError(f"{path}: no QA pairs found")
-    return records
 
 
 ANSWER_TAG_POLICIES = ("cued", "always", "never")
@@ -195,91 +150,6 @@ class QuestionDataset(Dataset):
 
 
 # ---------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------
-
-
-def selection_metrics(records: list[QARecord], selections: list[list[str]]) -> dict:
-    """The metrics every selector is compared by, on the same questions.
-
-    Truth for a question: the cameras tagged `<cN,CAM_X,x,y>` in its question or its answer (the
-    selector sees only the question). A question with no tag has no camera truth: it counts in
-    the cameras kept (its cost) but not in recall.
-    - recall: over every (question, truth camera) pair, the fraction whose camera is kept;
-    - question_recall: the fraction of tagged questions whose truth cameras are all kept;
-    - mean_cameras_kept: cameras kept per question over all questions (of 6);
-    - all_cameras_fraction: the fraction of questions that keep all six.
-    """
-    if not records:
-        raise InputError("evaluate: no questions")
-    pairs = recalled = tagged_q = tagged_q_ok = 0
-    for r, kept in zip(records, selections, strict=True):
-        truth = set(tagged_cameras(r.question)) | set(tagged_cameras(r.answer))
-        if truth:
-            hits = sum(c in kept for c in truth)
-            tagged_q += 1
-            pairs += len(truth)
-            recalled += hits
-            tagged_q_ok += hits == len(truth)
-    return {
-        "questions": len(records),
-        "tagged_questions": tagged_q,
-        "recall": recalled / pairs if pairs else float("nan"),
-        "question_recall": tagged_q_ok / tagged_q if tagged_q else float("nan"),
-        "mean_cameras_kept": sum(len(s) for s in selections) / len(records),
-        "all_cameras_fraction": sum(len(s) == len(CAMERAS) for s in selections) / len(records),
-    }
-
-
-def _cues(records: list[QARecord]) -> list[tuple[dict, list[str]]]:
-    return [(keyword_map(r.question), tagged_cameras(r.question)) for r in records]
-
-
-def _selections(cues, probs: torch.Tensor | None, fusion: Fusion) -> list[list[str]]:
-    rows = probs.tolist() if probs is not None else [None] * len(cues)
-    return [
-        fuse(keyword, dict(zip(CAMERAS, p)) if p is not None else None, tagged, fusion).cameras
-        for (keyword, tagged), p in zip(cues, rows)
-    ]
-
-
-def evaluate(selector: LoadedViewSelector | None, records: list[QARecord], fusion: Fusion | None = None) -> dict:
-    """selection_metrics of a selector under its own fusion (or `fusion`); selector=None is the
-    keyword map alone, cut at fusion.threshold (default 0.4)."""
-    if not records:
-        raise InputError("evaluate: no questions")
-    fusion = fusion or (selector.fusion if selector else Fusion())
-    probs = selector.module_probs([r.question for r in records]) if selector else None
-    return selection_metrics(records, _selections(_cues(records), probs, fusion))
-
-
-def format_table(rows: dict[str, dict]) -> str:
-    width = max([28] + [len(name) for name in rows])
-    head = f"{'selector':<{width}} {'questions':>9} {'tagged':>6} {'recall':>7} {'q-recall':>8} {'cams kept':>9} {'all 6':>6}"
-    lines = [head, "-" * len(head)]
-    for name, m in rows.items():
-        lines.append(
-            f"{name:<{width}} {m['questions']:>9d} {m['tagged_questions']:>6d} {m['recall']:>7.4f} "
-            f"{m['question_recall']:>8.4f} {m['mean_cameras_kept']:>9.3f} {m['all_cameras_fraction']:>6.3f}"
-        )
-    return "\n".join(lines)
-
-
-def compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, records: list[QARecord]) -> dict[str, dict]:
-    """The selector vs the same architecture at its random initialisation (same fusion) vs the
-    keyword map alone (at the selector's keyword threshold, and with only its certain cameras)
-    vs all six cameras, on the same questions."""
-    thr = trained.fusion.threshold
-    return {
-        f"selector ({trained.fusion.describe()})": evaluate(trained, records),
-        "untrained (same fusion)": evaluate(untrained, records, trained.fusion),
-        f"keyword map only (thr {thr:g})": evaluate(None, records, Fusion(threshold=thr)),
-        "keyword map, certain cues only": evaluate(None, records, Fusion(threshold=1.0)),
-        "all six cameras": selection_metrics(records, [list(CAMERAS)] * len(records)),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
 # Choosing the fusion rule on validation frames
 # ---------------------------------------------------------------------------------------------
 
@@ -318,11 +188,11 @@ def tune_fusion(records: list[QARecord], probs: torch.Tensor, base: Fusion, rule
     questions, and a setting that saves one camera on one of them more than a cautious one is
     noise, not evidence. "add" never loses recall, so some setting is always feasible.
     """
-    cues = _cues(records)
-    floor = selection_metrics(records, _selections(cues, None, base))
+    cues = cues_of(records)
+    floor = selection_metrics(records, selections_of(cues, None, base))
     tried: dict[str, list] = {}
     for fusion in fusion_candidates(base, rules):
-        m = selection_metrics(records, _selections(cues, probs, fusion))
+        m = selection_metrics(records, selections_of(cues, probs, fusion))
         ok = m["recall"] >= floor["recall"] and m["question_recall"] >= floor["question_recall"]
         tried.setdefault(fusion.rule, []).append((fusion, m, ok))
 
@@ -542,70 +412,3 @@ def reproduce_command(args) -> str:
                 item = ",".join(item)
             parts += [f"--{k.replace('_', '-')}", shlex.quote(str(item))]
     return " ".join(parts)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "views",
-        help="train the view selector on DriveLM-format QA (runs under torchrun for DDP)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)")
-    p.add_argument("--out", help="output folder (default: <--model>/view_selector)")
-    p.add_argument("--model", help="VLM folder; the selector is written beside it in <model>/view_selector")
-    p.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one) to use instead of training one")
-    p.add_argument("--epochs", type=int, default=60)
-    p.add_argument("--batch-size", type=int, default=32, help="per process")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frames-holdout", "--holdout-frames", type=frame_spec, default=0.25,
-                   help="key frames held out for evaluation, never trained or tuned on: a fraction (<1), a count "
-                        "(>=1) or comma-separated frame tokens; 0: none")
-    p.add_argument("--val-frames", type=frame_spec, default=0.25,
-                   help="of the other key frames, those that choose the fusion rule and thresholds (not trained on): "
-                        "a fraction, a count or frame tokens; 0: none (then give a fixed --fusion)")
-    p.add_argument("--eval-data", action="append", metavar="QA.json",
-                   help="also evaluate on this DriveLM-format file, never trained on (repeatable)")
-    p.add_argument("--fold", type=int, default=0, help="which block of held-out frames (k-fold cross-validation)")
-    p.add_argument("--answer-tags", choices=ANSWER_TAG_POLICIES, default="cued",
-                   help="when cameras tagged only in the answer become labels (see camera_labels)")
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=160, help="question tokens kept (longer ones are truncated)")
-    p.add_argument("--fusion", choices=("auto",) + FUSION_RULES, default="auto",
-                   help="how the module and the keyword map combine (see view_selector.Fusion); auto: the rule and "
-                        "thresholds with the fewest cameras on the validation frames at no less recall than the keyword map")
-    p.add_argument("--tune-tolerance", type=float, default=0.02,
-                   help="auto: a setting must save more than this many cameras per validation question to beat a more cautious one")
-    p.add_argument("--threshold", type=float, default=0.4,
-                   help="keyword map: keep a camera whose keyword score reaches this (weighted: the fused-score threshold)")
-    p.add_argument("--keyword-weight", type=float, default=0.4, help="weighted fusion: weight w of the keyword map")
-    p.add_argument("--add-threshold", type=float, default=0.5,
-                   help="add / add_remove: module probability at which a camera is added (a fixed --fusion; auto tunes it)")
-    p.add_argument("--remove-threshold", type=float, default=0.1,
-                   help="remove / add_remove: module probability below which an uncertain camera is removed")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
-    p.add_argument("--device", help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    if not args.out and not args.model:
-        raise InputError("train views: give --out DIR or --model DIR (output goes to <model>/view_selector)")
-    if args.model and not Path(args.model).is_dir():
-        raise InputError(f"train views: --model {args.model} is not a folder")
-    for name in ("keyword_weight", "threshold", "add_threshold", "remove_threshold"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise InputError(f"train views: --{name.replace('_', '-')} must be in [0, 1]")
-    if args.threshold == 0:
-        raise InputError("train views: --threshold 0 would keep every camera")
-    train(args)
-    return 0
-
-
-if __name__ == "__main__":
-    from ..cli import main
-
-    sys.exit(main(["train", "views", *sys.argv[1:]]))

@@ -47,7 +47,6 @@ Two options serve the LiteVLM pipeline and the vision tower:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import itertools
@@ -73,19 +72,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..cameras import CAMERAS
 from ..checkpoint import load_model, write_checkpoint
-from ..commands.make_checkpoint import init_weights
+from ..weights.random_init import init_weights
 from ..errors import InputError
 from ..integrity import sha256_file
+from ..evaluation import data as drivelm
 from ..evaluation.metrics import ACCURACY, derive_tags
 from ..models.internvl import InternVL
 from ..preprocess import Normalizer, load_image, to_tiles_uint8
-from ..presets import PRESETS, preset
+from ..presets import preset
 from ..prompt import build_prompt, model_layout, write_layout
 from ..tokenizer import Tokenizer, train_bpe_tokenizer
 from .distributed import setup, threads_per_rank
 from .vision_labels import LABELS, VisionProbe, load_vision_labels
 
-CATEGORIES = ("perception", "prediction", "planning", "behavior")
 RECORD_FILE = "training_record.json"
 # The prompt layout a model trained from scratch gets: camera names label the images, so a subset of
 # cameras (the view selector's) still says which camera each image is.
@@ -111,48 +110,14 @@ class Frame:
     qa: list[QA] = field(default_factory=list)
 
 
-def resolve_image(root: Path, rel: str, camera: str) -> Path:
-    """An `image_paths` entry -> a file under `root`.
-
-    DriveLM paths are relative to its data root (`../nuscenes/samples/CAM_X/file.jpg`); SynthDrive
-    writes paths relative to its output folder. Try the path as given, then with leading `..`
-    parts dropped, then `samples/CAM_X/<name>` and `CAM_X/<name>` under the root.
-    """
-    rel_path = Path(rel)
-    parts = [p for p in rel_path.parts if p not in ("..", ".")]
-    candidates = [root / rel_path, root / Path(*parts) if parts else root,
-                  root / "samples" / camera / rel_path.name, root / camera / rel_path.name]
-    if len(parts) > 1:
-        candidates.insert(2, root / Path(*parts[1:]))
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise InputError(f"image {rel!r} for {camera} not found under {root}")
-
-
 def load_frames(data: Path, frames_root: Path) -> list[Frame]:
-    try:
-        doc = json.loads(Path(data).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{data}: cannot read DriveLM JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise InputError(f"{data}: expected a DriveLM object {{scene: {{key_frames: ...}}}}")
+    """The key frames of a DriveLM file that have QA (read by evaluation.data, the one DriveLM
+    reader), with their six image files resolved under `frames_root`."""
     frames: list[Frame] = []
-    for scene, scene_data in doc.items():
-        key_frames = scene_data.get("key_frames") if isinstance(scene_data, dict) else None
-        if not isinstance(key_frames, dict):
-            raise InputError(f"{data}: scene {scene!r} has no 'key_frames' object (not DriveLM layout)")
-        for frame_id, fd in key_frames.items():
-            paths = fd.get("image_paths") or {}
-            missing = [c for c in CAMERAS if c not in paths]
-            if missing:
-                raise InputError(f"{data}: frame {frame_id!r} lacks image_paths for {missing}")
-            frame = Frame(f"{scene}/{frame_id}", {c: resolve_image(frames_root, paths[c], c) for c in CAMERAS})
-            for category in CATEGORIES:
-                for item in fd.get("QA", {}).get(category, []):
-                    frame.qa.append(QA(str(item["Q"]).strip(), str(item["A"]).strip(), category))
-            if frame.qa:
-                frames.append(frame)
+    for f in drivelm.load_frames(data):
+        qa = [QA(q.question.strip(), q.answer.strip(), q.category) for q in f.questions]
+        if qa:
+            frames.append(Frame(f"{f.scene}/{f.token}", drivelm.frame_images(frames_root, f), qa))
     if not frames:
         raise InputError(f"{data}: no key frame with QA")
     return frames
@@ -906,68 +871,3 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     log(f"wrote {out} ({train_s / 60:.1f} min training); record in {out / RECORD_FILE}")
     return record
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("vlm", help="train an InternVL2.5-layout model from scratch on DriveLM-format QA",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="training QA (DriveLM v1.1 JSON)")
-    p.add_argument("--frames", type=Path, required=True, help="root the image_paths are relative to")
-    p.add_argument("--val", type=Path, help="held-out QA for the periodic accuracy (default: --holdout of --data's frames)")
-    p.add_argument("--val-frames", type=Path, help="image root of --val (default: --frames)")
-    p.add_argument("--holdout", type=float, default=0.05, help="fraction of frames held out when no --val")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--preset", choices=PRESETS, default="bundled")
-    p.add_argument("--init", type=Path, help="continue from this checkpoint (its weights and tokenizer) instead of random weights")
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--tile-size", type=int,
-                   help="tile size in pixels instead of the preset's; with --init the position embedding is "
-                        "interpolated from the checkpoint's grid (a higher-resolution fine-tune)")
-    p.add_argument("--decoder-layers", type=int,
-                   help="decoder depth instead of the preset's; with --init a shallower checkpoint is grown to it "
-                        "(new layers interleaved, starting as identities)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--frames-per-step", type=int, default=8, help="frame groups per optimizer step (global)")
-    p.add_argument("--questions-per-frame", type=int, default=16, help="questions per frame group (one prefix tree)")
-    p.add_argument("--questions-per-visit", type=int, default=0,
-                   help="random questions of each frame per pass over the data (0: all)")
-    p.add_argument("--max-sequence-tokens", type=int, default=1024, help="longest packed sequence per forward")
-    p.add_argument("--loss-per", choices=("token", "sample"), default="sample",
-                   help="mean the loss over answer tokens, or over QA (short yes/no answers weigh as much as long ones)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--max-answer-tokens", type=int, default=64)
-    p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="dtype of the written weights (training keeps float32 masters; the loader reads either "
-                        "into the pipeline's dtype): bfloat16 halves the folder")
-    p.add_argument("--vision-labels", type=Path,
-                   help="SynthDrive ground_truth.json: also train a linear probe on every visual token to predict the "
-                        "objects drawn there (training only; not in the checkpoint)")
-    p.add_argument("--vision-weight", type=float, default=0.2, help="weight of the vision-label loss")
-    p.add_argument("--view-selector", type=Path,
-                   help="view selector folder: --selected-views of the QA are trained with only the cameras it selects")
-    p.add_argument("--selected-views", type=float, default=0.5, help="fraction of QA trained with selected cameras")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: a GPU per rank where torch sees one, else the CPU")
-    p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: bf16 autocast on a GPU (float32 master weights), float32 on the CPU")
-    p.add_argument("--time-budget", type=float, metavar="MINUTES",
-                   help="train for this many minutes (held-out checks not counted) instead of --steps/--epochs; "
-                        "the learning-rate schedule follows the fraction of the budget spent")
-    p.add_argument("--decode-threads", type=int,
-                   help="decode all frames up front on this many threads (default: all cores on a GPU, "
-                        "0 = lazily during training on the CPU)")
-    p.add_argument("--threads", type=int, help="torch threads per process (default: cores / local ranks)")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=200, help="steps between held-out accuracy checks (0: off)")
-    p.add_argument("--eval-questions", type=int, default=200)
-
-    def run(args) -> int:
-        train(args)
-        return 0
-
-    p.set_defaults(func=run)
