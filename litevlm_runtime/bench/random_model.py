@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..options import DecodingMode
-from ..pipeline import Pipeline
-from ..runtime import DTYPES
+from ..pipeline.pipeline import Pipeline
+from ..pipeline.runtime import DTYPES
 from ..weights.random_init import random_draft, random_internvl, small_tokenizer
 
 

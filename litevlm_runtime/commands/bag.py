@@ -93,7 +93,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    from ..answer import STAGES
+    from ..pipeline.answer import STAGES
     from ..ros.bag import read_jsonl, reuse_summary
 
     rows = read_jsonl(args.file)

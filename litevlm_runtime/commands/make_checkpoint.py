@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..presets import PRESETS
+from ..weights.presets import PRESETS
 from ..weights.random_init import make_checkpoint
 
 

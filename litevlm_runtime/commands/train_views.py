@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..training.views import ANSWER_TAG_POLICIES, frame_spec, train
-from ..view_selector import FUSION_RULES
+from ..stages.view_selector import FUSION_RULES
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..presets import PRESETS
+from ..weights.presets import PRESETS
 from ..training.vlm import train
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import LiteVLMError
-from ..integrity import file_digest, sha256_file
+from ..weights.integrity import file_digest, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import LiteVLMError
-from ..integrity import sha256_file
+from ..weights.integrity import sha256_file
 from .bundle import read_manifest, write_manifest
 from .base import Engines
 from .bound_stages import bound_engines
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import tensorrt as trt
     from torch.cuda import _POOL_HANDLE      # torch's own type for graph_pool_handle()
 
-    from ..runtime import Runtime
+    from ..pipeline.runtime import Runtime
 
 PRECISIONS = ("fp16", "fp8")
 WORKSPACE_BYTES = 8 << 30

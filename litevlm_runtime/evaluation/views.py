@@ -14,7 +14,7 @@ import torch
 
 from ..cameras import CAMERAS
 from ..errors import InputError
-from ..view_selector import Fusion, LoadedViewSelector, fuse, keyword_map, tagged_cameras
+from ..stages.view_selector import Fusion, LoadedViewSelector, fuse, keyword_map, tagged_cameras
 from .data import load_frames
 
 

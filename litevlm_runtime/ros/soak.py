@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import write_checkpoint
-from ..corpus import default_corpus
+from .checkpoint import write_checkpoint
+from .corpus import default_corpus
 from ..models.eagle import DraftHead
 from ..models.internvl import InternVL
-from ..presets import preset
-from ..tokenizer import Tokenizer, train_bpe_tokenizer
+from .presets import preset
+from .tokenizer import Tokenizer, train_bpe_tokenizer
 
 # Parameters that start at one (norm scales, layer scales); biases start at zero, the rest normal(0, std).
 ONES = ("norm.weight", "norm1.weight", "norm2.weight", "ls1", "ls2", "layernorm.weight",
