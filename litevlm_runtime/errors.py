@@ -17,9 +17,17 @@ class CheckpointError(LiteVLMError):
 
 
 class InputError(LiteVLMError):
-    """A query's input cannot be served: bad image, empty or oversized question, unknown camera."""
+    """Input that cannot be served: bad image, empty or oversized question, unknown camera, a bad
+    file or setting. `about` says what it is about, so that callers need not parse the message:
+    "image" (with `camera`), "question", "file" (with `path`), or "" (the caller's context says)."""
 
     code = "bad_input"
+
+    def __init__(self, message: str = "", *, about: str = "", camera: str = "", path=None):
+        super().__init__(message)
+        self.camera = camera
+        self.path = path
+        self.about = about or ("image" if camera else "file" if path is not None else "")
 
 
 def read_json(path: Path, what: str):

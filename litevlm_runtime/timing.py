@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -47,3 +48,16 @@ def median_ms(fn, repeats: int, device: torch.device) -> float:
         sync()
         times.append((time.perf_counter() - t0) * 1000.0)
     return statistics.median(times)
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (q in percent, 0..100) with linear interpolation between the closest
+    ranks (numpy's default); nan for no values. The one percentile of the package: latency
+    tables, /diagnostics, the soak and contention harnesses all use it."""
+    s = sorted(float(v) for v in values)
+    if not s:
+        return math.nan
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

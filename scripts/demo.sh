@@ -37,7 +37,7 @@ else
 fi
 N_QUERIES="$("$VENV/bin/python" -c "
 import sys
-from litevlm_runtime.ros.bag import read_bag
+from litevlm_runtime.bag.io import read_bag
 print(sum(1 for _, topic, *_ in read_bag(sys.argv[1]) if topic == '/litevlm/query'))" "$BAG")"
 
 # Own DDS domain (unless set), and the large-data Fast DDS profile for all three processes.

@@ -12,10 +12,12 @@ from PIL import Image
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.ros.bag import (bag_files, bag_topic_info, bag_topics, camera_topic, compare_runs,
-                                     drivelm_contents, evaluate, latency_table, load_node_params,
-                                     msg_definitions_dir, read_bag, replay_qos, select_topics, typestore,
-                                     write_bag)
+from litevlm_runtime.bag.compare import compare_runs, latency_table
+from litevlm_runtime.bag.dds import replay_qos, select_topics
+from litevlm_runtime.bag.evaluate import evaluate
+from litevlm_runtime.bag.io import bag_files, bag_topic_info, bag_topics, camera_topic, msg_definitions_dir, read_bag, typestore, write_bag
+from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.ros.params_file import load_node_params
 from litevlm_runtime.serving.images import RAW_ENCODINGS
 from litevlm_runtime.serving.server import STATUS_CODES
 
@@ -310,7 +312,7 @@ def test_rosbags_sqlite3_with_recorded_qos_and_extra_topics(tmp_path):
     # writer: the replayer says so.
     from rclpy.qos import QoSProfile
 
-    from litevlm_runtime.ros.bag import _qos_mismatch
+    from litevlm_runtime.bag.dds import _qos_mismatch
 
     assert "requests reliable" in _qos_mismatch(cam, QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
     assert _qos_mismatch(none, QoSProfile(depth=10, reliability=ReliabilityPolicy.BEST_EFFORT)) is None
@@ -342,7 +344,7 @@ def test_not_a_bag_is_a_clear_error(tmp_path, make, words):
 
 
 def test_reuse_summary_compares_first_and_later_questions_per_frame_set():
-    from litevlm_runtime.ros.bag import reuse_summary
+    from litevlm_runtime.bag.compare import reuse_summary
 
     def r(stamp, vision, status="ok", reused=()):
         return {"status": status, "frame_stamps_ns": {"CAM_FRONT": stamp, "CAM_BACK": stamp + 1},

@@ -21,7 +21,7 @@ import numpy as np
 from helpers import ros2_msgdef
 
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.ros.bag import camera_topic, msg_definitions_dir
+from litevlm_runtime.bag.io import camera_topic, msg_definitions_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"

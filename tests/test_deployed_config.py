@@ -81,7 +81,7 @@ def test_one_name_per_setting_everywhere():
 def test_shipped_drive_yaml_is_the_deployed_configuration():
     """config/drive.yaml names every pipeline setting (nested as ROS 2 reads dotted names) and
     resolves, on the bundled model, to the LiteVLM pipeline."""
-    from litevlm_runtime.ros.bag import load_node_params
+    from litevlm_runtime.ros.params_file import load_node_params
     from litevlm_runtime.ros.parameters import flatten, node_section, pipeline_options_from
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())

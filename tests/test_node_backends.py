@@ -7,7 +7,10 @@ import pytest
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cli import main
-from litevlm_runtime.ros.bag import drivelm_contents, evaluate, load_node_params, write_bag
+from litevlm_runtime.bag.evaluate import evaluate
+from litevlm_runtime.bag.io import write_bag
+from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.ros.params_file import load_node_params
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 from litevlm_runtime.serving.frame_store import Frame
 from litevlm_runtime.serving.images import CompressedPayload, RawPayload
-from litevlm_runtime.serving.server import QueryServer, ServerSettings
+from litevlm_runtime.serving.server import QueryServer
+from litevlm_runtime.serving.settings import ServerSettings
 
 MS = 1_000_000
 
@@ -30,8 +31,10 @@ def pipeline(tiny_model):
 
 
 def make_server(pipeline, clock_ns=lambda: 0, publish_partial=None, **kw):
+    """A server over `pipeline`; a failed frame match is refused at once unless a test asks for
+    match_wait_s (the shipped default waits for frames still in flight)."""
     records = []
-    server = QueryServer(ServerSettings(**kw), records.append, clock_ns=clock_ns, publish_partial=publish_partial)
+    server = QueryServer(ServerSettings(**{"match_wait_s": 0.0, **kw}), records.append, clock_ns=clock_ns, publish_partial=publish_partial)
     if pipeline is not None:
         server.load(lambda: pipeline, warmup=False)
         server.active = True

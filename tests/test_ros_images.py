@@ -238,7 +238,8 @@ def test_server_answers_bad_image_naming_the_camera(tiny_model):
     from litevlm_runtime.errors import InputError
     from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
     from litevlm_runtime.serving.frame_store import Frame
-    from litevlm_runtime.serving.server import QueryServer, ServerSettings
+    from litevlm_runtime.serving.server import QueryServer
+    from litevlm_runtime.serving.settings import ServerSettings
 
     pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
     records = []

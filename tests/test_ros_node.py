@@ -212,7 +212,8 @@ def test_live_queue_change_keeps_queued_queries(tiny_model):
     from litevlm_runtime.pipeline.pipeline import Pipeline
     from litevlm_runtime.serving.frame_store import Frame
     from litevlm_runtime.ros.node import apply_live
-    from litevlm_runtime.serving.server import QueryServer, ServerSettings
+    from litevlm_runtime.serving.server import QueryServer
+    from litevlm_runtime.serving.settings import ServerSettings
 
     pipeline = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
 

@@ -16,8 +16,11 @@ from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.pipeline.answer import STAGES
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, camera_topic, compare_runs,
-                                     drivelm_contents, evaluate, load_node_params, raw_frame, read_jsonl, write_bag)
+from litevlm_runtime.bag.compare import compare_runs, read_jsonl
+from litevlm_runtime.bag.evaluate import evaluate
+from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, camera_topic, raw_frame, write_bag
+from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.ros.params_file import load_node_params
 
 ROOT = Path(__file__).resolve().parents[1]
 S = 1_000_000_000
@@ -71,7 +74,7 @@ def test_replay_of_drivelm_bag_matches_eval(tmp_path, drivelm_dir, params_for):
     assert all(r["question"] in drivelm_questions for r in rows)          # real DriveLM questions
 
     # The recorded answer bag holds the same answers (rclpy CDR read back by rosbags).
-    from litevlm_runtime.ros.bag import read_bag
+    from litevlm_runtime.bag.io import read_bag
     bagged = [reader.deserialize(raw, mt) for _, _, mt, raw, reader in read_bag(tmp_path / "answers_bag")]
     assert sorted((m.query_id, m.answer, list(m.token_ids)) for m in bagged) == \
         sorted((r["query_id"], r["answer"], r["token_ids"]) for r in rows)

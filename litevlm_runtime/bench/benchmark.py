@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 
 from ..pipeline.answer import STAGES
+from ..timing import percentile
 
 DEFAULT_QUESTIONS = [
     "What are the important objects in the current scene?",
@@ -22,15 +23,6 @@ DEFAULT_QUESTIONS = [
 ]
 
 MODEL_STAGES = ("view_select", "vision", "token_select", "prefill", "decode")
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass
@@ -47,11 +39,11 @@ class BenchResult:
         return [sum(self.stage_ms[s][i] for s in MODEL_STAGES) for i in range(self.queries)]
 
     def summary(self) -> dict:
-        rows = {s: {"median": statistics.median(v), "p90": percentile(v, 0.9)} for s, v in self.stage_ms.items() if v}
+        rows = {s: {"median": statistics.median(v), "p90": percentile(v, 90)} for s, v in self.stage_ms.items() if v}
         total = [sum(self.stage_ms[s][i] for s in STAGES) for i in range(self.queries)]
-        rows["total"] = {"median": statistics.median(total), "p90": percentile(total, 0.9)}
+        rows["total"] = {"median": statistics.median(total), "p90": percentile(total, 90)}
         out = {"queries": self.queries, "stages": rows,
-               "model_ms": {"median": statistics.median(self.model_ms()), "p90": percentile(self.model_ms(), 0.9)},
+               "model_ms": {"median": statistics.median(self.model_ms()), "p90": percentile(self.model_ms(), 90)},
                "mean_new_tokens": statistics.mean(self.tokens)}
         if self.rounds:
             from collections import Counter
@@ -62,7 +54,7 @@ class BenchResult:
             ref_med = statistics.median(self.reference_ms)
             out["reference"] = {
                 "name": "transformers InternVLForConditionalGeneration.generate (greedy, same weights)",
-                "median": ref_med, "p90": percentile(self.reference_ms, 0.9),
+                "median": ref_med, "p90": percentile(self.reference_ms, 90),
                 "mean_new_tokens": statistics.mean(self.reference_tokens),
                 "identical_answers": f"{self.identical}/{self.queries}",
                 "speedup_model": ref_med / out["model_ms"]["median"],

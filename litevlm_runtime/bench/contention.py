@@ -253,10 +253,10 @@ class ConfigResult:
     loaded_ms: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
-        from .benchmark import percentile
+        from ..timing import percentile
 
-        q50, q99 = statistics.median(self.quiet_ms), percentile(self.quiet_ms, 0.99)
-        l50, l99 = statistics.median(self.loaded_ms), percentile(self.loaded_ms, 0.99)
+        q50, q99 = statistics.median(self.quiet_ms), percentile(self.quiet_ms, 99)
+        l50, l99 = statistics.median(self.loaded_ms), percentile(self.loaded_ms, 99)
         return {"threads": self.info["threads"], "omp_wait_policy": self.info["omp_wait_policy"] or "(runtime's own)",
                 "quiet_p50": q50, "quiet_p99": q99, "loaded_p50": l50, "loaded_p99": l99,
                 "p50_ratio": l50 / q50, "p99_ratio": l99 / q99, "meets_goal": l99 / q99 <= GOAL_P99_RATIO,

@@ -68,9 +68,9 @@ def queries_from_qa(path: Path, frames_root: Path | None = None) -> list[Query]:
 def queries_from_bag(path: Path, camera_topics: dict[str, str] | None = None) -> list[Query]:
     """Each query of a rosbag2 (litevlm_msgs/Query on /litevlm/query, or std_msgs/String
     questions) with the newest frame of every camera at that moment, read with the bag tooling
-    of litevlm_runtime.ros.bag."""
+    of litevlm_runtime.bag.io."""
     from ..cameras import CAMERAS
-    from ..ros.bag import QUERY_TOPIC, camera_topic, read_bag
+    from ..bag.io import QUERY_TOPIC, camera_topic, read_bag
     from ..serving.images import payload_from_msg, to_pipeline_image
 
     if camera_topics:

@@ -20,6 +20,7 @@ from ..decoding.greedy import Prompt, choose, greedy
 from ..errors import InputError
 from ..options import DecodingMode, PipelineOptions
 from ..stages.preprocess import load_image, to_tiles_uint8
+from ..stages.prompt import is_blank
 from .runtime import Runtime, build_runtime
 from ..decoding.speculative import eagle2, speculates
 from ..timing import StageTimer
@@ -27,7 +28,6 @@ from ..stages.token_selector import PromptLayout
 from ..stages.prompt import build_prompt
 from ..weights.tokenizer import SPECIAL_TOKENS
 
-INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff"}     # zero-width characters
 
 
 class Pipeline:
@@ -163,21 +163,21 @@ class Pipeline:
 
 # ---------------------------------------------------------------- stages
 def check_question(rt: Runtime, question: str) -> list[int]:
-    if not isinstance(question, str) or not "".join(ch for ch in question if ch not in INVISIBLE).strip():
-        raise InputError("empty question")
+    if not isinstance(question, str) or is_blank(question):
+        raise InputError("empty question (only whitespace or invisible characters)", about="question")
     bad = [t for t in SPECIAL_TOKENS if t in question]
     if bad:
-        raise InputError(f"question contains reserved token {bad[0]!r}")
+        raise InputError(f"question contains reserved token {bad[0]!r}", about="question")
     ids = rt.tok.encode(question)
     if len(ids) > rt.options.max_question_tokens:
-        raise InputError(f"question too long: {len(ids)} tokens > {rt.options.max_question_tokens}")
+        raise InputError(f"question too long: {len(ids)} tokens > {rt.options.max_question_tokens}", about="question")
     return ids
 
 
 def check_images(images, cameras: list[str]) -> None:
     missing = [c for c in cameras if c not in images]
     if missing:
-        raise InputError(f"no image for camera(s) {', '.join(missing)}")
+        raise InputError(f"no image for camera(s) {', '.join(missing)}", camera=missing[0])
 
 
 def select_views(rt: Runtime, question: str) -> list[str]:
@@ -226,7 +226,7 @@ def preprocess(rt: Runtime, images: dict, cameras: list[str]) -> torch.Tensor:
     limits = rt.options.images
     for i, cam in enumerate(cameras):
         if images[cam] is None:
-            raise InputError(f"no image for camera(s) {cam}")
+            raise InputError(f"no image for camera(s) {cam}", camera=cam)
         img = load_image(images[cam], cam, (s * tpc, s), limits.max_pixels, limits.jpeg_draft)
         to_tiles_uint8(img, s, tpc, a.pixels_u8[i * tpc:(i + 1) * tpc])
     n = len(cameras) * tpc

@@ -49,7 +49,8 @@ from ..serving.frame_store import Frame
 from ..serving.images import payload_from_msg
 from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
                          ros_default, validate_values)
-from ..serving.server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
+from ..serving.server import AnswerRecord, PartialRecord, QueryServer
+from ..serving.settings import ServerSettings
 from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
 
 NODE_NAME = "litevlm_drive"

@@ -1,7 +1,8 @@
 """ROS 2 parameters of the node, from two typed configurations with one kind of metadata
 (options.setting: help, lo/hi, choices, live):
 
-  NodeSettings      the node's own: model folder, camera topics, frame matching, request queue
+  NodeSettings      the node's own (model folder, camera topics, diagnostics) and, inherited from
+                    serving/settings.py's ServerSettings, frame matching and the request queue
   PipelineOptions   the pipeline's (options.py), under their dotted names (`tokens.keep_ratio`)
 
 Each setting is a parameter of the same name with a descriptor (description, type, range,
@@ -21,8 +22,8 @@ from dataclasses import dataclass, fields, replace
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
 from ..errors import InputError
-from ..options import Setting, _Validated, options_from_flat, parse_value, setting, settings
-from ..serving.server import OVERFLOW_POLICIES, ServerSettings
+from ..options import Setting, options_from_flat, parse_value, setting, settings
+from ..serving.settings import ServerSettings
 from .topics import DEFAULT_CAMERA_TOPICS, expand
 
 ROS_TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
@@ -31,7 +32,8 @@ ROS_TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_IN
 
 
 @dataclass(frozen=True)
-class NodeSettings(_Validated):
+class NodeSettings(ServerSettings):
+    """The node's own settings plus, inherited, every setting of the query server it serves with."""
     model_dir: str = setting("", "InternVL2.5-layout model folder ('': the bundled SynthDrive model)")
     warmup: bool = setting(True, "run one synthetic query during configure (and measure the speculation costs)")
     camera_topics: tuple = setting(
@@ -39,25 +41,6 @@ class NodeSettings(_Validated):
         "BACK_RIGHT); relative names are under the node's namespace and remappable; a name ending in /compressed "
         "is sensor_msgs/CompressedImage, any other sensor_msgs/Image")
     diagnostics_period_s: float = setting(1.0, "period of /diagnostics (s)", lo=0.05, hi=3600.0)
-    max_skew_s: float = setting(0.1, "the six stamps of a frame set lie within this (s; nuScenes rig ~0.045)",
-                                lo=0.0, hi=60.0, live=True)
-    max_frame_age_s: float = setting(1.0, "every frame of the set younger than this when the query arrives (s)",
-                                     lo=0.001, hi=3600.0, live=True)
-    frame_history: int = setting(8, "frames kept per camera", lo=1, hi=1000)
-    match_wait_s: float = setting(0.2, "a query whose frames are missing, stale or out of sync is retried this long "
-                                       "before its error answer (s; frames may still be in flight)",
-                                  lo=0.0, hi=60.0, live=True)
-    max_future_s: float = setting(0.5, "a frame stamped more than this ahead of the node's clock is refused "
-                                       "(bad_stamp, counted per camera on /diagnostics) (s)", lo=0.0, hi=3600.0)
-    queue_size: int = setting(4, "queries queued for the pipeline, at most", lo=1, hi=10000, live=True)
-    overflow_policy: str = setting("reject_new", "a query to a full queue: reject_new (it gets queue_full) | "
-                                                 "drop_oldest (the oldest queued one does)",
-                                   choices=OVERFLOW_POLICIES, live=True)
-    max_question_chars: int = setting(2000, "longer questions are answered bad_question", lo=1, hi=1_000_000,
-                                      live=True)
-    drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
-                                          "running query (queued ones are answered shutting_down at once) (s)",
-                                     lo=0.0, hi=3600.0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -73,11 +56,7 @@ class NodeSettings(_Validated):
                                  f"{str(exc).splitlines()[0]}") from None
 
     def server_settings(self, cameras) -> ServerSettings:
-        return ServerSettings(cameras=cameras, max_skew_s=self.max_skew_s, max_frame_age_s=self.max_frame_age_s,
-                              frame_history=self.frame_history, queue_size=self.queue_size,
-                              overflow_policy=self.overflow_policy, max_question_chars=self.max_question_chars,
-                              match_wait_s=self.match_wait_s, max_future_s=self.max_future_s,
-                              drain_timeout_s=self.drain_timeout_s)
+        return ServerSettings.from_values({f.name: getattr(self, f.name) for f in fields(ServerSettings)}, cameras)
 
 
 def node_settings() -> list[Setting]:

@@ -39,18 +39,18 @@ import math
 import threading
 import time
 import traceback
-import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
 
 from ..pipeline.answer import STAGES
-from ..cameras import CAMERAS
 from ..errors import InputError
+from ..stages.prompt import is_blank
+from ..timing import percentile
 from .frame_store import FrameMatchError, FrameSet, FrameStore
 from .images import CameraImages, FrameKeys, ImageError
+from .settings import ServerSettings
 
 log = logging.getLogger("litevlm.server")
 
@@ -91,37 +91,6 @@ STATUS_CODES = {
 }
 # How many query ids are remembered for duplicate detection (about 100 bytes each).
 ID_MEMORY = 65536
-OVERFLOW_POLICIES = ("reject_new", "drop_oldest")
-
-
-@dataclass
-class ServerSettings:
-    cameras: Sequence[str] = CAMERAS
-    max_skew_s: float = 0.1
-    max_frame_age_s: float = 1.0
-    frame_history: int = 8
-    queue_size: int = 4
-    overflow_policy: str = "reject_new"
-    max_question_chars: int = 2000
-    # A query whose frame match fails (a camera missing, stale or out of sync) is retried for up
-    # to this long before it is refused: the frames it needs may still be in flight (a large
-    # frame published before the question can arrive after it). 0: refuse at once.
-    match_wait_s: float = 0.0
-    # A frame stamped more than this ahead of the node's clock is refused (bad_stamp).
-    max_future_s: float = 0.5
-    # Shutdown waits at most this long for the running query (queued ones are answered at once).
-    drain_timeout_s: float = 5.0
-
-    def __post_init__(self):
-        if self.overflow_policy not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow_policy {self.overflow_policy!r}: use one of {', '.join(OVERFLOW_POLICIES)}")
-        if self.queue_size < 1:
-            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
-        if self.max_future_s < 0 or self.drain_timeout_s < 0:
-            raise ValueError(f"max_future_s and drain_timeout_s must be >= 0, got {self.max_future_s}, "
-                             f"{self.drain_timeout_s}")
-
-
 @dataclass
 class Request:
     query_id: str
@@ -267,16 +236,6 @@ class RequestQueue:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else 0.0
-
-
-def is_blank(text: str) -> bool:
-    """Nothing a reader could see: only whitespace, control and format characters (zero-width
-    space, joiners, BOM, word joiner ... are category Cf, which str.strip() keeps)."""
-    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp") for ch in text)
 
 
 class QueryServer:
@@ -462,11 +421,9 @@ class QueryServer:
             rec.status, rec.status_message = "bad_image", str(exc)
             return self._answer(req, rec)
         except InputError as exc:
-            # The pipeline names the camera first in image errors ("CAM_BACK: cannot decode
-            # image ..."); anything else is about the question (reserved token, too many tokens).
-            msg = str(exc)
-            about_image = msg.startswith(tuple(self.settings.cameras)) or msg.startswith("no image")
-            rec.status, rec.status_message = ("bad_image" if about_image else "bad_question"), msg
+            # The error says what it is about: a camera's image, or the question (reserved token,
+            # too many tokens).
+            rec.status, rec.status_message = ("bad_image" if exc.about == "image" else "bad_question"), str(exc)
             return self._answer(req, rec)
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             log.error("pipeline failed on %s: %s", req.query_id, traceback.format_exc())
@@ -647,6 +604,6 @@ class QueryServer:
             "frames_dropped": dict(self.frames.dropped),
             "frames_bad_stamp": dict(self.frames.bad_stamp),
             "frames_history_resets": dict(self.frames.history_resets),
-            "frame_delay_ms": (percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90),
-                               len(self.frame_delay_ms)),
+            "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))
+                               if len(self.frame_delay_ms) else (0.0, 0.0)) + (len(self.frame_delay_ms),),
         }

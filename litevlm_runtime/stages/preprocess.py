@@ -49,10 +49,10 @@ _OBJECT_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 def check_image_size(camera: str, width: int, height: int, max_image_pixels: int = MAX_IMAGE_PIXELS) -> None:
     if width < MIN_IMAGE_SIDE or height < MIN_IMAGE_SIDE:
         raise InputError(f"{camera}: image is {width}x{height} pixels; at least "
-                         f"{MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} is needed")
+                         f"{MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} is needed", camera=camera)
     if width * height > max_image_pixels:
         raise InputError(f"{camera}: image is {width}x{height} = {width * height / 1e6:.1f} Mpixel, above the "
-                         f"limit of {max_image_pixels / 1e6:.1f} Mpixel (max_image_pixels); refused before decoding")
+                         f"limit of {max_image_pixels / 1e6:.1f} Mpixel (max_image_pixels); refused before decoding", camera=camera)
 
 
 def describe(exc: Exception) -> str:
@@ -68,12 +68,12 @@ def open_image(source, camera: str, max_image_pixels: int = MAX_IMAGE_PIXELS) ->
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
-            raise InputError(f"{camera}: empty image data")
+            raise InputError(f"{camera}: empty image data", camera=camera)
         fp, head = io.BytesIO(data), data[:8]
     else:
         path = Path(source)
         if not path.is_file():
-            raise InputError(f"{camera}: image file {path} does not exist")
+            raise InputError(f"{camera}: image file {path} does not exist", camera=camera)
         with path.open("rb") as f:
             head = f.read(8)
         fp = path
@@ -84,12 +84,12 @@ def open_image(source, camera: str, max_image_pixels: int = MAX_IMAGE_PIXELS) ->
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(fp)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InputError(f"{camera}: refused before decoding: {describe(exc)}") from None
+        raise InputError(f"{camera}: refused before decoding: {describe(exc)}", camera=camera) from None
     except UnidentifiedImageError:
         raise InputError(f"{camera}: cannot decode image (not an image format PIL reads; "
-                         f"first bytes {head.hex()})") from None
+                         f"first bytes {head.hex()})", camera=camera) from None
     except (OSError, SyntaxError, ValueError) as exc:
-        raise InputError(f"{camera}: cannot decode image ({describe(exc)})") from None
+        raise InputError(f"{camera}: cannot decode image ({describe(exc)})", camera=camera) from None
     check_image_size(camera, img.width, img.height, max_image_pixels)
     return img
 
@@ -119,11 +119,11 @@ def load_image(image, camera: str, target: tuple[int, int], max_image_pixels: in
     elif isinstance(image, np.ndarray):
         arr = image
         if arr.dtype != np.uint8:
-            raise InputError(f"{camera}: image array must be uint8, got {arr.dtype}")
+            raise InputError(f"{camera}: image array must be uint8, got {arr.dtype}", camera=camera)
         if arr.ndim == 2:
             arr = arr[:, :, None]
         if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
-            raise InputError(f"{camera}: image array must be HxWx3 (or HxW), got shape {arr.shape}")
+            raise InputError(f"{camera}: image array must be HxWx3 (or HxW), got shape {arr.shape}", camera=camera)
         check_image_size(camera, arr.shape[1], arr.shape[0], max_image_pixels)
         if arr.shape[2] == 1:
             arr = np.repeat(arr, 3, axis=2)
@@ -131,7 +131,7 @@ def load_image(image, camera: str, target: tuple[int, int], max_image_pixels: in
     elif isinstance(image, (bytes, bytearray, memoryview, str, Path)):
         img = open_image(image, camera, max_image_pixels)
     else:
-        raise InputError(f"{camera}: unsupported image type {type(image).__name__}")
+        raise InputError(f"{camera}: unsupported image type {type(image).__name__}", camera=camera)
     try:
         if img.format == "JPEG" and jpeg_draft:
             img.draft("RGB", target)
@@ -139,7 +139,7 @@ def load_image(image, camera: str, target: tuple[int, int], max_image_pixels: in
         img.load()
         return img
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise InputError(f"{camera}: cannot decode image ({describe(exc)})") from None
+        raise InputError(f"{camera}: cannot decode image ({describe(exc)})", camera=camera) from None
 
 
 def to_tiles_uint8(img: Image.Image, tile: int, tiles: int, out: torch.Tensor) -> None:

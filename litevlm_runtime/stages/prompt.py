@@ -38,12 +38,21 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from ..errors import CheckpointError, InputError, LiteVLMError
 from ..weights.tokenizer import SPECIAL_TOKENS, Tokenizer, read_tokenizer_config
+
+
+def is_blank(text: str) -> bool:
+    """The one blank-question rule: nothing a reader could see, only whitespace, control and
+    format characters (zero-width space, joiners, soft hyphen U+00AD, BOM, word joiner ... are
+    category Cf, which str.strip() keeps). The query server applies it before frames are matched;
+    the pipeline's check_question applies it for direct callers."""
+    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp") for ch in text)
 
 LAYOUTS = ("internvl", "cameras")
 LAYOUT_FILE = "litevlm.json"
@@ -127,10 +136,10 @@ def build_prompt(tok: Tokenizer, system: str, layout: str, cameras: list[str] | 
                  tokens_per_camera: int) -> Prompt:
     """The full prompt for `cameras` (each `tokens_per_camera` visual tokens) and `question`."""
     if not cameras:
-        raise InputError("a prompt needs at least one camera")
+        raise InputError("a prompt needs at least one camera", about="image")
     reserved = [t for t in SPECIAL_TOKENS if t in question]
     if reserved:
-        raise InputError(f"question contains reserved token {reserved[0]!r}")
+        raise InputError(f"question contains reserved token {reserved[0]!r}", about="question")
     head, spans, text_after_images = _head(tok, system, layout, tuple(cameras), tokens_per_camera)
     question_ids = tok.encode_cached(text_after_images + question)
     ids = head + question_ids + _tail(tok)

@@ -40,14 +40,13 @@ import numpy as np
 from ..pipeline.answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..timing import percentile
 
 S = 1_000_000_000
 
 
 def percentiles(values, qs=(50, 90, 99)) -> tuple[float, ...]:
-    if not len(values):
-        return tuple(float("nan") for _ in qs)
-    return tuple(float(np.percentile(np.asarray(values, dtype=np.float64), q)) for q in qs)
+    return tuple(percentile(values, q) for q in qs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,8 +138,8 @@ class DDSClient:
 
         from litevlm_msgs.msg import Answer, Query
 
-        from .bag import answer_row
-        from .node import use_large_data_profile
+        from ..ros.bag import answer_row
+        from ..ros.node import use_large_data_profile
 
         use_large_data_profile()
         self._answer_row = answer_row
@@ -257,7 +256,7 @@ class Workload:
 def workload_from_bag(bag: Path, params: dict) -> Workload:
     from rclpy.serialization import deserialize_message
 
-    from .bag import _rclpy_type, bag_topics, read_bag
+    from ..ros.bag import _rclpy_type, bag_topics, read_bag
 
     topics = dict(zip(params["camera_topics"], CAMERAS))
     types = bag_topics(bag)

@@ -1,0 +1,144 @@
+"""Making bags from DriveLM-layout folders (real nuScenes frames + DriveLM QA, or SynthDrive
+rendered in the same layout): six camera streams at their capture times and each key frame's
+questions asked shortly after its frame set."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+from ..cameras import CAMERAS
+from ..errors import InputError
+from ..evaluation.data import load_frames
+from .io import BagContents, BagQuery, CameraFrame, raw_frame
+
+
+# Questions for frames that come without DriveLM QA (the sample's n015 scene).
+GENERIC_QUESTIONS = (
+    "What are the important objects in the current scene?",
+    "What should the ego vehicle do next?",
+)
+CAPTURE_US = re.compile(r"__(\d{16})\.(jpg|jpeg|png)$", re.IGNORECASE)
+
+
+def _downscale(data: bytes, max_width: int | None) -> bytes:
+    if not max_width:
+        return data
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    if img.width <= max_width:
+        return data
+    img = img.convert("RGB").resize((max_width, round(img.height * max_width / img.width)), Image.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _drivelm_questions(qa_files: Iterable[Path]) -> dict[str, list[str]]:
+    """CAM_FRONT image file name -> that key frame's questions (read by evaluation.data, the one
+    DriveLM reader), interleaving the categories (perception, prediction, planning, behavior) so
+    the first few cover all of them. JSON files that are not DriveLM QA (SynthDrive's
+    ground_truth.json, synthdrive.json) are skipped."""
+    by_frame: dict[str, list[str]] = {}
+    for qa_file in qa_files:
+        try:
+            frames = load_frames(qa_file)
+        except InputError:
+            continue
+        for frame in frames:
+            if "CAM_FRONT" not in frame.image_paths:
+                continue
+            by_category: dict[str, list[str]] = {}
+            for q in frame.questions:
+                by_category.setdefault(q.category, []).append(q.question)
+            cats = list(by_category.values())
+            by_frame[Path(frame.image_paths["CAM_FRONT"]).name] = [q for group in _zip_longest(cats) for q in group]
+    return by_frame
+
+
+def _zip_longest(lists):
+    for i in range(max((len(x) for x in lists), default=0)):
+        yield [x[i] for x in lists if i < len(x)]
+
+
+def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_frame: int = 2,
+                     max_width: int | None = None, query_delay_s: float = 0.2, query_spacing_s: float = 0.15,
+                     scene_gap_s: float = 2.0, synthetic_period_s: float = 0.5,
+                     raw_encoding: str | None = None) -> BagContents:
+    """Key frames of a DriveLM-layout folder (samples/CAM_X/*.jpg + QA json files) as six
+    camera streams at their capture times, with that frame's DriveLM questions asked
+    `query_delay_s` after the frame set (then every `query_spacing_s`).
+
+    Capture times come from the nuScenes file names (trailing 16-digit microseconds); files
+    without one (rendered data) are put on a `synthetic_period_s` timeline. Scenes (file-name
+    prefix before "__") follow each other with `scene_gap_s` between them."""
+    from ..serving.images import raw_encoding as check_encoding
+
+    if raw_encoding:
+        check_encoding(raw_encoding)
+    folder = Path(folder)
+    samples = folder / "samples" if (folder / "samples").is_dir() else folder
+    if not all((samples / c).is_dir() for c in CAMERAS):
+        raise InputError(f"{folder}: expected samples/CAM_X/ folders for {', '.join(CAMERAS)}")
+    questions = _drivelm_questions(sorted(folder.glob("*.json")))
+    # scene -> camera -> [(capture_ns or None, path)]
+    scenes: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for cam in CAMERAS:
+        for path in sorted((samples / cam).iterdir()):
+            if path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
+                continue
+            m = CAPTURE_US.search(path.name)
+            # nuScenes: the log name before "__" is the scene; rendered frames have no capture
+            # time and all go on one synthetic timeline, in file-name order.
+            scene = path.name.split("__")[0] if (m and "__" in path.name) else "~synthetic"
+            scenes[scene][cam].append((int(m.group(1)) * 1000 if m else None, path))
+    contents = BagContents()
+    cursor_ns = None          # where the next scene starts on the bag's timeline
+    n_sets = 0
+    def has_qa(scene):
+        return any(path.name in questions for _, path in scenes[scene]["CAM_FRONT"])
+
+    # Scenes with DriveLM QA first (so that --max-frames keeps real questions), then by time.
+    for scene in sorted(scenes, key=lambda s: (not has_qa(s), min((t or 0) for c in scenes[s].values() for t, _ in c))):
+        per_cam = {c: sorted(scenes[scene][c], key=lambda x: (x[0] or 0, x[1].name)) for c in CAMERAS}
+        counts = {len(v) for v in per_cam.values()}
+        if len(counts) != 1:
+            raise InputError(f"{folder}: scene {scene!r} has different frame counts per camera: "
+                             + ", ".join(f"{c} {len(v)}" for c, v in per_cam.items()))
+        n = counts.pop()
+        first = min((t for v in per_cam.values() for t, _ in v if t is not None), default=None)
+        base = 1_700_000_000 * 10**9 if cursor_ns is None else cursor_ns
+        shift = 0 if (cursor_ns is None and first is not None) else (base - (first or 0))
+        last_ns = (first + shift) if first is not None else base
+        for k in range(n):
+            if max_frames is not None and n_sets >= max_frames:
+                break
+            stamps = {}
+            for cam in CAMERAS:
+                t, path = per_cam[cam][k]
+                t = (t + shift) if t is not None else base + int(k * synthetic_period_s * 1e9)
+                stamps[cam] = t
+                original = path.read_bytes()
+                data = _downscale(original, max_width)
+                if raw_encoding:
+                    contents.frames[cam].append(raw_frame(t, data, raw_encoding, name=str(path)))
+                else:
+                    fmt = "jpeg" if (data is not original or path.suffix.lower() != ".png") else "png"
+                    contents.frames[cam].append(CameraFrame(t, data, fmt))
+            set_ns = max(stamps.values())
+            front = per_cam["CAM_FRONT"][k][1].name
+            qs = questions.get(front) or list(GENERIC_QUESTIONS)
+            for j, text in enumerate(qs[:questions_per_frame]):
+                t = set_ns + int((query_delay_s + j * query_spacing_s) * 1e9)
+                contents.queries.append(BagQuery(t, text, id=f"f{n_sets}q{j}"))
+                last_ns = max(last_ns, t)
+            last_ns = max(last_ns, set_ns)
+            n_sets += 1
+        cursor_ns = last_ns + int(scene_gap_s * 1e9)
+    if n_sets == 0:
+        raise InputError(f"{folder}: no frames found")
+    return contents

@@ -1,0 +1,46 @@
+"""The query server's settings, in one place: the server reads them, the node declares each as a
+parameter of the same name with the same default, range and liveness (ros/parameters.py's
+NodeSettings extends this class), and `bag eval` builds them from the node's parameters field by
+field (`from_values`), so the three can no longer drift apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..cameras import CAMERAS
+from ..options import _Validated, setting
+
+OVERFLOW_POLICIES = ("reject_new", "drop_oldest")
+
+
+@dataclass(frozen=True)
+class ServerSettings(_Validated):
+    cameras: tuple = setting(tuple(CAMERAS), "the cameras served, rig order", ros=False)
+    max_skew_s: float = setting(0.1, "the six stamps of a frame set lie within this (s; nuScenes rig ~0.045)",
+                                lo=0.0, hi=60.0, live=True)
+    max_frame_age_s: float = setting(1.0, "every frame of the set younger than this when the query arrives (s)",
+                                     lo=0.001, hi=3600.0, live=True)
+    frame_history: int = setting(8, "frames kept per camera", lo=1, hi=1000)
+    # The frames a query needs may still be in flight (a large frame published before the
+    # question can arrive after it): a failed match is retried this long before it is refused.
+    match_wait_s: float = setting(0.2, "a query whose frames are missing, stale or out of sync is retried this long "
+                                       "before its error answer (s; frames may still be in flight)",
+                                  lo=0.0, hi=60.0, live=True)
+    max_future_s: float = setting(0.5, "a frame stamped more than this ahead of the node's clock is refused "
+                                       "(bad_stamp, counted per camera on /diagnostics) (s)", lo=0.0, hi=3600.0)
+    queue_size: int = setting(4, "queries queued for the pipeline, at most", lo=1, hi=10000, live=True)
+    overflow_policy: str = setting("reject_new", "a query to a full queue: reject_new (it gets queue_full) | "
+                                                 "drop_oldest (the oldest queued one does)",
+                                   choices=OVERFLOW_POLICIES, live=True)
+    max_question_chars: int = setting(2000, "longer questions are answered bad_question", lo=1, hi=1_000_000,
+                                      live=True)
+    drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
+                                          "running query (queued ones are answered shutting_down at once) (s)",
+                                     lo=0.0, hi=3600.0)
+
+    @classmethod
+    def from_values(cls, values: dict, cameras=CAMERAS) -> "ServerSettings":
+        """The server's settings out of a mapping that holds them by name (the node's parameters,
+        NodeSettings' fields): every field but `cameras` taken from it when present."""
+        return cls(cameras=tuple(cameras), **{f.name: values[f.name] for f in fields(cls)
+                                               if f.name != "cameras" and f.name in values})
