@@ -15,7 +15,7 @@ from litevlm_runtime.models.internvl import InternVL
 from litevlm_runtime.stages.preprocess import Normalizer
 from litevlm_runtime.weights.presets import preset
 from litevlm_runtime.weights.tokenizer import Tokenizer, train_bpe_tokenizer
-from litevlm_runtime.training import vlm
+from litevlm_runtime.training import packing, schedule, surgery, vlm, vlm_data
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def synth_set(tmp_path_factory) -> Path:
     return out
 
 
-def _reference_loss(model: InternVL, pixels: torch.Tensor, e: vlm.Encoded) -> torch.Tensor:
+def _reference_loss(model: InternVL, pixels: torch.Tensor, e: vlm_data.Encoded) -> torch.Tensor:
     """One sample on its own, as inference lays it out: prompt + answer, causal, positions 0..T-1;
     pixels holds one tile per camera of the prompt, in its order."""
     lm = model.language_model
@@ -45,7 +45,7 @@ def _reference_loss(model: InternVL, pixels: torch.Tensor, e: vlm.Encoded) -> to
 
 def _two_frames_tiny_float64_model(synth_set: Path, tmp_path: Path):
     """Two SynthDrive frames, a BPE tokenizer on their text and a random tiny model in float64."""
-    frames = vlm.load_frames(synth_set / "train.json", synth_set)[:2]
+    frames = vlm_data.load_frames(synth_set / "train.json", synth_set)[:2]
     train_bpe_tokenizer([t for f in frames for qa in f.qa for t in (qa.question, qa.answer)], 600,
                         tmp_path / "tokenizer.json")
     tok = Tokenizer(tmp_path)
@@ -62,37 +62,37 @@ def test_packed_loss_equals_sum_of_separate_losses(synth_set, tmp_path):
     sum of the six per-sample losses in float64 to 1e-10 relative (only summation order differs)."""
     frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
     picks = [[frames[0].qa[i] for i in (0, 5, 9)], [frames[1].qa[i] for i in (1, 2, 7)]]
-    enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in qs] for qs in picks]
+    enc = [[vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in qs] for qs in picks]
     pixels = torch.randn(2, len(CAMERAS), 3, cfg.force_image_size, cfg.force_image_size, dtype=torch.float64)
 
-    batch = vlm.pack([(0, enc[0]), (1, enc[1])])
+    batch = packing.pack([(0, enc[0]), (1, enc[1])])
     assert batch.samples == 6
     # The shared prefixes are really shared: the packed sequence is shorter than the six samples.
     assert len(batch.ids) < sum(len(e.prompt) + len(e.answer) for es in enc for e in es)
-    packed = vlm.PackedLoss(model)(pixels.flatten(0, 1), batch)
+    packed = packing.PackedLoss(model)(pixels.flatten(0, 1), batch)
     separate = sum(_reference_loss(model, pixels[f], e) for f in range(2) for e in enc[f])
     assert torch.allclose(packed, separate, rtol=1e-10, atol=0), (packed.item(), separate.item())
     # Per-sample weighting: every QA's weights sum to 1.
-    weighted = vlm.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
+    weighted = packing.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
     assert torch.equal(weighted.target_rows, batch.target_rows)
     assert abs(float(weighted.weights.sum()) - 6) < 1e-12
     # ... and a wrong mask would show: letting branches see each other changes the loss.
-    leaky = vlm.pack([(0, enc[0]), (1, enc[1])])
+    leaky = packing.pack([(0, enc[0]), (1, enc[1])])
     leaky.mask = leaky.mask | torch.ones_like(leaky.mask).tril()
-    assert not torch.allclose(vlm.PackedLoss(model)(pixels.flatten(0, 1), leaky), separate, rtol=1e-6)
+    assert not torch.allclose(packing.PackedLoss(model)(pixels.flatten(0, 1), leaky), separate, rtol=1e-6)
 
 
 def test_split_into_sequences_keeps_every_sample(synth_set, tmp_path):
-    frames = vlm.load_frames(synth_set / "train.json", synth_set)
+    frames = vlm_data.load_frames(synth_set / "train.json", synth_set)
     tok_dir = tmp_path
     train_bpe_tokenizer([t for f in frames for qa in f.qa for t in (qa.question, qa.answer)], 500,
                         tok_dir / "tokenizer.json")
     tok = Tokenizer(tok_dir)
     cfg = preset("tiny", vocab_size=tok.vocab_size)
-    groups = [(i, [vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:10]])
+    groups = [(i, [vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:10]])
               for i, f in enumerate(frames)]
-    seqs = vlm.split_into_sequences(groups, 400)
-    packed = [vlm.pack(s) for s in seqs]
+    seqs = packing.split_into_sequences(groups, 400)
+    packed = [packing.pack(s) for s in seqs]
     assert sum(b.samples for b in packed) == sum(len(items) for _, items in groups)
     # At most 400 tokens, unless one sample alone is longer (it is never dropped).
     assert all(len(b.ids) <= 400 or b.samples == 1 for b in packed)
@@ -102,7 +102,7 @@ def test_split_into_sequences_keeps_every_sample(synth_set, tmp_path):
     pieces = [g for seq in seqs for g in seq]
     splits = [(f, a, b) for (f, a), (g, b) in zip(pieces, pieces[1:]) if f == g]
     assert splits
-    assert all(len(vlm.pack([(f, a + b[:1])]).ids) > 400 for f, a, b in splits)
+    assert all(len(packing.pack([(f, a + b[:1])]).ids) > 400 for f, a, b in splits)
 
 
 def test_prefetch_keeps_order_and_raises_the_producers_error():
@@ -110,7 +110,7 @@ def test_prefetch_keeps_order_and_raises_the_producers_error():
         yield from range(5)
         raise ValueError("bad frame")
 
-    it = vlm.prefetch(items(), depth=2)
+    it = vlm_data.prefetch(items(), depth=2)
     assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="bad frame"):
         next(it)
@@ -152,11 +152,11 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
     from litevlm_runtime.decoding.greedy import greedy
 
     # the folder records the layout its prompts were trained in, and the pipeline reads it there
-    assert json.loads((out / "litevlm.json").read_text()) == {"prompt_layout": vlm.SCRATCH_LAYOUT}
+    assert json.loads((out / "litevlm.json").read_text()) == {"prompt_layout": vlm_data.SCRATCH_LAYOUT}
     pipe = Pipeline.from_pretrained(out, PipelineOptions())
     rt = pipe.rt
-    assert rt.prompt_layout == vlm.SCRATCH_LAYOUT
-    frame = vlm.load_frames(synth_set / "val.json", synth_set)[0]
+    assert rt.prompt_layout == vlm_data.SCRATCH_LAYOUT
+    frame = vlm_data.load_frames(synth_set / "val.json", synth_set)[0]
     qa = frame.qa[0]
     ans = pipe.answer(frame.images, qa.question, max_new_tokens=12)
     assert isinstance(ans.text, str) and ans.visual_tokens == 6 * rt.tokens_per_camera
@@ -175,11 +175,11 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
 
     model = rt.model
     tok = rt.tok
-    e = vlm.encode_qa(tok, rt.cfg.system_message, rt.tokens_per_camera, qa)
+    e = vlm_data.encode_qa(tok, rt.cfg.system_message, rt.tokens_per_camera, qa)
     assert e.prompt == ref_ids[0].tolist()
-    cache = vlm.TileCache([frame], rt.cfg.force_image_size)
-    batch = vlm.pack([(0, [e])])
-    pixels = vlm.pixels_for(cache, [0], Normalizer(torch.float32, torch.device("cpu")))
+    cache = vlm_data.TileCache([frame], rt.cfg.force_image_size)
+    batch = packing.pack([(0, [e])])
+    pixels = vlm_data.pixels_for(cache, [0], Normalizer(torch.float32, torch.device("cpu")))
     assert torch.equal(pixels, ref_pixels)
     with torch.inference_mode():
         lm = model.language_model
@@ -202,10 +202,10 @@ def test_selected_view_groups_train_the_prompts_the_selector_makes(synth_set, tm
     # A stand-in selection rule (the rule itself is the view selector's business, tested there).
     subsets = [["CAM_FRONT"], ["CAM_FRONT_LEFT", "CAM_BACK"]]
     select = lambda q: subsets[len(q) % 2]  # noqa: E731
-    encode = lambda qa, cams: vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa, cams)  # noqa: E731
-    groups = [(f, [encode(qa, vlm.CAMERAS) for qa in frames[f].qa[:6]]) for f in range(2)]
+    encode = lambda qa, cams: vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa, cams)  # noqa: E731
+    groups = [(f, [encode(qa, CAMERAS) for qa in frames[f].qa[:6]]) for f in range(2)]
 
-    split = vlm.split_by_views(groups, select, 1.0, np.random.default_rng(0), encode)
+    split = vlm_data.split_by_views(groups, select, 1.0, np.random.default_rng(0), encode)
     assert all(not isinstance(key, int) for key, _ in split)
     assert sum(len(items) for _, items in split) == 12
     for (f, cams), items in split:
@@ -214,15 +214,15 @@ def test_selected_view_groups_train_the_prompts_the_selector_makes(synth_set, tm
             assert len(e.spans) == len(cams)
             assert e.prompt.count(tok.img_context_id) == len(cams) * cfg.tokens_per_tile
     # fraction 0: nothing changes.
-    assert vlm.split_by_views(groups, select, 0.0, np.random.default_rng(0), encode) == groups
+    assert vlm_data.split_by_views(groups, select, 0.0, np.random.default_rng(0), encode) == groups
 
-    cache = vlm.TileCache(frames, cfg.force_image_size)
+    cache = vlm_data.TileCache(frames, cfg.force_image_size)
     f0, cams0 = split[0][0]
     assert torch.equal(cache.batch([(f0, cams0)]), cache.batch([f0])[list(cams0)])
     normalize = Normalizer(torch.float32, torch.device("cpu"))
-    batch = vlm.pack(split)
-    packed = vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize).double(), batch)
-    separate = sum(_reference_loss(model, vlm.pixels_for(cache, [key], normalize).double(), e)
+    batch = packing.pack(split)
+    packed = packing.PackedLoss(model)(vlm_data.pixels_for(cache, batch.frames, normalize).double(), batch)
+    separate = sum(_reference_loss(model, vlm_data.pixels_for(cache, [key], normalize).double(), e)
                    for key, items in split for e in items)
     assert torch.allclose(packed, separate, rtol=1e-10, atol=0), (packed.item(), separate.item())
 
@@ -238,13 +238,13 @@ def test_vision_probe_adds_its_weighted_label_loss(synth_set, tmp_path):
     assert labels.shape == (2, len(CAMERAS), grid * grid, len(LABELS)) and labels.sum() > 0
     probe = VisionProbe(model.mlp1[-1].out_features).double()
     torch.nn.init.normal_(probe.linear.weight, std=0.3)
-    enc = [vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, frames[f].qa[0]) for f in range(2)]
-    batch = vlm.pack([(0, [enc[0]]), (1, [enc[1]])])
-    pixels = vlm.pixels_for(vlm.TileCache(frames, cfg.force_image_size), batch.frames,
+    enc = [vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, frames[f].qa[0]) for f in range(2)]
+    batch = packing.pack([(0, [enc[0]]), (1, [enc[1]])])
+    pixels = vlm_data.pixels_for(vlm_data.TileCache(frames, cfg.force_image_size), batch.frames,
                             Normalizer(torch.float32, torch.device("cpu"))).double()
     y = labels.reshape(-1, len(LABELS)).double()
-    plain = vlm.PackedLoss(model)(pixels, batch)
-    with_probe = vlm.PackedLoss(model, probe, 0.3)(pixels, batch, labels.reshape(-1, len(LABELS)))
+    plain = packing.PackedLoss(model)(pixels, batch)
+    with_probe = packing.PackedLoss(model, probe, 0.3)(pixels, batch, labels.reshape(-1, len(LABELS)))
     with torch.no_grad():
         z = probe.linear(model.encode_images(pixels).reshape(-1, cfg.llm.hidden_size))
     sig = 1 / (1 + torch.exp(-z))
@@ -284,19 +284,19 @@ def test_training_step_keeps_every_tensor_on_the_model_device(synth_set, tmp_pat
     through PackedLoss with pixels_for(..., device) and PackedBatch.to(device) runs, and leaving
     either input on the CPU is refused, as CUDA would refuse it."""
     frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
-    enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:3]] for f in frames]
-    batch = vlm.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
-    cache = vlm.TileCache(frames, cfg.force_image_size)
+    enc = [[vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:3]] for f in frames]
+    batch = packing.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
+    cache = vlm_data.TileCache(frames, cfg.force_image_size)
     meta = torch.device("meta")
     model = model.float().to(meta)
     normalize = Normalizer(torch.float32, meta)
-    loss = vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize, meta), batch.to(meta))
+    loss = packing.PackedLoss(model)(vlm_data.pixels_for(cache, batch.frames, normalize, meta), batch.to(meta))
     loss.backward()
     assert loss.device == meta and all(p.grad is not None and p.grad.device == meta for p in model.parameters())
     with pytest.raises(RuntimeError, match="device"):
-        vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize), batch.to(meta))
+        packing.PackedLoss(model)(vlm_data.pixels_for(cache, batch.frames, normalize), batch.to(meta))
     with pytest.raises(RuntimeError, match="device"):
-        vlm.PackedLoss(model)(vlm.pixels_for(cache, batch.frames, normalize, meta), batch)
+        packing.PackedLoss(model)(vlm_data.pixels_for(cache, batch.frames, normalize, meta), batch)
 
 
 def test_bf16_autocast_loss_is_close_to_float32(synth_set, tmp_path):
@@ -304,13 +304,13 @@ def test_bf16_autocast_loss_is_close_to_float32(synth_set, tmp_path):
     loss within 2% of float32 (bf16 keeps 8 mantissa bits) and finite float32 gradients."""
     frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
     model = model.float()
-    enc = [[vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:3]] for f in frames]
-    batch = vlm.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
-    pixels = vlm.pixels_for(vlm.TileCache(frames, cfg.force_image_size), batch.frames,
+    enc = [[vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, qa) for qa in f.qa[:3]] for f in frames]
+    batch = packing.pack([(0, enc[0]), (1, enc[1])], per_sample=True)
+    pixels = vlm_data.pixels_for(vlm_data.TileCache(frames, cfg.force_image_size), batch.frames,
                             Normalizer(torch.float32, torch.device("cpu")))
-    exact = vlm.PackedLoss(model)(pixels, batch)
+    exact = packing.PackedLoss(model)(pixels, batch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = vlm.PackedLoss(model)(pixels, batch)
+        mixed = packing.PackedLoss(model)(pixels, batch)
     mixed.backward()
     assert mixed.dtype == torch.float32
     assert abs(mixed.item() - exact.item()) < 0.02 * exact.item(), (mixed.item(), exact.item())
@@ -318,9 +318,9 @@ def test_bf16_autocast_loss_is_close_to_float32(synth_set, tmp_path):
 
 
 def test_decoding_all_frames_on_threads_equals_lazy_decoding(synth_set):
-    frames = vlm.load_frames(synth_set / "train.json", synth_set)
-    lazy = vlm.TileCache(frames, 112)
-    ahead = vlm.TileCache(frames, 112)
+    frames = vlm_data.load_frames(synth_set / "train.json", synth_set)
+    lazy = vlm_data.TileCache(frames, 112)
+    ahead = vlm_data.TileCache(frames, 112)
     seen = []
     ahead.fill_all(3, lambda n, total: seen.append((n, total)))
     assert all(ahead.filled) and seen[-1] == (len(frames), len(frames))
@@ -331,10 +331,10 @@ def test_decoding_all_frames_on_threads_equals_lazy_decoding(synth_set):
 def test_learning_rate_over_a_time_budget_follows_the_step_schedule():
     total, warmup = 400, 20
     for step in (0, 10, 19, 20, 100, 250, 399):
-        by_steps = vlm.learning_rate(step, total, 1e-3, warmup)
-        by_time = vlm.learning_rate_at((step + 1) / total if step < warmup else step / total, 1e-3, warmup / total)
+        by_steps = schedule.learning_rate(step, total, 1e-3, warmup)
+        by_time = schedule.learning_rate_at((step + 1) / total if step < warmup else step / total, 1e-3, warmup / total)
         assert abs(by_time - by_steps) < 0.01 * 1e-3, (step, by_time, by_steps)
-    assert vlm.learning_rate_at(1.5, 1e-3, 0.05) == pytest.approx(1e-4)      # past the budget: the floor
+    assert schedule.learning_rate_at(1.5, 1e-3, 0.05) == pytest.approx(1e-4)      # past the budget: the floor
 
 
 def test_time_budget_run_stops_on_time_and_records_its_steps(synth_set, tmp_path):
@@ -412,9 +412,9 @@ def test_grown_decoder_computes_the_same_logits_then_trains_its_new_layers(synth
     positions, the new ones start as identities, so the logits of the whole model (images and
     prompt) equal the original's to 1e-12; one optimizer step moves them (the new layers learn)."""
     frames, tok, cfg, model = _two_frames_tiny_float64_model(synth_set, tmp_path)
-    e = vlm.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, frames[0].qa[0])
+    e = vlm_data.encode_qa(tok, cfg.system_message, cfg.tokens_per_tile, frames[0].qa[0])
     pixels = torch.randn(len(CAMERAS), 3, cfg.force_image_size, cfg.force_image_size, dtype=torch.float64)
-    batch = vlm.pack([(0, [e])])
+    batch = packing.pack([(0, [e])])
 
     def logits(m):
         lm = m.language_model
@@ -423,9 +423,9 @@ def test_grown_decoder_computes_the_same_logits_then_trains_its_new_layers(synth
         hidden, _, _ = lm(embeds, batch.positions, batch.mask)     # a packed sequence on its own, as in training
         return lm.head(hidden)
 
-    grown = vlm.grow_decoder(model, 5, seed=4)
+    grown = surgery.grow_decoder(model, 5, seed=4)
     assert grown.cfg.llm.num_hidden_layers == 5 and grown.cfg.vision == model.cfg.vision
-    assert vlm.grown_layer_positions(2, 5) == [0, 2] and vlm.grown_layer_positions(3, 12) == [0, 4, 8]
+    assert surgery.grown_layer_positions(2, 5) == [0, 2] and surgery.grown_layer_positions(3, 12) == [0, 4, 8]
     old, new = model.language_model.layers, grown.language_model.layers
     for i, j in enumerate([0, 2]):
         assert all(torch.equal(a, b) for a, b in zip(old[i].state_dict().values(), new[j].state_dict().values()))
@@ -438,14 +438,14 @@ def test_grown_decoder_computes_the_same_logits_then_trains_its_new_layers(synth
     assert err < 1e-12, float(err)
 
     opt = torch.optim.SGD(grown.parameters(), lr=0.1)
-    vlm.PackedLoss(grown)(pixels, batch).backward()
+    packing.PackedLoss(grown)(pixels, batch).backward()
     assert new[1].out_proj.weight.grad.abs().sum() > 0 and new[4].mlp_gate_up_down()[2].weight.grad.abs().sum() > 0
     opt.step()
     with torch.no_grad():
         assert (logits(grown) - before).abs().max() > 1e-6
     from litevlm_runtime.errors import InputError
     with pytest.raises(InputError, match="cannot remove trained ones"):
-        vlm.grow_decoder(model, 1, seed=4)
+        surgery.grow_decoder(model, 1, seed=4)
 
 
 def test_init_with_more_decoder_layers_grows_trains_and_saves_bf16(tiny_run, synth_set, tmp_path):
@@ -471,6 +471,6 @@ def test_init_with_more_decoder_layers_grows_trains_and_saves_bf16(tiny_run, syn
     # Layer 0 trained on (it moved), new layer 1 left the identity (its zeroed wo is no longer zero).
     assert not torch.equal(model.language_model.layers[0].attention.wqkv.weight, original[0].attention.wqkv.weight)
     assert model.language_model.layers[1].attention.wo.weight.abs().sum() > 0
-    frame = vlm.load_frames(synth_set / "val.json", synth_set)[0]
+    frame = vlm_data.load_frames(synth_set / "val.json", synth_set)[0]
     answer = Pipeline.from_pretrained(out, PipelineOptions(max_new_tokens=4)).answer(frame.images, frame.qa[0].question)
     assert answer.text is not None

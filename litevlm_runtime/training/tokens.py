@@ -288,7 +288,8 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         raise InputError(f"--keep-ratio must lie in (0, 1), got {args.keep_ratio}")
     # DriveLM reading and image-path resolution are shared with `train vlm` (imported here so
     # that the CLI's parser never depends on that module).
-    from .vlm import data_provenance, load_frames
+    from .provenance import data_provenance
+    from .vlm_data import load_frames
 
     model_dir = Path(args.model)
     frames = load_frames(args.data, args.frames)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import shlex
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -55,6 +54,7 @@ from ..stages.view_selector import (
     tagged_cameras,
     train_tokenizer,
 )
+from .provenance import data_provenance, reproduce_command
 
 # ---------------------------------------------------------------------------------------------
 # Data
@@ -329,7 +329,6 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
 
     result = None
     if rank == 0:
-        from .vlm import data_provenance
 
         model.eval()
         tuning = None
@@ -357,7 +356,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         if extra_eval:
             metrics["eval_data"] = compare(trained, untrained, extra_eval)
         settings = {
-            "command": reproduce_command(args),
+            "command": reproduce_command(args, "views", repeated=("data", "eval_data")),
             "data_files": [str(p) for p in args.data],
             "data": [data_provenance(Path(p)) for p in args.data],  # hashes, and SynthDrive's generator settings
             "frames_holdout": args.frames_holdout,
@@ -399,16 +398,3 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
     if world > 1:
         dist.barrier()
     return result
-
-
-def reproduce_command(args) -> str:
-    """The `litevlm train views` command line that repeats this run (every setting spelled out)."""
-    parts = ["litevlm", "train", "views"]
-    for k, v in vars(args).items():
-        if k in ("func", "command", "trainer") or v is None or v is False:
-            continue
-        for item in v if k in ("data", "eval_data") else [v]:
-            if isinstance(item, list):
-                item = ",".join(item)
-            parts += [f"--{k.replace('_', '-')}", shlex.quote(str(item))]
-    return " ".join(parts)

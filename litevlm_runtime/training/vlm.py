@@ -53,42 +53,36 @@ import itertools
 import json
 import math
 import os
-import queue
 import shlex
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..cameras import CAMERAS
 from ..weights.checkpoint import load_model, write_checkpoint
 from ..weights.random_init import init_weights
 from ..errors import InputError
-from ..weights.integrity import sha256_file
-from ..evaluation import data as drivelm
-from ..evaluation.metrics import ACCURACY, derive_tags
 from ..models.internvl import InternVL
-from ..stages.preprocess import Normalizer, load_image, to_tiles_uint8
+from ..stages.preprocess import Normalizer
 from ..weights.presets import preset
-from ..stages.prompt import build_prompt, model_layout, write_layout
+from ..stages.prompt import model_layout, write_layout
 from ..weights.tokenizer import Tokenizer, train_bpe_tokenizer
 from .distributed import setup, threads_per_rank
 from .vision_labels import LABELS, VisionProbe, load_vision_labels
+from .packing import PackedLoss, pack, split_into_sequences
+from .provenance import data_provenance, reproduce_command
+from .schedule import learning_rate, learning_rate_at
+from .surgery import grow_decoder, grown_layer_positions, with_decoder_layers, with_tile_size
+from .vlm_data import Encoded, Frame, TileCache, encode_qa, epoch_groups, frame_and_cameras, is_closed_form, load_frames, pixels_for, prefetch, split_by_views
+from .vlm_data import SCRATCH_LAYOUT
 
 RECORD_FILE = "training_record.json"
-# The prompt layout a model trained from scratch gets: camera names label the images, so a subset of
-# cameras (the view selector's) still says which camera each image is.
-SCRATCH_LAYOUT = "cameras"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,104 +90,20 @@ SCRATCH_LAYOUT = "cameras"
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class QA:
-    question: str
-    answer: str
-    category: str
 
 
-@dataclass
-class Frame:
-    key: str                      # "scene/frame"
-    images: dict[str, Path]       # camera -> image file
-    qa: list[QA] = field(default_factory=list)
 
 
-def load_frames(data: Path, frames_root: Path) -> list[Frame]:
-    """The key frames of a DriveLM file that have QA (read by evaluation.data, the one DriveLM
-    reader), with their six image files resolved under `frames_root`."""
-    frames: list[Frame] = []
-    for f in drivelm.load_frames(data):
-        qa = [QA(q.question.strip(), q.answer.strip(), q.category) for q in f.questions]
-        if qa:
-            frames.append(Frame(f"{f.scene}/{f.token}", drivelm.frame_images(frames_root, f), qa))
-    if not frames:
-        raise InputError(f"{data}: no key frame with QA")
-    return frames
 
 
-def with_tile_size(cfg, tile: int, keep_position_grid: bool):
-    """The config with another tile size (`--tile-size`). Continuing from a checkpoint
-    (keep_position_grid), the vision tower keeps its stored position-embedding grid and the model
-    interpolates it to the new patch grid (bicubic, as InternViT does for any tile size it was not
-    trained at): fine-tuning at a higher resolution starts from the lower-resolution weights."""
-    patch = cfg.vision.patch_size
-    side = tile // patch
-    if tile % patch or side * cfg.downsample_ratio != int(side * cfg.downsample_ratio):
-        raise InputError(f"--tile-size {tile}: must be a multiple of {int(patch / cfg.downsample_ratio)} "
-                         f"(patch {patch}, pixel shuffle {cfg.downsample_ratio})")
-    vision = cfg.vision if keep_position_grid else replace(cfg.vision, image_size=tile)
-    return replace(cfg, vision=vision, force_image_size=tile)
 
 
-def with_decoder_layers(cfg, layers: int):
-    """The config with another decoder depth (`--decoder-layers`)."""
-    if layers < 1:
-        raise InputError(f"--decoder-layers {layers}: at least 1")
-    return replace(cfg, llm=replace(cfg.llm, num_hidden_layers=layers))
 
 
-def grown_layer_positions(old: int, new: int) -> list[int]:
-    """Where the `old` trained layers go in a stack of `new`: spread out, the first one first, the
-    new layers between and after them (3 -> 12: 0, 4, 8)."""
-    return [i * new // old for i in range(old)]
 
 
-def grow_decoder(model: InternVL, layers: int, seed: int) -> InternVL:
-    """The same model with `layers` decoder layers: the trained layers keep their order, and new
-    layers are interleaved after them that start as exact identities, so the grown model computes
-    the same logits as the original before any training.
-
-    Each new layer's residual branches end in zeroed output projections (attention `wo`,
-    feed-forward `w2`; Qwen2's `o_proj`, `down_proj`), the rest is freshly initialised like a
-    from-scratch layer. Why these choices:
-    - zero out-projections (as LLaMA Pro's block expansion and zero-init residual branches do):
-      the residual stream passes through unchanged, and the out-projections still get gradients
-      (their inputs are non-zero), so the layer leaves the identity at the first step;
-    - fresh inner weights rather than copies of a neighbour: several new layers follow each
-      trained one, and copies of one layer would receive near-identical updates for a long time;
-    - interleaved rather than appended: every depth of the residual stream gets new capacity
-      (LLaMA Pro found interleaving better than stacking on top), and layer 0 stays layer 0, the
-      layer the token selector is a copy of."""
-    old = model.cfg.llm.num_hidden_layers
-    if layers < old:
-        raise InputError(f"--decoder-layers {layers}: the --init model has {old} decoder layers; "
-                         "growing adds layers, it cannot remove trained ones")
-    if layers == old:
-        return model
-    rope = getattr(model.language_model, "rope", None)      # the source's RoPE table size, if it has one
-    grown = InternVL(with_decoder_layers(model.cfg, layers), max_len=None if rope is None else rope.cos.shape[0]) \
-        .to(next(model.parameters()).dtype)
-    init_weights(grown, seed)
-    src, dst = model.language_model, grown.language_model
-    keep = grown_layer_positions(old, layers)
-    stack = next(name for name, m in model.named_modules() if m is src.layers) + "."
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if not name.startswith(stack):          # vision tower, projector, embeddings, norm, head
-                grown.state_dict()[name].copy_(t)
-        for i, j in enumerate(keep):
-            dst.layers[j].load_state_dict(src.layers[i].state_dict())
-        for j in set(range(layers)) - set(keep):
-            dst.layers[j].out_proj.weight.zero_()
-            dst.layers[j].mlp_gate_up_down()[2].weight.zero_()
-    return grown.train(model.training)
 
 
-def is_closed_form(question: str, answer: str) -> bool:
-    """Choice and yes/no questions: scored by exact-match accuracy, as `litevlm eval` does."""
-    return derive_tags(question, answer) == (ACCURACY,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,69 +111,14 @@ def is_closed_form(question: str, answer: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Encoded:
-    prompt: list[int]                   # Pipeline.prompt_ids: template, <IMG_CONTEXT> placeholders, question
-    spans: list[tuple[int, int]]        # (start, count) of each camera's visual tokens in `prompt`
-    answer: list[int]                   # answer tokens followed by <|im_end|>
-    qa: QA | None = None                # the source, to re-encode it with another camera subset
 
 
-def encode_qa(tok: Tokenizer, system: str, tokens_per_camera: int, qa: QA,
-              cameras: tuple[str, ...] = CAMERAS, layout: str = SCRATCH_LAYOUT) -> Encoded:
-    prompt = build_prompt(tok, system, layout, cameras, qa.question, tokens_per_camera)
-    return Encoded(list(prompt.input_ids), list(prompt.image_spans), tok.encode(qa.answer) + [tok.im_end_id], qa)
 
 
-# A group's key: a frame index (all six cameras) or (frame index, camera indices) for a subset.
-ALL_CAMERAS = tuple(range(len(CAMERAS)))
 
 
-def frame_and_cameras(key) -> tuple[int, tuple[int, ...]]:
-    return (key, ALL_CAMERAS) if isinstance(key, int) else key
 
 
-class TileCache:
-    """uint8 tiles [frames, cameras * tiles_per_camera, 3, S, S], each frame decoded and resized once,
-    on first use, with the pipeline's preprocessing (so a training tile equals what
-    `Pipeline.preprocess` produces). Filled lazily: a run shorter than an epoch decodes only the
-    frames it sees, and decoding is spread over the run instead of stalling its start."""
-
-    def __init__(self, frames: list[Frame], tile: int, tiles_per_camera: int = 1):
-        self.frames, self.tile, self.tiles_per_camera = frames, tile, tiles_per_camera
-        n = len(CAMERAS) * tiles_per_camera
-        self.tiles = torch.empty(len(frames), n, 3, tile, tile, dtype=torch.uint8)
-        self.filled = [False] * len(frames)
-
-    def _fill(self, i: int) -> None:
-        tpc, s = self.tiles_per_camera, self.tile
-        for j, cam in enumerate(CAMERAS):
-            img = load_image(self.frames[i].images[cam], cam, (s * tpc, s))
-            to_tiles_uint8(img, s, tpc, self.tiles[i, j * tpc:(j + 1) * tpc])
-        self.filled[i] = True
-
-    def fill_all(self, threads: int, progress=None) -> None:
-        """Decode every frame now, on `threads` threads (the GPU path: decoding ahead of the steps)."""
-        todo = [i for i in range(len(self.frames)) if not self.filled[i]]
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for n, _ in enumerate(pool.map(self._fill, todo), 1):
-                if progress and (n % 2000 == 0 or n == len(todo)):
-                    progress(n, len(todo))
-
-    def batch(self, keys: list) -> torch.Tensor:
-        """[sum of each key's cameras * tiles_per_camera, 3, S, S] uint8; a key is a frame index
-        (all cameras) or (frame index, camera indices)."""
-        parts = []
-        tpc = self.tiles_per_camera
-        for key in keys:
-            i, cams = frame_and_cameras(key)
-            if not self.filled[i]:
-                self._fill(i)
-            if cams == ALL_CAMERAS:
-                parts.append(self.tiles[i])
-            else:
-                parts.append(self.tiles[i].view(len(CAMERAS), tpc, *self.tiles.shape[2:])[list(cams)].flatten(0, 1))
-        return torch.cat(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,152 +126,16 @@ class TileCache:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PackedBatch:
-    ids: torch.Tensor            # [T] token ids (<IMG_CONTEXT> where visual tokens go)
-    positions: torch.Tensor      # [T] RoPE positions, as each sample would have them alone
-    mask: torch.Tensor           # [T, T] bool, True = may attend
-    visual_rows: torch.Tensor    # [V] rows receiving visual tokens, ordered group, camera, token
-    target_rows: torch.Tensor    # [N] rows whose next token is an answer token (or <|im_end|>)
-    targets: torch.Tensor        # [N] those next tokens
-    weights: torch.Tensor        # [N] loss weight of each target (1, or 1/answer length per sample)
-    frames: list                 # each group's key, frame index or (frame, cameras) (order of the visual tokens)
-    samples: int                 # QA count
-
-    def to(self, device: torch.device) -> "PackedBatch":
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return PackedBatch(move(self.ids), move(self.positions), move(self.mask), move(self.visual_rows),
-                           move(self.target_rows), move(self.targets), move(self.weights), self.frames, self.samples)
 
 
-def common_prefix_len(seqs: list[list[int]]) -> int:
-    # Vectorised: prompts are hundreds of tokens and packing runs on the CPU ahead of every step
-    # (a token-by-token loop here was most of a GPU step's time).
-    n = min(len(s) for s in seqs)
-    first = np.asarray(seqs[0][:n])
-    for s in seqs[1:]:
-        differ = np.flatnonzero(first[:n] != np.asarray(s[:n]))
-        if differ.size:
-            n = int(differ[0])
-    return n
 
 
-def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> PackedBatch:
-    """groups: (frame index, encoded QA of that frame). One prefix tree per group.
-
-    per_sample: weight each target by 1/(its answer's length), so that every QA counts the same
-    in the loss (a one-token "Yes." as much as a 40-token description) instead of every token."""
-    ids: list[int] = []
-    pos: list[int] = []
-    visual_rows: list[int] = []
-    target_rows: list[int] = []
-    targets: list[int] = []
-    weights: list[float] = []
-    blocks: list[tuple[int, int, list[int]]] = []
-    for _, items in groups:
-        # Each branch keeps at least its last prompt token: its logits predict the first answer token.
-        shared = min(common_prefix_len([e.prompt for e in items]), min(len(e.prompt) for e in items) - 1)
-        off = len(ids)
-        for start, count in items[0].spans:
-            if start + count > shared:
-                raise ValueError("visual tokens must lie in the shared prefix")
-            visual_rows.extend(range(off + start, off + start + count))
-        ids += items[0].prompt[:shared]
-        pos += range(shared)
-        lengths = []
-        for e in items:
-            branch = e.prompt[shared:] + e.answer
-            base = len(ids)
-            first = len(e.prompt) - shared - 1          # branch index of the last prompt token
-            for j in range(first, len(branch) - 1):
-                target_rows.append(base + j)
-                targets.append(branch[j + 1])
-                weights.append(1.0 / len(e.answer) if per_sample else 1.0)
-            ids += branch
-            pos += range(shared, shared + len(branch))
-            lengths.append(len(branch))
-        blocks.append((off, shared, lengths))
-    t = len(ids)
-    mask = torch.zeros(t, t, dtype=torch.bool)
-    for off, shared, lengths in blocks:
-        mask[off:off + shared, off:off + shared] = torch.ones(shared, shared, dtype=torch.bool).tril()
-        b = off + shared
-        for n in lengths:
-            mask[b:b + n, off:off + shared] = True
-            mask[b:b + n, b:b + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            b += n
-    as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    return PackedBatch(as_long(ids), as_long(pos), mask, as_long(visual_rows), as_long(target_rows),
-                       as_long(targets), torch.tensor(weights, dtype=torch.float64), [f for f, _ in groups], sum(len(items) for _, items in groups))
 
 
-def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: int) -> list[list[tuple[int, list[Encoded]]]]:
-    """Consecutive groups packed greedily into sequences of at most max_tokens (a group longer than
-    that is split into several groups of the same frame)."""
-    pieces = []                   # (frame, QA, the length pack() gives them)
-    for frame, items in groups:
-        # The packed length, kept up to date as QA join the group: the shared prefix once, plus
-        # each branch (prompt beyond the prefix, answer) = all prompts and answers - (k-1) * shared.
-        part: list[Encoded] = []
-        shared = whole = 0
-        for e in items:
-            if part:
-                s = min(shared, common_prefix_len([part[0].prompt, e.prompt]), len(e.prompt) - 1)
-                if whole + len(e.prompt) + len(e.answer) - len(part) * s > max_tokens:
-                    pieces.append((frame, part, whole - (len(part) - 1) * shared))
-                    part = []
-                else:
-                    shared = s
-            if not part:
-                shared = len(e.prompt) - 1
-                whole = 0
-            part.append(e)
-            whole += len(e.prompt) + len(e.answer)
-        pieces.append((frame, part, whole - (len(part) - 1) * shared))
-    sequences, current, used = [], [], 0
-    for frame, items, n in pieces:
-        if current and used + n > max_tokens:
-            sequences.append(current)
-            current, used = [], 0
-        current.append((frame, items))
-        used += n
-    if current:
-        sequences.append(current)
-    return sequences
 
 
-class PackedLoss(nn.Module):
-    """Weighted sum of the answer-token cross-entropies of a packed batch (the module DDP wraps),
-    plus, with a vision probe, `probe_weight` times the summed per-token label loss of the
-    visual tokens (`vision_labels.py`)."""
-
-    def __init__(self, model: InternVL, probe: VisionProbe | None = None, probe_weight: float = 0.0):
-        super().__init__()
-        self.model = model
-        self.probe = probe
-        self.probe_weight = probe_weight
-
-    def forward(self, pixels: torch.Tensor, batch: PackedBatch, visual_labels: torch.Tensor | None = None) -> torch.Tensor:
-        lm = self.model.language_model
-        visual = self.model.encode_images(pixels)                     # [tiles, tokens_per_tile, D]
-        aux = 0.0
-        if self.probe is not None and visual_labels is not None:
-            flat = visual.reshape(-1, visual.shape[-1])
-            aux = self.probe_weight * self.probe(flat, visual_labels) / visual.shape[1]   # per tile
-            self.last_probe_loss = aux.detach()        # a tensor: no device sync per sequence
-        embeds = lm.embed(batch.ids)
-        embeds = embeds.index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]).to(embeds.dtype))
-        hidden, _, _ = lm(embeds, batch.positions, batch.mask)      # no cache: the packed trees on their own
-        logits = lm.head(hidden[batch.target_rows])
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp16/bf16 -> fp32, fp64 stays
-        ce = F.cross_entropy(logits, batch.targets, reduction="none")
-        return (ce * batch.weights.to(ce.dtype)).sum() + aux
 
 
-def pixels_for(cache: TileCache, frames: list, normalize: Normalizer,
-               device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """Normalised float32 pixels on `device` (the uint8 tiles travel, a quarter of the bytes)."""
-    return normalize(cache.batch(frames).to(device, non_blocking=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,82 +143,16 @@ def pixels_for(cache: TileCache, frames: list, normalize: Normalizer,
 # ---------------------------------------------------------------------------------------------
 
 
-def split_by_views(groups: list[tuple[int, list[Encoded]]], select, fraction: float, rng: np.random.Generator,
-                   encode) -> list[tuple[object, list[Encoded]]]:
-    """Each QA goes, with probability `fraction`, to a prompt with only the cameras `select(question)`
-    returns (what the LiteVLM pipeline will show the model) instead of all six; QA of one frame
-    with the same subset share one prefix tree. Training on both keeps the six-camera prompt and
-    puts the view selector's prompts in distribution."""
-    out: list[tuple[object, list[Encoded]]] = []
-    for frame, items in groups:
-        full, subsets = [], {}
-        for e in items:
-            cams = tuple(CAMERAS.index(c) for c in select(e.qa.question)) if rng.random() < fraction else ALL_CAMERAS
-            if cams == ALL_CAMERAS:
-                full.append(e)
-            else:
-                subsets.setdefault(cams, []).append(encode(e.qa, tuple(CAMERAS[i] for i in cams)))
-        if full:
-            out.append((frame, full))
-        out += [((frame, cams), subset) for cams, subset in subsets.items()]
-    return out
 
 
-def prefetch(items, depth: int):
-    """Iterate `items` (a generator) while a thread runs up to `depth` items ahead. Packing is
-    Python on the CPU; while a GPU step runs, the main thread waits on CUDA with the GIL released,
-    so the next steps are packed meanwhile. One producer keeps the order (and the random draws)."""
-    ready: queue.Queue = queue.Queue(depth)
-
-    def produce():
-        try:
-            for item in items:
-                ready.put(item)
-        except BaseException as exc:       # surfaces in the training loop, not lost on the thread
-            ready.put(exc)
-
-    threading.Thread(target=produce, daemon=True, name="pack-ahead").start()
-    while True:
-        item = ready.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
 
 
-def cosine_decay(progress: float, peak: float, floor: float) -> float:
-    """From peak at progress 0 to floor * peak at progress 1."""
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
-    """Linear warm-up, then cosine decay to floor * peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return cosine_decay((step - warmup) / max(1, total - warmup), peak, floor)
 
 
-def learning_rate_at(fraction: float, peak: float, warmup: float, floor: float = 0.1) -> float:
-    """The same schedule over the fraction of a time budget spent (`--time-budget`): linear warm-up
-    over the first `warmup` of it, then cosine decay to floor * peak."""
-    fraction = min(max(fraction, 0.0), 1.0)
-    if fraction < warmup:
-        return peak * max(fraction / warmup, 1e-3)
-    return cosine_decay((fraction - warmup) / max(1e-9, 1 - warmup), peak, floor)
 
 
-def epoch_groups(frames: list[list[Encoded]], per_group: int, rng: np.random.Generator,
-                 per_visit: int = 0) -> list[tuple[int, list[Encoded]]]:
-    """One pass over the frames in random order, as groups of at most `per_group` questions of one
-    frame: every QA once, or (per_visit > 0) only that many random QA of each frame, so that more
-    distinct images are seen for the same compute (later passes draw other questions)."""
-    groups = []
-    for f, items in enumerate(frames):
-        order = rng.permutation(len(items))
-        if per_visit:
-            order = order[:per_visit]
-        for i in range(0, len(order), per_group):
-            groups.append((f, [items[j] for j in order[i:i + per_group]]))
-    return [groups[i] for i in rng.permutation(len(groups))]
 
 
 def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_questions: int,
@@ -541,30 +194,8 @@ def _set_threads(requested: int | None) -> None:
     torch.set_num_threads(requested or threads_per_rank())
 
 
-def data_provenance(data: Path) -> dict:
-    """What the training data was: its hash, and the generator's settings when it left them."""
-    info = {"file": str(data), "sha256": sha256_file(data)}
-    for name in ("synthdrive.json", "synth.json", "meta.json"):
-        meta = Path(data).parent / name
-        if meta.is_file():
-            try:
-                info["generator"] = json.loads(meta.read_text())
-            except json.JSONDecodeError:
-                pass
-            break
-    return info
 
 
-def reproduce_command(args) -> str:
-    """The `litevlm train vlm` command line that repeats this run (every setting spelled out)."""
-    parts = ["litevlm", "train", "vlm"]
-    # With a time budget the run's length is the budget: --epochs/--steps were not used.
-    unused = ("epochs", "steps") if args.time_budget is not None else ()
-    for k, v in vars(args).items():
-        if k in ("func", "command", "trainer") + unused or v is None or v is False:
-            continue
-        parts += [f"--{k.replace('_', '-')}"] + ([] if v is True else [shlex.quote(str(v))])
-    return " ".join(parts)
 
 
 def train(args) -> dict | None:
@@ -847,7 +478,8 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         return None
     save_checkpoint()
     record = {
-        "command": reproduce_command(args),
+        # With a time budget the run's length is the budget: --epochs/--steps were not used.
+        "command": reproduce_command(args, "vlm", skip=("epochs", "steps") if args.time_budget is not None else ()),
         "argv": " ".join(shlex.quote(a) for a in sys.argv),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
         "world_size": world,
