@@ -23,9 +23,9 @@ from dataclasses import replace
 
 import torch
 
-from litevlm_runtime.weights.checkpoint import read_config
 from litevlm_runtime.models.eagle import DraftHead
 from litevlm_runtime.models.internvl import DECODERS
+from litevlm_runtime.weights.checkpoint import read_config
 from litevlm_runtime.weights.presets import preset
 
 

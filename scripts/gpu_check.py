@@ -36,11 +36,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from litevlm_runtime.pipeline.answer import STAGES  # noqa: E402
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS  # noqa: E402
+from litevlm_runtime.pipeline.answer import STAGES  # noqa: E402
 from litevlm_runtime.report import table  # noqa: E402
-
-from litevlm_runtime.weights.random_init import random_draft, random_internvl as random_model  # noqa: E402
+from litevlm_runtime.weights.random_init import random_draft  # noqa: E402
+from litevlm_runtime.weights.random_init import random_internvl as random_model
 
 
 def frames_for_check(count: int):
@@ -132,10 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (capture off): tests the script")
     args = ap.parse_args(argv)
 
-    from litevlm_runtime.weights.random_init import make_checkpoint
     from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
     from litevlm_runtime.options import options_from_flat
     from litevlm_runtime.pipeline.pipeline import Pipeline
+    from litevlm_runtime.weights.random_init import make_checkpoint
     from litevlm_runtime.weights.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()

@@ -145,16 +145,16 @@ class RosClient:
         return self.call(DescribeParameters, f"{node}/describe_parameters", DescribeParameters.Request(names=names)).descriptors
 
     def param_get(self, node: str, name: str):
-        from rclpy.parameter import parameter_value_to_python
         from rcl_interfaces.srv import GetParameters
+        from rclpy.parameter import parameter_value_to_python
 
         values = self.call(GetParameters, f"{node}/get_parameters", GetParameters.Request(names=[name])).values
         return parameter_value_to_python(values[0])
 
     def param_set(self, node: str, name: str, value):
         """-> SetParametersResult (successful, reason)."""
-        from rclpy.parameter import Parameter
         from rcl_interfaces.srv import SetParameters
+        from rclpy.parameter import Parameter
 
         req = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
         return self.call(SetParameters, f"{node}/set_parameters", req).results[0]
@@ -165,10 +165,10 @@ class Rig:
     ("" or "/car1"), with the shipped names."""
 
     def __init__(self, client: RosClient, prefix: str = ""):
+        from litevlm_msgs.msg import Answer, Query
         from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
         from sensor_msgs.msg import CompressedImage
 
-        from litevlm_msgs.msg import Answer, Query
         from litevlm_runtime.cameras import CAMERAS
 
         reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)

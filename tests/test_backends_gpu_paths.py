@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from export_fixtures import MAX_NEW_TOKENS, lively_checkpoint
-from helpers import random_frames
+from helpers import options, random_frames
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.buckets import Buckets
 from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
 from litevlm_runtime.engines.tensorrt_engine import build_engines, check_engines, import_tensorrt
 from litevlm_runtime.errors import LiteVLMError
-from helpers import options
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,13 +10,22 @@ import pytest
 from helpers import ros2_msgdef
 from PIL import Image
 
-from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.errors import InputError
 from litevlm_runtime.bag.compare import compare_runs, latency_table
 from litevlm_runtime.bag.dds import replay_qos, select_topics
 from litevlm_runtime.bag.evaluate import evaluate
-from litevlm_runtime.bag.io import bag_files, bag_topic_info, bag_topics, camera_topic, msg_definitions_dir, read_bag, typestore, write_bag
+from litevlm_runtime.bag.io import (
+    bag_files,
+    bag_topic_info,
+    bag_topics,
+    camera_topic,
+    msg_definitions_dir,
+    read_bag,
+    typestore,
+    write_bag,
+)
 from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.errors import InputError
 from litevlm_runtime.ros.params_file import load_node_params
 from litevlm_runtime.serving.images import RAW_ENCODINGS
 from litevlm_runtime.serving.server import STATUS_CODES

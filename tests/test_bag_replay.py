@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from helpers import ros2_msgdef
 
-from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.bag.io import camera_topic, msg_definitions_dir
+from litevlm_runtime.cameras import CAMERAS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"
@@ -47,12 +47,11 @@ def jazzy_qos(reliability: str, durability: str) -> str:
 def vehicle_mcap(path: Path) -> Path:
     import io
 
+    from litevlm_msgs.msg import Query
     from mcap.writer import Writer
     from PIL import Image
     from rclpy.serialization import serialize_message
     from sensor_msgs.msg import CompressedImage, Imu
-
-    from litevlm_msgs.msg import Query
 
     def stamp(msg, ns):
         msg.header.stamp.sec, msg.header.stamp.nanosec = ns // 10**9, ns % 10**9
@@ -93,11 +92,10 @@ def vehicle_mcap(path: Path) -> Path:
 
 def test_replay_of_a_vehicle_bag(tmp_path, monkeypatch):
     import rclpy
+    from litevlm_msgs.msg import Query
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
     from sensor_msgs.msg import CompressedImage, Imu
-
-    from litevlm_msgs.msg import Query
 
     bag = vehicle_mcap(tmp_path / "vehicle.mcap")
     domain = 1 + (os.getpid() * 5 + 4) % 200        # not the domains of test_ros_replay (k = 1..3)

@@ -135,8 +135,8 @@ def test_fit_sample_prefix_and_padding():
 
 
 def test_queries_from_a_rosbag(tmp_path):
-    from litevlm_runtime.export.calibration import load_queries
     from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, write_bag
+    from litevlm_runtime.export.calibration import load_queries
 
     contents = BagContents()
     frames = random_frames(7)

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from litevlm_runtime.models.config import ModelConfig, RopeScaling
 from litevlm_runtime.errors import CheckpointError
+from litevlm_runtime.models.config import ModelConfig, RopeScaling
 from litevlm_runtime.weights.presets import PRESETS, preset
 
 # What transformers 4.37's PretrainedConfig.to_dict writes into every sub-config of InternVL2.5's

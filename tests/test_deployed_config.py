@@ -8,13 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from helpers import options, random_frames
+
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.options import (BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode,
-                                     add_option_flags, flat_from_options, options_from_args, options_from_flat,
-                                     settings)
+from litevlm_runtime.options import (
+    BackendName,
+    DecodingMode,
+    PipelineOptions,
+    TokenMode,
+    ViewMode,
+    add_option_flags,
+    flat_from_options,
+    options_from_args,
+    options_from_flat,
+    settings,
+)
 from litevlm_runtime.pipeline.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +90,8 @@ def test_one_name_per_setting_everywhere():
 def test_shipped_drive_yaml_is_the_deployed_configuration():
     """config/drive.yaml names every pipeline setting (nested as ROS 2 reads dotted names) and
     resolves, on the bundled model, to the LiteVLM pipeline."""
-    from litevlm_runtime.ros.params_file import load_node_params
     from litevlm_runtime.ros.parameters import flatten, node_section, pipeline_options_from
+    from litevlm_runtime.ros.params_file import load_node_params
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())
     given = flatten(node_section(doc, "litevlm_drive"))

@@ -3,14 +3,15 @@ draft tree is well formed, and distillation raises the mean accepted length."""
 
 import pytest
 import torch
-
 from helpers import options, random_frames
+
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
-from litevlm_runtime.weights.checkpoint import load_model
-from litevlm_runtime.models.eagle import DraftHead, load_draft_head, save_draft_head
+from litevlm_runtime.models.eagle import DraftHead
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights.tokenizer import Tokenizer
 from litevlm_runtime.training.eagle import Sequence, collect, draft_loss, mean_accepted_length
+from litevlm_runtime.weights.checkpoint import load_model
+from litevlm_runtime.weights.draft_head import load_draft_head, save_draft_head
+from litevlm_runtime.weights.tokenizer import Tokenizer
 
 TREES = [dict(decoding__eagle__total=60, decoding__eagle__depth=6, decoding__eagle__topk=10),
          dict(decoding__eagle__total=12, decoding__eagle__depth=4, decoding__eagle__topk=3),
@@ -106,8 +107,8 @@ def test_tree_is_ancestor_closed(tiny_model, trained):
 def test_draft_head_checkpoint_errors(tiny_model, trained, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from litevlm_runtime.weights.checkpoint import read_config
     from litevlm_runtime.errors import CheckpointError
+    from litevlm_runtime.weights.checkpoint import read_config
 
     cfg = read_config(tiny_model).llm
     state = load_file(trained["dir"] / "model.safetensors")

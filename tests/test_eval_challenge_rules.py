@@ -19,8 +19,16 @@ import pytest
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import load_frames
-from litevlm_runtime.evaluation.metrics import (CHALLENGE, LENIENT, Question, answer_is_correct, language_metrics,
-                                                match_f1, points, score)
+from litevlm_runtime.evaluation.metrics import (
+    CHALLENGE,
+    LENIENT,
+    Question,
+    answer_is_correct,
+    language_metrics,
+    match_f1,
+    points,
+    score,
+)
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoevalcap's PTB tokenizer needs Java")
 pytest.importorskip("pycocoevalcap")

@@ -12,8 +12,17 @@ import pytest
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import frame_images, load_frames
-from litevlm_runtime.evaluation.metrics import (ACCURACY, CHALLENGE, GPT, LANGUAGE, LENIENT, MATCH, derive_tags,
-                                                match_f1, score)
+from litevlm_runtime.evaluation.metrics import (
+    ACCURACY,
+    CHALLENGE,
+    GPT,
+    LANGUAGE,
+    LENIENT,
+    MATCH,
+    derive_tags,
+    match_f1,
+    score,
+)
 from litevlm_runtime.evaluation.runner import read_predictions
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoevalcap's PTB tokenizer needs Java")

@@ -7,8 +7,8 @@ import json
 import shutil
 
 import pytest
-
 from helpers import options
+
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import InputError

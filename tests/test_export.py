@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 from export_fixtures import MAX_NEW_TOKENS, TEST_BUCKETS, exported_bundle, lively_checkpoint
+from helpers import options
 
 from litevlm_runtime.engines.buckets import Buckets, default_buckets, parse_buckets, pick
-from litevlm_runtime.errors import LiteVLMError
 from litevlm_runtime.engines.bundle import checkpoint_hash, read_manifest
+from litevlm_runtime.errors import LiteVLMError
 from litevlm_runtime.export.exporter import verify_bundle
-from litevlm_runtime.weights.integrity import sha256_file
-from helpers import options
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.weights.integrity import sha256_file
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,8 @@ def test_eagle_draft_step_exports_and_matches(exported, tmp_path):
     import torch
 
     from litevlm_runtime.export.exporter import SharedWeights, draft_specs, export_graph
-    from litevlm_runtime.models.eagle import DraftHead, save_draft_head
+    from litevlm_runtime.models.eagle import DraftHead
+    from litevlm_runtime.weights.draft_head import save_draft_head
 
     model, _ = exported
     folder = tmp_path / "model"
@@ -175,7 +176,12 @@ def test_view_selector_exports_and_matches(tmp_path):
     import torch
 
     from litevlm_runtime.export.exporter import SharedWeights, export_graph, view_selector_spec
-    from litevlm_runtime.stages.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer
+    from litevlm_runtime.stages.view_selector import (
+        ViewSelector,
+        ViewSelectorConfig,
+        save_view_selector,
+        train_tokenizer,
+    )
 
     tok = train_tokenizer(["is there a car behind the ego vehicle", "what is in front left of the ego car"])
     torch.manual_seed(0)

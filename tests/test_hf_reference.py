@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from litevlm_runtime.errors import CheckpointError
 from litevlm_runtime.bench.hf_reference import (
     build_hf_internvl,
     build_hf_text_model,
@@ -25,6 +24,7 @@ from litevlm_runtime.bench.hf_reference import (
     load_upstream_state_dict,
     unpack_internlm2_wqkv,
 )
+from litevlm_runtime.errors import CheckpointError
 
 TOL = 1e-4
 

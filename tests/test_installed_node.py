@@ -13,7 +13,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from ros_helpers import Proc, RosClient, Rig, domain_id, ros_env
+from ros_helpers import Proc, Rig, RosClient, domain_id, ros_env
 
 from litevlm_runtime.ros.topics import SHIPPED_REMAPS
 

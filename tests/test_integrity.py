@@ -9,14 +9,19 @@ import shutil
 import pytest
 import torch
 
-from litevlm_runtime.weights import integrity
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.weights.checkpoint import load_model
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.weights.integrity import (MANIFEST_FILE, model_folders, verify_model_folder, write_manifest,
-                                       write_manifests)
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.weights import integrity
+from litevlm_runtime.weights.checkpoint import load_model
+from litevlm_runtime.weights.integrity import (
+    MANIFEST_FILE,
+    model_folders,
+    verify_model_folder,
+    write_manifest,
+    write_manifests,
+)
 
 DIGEST = "[0-9a-f]{64}"
 
@@ -128,7 +133,8 @@ def test_digest_cache_verifies_once_per_file_version(folder, monkeypatch, tmp_pa
 
 
 def test_checksum_command_writes_manifests_that_verify(folder, capsys):
-    from litevlm_runtime.models.eagle import DraftHead, save_draft_head
+    from litevlm_runtime.models.eagle import DraftHead
+    from litevlm_runtime.weights.draft_head import save_draft_head
 
     (folder / MANIFEST_FILE).unlink()
     save_draft_head(DraftHead(load_model(folder).cfg.llm, 64), folder / "eagle", {"test": True})
@@ -150,7 +156,8 @@ def test_checksum_command_writes_manifests_that_verify(folder, capsys):
 
 
 def test_module_loaders_verify_their_folder(folder):
-    from litevlm_runtime.models.eagle import DraftHead, load_draft_head, save_draft_head
+    from litevlm_runtime.models.eagle import DraftHead
+    from litevlm_runtime.weights.draft_head import load_draft_head, save_draft_head
 
     cfg = load_model(folder).cfg.llm
     save_draft_head(DraftHead(cfg, 64), folder / "eagle", {})

@@ -5,11 +5,11 @@ answers identical to the torch backend."""
 
 import pytest
 
-from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.cli import main
 from litevlm_runtime.bag.evaluate import evaluate
 from litevlm_runtime.bag.io import write_bag
 from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.bundled import DEFAULT_MODEL
+from litevlm_runtime.cli import main
 from litevlm_runtime.ros.params_file import load_node_params
 
 

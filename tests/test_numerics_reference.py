@@ -25,9 +25,6 @@ import numpy as np
 import pytest
 import torch
 
-from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
-from litevlm_runtime.models.config import LLMConfig, ModelConfig, VisionConfig
-from litevlm_runtime.weights.corpus import default_corpus
 from litevlm_runtime.bench.hf_reference import (
     build_hf_internvl,
     build_hf_text_model,
@@ -35,8 +32,11 @@ from litevlm_runtime.bench.hf_reference import (
     hf_generate,
     load_upstream_state_dict,
 )
+from litevlm_runtime.models.config import LLMConfig, ModelConfig, VisionConfig
 from litevlm_runtime.models.internvl import InternVL
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
+from litevlm_runtime.weights.corpus import default_corpus
 from litevlm_runtime.weights.tokenizer import Tokenizer, train_bpe_tokenizer
 
 TOL = 1e-4

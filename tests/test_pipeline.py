@@ -5,11 +5,11 @@ import resource
 
 import pytest
 import torch
-
 from helpers import options, random_frames
-from litevlm_runtime.pipeline.answer import STAGES
+
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
+from litevlm_runtime.pipeline.answer import STAGES
 from litevlm_runtime.pipeline.pipeline import Pipeline, prompt_ids
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import options, random_frames
+
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.pipeline.pipeline import Pipeline, prompt_ids
 from litevlm_runtime.stages.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer

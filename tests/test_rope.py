@@ -8,14 +8,13 @@ import shutil
 
 import pytest
 import torch
+from helpers import random_frames
 
-from litevlm_runtime.models.config import LLMConfig, RopeScaling
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.weights.integrity import write_manifest
+from litevlm_runtime.models.config import LLMConfig, RopeScaling
 from litevlm_runtime.models.rope import RotaryTable
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
-
-from helpers import random_frames
+from litevlm_runtime.weights.integrity import write_manifest
 
 EPS32 = torch.finfo(torch.float32).eps
 LIMIT = 64          # max_position_embeddings of these configs; the tables go 8x past it

@@ -13,9 +13,16 @@ import pytest
 from helpers import png_claiming
 from PIL import Image
 
+from litevlm_runtime.serving.images import (
+    RAW_ENCODINGS,
+    CompressedPayload,
+    ImageError,
+    RawPayload,
+    payload_from_msg,
+    rgb_to_raw,
+    to_pipeline_image,
+)
 from litevlm_runtime.stages.preprocess import MIN_IMAGE_SIDE
-from litevlm_runtime.serving.images import (RAW_ENCODINGS, CompressedPayload, ImageError, RawPayload,
-                                        payload_from_msg, rgb_to_raw, to_pipeline_image)
 
 RNG = np.random.default_rng(0)
 
@@ -167,7 +174,8 @@ def test_bag_writer_encoding_round_trip(encoding):
 
 
 def test_payload_from_rclpy_message():
-    from sensor_msgs.msg import CompressedImage, Image as RosImage
+    from sensor_msgs.msg import CompressedImage
+    from sensor_msgs.msg import Image as RosImage
 
     msg = RosImage(height=2, width=2, encoding="mono16", is_bigendian=1, step=4, data=bytes([0xFF, 0, 0xFF, 0] * 2))
     p = payload_from_msg(msg)

@@ -4,7 +4,7 @@ its own, from its own frames, and /diagnostics tells them apart."""
 
 from __future__ import annotations
 
-from ros_helpers import Proc, RosClient, Rig, domain_id, ros_env, write_params
+from ros_helpers import Proc, Rig, RosClient, domain_id, ros_env, write_params
 
 
 def test_two_namespaced_instances_do_not_cross_talk(tmp_path, tiny_model):

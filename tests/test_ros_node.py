@@ -65,10 +65,9 @@ def test_topic_resolution_is_rcls():
 
 
 def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model):
+    from diagnostic_msgs.msg import DiagnosticArray
     from lifecycle_msgs.msg import TransitionEvent
     from rcl_interfaces.msg import ParameterType
-
-    from diagnostic_msgs.msg import DiagnosticArray
 
     domain = domain_id(5)
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=2)
@@ -210,8 +209,8 @@ def test_live_queue_change_keeps_queued_queries(tiny_model):
     from litevlm_runtime.cameras import CAMERAS
     from litevlm_runtime.options import PipelineOptions
     from litevlm_runtime.pipeline.pipeline import Pipeline
-    from litevlm_runtime.serving.frame_store import Frame
     from litevlm_runtime.ros.node import apply_live
+    from litevlm_runtime.serving.frame_store import Frame
     from litevlm_runtime.serving.server import QueryServer
     from litevlm_runtime.serving.settings import ServerSettings
 

@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 from ros_helpers import PROFILE, ROOT, domain_id, jpeg, ros_env, write_params
 
+from litevlm_runtime.bench.soak import DDSClient, NodeProcess
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.params_file import load_node_params
-from litevlm_runtime.bench.soak import DDSClient, NodeProcess
 
 S = 1_000_000_000
 

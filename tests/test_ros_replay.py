@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, write_params
 
-from litevlm_runtime.pipeline.answer import STAGES
-from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.bag.compare import compare_runs, read_jsonl
 from litevlm_runtime.bag.evaluate import evaluate
 from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, camera_topic, raw_frame, write_bag
 from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.pipeline.answer import STAGES
 from litevlm_runtime.ros.params_file import load_node_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,10 @@ def fault_bag(path: Path) -> tuple[Path, dict]:
                                   deadline_ns=T0 + int(deadline_s * S) if deadline_s is not None else 0))
         expect[qid] = status
 
-    ask(0.00, "no_frames", "Anything in front?", "no_frames")          # (the node waits 0.2 s for frames)
+    # The node waits 0.2 s for frames. The first frames are stamped 0.5 s and the deadline is 0.45 s,
+    # so however late a loaded machine handles this query (DDS orders nothing across topics), it
+    # can never be served: no_frames when handled in time, deadline_passed when later.
+    ask(0.00, "no_frames", "Anything in front?", "no_frames|deadline_passed", deadline_s=0.45)
     frame_set(0.50)
     ask(0.70, "ok_first", "What is in front of the ego car?", "ok")
     ask(0.75, "empty", "   ", "bad_question")
@@ -172,7 +175,8 @@ def test_bad_inputs_get_error_answers_and_serving_resumes(tmp_path, params_for):
     evaluated = {e.query_id: e for e in evaluate(bag, load_node_params(params))}
     for qid, r in got.items():
         if not qid.startswith("burst"):
-            assert evaluated[qid].status == r["status"], qid
+            assert evaluated[qid].status == r["status"] or {evaluated[qid].status, r["status"]} <= set(
+                expect[qid].split("|")), qid
             assert evaluated[qid].token_ids == r["token_ids"], qid
 
 

@@ -3,8 +3,8 @@ run without reuse), and latency budgets (a plan that fits, says what it degraded
 nothing when the budget is loose), on the bundled model's deployed LiteVLM configuration."""
 
 import pytest
-
 from helpers import options, random_frames
+
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.pipeline.pipeline import Pipeline
 

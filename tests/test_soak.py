@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from ros_helpers import ROOT, domain_id, jpeg, ros_env, write_params
 
-from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, write_bag
 from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.bench.soak import SoakResult
+from litevlm_runtime.cameras import CAMERAS
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
-
 from helpers import options, random_frames
+
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.decoding.greedy import greedy as greedy_decode
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.stages.fastv import FastV
 from litevlm_runtime.pipeline.pipeline import Pipeline, assemble_prompt, encode, prompt_ids, select_tokens
+from litevlm_runtime.stages.fastv import FastV
 from litevlm_runtime.stages.token_selector import kept_count
 
 MAX_NEW = 6
@@ -263,8 +263,9 @@ def test_bad_options(tiny_model):
 def test_eagle_after_token_selection_is_lossless(tiny_model, tmp_path, frames):
     """EAGLE-2 reads the prefill's compacted rows (embeddings, features, original positions): its
     greedy output under token selection equals plain greedy under the same selection."""
+    from litevlm_runtime.models.eagle import DraftHead
     from litevlm_runtime.weights.checkpoint import read_config
-    from litevlm_runtime.models.eagle import DraftHead, save_draft_head
+    from litevlm_runtime.weights.draft_head import save_draft_head
 
     torch.manual_seed(0)
     save_draft_head(DraftHead(read_config(tiny_model).llm), tmp_path / "eagle", {"test": True})

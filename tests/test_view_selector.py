@@ -17,7 +17,6 @@ from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.cli import build_parser, main
 from litevlm_runtime.errors import CheckpointError, InputError
 from litevlm_runtime.evaluation.views import QARecord, evaluate, load_qa
-from litevlm_runtime.training.views import camera_labels, split_by_frame, train
 from litevlm_runtime.stages.view_selector import (
     FUSION_RULES,
     WEIGHTS_FILE,
@@ -33,6 +32,7 @@ from litevlm_runtime.stages.view_selector import (
     tagged_cameras,
     train_tokenizer,
 )
+from litevlm_runtime.training.views import camera_labels, split_by_frame, train
 
 F, FL, FR, B, BL, BR = CAMERAS
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,8 +163,8 @@ def test_no_fusion_rule_drops_a_certain_camera_and_add_keeps_the_keyword_choice(
     """Recall can only fall below the keyword map's where the keyword map was unsure: every rule
     keeps the tagged and explicitly named cameras, whatever the module says (here: random,
     all 0, all 1), at every setting; "add" keeps all of the keyword map's choice."""
-    from litevlm_runtime.training.views import GRID, fusion_candidates
     from litevlm_runtime.stages.view_selector import certain_cameras, keyword_choice
+    from litevlm_runtime.training.views import GRID, fusion_candidates
 
     gen = torch.Generator().manual_seed(0)
     modules = [torch.rand(6, generator=gen) for _ in range(20)] + [torch.zeros(6), torch.ones(6)]

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..pipeline.answer import STAGES
 from ..errors import InputError
+from ..pipeline.answer import STAGES
 from ..serving.server import STATUS_CODES
-
 
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 

@@ -9,13 +9,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import InputError
+from ..ros.node import use_large_data_profile
 from ..ros.params_file import load_node_params
 from ..serving.server import AnswerRecord
 from .compare import STATUS_NAMES
 from .io import TopicInfo, bag_topic_info, missing_cameras, read_bag, typestore
 
 
-def _rclpy_type(msgtype: str):
+def rclpy_type(msgtype: str):
     import importlib
 
     pkg, _, name = msgtype.split("/")
@@ -102,7 +103,6 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
     import rclpy
     from rclpy.serialization import deserialize_message
 
-    from ..ros.node import use_large_data_profile
 
     if rate <= 0:
         raise InputError(f"--rate must be > 0, got {rate}")
@@ -112,7 +112,7 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
     types, missing = {}, defaultdict(list)
     for t in chosen:
         try:
-            types[t] = _rclpy_type(info[t].msgtype)
+            types[t] = rclpy_type(info[t].msgtype)
         except (ImportError, AttributeError, ValueError) as exc:
             missing[(info[t].msgtype, f"{type(exc).__name__}: {exc}")].append(t)
     for (msgtype, why), names in missing.items():
@@ -206,12 +206,10 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
     rosbag2 as received) until `count` answers, `timeout_s` seconds, or Ctrl-C. Prints
     "record: ready" once an answer publisher is matched."""
     import rclpy
+    from litevlm_msgs.msg import Answer
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from rclpy.serialization import serialize_message
 
-    from litevlm_msgs.msg import Answer
-
-    from ..ros.node import use_large_data_profile
 
     use_large_data_profile()
     rclpy.init()

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..bundled import DEFAULT_MODEL
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..pipeline.pipeline import Pipeline
+from ..ros.parameters import pipeline_options_from
+from ..serving.frame_store import Frame
+from ..serving.images import payload_from_msg
 from ..serving.server import AnswerRecord, QueryServer
 from ..serving.settings import ServerSettings
 from .io import bag_topics, missing_cameras, read_bag
@@ -14,11 +19,6 @@ from .io import bag_topics, missing_cameras, read_bag
 
 def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
-    from ..serving.frame_store import Frame
-    from ..serving.images import payload_from_msg
-    from ..bundled import DEFAULT_MODEL
-    from ..pipeline.pipeline import Pipeline
-    from ..ros.parameters import pipeline_options_from
 
     topics = dict(zip(params["camera_topics"], CAMERAS))
     why = missing_cameras(bag_topics(bag), params["camera_topics"])

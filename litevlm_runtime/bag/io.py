@@ -14,7 +14,7 @@ import numpy as np
 
 from ..cameras import CAMERAS
 from ..errors import InputError
-
+from ..serving.images import raw_encoding, rgb_to_raw
 
 QUERY_TOPIC = "/litevlm/query"
 
@@ -41,7 +41,6 @@ def raw_frame(stamp_ns: int, jpeg_or_png: bytes, encoding: str, name: str = "fra
     """Decode an image into a sensor_msgs/Image payload in `encoding` (no row padding)."""
     from PIL import Image
 
-    from ..serving.images import raw_encoding, rgb_to_raw
 
     img = Image.open(io.BytesIO(jpeg_or_png))
     try:

@@ -13,8 +13,8 @@ from typing import Iterable
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..evaluation.data import load_frames
+from ..serving.images import raw_encoding as check_encoding
 from .io import BagContents, BagQuery, CameraFrame, raw_frame
-
 
 # Questions for frames that come without DriveLM QA (the sample's n015 scene).
 GENERIC_QUESTIONS = (
@@ -76,7 +76,6 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
     Capture times come from the nuScenes file names (trailing 16-digit microseconds); files
     without one (rendered data) are put on a `synthetic_period_s` timeline. Scenes (file-name
     prefix before "__") follow each other with `scene_gap_s` between them."""
-    from ..serving.images import raw_encoding as check_encoding
 
     if raw_encoding:
         check_encoding(raw_encoding)

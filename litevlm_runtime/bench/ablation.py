@@ -14,7 +14,14 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..evaluation.data import frame_images, load_frames
+from ..evaluation.metrics import CHALLENGE, score
+from ..evaluation.runner import select
+from ..options import options_from_flat
 from ..pipeline.answer import STAGES
+from ..pipeline.pipeline import Pipeline
+from ..report import table
+from ..weights.checkpoint import read_config
 
 # Each row: settings (dotted names, options.py) over the command's own options.
 CONFIGS: dict[str, dict] = {
@@ -34,19 +41,13 @@ class ConfigRun:
 
 def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, limit: int | None = None,
                  configs: dict[str, dict] | None = None, progress=print) -> dict:
-    from ..evaluation.data import frame_images, load_frames
     from dataclasses import replace
 
-    from ..evaluation.metrics import CHALLENGE, score
 
     # The challenge's rules without its per-frame graph filter: the filter depends on each
     # pipeline's own first answers, and the rows must be compared on the same questions.
     same_questions = replace(CHALLENGE, name="challenge without the graph filter", graph_filter=False)
-    from ..evaluation.runner import select
-    from ..weights.checkpoint import read_config
-    from ..pipeline.pipeline import Pipeline
 
-    from ..options import options_from_flat
 
     configs = configs or CONFIGS
     layers = read_config(model_dir).llm.num_hidden_layers
@@ -95,7 +96,6 @@ def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, l
 
 
 def ablation_table(result: dict) -> str:
-    from ..report import table
 
     headers = ["pipeline", "cams", "ViT ms", "in tok", "prefill ms", "ms/tok", "acc len", "decode ms",
                "select ms", "total ms", "speed-up", "accuracy", "final*"]

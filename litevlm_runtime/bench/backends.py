@@ -15,8 +15,10 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..pipeline.answer import STAGES
 from ..errors import LiteVLMError
+from ..options import BackendName
+from ..pipeline.answer import STAGES
+from ..pipeline.pipeline import Pipeline
 from ..report import table
 
 NEEDS_BUNDLE = ("onnxruntime", "tensorrt")
@@ -33,7 +35,6 @@ class BackendRun:
 
 def parse_backends(spec: str, default_bundle: Path | None) -> list[tuple[str, str, Path | None]]:
     """'torch,onnxruntime=B' -> [(label, backend, bundle)]; labels say the bundle's precision."""
-    from ..options import BackendName
 
     BACKENDS = [b.value for b in BackendName]
 
@@ -59,7 +60,6 @@ def parse_backends(spec: str, default_bundle: Path | None) -> list[tuple[str, st
 
 
 def build_runs(model_dir: Path, options, backends: list[tuple[str, str, Path | None]]) -> list[BackendRun]:
-    from ..pipeline.pipeline import Pipeline
 
     runs = []
     for label, name, bundle in backends:

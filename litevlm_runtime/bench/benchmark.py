@@ -7,9 +7,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-
 from ..pipeline.answer import STAGES
 from ..timing import percentile
+from .hf_reference import hf_generate, load_hf_reference
 
 DEFAULT_QUESTIONS = [
     "What are the important objects in the current scene?",
@@ -68,8 +68,6 @@ def run_benchmark(pipe, frame_sets: list[dict], questions: list[str], repeat: in
     transformers' generate on the same prompt ids and pixels with the same token budget."""
     hf = None
     if reference:
-        from .hf_reference import hf_generate, load_hf_reference
-
         hf = load_hf_reference(pipe.rt.model_dir).to(pipe.rt.dtype)
     result = BenchResult()
     pairs = [(f, q) for _ in range(repeat) for f in frame_sets for q in questions]

@@ -14,13 +14,15 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from ..evaluation.data import frame_images, load_frames
+from ..evaluation.metrics import CHALLENGE, score
+from ..evaluation.runner import select
+from ..pipeline.pipeline import Pipeline
+from ..report import table
+
 
 def run_budget_bench(model_dir: Path, data: Path, frames_root: Path, options, limit: int | None = None,
                      fractions: tuple[float, ...] = (0.5,), progress=print) -> dict:
-    from ..evaluation.data import frame_images, load_frames
-    from ..evaluation.metrics import CHALLENGE, score
-    from ..evaluation.runner import select
-    from ..pipeline.pipeline import Pipeline
 
     pipe = Pipeline.from_pretrained(model_dir, options)
     pipe.warm_up()
@@ -53,7 +55,6 @@ def run_budget_bench(model_dir: Path, data: Path, frames_root: Path, options, li
 
 
 def budget_table(result: dict) -> str:
-    from ..report import table
 
     rows = []
     for r in result["rows"]:

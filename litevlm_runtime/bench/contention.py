@@ -29,6 +29,9 @@ loaded phase and stopped after it. They also stop by themselves past a deadline 
 parent is gone, so none outlives the benchmark.
 """
 
+# Imports inside functions here are deliberate: this module is also the entry point of the worker
+# and hog processes (`python -m litevlm_runtime.bench.contention worker|hog`), and a spinning hog
+# must start, and a worker must set its thread configuration, before torch is loaded.
 from __future__ import annotations
 
 import json

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..weights.checkpoint import weight_files
 
 # Upstream InternVL keeps the <IMG_CONTEXT> id in the tokenizer, not in config.json; these are the
 # ids of the real tokenizers (as in transformers' converter), used only when the folder's own
@@ -41,7 +42,6 @@ def load_upstream_state_dict(model_dir: str | Path) -> tuple[dict, dict[str, tor
     """
     from safetensors import safe_open
 
-    from ..weights.checkpoint import weight_files
 
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"

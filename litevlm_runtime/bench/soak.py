@@ -37,9 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..pipeline.answer import STAGES
+from ..bag.dds import answer_row, rclpy_type
+from ..bag.io import bag_topics, read_bag
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..pipeline.answer import STAGES
+from ..ros.node import use_large_data_profile
 from ..timing import percentile
 
 S = 1_000_000_000
@@ -130,16 +133,13 @@ class DDSClient:
 
     def __init__(self, params: dict, domain_id: int | None = None, name: str = "litevlm_soak"):
         import rclpy
+        from litevlm_msgs.msg import Answer, Query
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
         from rclpy.signals import SignalHandlerOptions
         from sensor_msgs.msg import CompressedImage, Image
         from std_msgs.msg import String
 
-        from litevlm_msgs.msg import Answer, Query
-
-        from ..ros.bag import answer_row
-        from ..ros.node import use_large_data_profile
 
         use_large_data_profile()
         self._answer_row = answer_row
@@ -256,7 +256,6 @@ class Workload:
 def workload_from_bag(bag: Path, params: dict) -> Workload:
     from rclpy.serialization import deserialize_message
 
-    from ..ros.bag import _rclpy_type, bag_topics, read_bag
 
     topics = dict(zip(params["camera_topics"], CAMERAS))
     types = bag_topics(bag)
@@ -265,7 +264,7 @@ def workload_from_bag(bag: Path, params: dict) -> Workload:
     wanted = [*topics, params["query_topic"], params["question_topic"]]
     for _, topic, msgtype, raw, reader in read_bag(bag, wanted):
         if topic in topics:              # published as they are: rclpy messages
-            per_camera[topics[topic]].append(deserialize_message(raw, _rclpy_type(msgtype)))
+            per_camera[topics[topic]].append(deserialize_message(raw, rclpy_type(msgtype)))
         else:                            # only the text is used: read with the bag's own definition
             msg = reader.deserialize(raw, msgtype)
             questions.append(msg.text if topic == params["query_topic"] else msg.data)

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..frames import frame_set
-from ..report import answer_table
+from ..report import table
 
 
 def add_pipeline_args(p) -> None:
@@ -59,5 +59,5 @@ def run(args) -> int:
         print(f"pipeline: {ans.pipeline}  cameras: {', '.join(ans.cameras)}  visual tokens: "
               f"{ans.kept_tokens}/{ans.visual_tokens}  input tokens: {ans.input_tokens}  decode steps: "
               f"{ans.decode_steps}  accepted length: {ans.accepted_length:.2f}\n")
-        print(answer_table(ans))
+        print(table(["stage", "ms"], [[stage, ms] for stage, ms in ans.stage_ms.items()] + [["total", ans.total_ms]]))
     return 0

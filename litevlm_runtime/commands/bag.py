@@ -95,8 +95,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    from ..pipeline.answer import STAGES
     from ..bag.compare import read_jsonl, reuse_summary
+    from ..pipeline.answer import STAGES
 
     rows = read_jsonl(args.file)
     print(f"{len(rows)} answers in {args.file}")
@@ -139,9 +139,9 @@ def _harness(args, extra: dict | None = None):
     import signal
     import tempfile
 
-    from ..ros.params_file import load_node_params
-    from ..ros.node import config_dir
     from ..bench.soak import DDSClient, NodeProcess, workload_from_bag
+    from ..ros.node import config_dir
+    from ..ros.params_file import load_node_params
 
     params_file = args.params or config_dir() / "drive.yaml"
     extra = dict(extra or {})

@@ -117,8 +117,8 @@ def answer_speed_line(costs) -> str:
 
 
 def run_costs_command(args) -> int:
-    from ..options import options_from_flat
     from ..decoding.spec_policy import measure_costs
+    from ..options import options_from_flat
 
     options = pipeline_options(args)
     options = options_from_flat({"decoding.mode": "eagle"} if options.decoding.mode.value == "auto" else {}, options)
@@ -242,7 +242,7 @@ def run_backends(args, options, backends) -> int:
     """Several backends side by side: one table, a speed-up column against the first."""
     import sys
 
-    from ..bench.backends import build_runs, comparison_table, compare_backends
+    from ..bench.backends import build_runs, compare_backends, comparison_table
     from ..bench.benchmark import DEFAULT_QUESTIONS
 
     runs = build_runs(args.model, options, backends)

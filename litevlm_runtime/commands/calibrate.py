@@ -29,8 +29,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import logging
 
-    from ..export.calibration import calibrate
     from ..engines.buckets import default_buckets, parse_buckets
+    from ..export.calibration import calibrate
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     options = pipeline_options(args)

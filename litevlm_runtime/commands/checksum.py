@@ -43,8 +43,8 @@ def bench(folder: Path) -> int:
     the CPU cost, a cold disk adds its read time). Restart: verify_model_folder with the digest
     cache filled, the cost every later load pays."""
     from ..errors import CheckpointError
-    from ..weights.integrity import model_folders, read_manifest, sha256_file, verify_model_folder
     from ..report import table
+    from ..weights.integrity import model_folders, read_manifest, sha256_file, verify_model_folder
 
     rows, total_bytes, total_hash, total_cached = [], 0, 0.0, 0.0
     for f in model_folders(folder):

@@ -19,8 +19,8 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "fatal")
 
 
 def run(args) -> int:
-    from ..ros.params_file import load_node_params
     from ..ros.node import NODE_NAME, config_dir, ros_arguments, run_node, use_large_data_profile
+    from ..ros.params_file import load_node_params
 
     params = args.params or config_dir() / "drive.yaml"
     if not Path(params).is_file():

@@ -7,7 +7,6 @@ from pathlib import Path
 from ..training.eagle import train_eagle
 
 
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("eagle", help="distill an EAGLE-2 draft head from the target model")
     p.add_argument("--model", type=Path, required=True)

@@ -8,7 +8,6 @@ from pathlib import Path
 from ..training.tokens import train
 
 
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("tokens", help="train the token selector (layer-0 copy) on the full model's attention",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -6,9 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..errors import InputError
-from ..training.views import ANSWER_TAG_POLICIES, frame_spec, train
 from ..stages.view_selector import FUSION_RULES
-
+from ..training.views import ANSWER_TAG_POLICIES, frame_spec, train
 
 
 def register(subparsers) -> None:

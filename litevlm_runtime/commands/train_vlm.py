@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..weights.presets import PRESETS
 from ..training.vlm import train
-
+from ..weights.presets import PRESETS
 
 
 def register(subparsers) -> None:

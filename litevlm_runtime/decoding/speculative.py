@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..options import DecodingMode, TreePolicy
 from .greedy import Decoded, Prompt, choose, step_one
 from .spec_policy import TreePolicyState
 
@@ -328,7 +329,6 @@ class Eagle2:
 def speculates(rt) -> bool:
     """EAGLE-2 for this runtime's answers: configured, and (adaptive policy) able to beat a plain
     step on this device by the measured costs; else the answers decode greedily."""
-    from ..options import DecodingMode, TreePolicy
 
     d = rt.options.decoding
     if d.mode != DecodingMode.EAGLE:

@@ -1,6 +1,10 @@
 """Stage engines: one small interface the pipeline drives, one module per backend."""
 
+from ..options import BackendName
 from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, StageEngine, VisionEngine
+from .cuda_graph import cuda_graph_engines
+from .onnxruntime_engine import onnxruntime_engines
+from .tensorrt_engine import tensorrt_engines
 from .torch_engine import torch_engines
 
 __all__ = ["DecoderEngine", "DraftEngine", "Engines", "HeadEngine", "StageEngine", "VisionEngine",
@@ -10,16 +14,11 @@ __all__ = ["DecoderEngine", "DraftEngine", "Engines", "HeadEngine", "StageEngine
 def make_engines(rt) -> Engines:
     """The engines of the runtime's backend (options.backend.name) over its model and arena.
     Backends beyond torch import their runtime (onnxruntime, TensorRT, CUDA) only when chosen."""
-    from ..options import BackendName
-
     name = rt.options.backend.name
     if name == BackendName.TORCH:
         return torch_engines(rt)
     if name == BackendName.ONNXRUNTIME:
-        from .onnxruntime_engine import onnxruntime_engines
         return onnxruntime_engines(rt)
     if name == BackendName.TENSORRT:
-        from .tensorrt_engine import tensorrt_engines
         return tensorrt_engines(rt)
-    from .cuda_graph import cuda_graph_engines
     return cuda_graph_engines(rt)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 class StageEngine(ABC):
     stage: str = ""
     backend: str = ""

@@ -26,6 +26,7 @@ import torch
 
 from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 from .buckets import pick
+from .torch_engine import TorchDraft
 
 
 class Runner(Protocol):
@@ -172,7 +173,6 @@ class BoundHead(HeadEngine):
 def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
     """sizes: graph stage (vision, prefill, decoder, head, and eagle_draft when bound) -> its buckets.
     Without eagle_draft graphs the draft head runs in eager PyTorch beside the bound stages."""
-    from .torch_engine import TorchDraft
 
     draft = None
     if rt.draft is not None:

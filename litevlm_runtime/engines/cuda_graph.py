@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import LiteVLMError
-from .stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from .bound_stages import bound_engines
 from .buckets import check_fits, default_buckets, parse_buckets
+from .stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
 WARMUP_RUNS = 2   # cuBLAS/cuDNN handles and autotuning happen outside the capture
 

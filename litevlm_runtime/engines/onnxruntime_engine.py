@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ..errors import LiteVLMError
-from .bundle import check_bundle_matches, graphs_of, read_manifest, verify_files
 from .base import Engines
 from .bound_stages import bound_engines
+from .bundle import check_bundle_matches, graphs_of, read_manifest, verify_files
 
 ELEMENT_TYPES = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64", torch.bool: "bool"}
 

@@ -32,15 +32,14 @@ import torch
 
 from ..errors import LiteVLMError
 from ..weights.integrity import sha256_file
-from .bundle import read_manifest, write_manifest
 from .base import Engines
 from .bound_stages import bound_engines
+from .bundle import read_manifest, write_manifest
+from .onnxruntime_engine import Bundle, bundle_path
 
 if TYPE_CHECKING:
     import tensorrt as trt
-    from torch.cuda import _POOL_HANDLE      # torch's own type for graph_pool_handle()
-
-    from ..pipeline.runtime import Runtime
+    from torch.cuda import _POOL_HANDLE  # torch's own type for graph_pool_handle()
 
 PRECISIONS = ("fp16", "fp8")
 WORKSPACE_BYTES = 8 << 30
@@ -192,8 +191,9 @@ class CapturedEngine:
         self.graph.replay()
 
 
-def tensorrt_engines(rt: Runtime) -> Engines:
-    from .onnxruntime_engine import Bundle, bundle_path
+def tensorrt_engines(rt: Any) -> Engines:
+    """rt: the pipeline's Runtime (pipeline/runtime.py), as every backend's factory takes it;
+    not imported here, since engines sit below the pipeline."""
 
     trt = import_tensorrt()
     if rt.device.type != "cuda":

@@ -11,6 +11,7 @@ from PIL import Image
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..pipeline.pipeline import Pipeline
 from .data import Frame, frame_images, load_frames, resolve_image
 from .metrics import Question
 
@@ -54,7 +55,6 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
     (InputError) is recorded with its error and an empty answer, never dropped."""
     from tqdm import tqdm
 
-    from ..pipeline.pipeline import Pipeline
     root = Path(frames_root)
     work = select(load_frames(data), limit)
     if not work:

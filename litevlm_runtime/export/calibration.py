@@ -29,9 +29,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import InputError, LiteVLMError
+from ..bag.io import QUERY_TOPIC, camera_topic, read_bag
+from ..cameras import CAMERAS
+from ..engines.bound_stages import bound_engines
 from ..engines.bundle import MANIFEST, read_manifest, write_manifest
+from ..engines.cuda_graph import StaticStage
+from ..engines.onnxruntime_engine import Bundle
+from ..engines.stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from ..errors import InputError, LiteVLMError
+from ..evaluation.data import frame_images, load_frames
+from ..evaluation.metrics import ACCURACY, Question, derive_tags, score
+from ..pipeline.pipeline import Pipeline
+from ..serving.images import payload_from_msg, to_pipeline_image
 from ..weights.integrity import sha256_file
+from .exporter import export_bundle
 
 PRECISIONS = ("int8", "fp8")
 METHODS = ("entropy", "max")
@@ -55,7 +66,6 @@ class Query:
 def queries_from_qa(path: Path, frames_root: Path | None = None) -> list[Query]:
     """Every question of a DriveLM v1.1 file with its frame's six images (frame order, then the
     file's question order)."""
-    from ..evaluation.data import frame_images, load_frames
 
     root = Path(frames_root) if frames_root else Path(path).parent
     out = []
@@ -69,9 +79,6 @@ def queries_from_bag(path: Path, camera_topics: dict[str, str] | None = None) ->
     """Each query of a rosbag2 (litevlm_msgs/Query on /litevlm/query, or std_msgs/String
     questions) with the newest frame of every camera at that moment, read with the bag tooling
     of litevlm_runtime.bag.io."""
-    from ..cameras import CAMERAS
-    from ..bag.io import QUERY_TOPIC, camera_topic, read_bag
-    from ..serving.images import payload_from_msg, to_pipeline_image
 
     if camera_topics:
         topics = {t: c for c, t in camera_topics.items()}
@@ -149,9 +156,6 @@ class RecordingStage:
 
 def collect_traffic(pipe, bundle, queries: list[Query], recorder: Recorder, progress=print) -> None:
     """Answer `queries` with `pipe` (torch) on the bundle's buckets, recording every graph's inputs."""
-    from ..engines.bound_stages import bound_engines
-    from ..engines.cuda_graph import StaticStage
-    from ..engines.stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
     rt = pipe.rt
     modules = {"vision": VisionStage(rt.model, rt.pos_embed).eval(), "decoder": DecoderStage(rt.lm).eval(),
@@ -373,12 +377,7 @@ def token_agreement(ref: list[int], got: list[int]) -> int:
 
 def drivelm_accuracy(queries: list[Query], answers: dict[str, list[str]]) -> dict:
     """DriveLM accuracy (exact match on its multiple-choice / yes-no questions) of each set of
-    answers, scored by litevlm_runtime.evaluation when present; {} when it is absent or no
-    held-out question is of that kind."""
-    try:
-        from ..evaluation.metrics import ACCURACY, Question, derive_tags, score
-    except ImportError:
-        return {}
+    answers, scored by litevlm_runtime.evaluation; {} when no held-out question is of that kind."""
     picked = [(i, q) for i, q in enumerate(queries) if ACCURACY in derive_tags(q.question, q.reference)]
     if not picked:
         return {}
@@ -391,7 +390,6 @@ def evaluate(model_dir: Path, options, fp32_bundle: Path, quant_bundle: Path, pr
              queries: list[Query], progress=print) -> AccuracyReport:
     from dataclasses import replace
 
-    from ..pipeline.pipeline import Pipeline
 
     report = AccuracyReport(questions=0)
     if not queries:
@@ -427,9 +425,6 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
               samples_per_graph: int = 16, method: str | None = None, progress=print) -> tuple[dict, AccuracyReport]:
     from dataclasses import replace
 
-    from ..engines.onnxruntime_engine import Bundle
-    from .exporter import export_bundle
-    from ..pipeline.pipeline import Pipeline
 
     if precision not in PRECISIONS:
         raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")

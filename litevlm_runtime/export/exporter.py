@@ -37,8 +37,13 @@ from torch import nn
 
 from ..engines.buckets import Buckets, check_fits, default_buckets
 from ..engines.bundle import FORMAT_VERSION, MANIFEST, checkpoint_hash, write_manifest
+from ..engines.onnxruntime_engine import onnxruntime_engines
 from ..engines.stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from ..engines.torch_engine import torch_engines
 from ..errors import LiteVLMError
+from ..options import BackendName
+from ..stages.view_selector import load_view_selector
+from ..weights.draft_head import load_draft_head
 from ..weights.integrity import sha256_file
 
 TORCH_TO_ONNX_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -106,7 +111,6 @@ def draft_specs(rt, buckets: Buckets) -> tuple[list[GraphSpec], str]:
         folder = Path(rt.model_dir) / "eagle" if rt.model_dir else None
         if folder is None or not (folder / "model.safetensors").is_file():
             return [], "no eagle/model.safetensors in the model folder (train one: litevlm train eagle)"
-        from ..models.eagle import load_draft_head
 
         draft = load_draft_head(folder, rt.cfg.llm, rt.lm.rope, rt.dtype).to(rt.device)
     cfg, a, dev, dt = rt.cfg.llm, rt.arena, rt.device, rt.dtype
@@ -131,7 +135,6 @@ def view_selector_spec(model_dir: Path) -> tuple[GraphSpec | None, str]:
     folder = model_dir / "view_selector"
     if not (folder / "config.json").is_file():
         return None, f"no {folder.name}/config.json in the model folder"
-    from ..stages.view_selector import load_view_selector
 
     sel = load_view_selector(folder)
     length = sel.cfg.max_len
@@ -153,8 +156,8 @@ class SharedWeights:
         self.index: dict[tuple[str, str], tuple[int, int]] = {}
 
     def externalize(self, model) -> None:
-        from onnx.external_data_helper import set_external_data
         from onnx import TensorProto
+        from onnx.external_data_helper import set_external_data
 
         for tensor in model.graph.initializer:
             if not tensor.HasField("raw_data") or len(tensor.raw_data) < 1024:
@@ -293,9 +296,6 @@ def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
     max |onnx - torch| / max |torch| of each output (decoder: hidden states and the stored K/V)."""
     from dataclasses import replace
 
-    from ..engines.onnxruntime_engine import onnxruntime_engines
-    from ..engines.torch_engine import torch_engines
-    from ..options import BackendName
 
     a = rt.arena
     ref = torch_engines(rt)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import LLMConfig
 from ..errors import CheckpointError
+from .config import LLMConfig
 
 
 def check_rope_length(cfg: LLMConfig, max_len: int) -> None:

@@ -14,20 +14,20 @@ from pathlib import Path
 
 import torch
 
-from .answer import Answer
-from ..stages.budget import Plan
 from ..decoding.greedy import Prompt, choose, greedy
+from ..decoding.spec_policy import measure_costs
+from ..decoding.speculative import eagle2, speculates
 from ..errors import InputError
 from ..options import DecodingMode, PipelineOptions
+from ..stages.budget import Plan
 from ..stages.preprocess import load_image, to_tiles_uint8
-from ..stages.prompt import is_blank
-from .runtime import Runtime, build_runtime
-from ..decoding.speculative import eagle2, speculates
-from ..timing import StageTimer
+from ..stages.prompt import build_prompt, is_blank
 from ..stages.token_selector import PromptLayout
-from ..stages.prompt import build_prompt
+from ..stages.view_selector import keyword_map
+from ..timing import StageTimer
 from ..weights.tokenizer import SPECIAL_TOKENS
-
+from .answer import Answer
+from .runtime import Runtime, build_runtime
 
 
 class Pipeline:
@@ -116,7 +116,6 @@ class Pipeline:
         device and backend at that prompt length (speculative.py uses it per round)."""
         import numpy as np
 
-        from ..decoding.spec_policy import measure_costs
 
         rt = self.rt
         images = images or {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in rt.options.cameras}
@@ -183,7 +182,6 @@ def check_images(images, cameras: list[str]) -> None:
 def select_views(rt: Runtime, question: str) -> list[str]:
     """The cameras the question needs, most needed first (the view selector's scores, or the
     keyword map's where there is none; rig order among equals): what a latency budget drops last."""
-    from ..stages.view_selector import keyword_map
 
     rig = list(rt.options.cameras)
     if rt.view_selector is None:

@@ -19,15 +19,23 @@ from pathlib import Path
 
 import torch
 
-from .arena import Arena, Limits
-from ..models.config import ModelConfig
+from .. import threads
+from ..decoding.spec_policy import DeviceCosts, measure_costs
+from ..engines import make_engines
 from ..errors import InputError
+from ..models.config import ModelConfig
 from ..options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
 from ..stages.budget import BudgetPlanner
+from ..stages.fastv import FastV
 from ..stages.feature_cache import FeatureCache
 from ..stages.preprocess import Normalizer
-from ..stages.prompt import resolve_layout
+from ..stages.prompt import build_prompt, resolve_layout
+from ..stages.token_selector import load_token_selector
+from ..stages.view_selector import load_view_selector
+from ..weights.checkpoint import load_model, read_config
+from ..weights.draft_head import load_draft_head
 from ..weights.tokenizer import Tokenizer
+from .arena import Arena, Limits
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _threads_lock = threading.Lock()
@@ -36,7 +44,6 @@ _threads_lock = threading.Lock()
 def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, layout: str) -> Limits:
     """The arena's maxima: the rig's cameras and tiles, the longest template + question, the
     answer cap and the largest draft tree the options allow."""
-    from ..stages.prompt import build_prompt
 
     # Everything in the prompt except the visual tokens and the question, for the worst case.
     template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1)
@@ -56,7 +63,6 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
 
 def set_threads(n: int) -> None:
     """torch's intra-op threads for this process (the one knob shared by every pipeline in it)."""
-    from .. import threads
 
     if n > 1 and threads.torch_loaded_first:
         warnings.warn("torch was imported before litevlm_runtime, so its OpenMP threads spin when idle and a shared "
@@ -106,8 +112,6 @@ class Runtime:
                    view_selector=None) -> "Runtime":
         """A runtime over an already built model (tests, the GPU check, training): `options` must
         be resolved (see PipelineOptions.resolved); modules not passed are loaded from model_dir."""
-        from ..engines import make_engines
-        from ..stages.fastv import FastV
 
         model_dir = Path(model_dir) if model_dir else None
         provided = frozenset(name for name, obj in (("view_selector", view_selector), ("token_selector", token_selector),
@@ -148,8 +152,6 @@ class Runtime:
         if rt.fastv is not None:
             rt.engines.decoder = rt.fastv          # later passes run under FastV's per-layer masks
         if options.decoding.mode == DecodingMode.EAGLE:
-            from ..decoding.spec_policy import DeviceCosts, measure_costs
-
             # The speculation cost table (spec_policy.py), at half the longest prompt; a server's
             # warm-up re-measures it at a real prompt's length (Pipeline.warm_up).
             rt.costs = (measure_costs(rt) if options.decoding.eagle.policy.value == "adaptive"
@@ -160,14 +162,12 @@ class Runtime:
 def load_views(options: PipelineOptions, model_dir: Path | None):
     if options.views.mode != ViewMode.SELECTOR:
         return None
-    from ..stages.view_selector import load_view_selector
 
     folder = Path(options.views.selector_dir) if options.views.selector_dir else model_dir / "view_selector"
     return load_view_selector(folder, threshold=options.views.threshold or None)
 
 
 def load_tokens(options: PipelineOptions, model_dir: Path | None, lm, dtype):
-    from ..stages.token_selector import load_token_selector
 
     mode = options.tokens.mode
     if mode == TokenMode.OFF:
@@ -180,7 +180,6 @@ def load_tokens(options: PipelineOptions, model_dir: Path | None, lm, dtype):
 
 
 def load_draft(options: PipelineOptions, model_dir: Path | None, lm, dtype):
-    from ..models.eagle import load_draft_head
 
     folder = Path(options.decoding.draft_dir) if options.decoding.draft_dir else model_dir / "eagle"
     return load_draft_head(folder, lm.cfg, lm.rope, dtype)
@@ -189,7 +188,6 @@ def load_draft(options: PipelineOptions, model_dir: Path | None, lm, dtype):
 def build_runtime(model_dir: str | Path, options: PipelineOptions | None = None) -> Runtime:
     """Load an InternVL2.5 folder into a runtime for `options` (default: the deployed LiteVLM
     configuration, modules where the folder has them)."""
-    from ..weights.checkpoint import load_model, read_config
 
     options = options or PipelineOptions()
     model_dir = Path(model_dir)

@@ -29,9 +29,10 @@ from pathlib import Path
 import rclpy
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from litevlm_msgs.msg import Answer, AnswerPartial, Query
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.duration import Duration
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
@@ -40,17 +41,24 @@ from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
-from litevlm_msgs.msg import Answer, AnswerPartial, Query
-
-from ..pipeline.answer import STAGES
+from ..bundled import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..pipeline.answer import STAGES
+from ..pipeline.pipeline import Pipeline
 from ..serving.frame_store import Frame
 from ..serving.images import payload_from_msg
-from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
-                         ros_default, validate_values)
 from ..serving.server import AnswerRecord, PartialRecord, QueryServer
 from ..serving.settings import ServerSettings
+from .parameters import (
+    NodeSettings,
+    all_settings,
+    check_live_change,
+    declare_parameters,
+    node_settings,
+    ros_default,
+    validate_values,
+)
 from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
 
 NODE_NAME = "litevlm_drive"
@@ -97,7 +105,6 @@ def model_label(model_dir: str) -> str:
     """What /diagnostics calls the model: the folder as given, or the bundled one's name."""
     if model_dir:
         return model_dir
-    from ..bundled import DEFAULT_MODEL_NAME
     return f"{DEFAULT_MODEL_NAME} (bundled)"
 
 
@@ -223,7 +230,6 @@ class DriveNode(LifecycleNode):
             return self._configure_failed(f"bad parameter: {exc}")
         self.settings = settings
         self.server.apply_settings(settings.server_settings(CAMERAS))   # nothing is queued before activate
-        from ..bundled import DEFAULT_MODEL
 
         model_dir = settings.model_dir or str(DEFAULT_MODEL)      # "": the bundled default model
         self.model_name = model_label(settings.model_dir)
@@ -231,8 +237,6 @@ class DriveNode(LifecycleNode):
                                f"{options.backend.name.value}, {options.device}, {options.dtype})")
 
         def factory():
-            from ..pipeline.pipeline import Pipeline
-
             return Pipeline.from_pretrained(model_dir, options)
         try:
             self.server.load(factory, warmup=settings.warmup)

@@ -6,15 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
+from .node import NODE_NAME, PARAMETERS, config_dir
+from .parameters import flatten, node_section, pipeline_settings
+from .topics import shipped_topic_names
 
 
 def load_node_params(params_file: Path | None, overrides: dict | None = None) -> dict:
     """ros__parameters of the node from its YAML (the same file `litevlm drive` reads)."""
     import yaml
 
-    from .node import NODE_NAME, PARAMETERS, config_dir
-    from .parameters import flatten, node_section, pipeline_settings
-    from .topics import shipped_topic_names
 
     params = dict(PARAMETERS) | {s.key: s.default for s in pipeline_settings()}
     path = Path(params_file) if params_file else config_dir() / "drive.yaml"

@@ -12,13 +12,12 @@ defect, which the node turns into a STATUS_BAD_IMAGE answer.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
-
-import zlib
-from collections.abc import Mapping
 
 from ..errors import InputError
 from ..stages.preprocess import MAX_IMAGE_PIXELS, check_image_size, open_image, scale_16_to_8

@@ -43,9 +43,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-
-from ..pipeline.answer import STAGES
 from ..errors import InputError
+from ..pipeline.answer import STAGES
+from ..pipeline.pipeline import check_question
 from ..stages.prompt import is_blank
 from ..timing import percentile
 from .frame_store import FrameMatchError, FrameSet, FrameStore
@@ -344,7 +344,6 @@ class QueryServer:
         try:
             # The pipeline's own question checks (reserved tokens, token count), before frames:
             # a bad question is bad_question whatever the cameras are doing.
-            from ..pipeline.pipeline import check_question
 
             check_question(self.pipeline.rt, text)
         except InputError as exc:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decoding.greedy import step_one
 from ..timing import median_ms
+from .token_selector import kept_count
 
 EMA = 0.2                     # weight of a new observation
 KEEP_LADDER = (0.6, 0.4, 0.25, 0.1)
@@ -94,7 +96,6 @@ class BudgetPlanner:
     def measure(self, repeats: int = 3) -> None:
         """Warm-up measurements on this device and backend: vision of one and of every camera,
         prefill over a short and a long prompt, one decode step."""
-        from ..decoding.greedy import step_one
 
         rt, a = self.rt, self.rt.arena
 
@@ -133,7 +134,6 @@ class BudgetPlanner:
         the first step that affords a typical answer (this runtime's recent answer lengths, 75th
         percentile) under the cap is taken, with the cap at what the budget affords; where none
         does, the coarsest step with the cap cut to fit."""
-        from .token_selector import kept_count
 
         tpc = self.rt.tokens_per_camera
         target = min(max_new, self.typical_answer_tokens())

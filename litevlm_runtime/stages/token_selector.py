@@ -35,13 +35,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..weights.checkpoint import check_state_dict, read_safetensors
-from ..models.config import LLMConfig
 from ..errors import CheckpointError, InputError
-from ..weights.integrity import verify_model_folder
+from ..models.config import LLMConfig
 from ..models.decoder import RotaryTable, attention_probs
 from ..models.internlm2 import InternLM2Layer
 from ..models.qwen2 import Qwen2Layer
+from ..weights.checkpoint import check_state_dict, read_safetensors
+from ..weights.integrity import verify_model_folder
 
 LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer}
 REDUCTIONS = ("max", "mean")

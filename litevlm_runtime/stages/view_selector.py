@@ -31,8 +31,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from ..cameras import CAMERAS
-from ..weights.checkpoint import read_safetensors
 from ..errors import CheckpointError, InputError
+from ..weights.checkpoint import read_safetensors
 from ..weights.integrity import verify_model_folder
 
 CONFIG_FILE = "config.json"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cameras import CAMERAS, CAMERA_YAW_DEG
+from ..cameras import CAMERA_YAW_DEG, CAMERAS
 
 CAMERA_HEIGHT_M = 1.5
 NEAR_M = 0.3                         # near clipping plane: geometry closer than this is cut

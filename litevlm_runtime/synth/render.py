@@ -21,8 +21,19 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from .camera import CAMERA_HEIGHT_M, NEAR_M, Camera, clip_near
-from .world import (BARRIER_RGB, COLOURS, LANE_WIDTH, LIGHT_RGB, PARKING_WIDTH, ROAD_AHEAD_M, ROAD_BEHIND_M,
-                    SIDEWALK_WIDTH, VEHICLE_KINDS, World, WorldObject)
+from .world import (
+    BARRIER_RGB,
+    COLOURS,
+    LANE_WIDTH,
+    LIGHT_RGB,
+    PARKING_WIDTH,
+    ROAD_AHEAD_M,
+    ROAD_BEHIND_M,
+    SIDEWALK_WIDTH,
+    VEHICLE_KINDS,
+    World,
+    WorldObject,
+)
 
 MAX_OBJECTS = 127                      # mask values 1..254
 WHITE_PAINT = (225, 225, 220)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .camera import bearing_deg, degrees_to_sector_edge
+
 LANE_WIDTH = 3.5
 PARKING_WIDTH = 2.6
 SIDEWALK_WIDTH = 3.0
@@ -209,7 +211,6 @@ MIN_SECTOR_MARGIN_DEG = 4.0
 
 
 def _placeable(road: Road, s: float, d: float) -> bool:
-    from .camera import bearing_deg, degrees_to_sector_edge
     x, y = road.point(s, d)
     if math.hypot(x, y) < MIN_DISTANCE_M:
         return False

@@ -21,9 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding.greedy import greedy
-from ..weights.integrity import write_manifest
-from ..models.eagle import DraftHead, save_draft_head
 from ..decoding.speculative import eagle2
+from ..evaluation.data import frame_images, load_frames
+from ..models.eagle import DraftHead
+from ..options import options_from_flat
+from ..pipeline.pipeline import Pipeline
+from ..weights.checkpoint import load_model
+from ..weights.draft_head import save_draft_head
+from ..weights.integrity import write_manifest
+from ..weights.tokenizer import Tokenizer
 from .distributed import setup
 
 
@@ -37,7 +43,6 @@ class Sequence:
 
 def load_samples(data: list[Path], frames_root: Path, limit: int | None, seed: int):
     """(images, question) pairs from DriveLM-format QA files."""
-    from ..evaluation.data import frame_images, load_frames
 
     pairs = []
     for path in data:
@@ -103,10 +108,6 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
                 samples: int | None = 400, holdout: int = 20, epochs: int = 4, lr: float = 1e-3,
                 noise: float = 0.05, seed: int = 0, max_new_tokens: int = 48, threads: int | None = None,
                 tree: dict | None = None, log=print) -> dict:
-    from ..weights.checkpoint import load_model
-    from ..options import options_from_flat
-    from ..pipeline.pipeline import Pipeline
-    from ..weights.tokenizer import Tokenizer
 
     d = setup("cpu")                   # the target and draft run on the CPU pipeline here
     torch.manual_seed(seed)

@@ -7,7 +7,6 @@ import json
 import shlex
 from pathlib import Path
 
-
 from ..weights.integrity import sha256_file
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 
 
-
-
 def cosine_decay(progress: float, peak: float, floor: float) -> float:
     """From peak at progress 0 to floor * peak at progress 1."""
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))

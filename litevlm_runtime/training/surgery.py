@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from ..weights.random_init import init_weights
 from ..errors import InputError
 from ..models.internvl import InternVL
+from ..weights.random_init import init_weights
 
 
 def with_tile_size(cfg, tile: int, keep_position_grid: bool):

@@ -44,15 +44,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cameras import CAMERAS
-from ..weights.checkpoint import load_model
 from ..errors import InputError
-from ..weights.integrity import write_manifest
 from ..models.decoder import attention_probs
 from ..options import options_from_flat
 from ..pipeline.pipeline import Pipeline, assemble_prompt, encode, preprocess
 from ..stages.token_selector import TokenSelector, kept_count, save_token_selector
-from .distributed import setup, threads_per_rank
+from ..weights.checkpoint import load_model
+from ..weights.integrity import write_manifest
 from ..weights.tokenizer import Tokenizer
+from .distributed import setup, threads_per_rank
+from .provenance import data_provenance
+from .vlm_data import load_frames
 
 
 def closed_form(answer: str) -> bool:
@@ -288,8 +290,6 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         raise InputError(f"--keep-ratio must lie in (0, 1), got {args.keep_ratio}")
     # DriveLM reading and image-path resolution are shared with `train vlm` (imported here so
     # that the CLI's parser never depends on that module).
-    from .provenance import data_provenance
-    from .vlm_data import load_frames
 
     model_dir = Path(args.model)
     frames = load_frames(args.data, args.frames)

@@ -38,8 +38,6 @@ from torch.utils.data.distributed import DistributedSampler
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..evaluation.views import QARecord, compare, cues_of, format_table, load_qa, selection_metrics, selections_of
-from ..weights.integrity import write_manifest
-from .distributed import setup
 from ..stages.view_selector import (
     FUSION_RULES,
     TOKENIZER_FILE,
@@ -54,6 +52,8 @@ from ..stages.view_selector import (
     tagged_cameras,
     train_tokenizer,
 )
+from ..weights.integrity import write_manifest
+from .distributed import setup
 from .provenance import data_provenance, reproduce_command
 
 # ---------------------------------------------------------------------------------------------

@@ -65,22 +65,37 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..cameras import CAMERAS
-from ..weights.checkpoint import load_model, write_checkpoint
-from ..weights.random_init import init_weights
 from ..errors import InputError
 from ..models.internvl import InternVL
+from ..options import options_from_flat
+from ..pipeline.pipeline import Pipeline
 from ..stages.preprocess import Normalizer
-from ..weights.presets import preset
 from ..stages.prompt import model_layout, write_layout
+from ..stages.view_selector import load_view_selector
+from ..weights.checkpoint import load_model, write_checkpoint
+from ..weights.presets import preset
+from ..weights.random_init import init_weights
 from ..weights.tokenizer import Tokenizer, train_bpe_tokenizer
 from .distributed import setup, threads_per_rank
-from .vision_labels import LABELS, VisionProbe, load_vision_labels
 from .packing import PackedLoss, pack, split_into_sequences
 from .provenance import data_provenance, reproduce_command
 from .schedule import learning_rate, learning_rate_at
 from .surgery import grow_decoder, grown_layer_positions, with_decoder_layers, with_tile_size
-from .vlm_data import Encoded, Frame, TileCache, encode_qa, epoch_groups, frame_and_cameras, is_closed_form, load_frames, pixels_for, prefetch, split_by_views
-from .vlm_data import SCRATCH_LAYOUT
+from .vision_labels import LABELS, VisionProbe, load_vision_labels
+from .vlm_data import (
+    SCRATCH_LAYOUT,
+    Encoded,
+    Frame,
+    TileCache,
+    encode_qa,
+    epoch_groups,
+    frame_and_cameras,
+    is_closed_form,
+    load_frames,
+    pixels_for,
+    prefetch,
+    split_by_views,
+)
 
 RECORD_FILE = "training_record.json"
 
@@ -160,8 +175,6 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
     """Exact-match accuracy on closed-form (choice, yes/no) questions through the real Pipeline
     (the same answer path and the same match rule as `litevlm eval`); with a view selector, the
     cameras it selects instead of all six."""
-    from ..options import options_from_flat
-    from ..pipeline.pipeline import Pipeline
 
     items = [(f, qa) for f in frames for qa in f.qa if is_closed_form(qa.question, qa.answer)]
     rng = np.random.default_rng(seed)
@@ -325,7 +338,6 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
             f"{float(labels.float().mean()):.4f} positive")
     select = None
     if args.view_selector:
-        from ..stages.view_selector import load_view_selector
         selector = load_view_selector(args.view_selector)
         memo: dict[str, list[str]] = {}
         select = lambda q: memo[q] if q in memo else memo.setdefault(q, selector.select(q))  # noqa: E731

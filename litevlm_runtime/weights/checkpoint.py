@@ -16,10 +16,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..models.config import ModelConfig
 from ..errors import CheckpointError, read_json
-from .integrity import verify_model_folder, write_manifest
+from ..models.config import ModelConfig
 from ..models.internvl import InternVL
+from .integrity import verify_model_folder, write_manifest
+from .tokenizer import SPECIAL_TOKENS, Tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -182,7 +183,6 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
         (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if tokenizer_file is not None:
         (folder / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
-        from .tokenizer import SPECIAL_TOKENS, Tokenizer
 
         tok = Tokenizer(folder)
         (folder / "tokenizer_config.json").write_text(json.dumps({

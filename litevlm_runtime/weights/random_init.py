@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import write_checkpoint
-from .corpus import default_corpus
 from ..models.eagle import DraftHead
 from ..models.internvl import InternVL
+from .checkpoint import write_checkpoint
+from .corpus import default_corpus
 from .presets import preset
 from .tokenizer import Tokenizer, train_bpe_tokenizer
 

@@ -168,7 +168,8 @@ def _added_tokens(folder: Path) -> dict[str, int]:
 
 def train_bpe_tokenizer(texts, vocab_size: int, out_file: Path) -> None:
     """A byte-level BPE tokenizer for the project's own small checkpoints (any text encodes)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
