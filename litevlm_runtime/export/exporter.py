@@ -1,24 +1,11 @@
 """ONNX export: every stage of the pipeline as its own static-shape graph per bucket, plus a
 manifest that says what each graph is, what it was made from, and how to bind it.
 
-Stage graphs (names are the graphs' input/output names; S = max_len of the arena's KV cache):
-
-  vision      pixels [n, 3, s, s]                                  -> visual [n, tokens_per_tile, D]
-  prefill     embeds [T, D], positions [T], mask_new [T, T]    -> hidden [T, D],
-                                                                      k_new, v_new [layers, kv, T, hd]
-  decoder     embeds [T, D], positions [T], mask_cache [T, S],
-              mask_new [T, T], k_cache, v_cache [layers, kv, S, hd] -> hidden [T, D],
-                                                                      k_new, v_new [layers, kv, T, hd]
-  head        hidden [T, D]                                        -> logits [T, V]
-  eagle_draft (when the model has a draft head) token_embeds, features [T, D], positions, the two
-              masks, k_cache, v_cache [1, kv, S, hd]       -> features_out [T, D], k_new, v_new
-  view_selector (when the model folder has one) ids, pad_mask [1, L] -> logits [1, cameras]
-
-The decoder graphs are the decoder's one forward (models/decoder.py), which every backend runs:
-the cache is an explicit input and the new K/V rows are explicit outputs (the engine stores them
-at their slots), so the graph has no in-place update and no aliasing, which both ONNX Runtime and
-TensorRT need; attention over the old cache (`mask_cache`) and the new rows (`mask_new`) is one
-softmax written as grouped matmuls (no `enable_gqa`, which does not export).
+Stage graphs: the stage modules of engines/stages.py (their input and output names and shapes
+are listed there), exported with example inputs of each bucket's exact shape; plus, when the
+model folder has one, the view selector: ids, pad_mask [1, L] -> logits [1, cameras]. Attention
+over the old cache and the new rows is one softmax written as grouped matmuls (no `enable_gqa`,
+which does not export).
 
 Weights are stored once per stage (`<stage>.weights`, ONNX external data) and shared by the
 stage's bucket graphs, so more buckets cost graph bytes, not weight bytes.
