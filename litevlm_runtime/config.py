@@ -174,6 +174,10 @@ class LLMConfig:
     rope_scaling: RopeScaling | None = None
     head_size: int | None = None      # `head_dim` when it is not hidden_size / heads (Qwen3: 128 at every width)
 
+    def __post_init__(self):
+        if self.head_size == self.hidden_size // self.num_attention_heads:
+            self.head_size = None             # one spelling per shape, so configs compare equal
+
     @property
     def head_dim(self) -> int:
         return self.head_size or self.hidden_size // self.num_attention_heads
@@ -187,6 +191,9 @@ class ModelConfig:
     template: str = "internvl2_5"
     force_image_size: int = 448      # tile size fed to the vision encoder
     system_message: str = INTERNVL_SYSTEM_MESSAGE
+    # The folder's tensor names: "internvl_chat" (OpenGVLab's remote code, the runtime's own module
+    # names) or "hf" (transformers' InternVLForConditionalGeneration; hf_layout.py maps them).
+    weights_layout: str = "internvl_chat"
 
     @property
     def patches_per_side(self) -> int:

@@ -61,10 +61,11 @@ def random_pipeline(preset_name: str, options, seed: int = 0):
     decode with EAGLE) and the untrained token selector."""
     from .options import DecodingMode
     from .pipeline import Pipeline
+    from .presets import UPSTREAM_VOCAB
     from .runtime import DTYPES
 
     tok = small_tokenizer()
-    vocab = 92553 if preset_name.startswith("internvl") else tok.vocab_size
+    vocab = UPSTREAM_VOCAB.get(preset_name, 92553 if preset_name.startswith("internvl") else tok.vocab_size)
     model = random_internvl(preset_name, vocab, torch.device(options.device), DTYPES[options.dtype], seed)
     eagle = options.decoding.mode in (DecodingMode.EAGLE, DecodingMode.AUTO) and options.pipeline.value == "litevlm"
     draft = random_draft(model) if eagle or options.decoding.mode == DecodingMode.EAGLE else None

@@ -64,7 +64,11 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.2 * r)
             elif p.dim() == 1:                                  # norm weights (q_norm/k_norm included)
                 p.copy_(1.0 + 0.1 * r)
-            elif name.endswith(("embed_tokens.weight", "cls_token")):
+            elif name.endswith("embed_tokens.weight"):
+                # upstream's init scale: a unit-scale embedding, tied to the head as in all four
+                # models, makes every greedy step repeat the last token (a test that cannot tell)
+                p.copy_(0.02 * r)
+            elif name.endswith("cls_token"):
                 p.copy_(r)
             elif name.endswith("position_embeddings"):
                 p.copy_(0.5 * r)

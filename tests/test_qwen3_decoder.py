@@ -71,7 +71,7 @@ def test_decoder_matches_transformers(tmp_path, shape):
           f"{e_prefill:.2e}, cached decode steps {e_steps:.2e}; greedy {NEW_TOKENS} tokens "
           f"{'identical' if ours_ids == ref_ids else 'DIFFER'}")
     assert e_prefill < TOL and e_steps < TOL
-    assert ours_ids == ref_ids
+    assert ours_ids == ref_ids and len(set(ref_ids)) > 2          # a greedy run that can tell models apart
 
 
 QWEN3 = {**hf_text_config("internvl3_5-1b", VOCAB).to_dict(), "architectures": ["Qwen3ForCausalLM"]}
