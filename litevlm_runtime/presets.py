@@ -31,6 +31,10 @@ def preset(name: str, vocab_size: int | None = None) -> ModelConfig:
             LLMConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2, vocab_size=vocab_size),
             force_image_size=112, system_message=SMALL_SYSTEM_MESSAGE)
+    if name == "tiny-qwen3":  # "tiny" with an InternVL3.5-style decoder: Qwen3, head_dim 64 != 128 / 4, tied head
+        tiny = preset("tiny", vocab_size)
+        return replace(tiny, llm=replace(tiny.llm, architecture="qwen3", head_size=64, rms_norm_eps=1e-6,
+                                         rope_theta=1_000_000.0, tie_word_embeddings=True))
     if name == "small":      # the bundled model: trains on a 2-core CPU
         return ModelConfig(
             VisionConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=4, intermediate_size=384,
@@ -82,4 +86,4 @@ def internvl3_preset(name: str, vocab_size: int | None) -> ModelConfig:
     return ModelConfig(VisionConfig(), LLMConfig(**shape))
 
 
-PRESETS = ("tiny", "small", "bundled", "bundled-v2", "internvl2_5-1b", "internvl2_5-2b", *INTERNVL3)
+PRESETS = ("tiny", "tiny-qwen3", "small", "bundled", "bundled-v2", "internvl2_5-1b", "internvl2_5-2b", *INTERNVL3)
