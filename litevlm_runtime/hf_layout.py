@@ -121,8 +121,9 @@ def to_remote_config(config: dict, source: str) -> tuple[dict, dict[str, str]]:
         names[remote] = key
         top[remote] = value
     # The -hf processor's chat template, not InternVL2.5's system message, decides the prompt (chat_template.py).
-    remote_config = {**top, "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
-                     "vision_config": vision, "llm_config": text, "system_message": ""}
+    # (A system_message key, which the runtime reads in both layouts, still sets one: thinking mode.)
+    remote_config = {"system_message": "", **top, "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
+                     "vision_config": vision, "llm_config": text}
     return remote_config, names
 
 
