@@ -114,12 +114,14 @@ def check_state_dict(source: str | Path, state: dict[str, torch.Tensor], expecte
 
 def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: torch.dtype,
                     sources: dict[str, tuple[str, ...]] | None = None,
-                    unread: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+                    unread: set[str] = frozenset(), combine: dict | None = None) -> dict[str, torch.Tensor]:
     """Load exactly the expected tensors, checking names and shapes against `expected`.
 
-    `sources` names, per expected tensor, the folder's tensor(s) it is made of (default: itself;
-    several are concatenated along rows: the -hf layout's q/k/v for a fused qkv); `unread` are
-    names the folder may hold that are not read (a tied head's copy)."""
+    `sources` names, per expected tensor, the folder's tensor(s) it is made of (default: itself);
+    several are concatenated along rows (the -hf layout's q/k/v for InternViT's fused qkv) or joined
+    by `combine[name]` (InternLM2's packed wqkv); `unread` are names the folder may hold that are
+    not read (a tied head's copy)."""
+    combine = combine or {}
     folder = Path(folder)
     files = weight_files(folder)
     sources = sources or {name: (name,) for name in expected}
@@ -148,7 +150,8 @@ def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: 
     for name in expected:
         if not all(s in parts for s in sources[name]):
             continue                                   # the tied head, absent by design
-        t = torch.cat([parts[s] for s in sources[name]]) if len(sources[name]) > 1 else parts[sources[name][0]]
+        pieces = [parts[s] for s in sources[name]]
+        t = combine[name](*pieces) if name in combine else torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if t.shape != expected[name]:
             what = " + ".join(repr(s) for s in sources[name])
             raise CheckpointError(f"{files[sources[name][0]]}: tensor {what} has shape {tuple(t.shape)}, "
@@ -169,10 +172,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: 
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.llm.tie_word_embeddings:
         expected.pop("language_model.lm_head.weight", None)
-    sources, unread = None, set()
+    sources, combine, unread = None, None, set()
     if cfg.weights_layout == "hf":
-        sources, unread = tensor_sources(list(expected), cfg.llm.tie_word_embeddings, weight_files(Path(folder)))
-    state = load_state_dict(folder, expected, dtype, sources, unread)
+        sources, combine, unread = tensor_sources(list(expected), cfg.llm, weight_files(Path(folder)))
+    state = load_state_dict(folder, expected, dtype, sources, unread, combine)
     # Built on the meta device so that no time goes into random init of weights about to be
     # replaced; the loaded tensors are assigned in place and the RoPE tables made for real.
     model.load_state_dict(state, strict=True, assign=True)

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from .errors import CheckpointError
 
 HF_ARCHITECTURE = "InternVLForConditionalGeneration"
-# text_config.model_type -> the llm_config architecture the runtime implements
-TEXT_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# text_config.model_type -> the llm_config architecture the runtime implements. "llama" is InternLM2
+# as transformers' converter writes it (InternVL2.5-2B-hf): `wqkv` split into q/k/v, renamed.
+TEXT_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "InternLM2ForCausalLM"}
 # -hf key -> remote-code key, per section ("" = top level)
 VISION_RENAMES = {"attention_bias": "qkv_bias", "use_qk_norm": "qk_normalization"}
 TOP_RENAMES = {"vision_feature_layer": "select_layer"}
@@ -85,16 +88,17 @@ def to_remote_config(config: dict, source: str) -> tuple[dict, dict[str, str]]:
     text = dict(config["text_config"])
     model_type = text.pop("model_type", None)
     if model_type not in TEXT_MODEL_TYPES:
-        raise CheckpointError(
-            f"{source}: text_config.model_type {model_type!r} is not supported in the -hf layout (supported: "
-            f"{', '.join(TEXT_MODEL_TYPES)}; the Llama text model of InternVL2.5-2B-hf / InternVL3-9B-hf is not "
-            f"mapped: use the remote-code folder)")
+        raise CheckpointError(f"{source}: text_config.model_type {model_type!r} is not supported in the -hf layout "
+                              f"(supported: {', '.join(TEXT_MODEL_TYPES)})")
     arch = TEXT_MODEL_TYPES[model_type]
     listed = text.get("architectures")
-    if listed and listed != [arch]:
+    expected_listed = "LlamaForCausalLM" if model_type == "llama" else arch
+    if listed and listed != [expected_listed]:
         raise CheckpointError(f"{source}: text_config.architectures {listed!r} contradicts text_config.model_type "
                               f"{model_type!r}")
     text["architectures"] = [arch]
+    if model_type == "llama":
+        llama_to_internlm2(text, names, source)
     # transformers 5 ties InternVL's LM head by the top-level key (InternVLConfig default true), the
     # remote code by llm_config's: a folder where the two differ means different models to each.
     tie_top, tie_text = config.get("tie_word_embeddings", True), text.get("tie_word_embeddings", False)
@@ -125,6 +129,22 @@ def to_remote_config(config: dict, source: str) -> tuple[dict, dict[str, str]]:
     remote_config = {"system_message": "", **top, "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
                      "vision_config": vision, "llm_config": text}
     return remote_config, names
+
+
+def llama_to_internlm2(text: dict, names: dict[str, str], source: str) -> None:
+    """A converted InternLM2's LlamaConfig keys as InternLM2's: attention_bias is InternLM2's `bias`;
+    Llama's MLP bias and its linear RoPE scaling (inv_freq / factor, where InternLM2 divides the
+    positions, which rounds differently) have no InternLM2 counterpart."""
+    if text.pop("mlp_bias", False):
+        raise CheckpointError(f"{source}: text_config.mlp_bias is True; only False is supported (InternLM2's MLP has no bias)")
+    for key in ("rope_scaling", "rope_parameters"):
+        raw = text.get(key)
+        if isinstance(raw, dict) and (raw.get("rope_type") or raw.get("type")) == "linear":
+            raise CheckpointError(f"{source}: text_config.{key} {raw!r}: linear scaling of a Llama text model is not "
+                                  f"InternLM2's (Llama divides the frequencies, InternLM2 the positions); unsupported")
+    if "attention_bias" in text:
+        text["bias"] = text.pop("attention_bias")
+        names["llm_config.bias"] = "text_config.attention_bias"
 
 
 def rename_in_error(exc: CheckpointError, source: str, names: dict[str, str]) -> CheckpointError:
@@ -177,14 +197,33 @@ def spelling_of(names) -> str:
                           f"(model.vision_tower.* or vision_tower.*)")
 
 
+# InternLM2 module names -> the converted Llama names (transformers' converter, TEXT_LLAMA mapping)
+_INTERNLM2_RULES = [
+    ("tok_embeddings.", "embed_tokens."),
+    (".attention.wo.", ".self_attn.o_proj."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".attention_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+]
+
+
 def hf_names(name: str, spelling: str = "module") -> tuple[str, ...]:
-    """The -hf tensor(s) that make the runtime's tensor `name` (three for InternViT's fused qkv)."""
+    """The -hf tensor(s) that make the runtime's tensor `name` (three for InternViT's fused qkv and
+    for InternLM2's packed wqkv)."""
     vision, projector, decoder, head = SPELLINGS[spelling]
     if name.startswith("language_model."):
         rest = name[len("language_model."):]
-        if rest.startswith("lm_head."):
-            return (head + rest[len("lm_head."):],)
-        return (decoder + rest.removeprefix("model."),)
+        if rest.startswith(("lm_head.", "output.")):
+            return (head + rest.split(".", 1)[1],)
+        rest = rest.removeprefix("model.")
+        if ".attention.wqkv." in rest:
+            base, leaf = rest.split(".attention.wqkv.")
+            return tuple(f"{decoder}{base}.self_attn.{p}_proj.{leaf}" for p in ("q", "k", "v"))
+        for ours, theirs in _INTERNLM2_RULES:
+            rest = rest.replace(ours, theirs)
+        return (decoder + rest,)
     if name.startswith("mlp1."):
         index, leaf = name[len("mlp1."):].split(".", 1)
         return (f"{projector}{_PROJECTOR[index]}.{leaf}",)
@@ -200,9 +239,25 @@ def hf_names(name: str, spelling: str = "module") -> tuple[str, ...]:
     return (hf,)
 
 
-def tensor_sources(expected: list[str], tied_head: bool, file_names) -> tuple[dict[str, tuple[str, ...]], set[str]]:
-    """({runtime name: -hf names}, -hf names the folder may hold that the runtime does not read):
-    a tied head's weight (transformers ties it to the embedding whatever the file holds)."""
+def pack_wqkv(num_heads: int, num_kv_heads: int, head_dim: int):
+    """q [H*D, ...], k, v [K*D, ...] -> InternLM2's wqkv rows, grouped per KV head as [q_(g*h) ..
+    q_(g*h+g-1), k_h, v_h] (the inverse of transformers' converter's split)."""
+    group = num_heads // num_kv_heads
+
+    def pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        tail = q.shape[1:]
+        blocks = [q.reshape(num_kv_heads, group, head_dim, *tail), k.reshape(num_kv_heads, 1, head_dim, *tail),
+                  v.reshape(num_kv_heads, 1, head_dim, *tail)]
+        return torch.cat(blocks, dim=1).reshape((num_heads + 2 * num_kv_heads) * head_dim, *tail)
+    return pack
+
+
+def tensor_sources(expected: list[str], llm, file_names):
+    """({runtime name: -hf names}, {runtime name: how its -hf tensors combine} (default: rows
+    concatenated), -hf names the folder may hold that the runtime does not read: a tied head's
+    weight, which transformers ties to the embedding whatever the file holds)."""
     spelling = spelling_of(file_names)
-    unread = {SPELLINGS[spelling][3] + "weight"} if tied_head else set()
-    return {name: hf_names(name, spelling) for name in expected}, unread
+    unread = {SPELLINGS[spelling][3] + "weight"} if llm.tie_word_embeddings else set()
+    pack = pack_wqkv(llm.num_attention_heads, llm.num_key_value_heads, llm.head_dim)
+    combine = {name: pack for name in expected if ".attention.wqkv." in name}
+    return {name: hf_names(name, spelling) for name in expected}, combine, unread

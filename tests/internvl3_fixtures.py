@@ -17,7 +17,11 @@ TOL = 1e-4
 # llm_config / text_config widths of the upstream checkpoints (their config.json files): InternVL3-1B
 # is Qwen2.5-0.5B, InternVL3-2B Qwen2.5-1.5B, InternVL3.5-1B Qwen3-0.6B, InternVL3.5-2B Qwen3-1.7B.
 # All four tie the LM head to the embedding. Qwen3's head_dim (128) is not hidden / heads.
+# InternVL2.5-2B's InternLM2 is what transformers' converter makes of it in -hf folders: a Llama
+# model (wqkv split into q/k/v), its own LM head.
 REAL_TEXT = {
+    "internvl2_5-2b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                                     num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=False)),
     "internvl3-1b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
                                    num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "internvl3-2b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
@@ -41,10 +45,14 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def hf_text_config(shape: str, vocab_size: int, layers: int = 2):
-    """transformers' Qwen2Config / Qwen3Config at the real width of `shape`, `layers` deep, fp32, eager."""
-    from transformers import Qwen2Config, Qwen3Config
+    """transformers' Qwen2Config / Qwen3Config / LlamaConfig at the real width of `shape`, `layers`
+    deep, fp32, eager."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     family, widths = REAL_TEXT[shape]
+    if family == "llama":
+        return LlamaConfig(vocab_size=vocab_size, num_hidden_layers=layers, rope_parameters=dict(ROPE),
+                           max_position_embeddings=32768, attn_implementation="eager", **widths)
     cls = Qwen3Config if family == "qwen3" else Qwen2Config
     return cls(vocab_size=vocab_size, num_hidden_layers=layers, rope_parameters=dict(ROPE), max_position_embeddings=32768,
                use_sliding_window=False, attn_implementation="eager", **widths)

@@ -1,7 +1,7 @@
 """InternVL3 / InternVL3.5 folders in both upstream layouts against transformers' own InternVL.
 
-For InternVL3-1B- (Qwen2.5-0.5B), InternVL3.5-1B- (Qwen3-0.6B) and InternVL3.5-2B- (Qwen3-1.7B)
-shaped models: transformers' InternVLForConditionalGeneration is built at the real widths (InternViT
+For InternVL3-1B- (Qwen2.5-0.5B), InternVL3.5-1B- (Qwen3-0.6B), InternVL3.5-2B- (Qwen3-1.7B) and
+InternVL2.5-2B- (InternLM2-1.8B, a Llama text model in -hf folders) shaped models: transformers' InternVLForConditionalGeneration is built at the real widths (InternViT
 1024 wide at 448 px, 1 layer; the decoder 2 layers; a 2000-id byte-level BPE vocabulary with
 InternVL's special tokens), randomized and saved with save_pretrained, with a tokenizer, an image
 processor and the -hf chat template beside it: an `-hf` folder as a user downloads one.
@@ -111,7 +111,7 @@ def hf_internvl(shape: str, vocab_size: int, image_token_id: int, seed: int):
     return model.float().eval()
 
 
-@pytest.fixture(scope="module", params=["internvl3-1b", "internvl3_5-1b", "internvl3_5-2b"])
+@pytest.fixture(scope="module", params=["internvl3-1b", "internvl3_5-1b", "internvl3_5-2b", "internvl2_5-2b"])
 def folders(request, tmp_path_factory):
     """(shape, -hf folder, remote-code folder, transformers' model) for one upstream shape."""
     shape = request.param
@@ -135,7 +135,8 @@ def folders(request, tmp_path_factory):
 def test_remote_code_folder_holds_exactly_transformers_weights(folders):
     shape, hf, remote, ref = folders
     config, state = load_upstream_state_dict(remote)
-    family = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[ref.config.text_config.model_type]
+    family = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "llama": "InternLM2ForCausalLM"}[ref.config.text_config.model_type]
     assert config["llm_config"]["architectures"] == [family]
     back = build_hf_internvl(config, state, find_image_token_id(remote, config)).state_dict()
     original = ref.state_dict()
@@ -224,14 +225,19 @@ def test_prompt_ids_equal_the_layouts_own_upstream(loaded, n_cameras):
 def test_hf_config_keys_the_runtime_does_not_implement_are_refused_by_their_hf_name(folders, tmp_path):
     _, hf, _, _ = folders
     config = json.loads((hf / "config.json").read_text())
+    llama = config["text_config"]["model_type"] == "llama"
+    text_edit = ((lambda c: c["text_config"].update(mlp_bias=True), "text_config.mlp_bias is True; only False") if llama
+                 else (lambda c: c["text_config"].update(use_sliding_window=True),
+                       "text_config.use_sliding_window is True; only False"))
     for edit, message in [
-        (lambda c: c["text_config"].update(use_sliding_window=True), "text_config.use_sliding_window is True; only False"),
+        text_edit,
         (lambda c: c["vision_config"].update(use_qk_norm=True), "vision_config.use_qk_norm is True; only False"),
         (lambda c: c["vision_config"].update(use_mean_pooling=False), "vision_config.use_mean_pooling is False; only True"),
         (lambda c: c.update(vision_feature_layer=-2), "vision_feature_layer is -2; only -1"),
         (lambda c: c.update(image_seq_length=64), "image_seq_length is 64, but the tiles give 256"),
-        (lambda c: c["text_config"].update(model_type="llama"), "text_config.model_type 'llama' is not supported"),
-        (lambda c: c.update(tie_word_embeddings=False), "tie_word_embeddings is False"),
+        (lambda c: c["text_config"].update(model_type="mistral"), "text_config.model_type 'mistral' is not supported"),
+        (lambda c: c.update(tie_word_embeddings=not c["text_config"].get("tie_word_embeddings", False)),
+         "but text_config.tie_word_embeddings is"),
     ]:
         bad = json.loads(json.dumps(config))
         edit(bad)
