@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from test_internvl3_reference import EXTRA_SPECIAL, HF_CHAT_TEMPLATE
 
-from litevlm_runtime.chat_template import build_template_prompt
-from litevlm_runtime.corpus import default_corpus
+from litevlm_runtime.stages.chat_template import build_template_prompt
+from litevlm_runtime.weights.corpus import default_corpus
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.tokenizer import Tokenizer, train_bpe_tokenizer
+from litevlm_runtime.weights.tokenizer import Tokenizer, train_bpe_tokenizer
 
 QUESTION = "Is the traffic light ahead red or green?"
 # A stand-in for the model card's reasoning prompt (the text is the user's; the mechanism is tested).

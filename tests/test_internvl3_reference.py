@@ -29,15 +29,15 @@ import pytest
 import torch
 
 from internvl3_fixtures import REAL_VISION, TOL, hf_text_config, randomize, rel_err
-from litevlm_runtime.checkpoint import load_model, read_config, write_checkpoint
-from litevlm_runtime.config import INTERNVL_SYSTEM_MESSAGE
-from litevlm_runtime.corpus import default_corpus
+from litevlm_runtime.weights.checkpoint import load_model, read_config, write_checkpoint
+from litevlm_runtime.models.config import INTERNVL_SYSTEM_MESSAGE
+from litevlm_runtime.weights.corpus import default_corpus
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.hf_reference import build_hf_internvl, find_image_token_id, hf_generate, load_upstream_state_dict
-from litevlm_runtime.integrity import write_manifest
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
-from litevlm_runtime.prompt import model_layout
-from litevlm_runtime.tokenizer import train_bpe_tokenizer
+from litevlm_runtime.bench.hf_reference import build_hf_internvl, find_image_token_id, hf_generate, load_upstream_state_dict
+from litevlm_runtime.weights.integrity import write_manifest
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.stages.prompt import model_layout
+from litevlm_runtime.weights.tokenizer import train_bpe_tokenizer
 
 NEW_TOKENS = 8
 QUESTION = "Is there a pedestrian in front of the ego car?"

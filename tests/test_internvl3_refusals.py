@@ -14,11 +14,11 @@ import torch
 from helpers import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from litevlm_runtime.checkpoint import load_model
+from litevlm_runtime.weights.checkpoint import load_model
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.hf_layout import HF_ARCHITECTURE
-from litevlm_runtime.integrity import write_manifest
-from litevlm_runtime.prompt import model_layout
+from litevlm_runtime.weights.hf_layout import HF_ARCHITECTURE
+from litevlm_runtime.weights.integrity import write_manifest
+from litevlm_runtime.stages.prompt import model_layout
 
 
 @pytest.fixture(scope="module")

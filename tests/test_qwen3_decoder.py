@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from internvl3_fixtures import TOL, hf_text_config, randomize, rel_err, run_ours_decoder
-from litevlm_runtime.config import ModelConfig
+from litevlm_runtime.models.config import ModelConfig
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.hf_reference import hf_generate
+from litevlm_runtime.bench.hf_reference import hf_generate
 from litevlm_runtime.models.internvl import DECODERS
 
 VOCAB = 2000

@@ -15,12 +15,12 @@ import torch
 from export_fixtures import TEST_BUCKETS
 from helpers import make_tiny_checkpoint, options, random_frames
 
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
-from litevlm_runtime.checkpoint import load_model, write_checkpoint
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
 from litevlm_runtime.cli import main
 from litevlm_runtime.commands.make_checkpoint import init_weights
-from litevlm_runtime.export import verify_bundle
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.export.exporter import verify_bundle
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 MAX_NEW_TOKENS = 12
 

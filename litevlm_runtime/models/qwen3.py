@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import LLMConfig
+from .config import LLMConfig
 from .decoder import RMSNorm
 from .qwen2 import Qwen2ForCausalLM, Qwen2Layer, Qwen2MLP
 
