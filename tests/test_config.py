@@ -106,7 +106,6 @@ def test_unknown_keys_get_one_warning_naming_them(caplog):
     ("llm_config", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "llm_config.rope_scaling type 'llama3' is not supported"),
     ("llm_config", "rope_scaling", {"type": "linear", "factor": 0.5}, "llm_config.rope_scaling factor must be a number >= 1, got 0.5"),
     ("llm_config", "rope_scaling", {"type": "linear", "rope_type": "dynamic", "factor": 2.0}, "llm_config.rope_scaling type and rope_type must be one string"),
-    ("llm_config", "head_dim", 128, "llm_config.head_dim 128 differs from hidden_size / num_attention_heads 64"),
 ])
 def test_qwen2_values_the_runtime_does_not_implement_are_refused(section, key, value, message):
     d = copy.deepcopy(INTERNVL2_5_1B)
@@ -114,6 +113,20 @@ def test_qwen2_values_the_runtime_does_not_implement_are_refused(section, key, v
     with pytest.raises(CheckpointError) as err:
         ModelConfig.from_dict(d, source="config.json")
     assert str(err.value).startswith(f"config.json: {message}"), str(err.value)
+
+
+def test_qwen2_head_dim_is_read_as_transformers_qwen2_reads_it():
+    d = copy.deepcopy(INTERNVL2_5_1B)
+    d["llm_config"]["head_dim"] = 128          # not 896 / 14: transformers' Qwen2 sizes q/k/v heads by it
+    assert ModelConfig.from_dict(d, source="config.json").llm.head_dim == 128
+
+
+def test_internlm2_head_dim_other_than_hidden_over_heads_is_refused():
+    d = copy.deepcopy(INTERNVL2_5_2B)
+    d["llm_config"]["head_dim"] = 64
+    with pytest.raises(CheckpointError, match="config.json: llm_config.head_dim is 64, not hidden_size / "
+                                              "num_attention_heads 128: InternLM2's modeling has no separate head size"):
+        ModelConfig.from_dict(d, source="config.json")
 
 
 @pytest.mark.parametrize("key, value", [("bias", True), ("hidden_act", "gelu")])

@@ -25,6 +25,8 @@ from ..weights.checkpoint import weight_files
 # ids of the real tokenizers (as in transformers' converter), used only when the folder's own
 # tokenizer files do not name the token.
 DEFAULT_IMAGE_TOKEN_ID = {"InternLM2ForCausalLM": 92546, "Qwen2ForCausalLM": 151667}
+# Qwen3 (InternVL3.5): no default id here; the folder's tokenizer must name <IMG_CONTEXT>.
+REFERENCE_ARCHITECTURES = (*DEFAULT_IMAGE_TOKEN_ID, "Qwen3ForCausalLM")
 IMAGE_CONTEXT_TOKEN = "<IMG_CONTEXT>"
 
 
@@ -84,7 +86,10 @@ def find_image_token_id(model_dir: str | Path, config: dict | None = None) -> in
             if tok.get("content") == IMAGE_CONTEXT_TOKEN:
                 return int(tid)
     config = config if config is not None else json.loads((model_dir / "config.json").read_text())
-    return DEFAULT_IMAGE_TOKEN_ID[_llm_architecture(config)]
+    arch = _llm_architecture(config)
+    if arch not in DEFAULT_IMAGE_TOKEN_ID:
+        raise CheckpointError(f"{model_dir}: the tokenizer files do not name {IMAGE_CONTEXT_TOKEN}")
+    return DEFAULT_IMAGE_TOKEN_ID[arch]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,14 +99,14 @@ def find_image_token_id(model_dir: str | Path, config: dict | None = None) -> in
 def _llm_architecture(config: dict) -> str:
     llm = config.get("llm_config") or {}
     arch = (llm.get("architectures") or ["?"])[0]
-    if arch not in DEFAULT_IMAGE_TOKEN_ID:
+    if arch not in REFERENCE_ARCHITECTURES:
         raise CheckpointError(f"config.json: llm_config architecture {arch!r} has no transformers reference")
     return arch
 
 
 def hf_text_config(config: dict):
-    """LlamaConfig (InternLM2) or Qwen2Config from `llm_config`, fp32 and eager attention."""
-    from transformers import LlamaConfig, Qwen2Config
+    """LlamaConfig (InternLM2), Qwen2Config or Qwen3Config from `llm_config`, fp32 and eager attention."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     llm = config["llm_config"]
     arch = _llm_architecture(config)
@@ -136,6 +141,16 @@ def hf_text_config(config: dict):
             rope_parameters={"rope_type": "default", "rope_theta": float(llm.get("rope_theta", 10000.0))},
             attention_bias=bool(llm.get("bias", True)),
             mlp_bias=False,
+        )
+    if arch == "Qwen3ForCausalLM":
+        # Qwen3Config's own defaults for absent keys: head_dim 128, no attention bias.
+        return Qwen3Config(
+            **common,
+            head_dim=llm.get("head_dim") or 128,
+            attention_bias=bool(llm.get("attention_bias", False)),
+            rms_norm_eps=llm.get("rms_norm_eps", 1e-6),
+            rope_parameters={"rope_type": "default", "rope_theta": float(llm.get("rope_theta", 10000.0))},
+            use_sliding_window=False,
         )
     # Qwen2: q/k/v always carry a bias in transformers' Qwen2 (as upstream), o_proj none.
     return Qwen2Config(
@@ -263,7 +278,7 @@ def convert_language_weights(config: dict, state: dict[str, torch.Tensor], prefi
             ):
                 name = name.replace(old, new)
             out[prefix + name] = tensor
-        else:  # Qwen2: upstream names are already transformers' names
+        else:  # Qwen2 / Qwen3: upstream names are already transformers' names
             if name == "lm_head.weight":
                 out["lm_head.weight"] = tensor
             else:
@@ -342,11 +357,12 @@ def build_hf_internvl(config: dict, state: dict[str, torch.Tensor], image_token_
 
 
 def build_hf_text_model(config: dict, state: dict[str, torch.Tensor]):
-    """Bare LlamaForCausalLM (InternLM2, `wqkv` un-packed) or Qwen2ForCausalLM: fp32, eager, eval."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    """Bare LlamaForCausalLM (InternLM2, `wqkv` un-packed), Qwen2ForCausalLM or Qwen3ForCausalLM: fp32, eager, eval."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     text_config = hf_text_config(config)
-    cls = LlamaForCausalLM if _llm_architecture(config) == "InternLM2ForCausalLM" else Qwen2ForCausalLM
+    cls = {"InternLM2ForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": Qwen2ForCausalLM,
+           "Qwen3ForCausalLM": Qwen3ForCausalLM}[_llm_architecture(config)]
     model = cls(text_config)
     _load_exact(model, convert_language_weights(config, state, prefix="model."), cls.__name__)
     _plain_greedy_defaults(model)

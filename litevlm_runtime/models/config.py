@@ -19,7 +19,10 @@ from ..errors import CheckpointError
 log = logging.getLogger(__name__)
 
 # Upstream `llm_config.architectures[0]` -> our decoder family.
-LLM_ARCHITECTURES = {"InternLM2ForCausalLM": "internlm2", "Qwen2ForCausalLM": "qwen2"}
+LLM_ARCHITECTURES = {"InternLM2ForCausalLM": "internlm2", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# The head size a config without `head_dim` means, per family, as its upstream modeling reads it:
+# InternLM2 and Qwen2 hidden_size / heads, transformers' Qwen3Config a default of 128.
+DEFAULT_HEAD_DIM = {"internlm2": None, "qwen2": None, "qwen3": 128}
 ROPE_SCALING_TYPES = ("linear", "dynamic")
 
 # InternVL2.5's default system prompt (upstream `internvl2_5` template).
@@ -54,8 +57,10 @@ IGNORABLE = {
     "vision_config": HF_BOOKKEEPING | {"use_flash_attn", "dropout", "attention_dropout", "drop_path_rate"},
     # attn_implementation is a kernel choice; InternLM2's modeling never reads pretraining_tp;
     # Qwen2's sliding_window / max_window_layers act only with use_sliding_window (checked false).
+    # Qwen3's use_sliding_window likewise (checked false); InternVL3.5's llm_config carries `_sliding_window_pattern`
+    # only as bookkeeping of layer_types (read and checked).
     "llm_config": HF_BOOKKEEPING | {"attn_implementation", "pretraining_tp", "attention_dropout", "sliding_window",
-                                    "max_window_layers"},
+                                    "max_window_layers", "_sliding_window_pattern"},
 }
 # Keys whose value changes the model: accepted only with the value the runtime implements
 # (absent = that value, as in every InternVL2.5 file).
@@ -71,6 +76,8 @@ REQUIRED_VALUES = {
 LLM_REQUIRED_VALUES = {
     "internlm2": {"bias": (False, "InternVL2.5's InternLM2 has no projection biases")},
     "qwen2": {"use_sliding_window": (False, "sliding-window attention is not implemented; InternVL2.5-1B ships it off")},
+    "qwen3": {"use_sliding_window": (False, "sliding-window attention is not implemented; InternVL3.5 ships it off"),
+              "attention_bias": (False, "Qwen3 projections without bias, as in every InternVL3.5")},
 }
 
 
@@ -153,7 +160,7 @@ class VisionConfig:
 
 @dataclass
 class LLMConfig:
-    architecture: str = "internlm2"   # "internlm2" | "qwen2"
+    architecture: str = "internlm2"   # "internlm2" | "qwen2" | "qwen3"
     hidden_size: int = 2048
     intermediate_size: int = 8192
     num_attention_heads: int = 16
@@ -165,10 +172,15 @@ class LLMConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
+    head_size: int | None = None      # `head_dim` when it is not hidden_size / heads (Qwen3: 128 at every width)
+
+    def __post_init__(self):
+        if self.head_size == self.hidden_size // self.num_attention_heads:
+            self.head_size = None             # one spelling per shape, so configs compare equal
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_size or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
@@ -179,6 +191,9 @@ class ModelConfig:
     template: str = "internvl2_5"
     force_image_size: int = 448      # tile size fed to the vision encoder
     system_message: str = INTERNVL_SYSTEM_MESSAGE
+    # The folder's tensor names: "internvl_chat" (OpenGVLab's remote code, the runtime's own module
+    # names) or "hf" (transformers' InternVLForConditionalGeneration; hf_layout.py maps them).
+    weights_layout: str = "internvl_chat"
 
     @property
     def patches_per_side(self) -> int:
@@ -207,7 +222,7 @@ class ModelConfig:
         for section, values in ((top, REQUIRED_VALUES[""]), (v, REQUIRED_VALUES["vision_config"]),
                                 (l, REQUIRED_VALUES["llm_config"] | LLM_REQUIRED_VALUES[arch])):
             section.require(values)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen3"):
             types = l.get("layer_types", list, [])
             if any(t != "full_attention" for t in types):
                 raise l.error("layer_types", f"is {types!r}; only full_attention layers are implemented")
@@ -222,10 +237,15 @@ class ModelConfig:
             qkv_bias=v.get("qkv_bias", bool, True),
         )
         heads = l.get("num_attention_heads", int, positive=True)
+        hidden = l.get("hidden_size", int, positive=True)
+        head_dim = l.get("head_dim", int, DEFAULT_HEAD_DIM[arch], positive=True, null_is_default=True)
+        if arch == "internlm2" and head_dim not in (None, hidden // heads):
+            raise l.error("head_dim", f"is {head_dim}, not hidden_size / num_attention_heads {hidden // heads}: "
+                                      f"InternLM2's modeling has no separate head size")
         theta, rope_scaling = read_rope(l)
         llm = LLMConfig(
             architecture=arch,
-            hidden_size=l.get("hidden_size", int, positive=True),
+            hidden_size=hidden,
             intermediate_size=l.get("intermediate_size", int, positive=True),
             num_attention_heads=heads,
             # InternLM2Config / Qwen2Config: null or absent means one KV head per query head.
@@ -237,6 +257,7 @@ class ModelConfig:
             max_position_embeddings=l.get("max_position_embeddings", int, 32768, positive=True),
             tie_word_embeddings=l.get("tie_word_embeddings", bool, False),
             rope_scaling=rope_scaling,
+            head_size=head_dim if head_dim != hidden // heads else None,
         )
         cfg = cls(
             vision=vision,
@@ -247,32 +268,29 @@ class ModelConfig:
             force_image_size=top.get("force_image_size", int, vision.image_size, positive=True, null_is_default=True),
             system_message=top.get("system_message", str, INTERNVL_SYSTEM_MESSAGE),
         )
-        cfg.check_shapes(source, l)
+        cfg.check_shapes(source)
         unknown = [s.key(k) for s in (top, v, l) for k in s.unknown()]
         if unknown:
             log.warning("%s: ignoring key(s) this runtime does not know: %s (check that they do not change "
                         "the model)", source, ", ".join(unknown))
         return cfg
 
-    def check_shapes(self, source: str, l: Section) -> None:
+    def check_shapes(self, source: str) -> None:
         """Heads divide widths, tiles divide into patches and the pixel shuffle's grid."""
         v, m = self.vision, self.llm
         problems = []
         if v.hidden_size % v.num_attention_heads:
             problems.append(f"vision_config.hidden_size {v.hidden_size} is not a multiple of "
                             f"vision_config.num_attention_heads {v.num_attention_heads}")
-        if m.hidden_size % m.num_attention_heads:
+        if m.head_size is None and m.hidden_size % m.num_attention_heads:
             problems.append(f"llm_config.hidden_size {m.hidden_size} is not a multiple of "
                             f"llm_config.num_attention_heads {m.num_attention_heads}")
         elif m.head_dim % 2:
-            problems.append(f"llm_config head size {m.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
+            problems.append(f"llm_config head size {m.head_dim} (head_dim, else hidden_size / num_attention_heads) "
+                            f"must be even for RoPE")
         if m.num_attention_heads % m.num_key_value_heads:
             problems.append(f"llm_config.num_attention_heads {m.num_attention_heads} is not a multiple of "
                             f"llm_config.num_key_value_heads {m.num_key_value_heads}")
-        head_dim = l.get("head_dim", int, m.head_dim, null_is_default=True)
-        if head_dim != m.head_dim:
-            problems.append(f"llm_config.head_dim {head_dim} differs from hidden_size / num_attention_heads "
-                            f"{m.head_dim} (a separate head size is not implemented)")
         shuffle = 1 / self.downsample_ratio
         if self.force_image_size % v.patch_size:
             problems.append(f"force_image_size {self.force_image_size} is not a multiple of "
@@ -303,8 +321,11 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
         }
-        if l.architecture == "qwen2":
+        if l.architecture in ("qwen2", "qwen3"):
             llm_dict["use_sliding_window"] = False
+        if l.architecture == "qwen3":
+            llm_dict["head_dim"] = l.head_dim        # always written: absent means 128 to Qwen3Config
+            llm_dict["attention_bias"] = False
         if l.architecture == "internlm2":
             llm_dict["bias"] = False
             llm_dict["auto_map"] = {"AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}

@@ -16,8 +16,9 @@ from .config import LLMConfig
 from .decoder import RotaryTable
 from .internlm2 import InternLM2Layer
 from .qwen2 import Qwen2Layer
+from .qwen3 import Qwen3Layer
 
-LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer}
+LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer, "qwen3": Qwen3Layer}
 
 
 class DraftHead(nn.Module):

@@ -1,4 +1,4 @@
-"""InternVL2.5 = InternViT + pixel shuffle + mlp1 + (InternLM2 | Qwen2). Top-level names as upstream:
+"""InternVL2.5 / 3 / 3.5 = InternViT + pixel shuffle + mlp1 + (InternLM2 | Qwen2 | Qwen3). Top-level names as upstream:
 `vision_model`, `mlp1`, `language_model`."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from .intern_vit import InternViT
 from .internlm2 import InternLM2ForCausalLM
 from .projector import Projector, vit_to_visual_tokens
 from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
 
-DECODERS = {"internlm2": InternLM2ForCausalLM, "qwen2": Qwen2ForCausalLM}
+DECODERS = {"internlm2": InternLM2ForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
 class InternVL(nn.Module):

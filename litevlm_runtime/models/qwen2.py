@@ -65,18 +65,20 @@ class Qwen2Layer(DecoderLayer):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, cfg: LLMConfig):
+    def __init__(self, cfg: LLMConfig, layer_class: type[DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen2Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen2ForCausalLM(CausalLM):
+    layer_class: type[DecoderLayer] = Qwen2Layer      # Qwen3 (qwen3.py) swaps in its own layer
+
     def __init__(self, cfg: LLMConfig, max_len: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = Qwen2Model(cfg)
+        self.model = Qwen2Model(cfg, self.layer_class)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if max_len is not None:          # else whoever runs it sizes the table (init_rope)

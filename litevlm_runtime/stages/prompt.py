@@ -43,8 +43,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import CheckpointError, InputError, LiteVLMError
+from ..errors import CheckpointError, InputError, LiteVLMError, read_json
+from ..weights.hf_layout import is_hf_layout
 from ..weights.tokenizer import SPECIAL_TOKENS, Tokenizer, read_tokenizer_config
+from . import chat_template
 
 
 def is_blank(text: str) -> bool:
@@ -72,7 +74,7 @@ class Prompt:
 
 def check_layout(layout, source: str = "prompt layout", error: type[LiteVLMError] = InputError) -> str:
     """`layout` if it is a layout name or a valid template, else `error` naming `source`."""
-    if layout in LAYOUTS:
+    if layout in LAYOUTS or layout == chat_template.LAYOUT:      # the latter: -hf folders (chat_template.py)
         return layout
     hint = f"a layout is {' or '.join(LAYOUTS)}, or a template with one {IMAGE} such as 'Image-{{index}}: <image>\\n'"
     if not isinstance(layout, str) or layout.count(IMAGE) != 1:
@@ -102,12 +104,27 @@ def model_layout(folder: str | Path) -> tuple[str, str]:
         if extra:
             raise CheckpointError(f"{path}: unknown key {extra[0]!r} (known: {LAYOUT_KEY!r})")
         return check_layout(data[LAYOUT_KEY], f"{path}: {LAYOUT_KEY}", CheckpointError), str(path)
+    if _is_hf_folder(folder):
+        found = chat_template.find_chat_template(folder)
+        if found is None:
+            raise CheckpointError(f"{folder}: an InternVLForConditionalGeneration (-hf) folder without "
+                                  f"{' or '.join(chat_template.TEMPLATE_FILES)} (its processor's chat template, "
+                                  f"which decides its prompt); add the file or a {LAYOUT_FILE}")
+        return chat_template.LAYOUT, f"no {LAYOUT_FILE}; an -hf folder: its processor's {found[1].name}"
     if (folder / "tokenizer.model").is_file():
         return "internvl", f"no {LAYOUT_FILE}; tokenizer.model (an upstream sentencepiece tokenizer)"
     tokenizer_class = read_tokenizer_config(folder).get("tokenizer_class")
     if tokenizer_class in UPSTREAM_TOKENIZER_CLASSES:
         return "internvl", f"no {LAYOUT_FILE}; tokenizer_class {tokenizer_class} (upstream)"
     return "cameras", f"no {LAYOUT_FILE}; a project tokenizer ({tokenizer_class or 'tokenizer.json'})"
+
+
+def _is_hf_folder(folder: Path) -> bool:
+    path = folder / "config.json"
+    if not path.is_file():
+        return False
+    config = read_json(path, "model config")
+    return isinstance(config, dict) and is_hf_layout(config)
 
 
 def resolve_layout(override: str | None, folder: str | Path) -> tuple[str, str]:
@@ -135,6 +152,12 @@ def image_line(layout: str, n_cameras: int) -> str:
 def build_prompt(tok: Tokenizer, system: str, layout: str, cameras: list[str] | tuple[str, ...], question: str,
                  tokens_per_camera: int) -> Prompt:
     """The full prompt for `cameras` (each `tokens_per_camera` visual tokens) and `question`."""
+    if layout == chat_template.LAYOUT:
+        found = chat_template.folder_template(tok.folder)
+        if found is None:
+            raise CheckpointError(f"{tok.folder}: prompt layout {layout!r} but no "
+                                  f"{' or '.join(chat_template.TEMPLATE_FILES)}")
+        return Prompt(*chat_template.build_template_prompt(tok, found[0], system, cameras, question, tokens_per_camera))
     if not cameras:
         raise InputError("a prompt needs at least one camera", about="image")
     reserved = [t for t in SPECIAL_TOKENS if t in question]

@@ -40,10 +40,11 @@ from ..models.config import LLMConfig
 from ..models.decoder import RotaryTable, attention_probs
 from ..models.internlm2 import InternLM2Layer
 from ..models.qwen2 import Qwen2Layer
+from ..models.qwen3 import Qwen3Layer
 from ..weights.checkpoint import check_state_dict, read_safetensors
 from ..weights.integrity import verify_model_folder
 
-LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer}
+LAYERS = {"internlm2": InternLM2Layer, "qwen2": Qwen2Layer, "qwen3": Qwen3Layer}
 REDUCTIONS = ("max", "mean")
 SCOPES = ("camera", "global")
 WEIGHTS_FILE = "model.safetensors"
@@ -95,6 +96,8 @@ class TokenSelector(nn.Module):
             projections = [layer.attention.wqkv]        # packed q/k/v: the v rows get zero gradient
         else:
             projections = [layer.self_attn.q_proj, layer.self_attn.k_proj]
+            if self.cfg.architecture == "qwen3":         # its per-head q/k norms shape the scores too
+                projections += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         return list(layer.attn_norm.parameters()) + [p for m in projections for p in m.parameters()]
 
     # ------------------------------------------------------------------ scores

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError, read_json
 from ..models.config import ModelConfig
 from ..models.internvl import InternVL
+from .hf_layout import check_image_seq_length, is_hf_layout, rename_in_error, tensor_sources, to_remote_config
 from .integrity import verify_model_folder, write_manifest
 from .tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -36,7 +37,16 @@ def read_config(folder: str | Path) -> ModelConfig:
     data = read_json(path, "model config")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
-    return ModelConfig.from_dict(data, source=str(path))
+    if not is_hf_layout(data):
+        return ModelConfig.from_dict(data, source=str(path))
+    remote, names = to_remote_config(data, str(path))
+    try:
+        cfg = ModelConfig.from_dict(remote, source=str(path))
+    except CheckpointError as exc:
+        raise rename_in_error(exc, str(path), names) from None
+    check_image_seq_length(data, cfg.tokens_per_tile, str(path))
+    cfg.weights_layout = "hf"
+    return cfg
 
 
 @contextmanager
@@ -103,34 +113,51 @@ def check_state_dict(source: str | Path, state: dict[str, torch.Tensor], expecte
         raise CheckpointError(f"{source}: unexpected tensor {prefix + sorted(extra)[0]!r}")
 
 
-def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Load exactly the expected tensors, checking names and shapes against `expected`."""
+def load_state_dict(folder: str | Path, expected: dict[str, torch.Size], dtype: torch.dtype,
+                    sources: dict[str, tuple[str, ...]] | None = None,
+                    unread: set[str] = frozenset(), combine: dict | None = None) -> dict[str, torch.Tensor]:
+    """Load exactly the expected tensors, checking names and shapes against `expected`.
+
+    `sources` names, per expected tensor, the folder's tensor(s) it is made of (default: itself);
+    several are concatenated along rows (the -hf layout's q/k/v for InternViT's fused qkv) or joined
+    by `combine[name]` (InternLM2's packed wqkv); `unread` are names the folder may hold that are
+    not read (a tied head's copy)."""
+    combine = combine or {}
     folder = Path(folder)
     files = weight_files(folder)
+    sources = sources or {name: (name,) for name in expected}
     tied_head = "language_model.lm_head.weight"
     for name in expected:
-        if name not in files and name != tied_head:
-            raise CheckpointError(f"{folder}: tensor {name!r} missing from the checkpoint")
-    unexpected = sorted(set(files) - set(expected))
+        for source in sources[name]:
+            if source not in files and name != tied_head:
+                raise CheckpointError(f"{folder}: tensor {source!r} missing from the checkpoint")
+    used = {source for name in expected for source in sources[name]}
+    unexpected = sorted(set(files) - used - set(unread))
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r} "
                               f"({len(unexpected)} in all) for this config")
-    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        if name in files:
-            by_file.setdefault(files[name], []).append(name)
+    for source in sorted(used & set(files)):
+        by_file.setdefault(files[source], []).append(source)
     for path, names in by_file.items():
         with open_safetensors(path) as f:
             present = set(f.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{path}: tensor {name!r} listed in the index but not in the file")
-                t = get_tensor(f, path, name)
-                if t.shape != expected[name]:
-                    raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                          f"config expects {tuple(expected[name])}")
-                state[name] = t.to(dtype)
+            for source in names:
+                if source not in present:
+                    raise CheckpointError(f"{path}: tensor {source!r} listed in the index but not in the file")
+                parts[source] = get_tensor(f, path, source)
+    state: dict[str, torch.Tensor] = {}
+    for name in expected:
+        if not all(s in parts for s in sources[name]):
+            continue                                   # the tied head, absent by design
+        pieces = [parts[s] for s in sources[name]]
+        t = combine[name](*pieces) if name in combine else torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if t.shape != expected[name]:
+            what = " + ".join(repr(s) for s in sources[name])
+            raise CheckpointError(f"{files[sources[name][0]]}: tensor {what} has shape {tuple(t.shape)}, "
+                                  f"config expects {tuple(expected[name])}")
+        state[name] = t.to(dtype)
     return state
 
 
@@ -146,7 +173,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: 
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.llm.tie_word_embeddings:
         expected.pop("language_model.lm_head.weight", None)
-    state = load_state_dict(folder, expected, dtype)
+    sources, combine, unread = None, None, set()
+    if cfg.weights_layout == "hf":
+        sources, combine, unread = tensor_sources(list(expected), cfg.llm, weight_files(Path(folder)))
+    state = load_state_dict(folder, expected, dtype, sources, unread, combine)
     # Built on the meta device so that no time goes into random init of weights about to be
     # replaced; the loaded tensors are assigned in place and the RoPE tables made for real.
     model.load_state_dict(state, strict=True, assign=True)
