@@ -10,6 +10,7 @@ pipeline, with every module the model folder carries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,20 @@ from .prompt import build_prompt
 from .tokenizer import SPECIAL_TOKENS
 
 INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff"}     # zero-width characters
+
+
+@dataclass
+class Started:
+    """A query after prefill: what its decode starts from and its Answer is built from."""
+    rt: Runtime
+    question: str
+    plan: Plan
+    timer: StageTimer
+    reused: list[str]             # cameras whose visual features came from the feature cache
+    encoded: int                  # cameras the vision stage ran for
+    prompt: Prompt
+    max_new: int                  # the answer cap before any budget cut
+    budget_ms: float
 
 
 class Pipeline:
@@ -59,7 +74,20 @@ class Pipeline:
         the configured default, none) makes the plan fit a latency budget; `on_tokens(ids so far)`
         sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
         overrides the configured decoding for this call."""
-        rt = self.rt
+        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms)
+        rt, plan = started.rt, started.plan
+        with started.timer("decode"):
+            speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
+            decode = decoder or (eagle2 if speculate else greedy)
+            out = decode(rt, started.prompt, plan.max_new_tokens, on_tokens)
+        return self.finish(started, out, ("eagle" if speculate else "greedy") if decoder is None else None)
+
+    def begin(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
+              budget_ms: float = 0.0, rt: Runtime | None = None) -> "Started":
+        """Every stage of one query up to and including prefill (the first answer token chosen):
+        what `answer` decodes from, and what the batch scheduler (batching.py) admits. `rt`: the
+        runtime whose KV region prefill writes (default: this pipeline's, region 0)."""
+        rt = rt or self.rt
         check_question(rt, question)
         max_new = min(max_new_tokens or rt.options.max_new_tokens, rt.arena.limits.new_tokens)
         rt.sampler.manual_seed(rt.options.decoding.seed)   # sampling: the same query, the same answer
@@ -81,18 +109,21 @@ class Pipeline:
             keep = select_tokens(rt, layout, plan.keep_ratio)  # per camera: kept token indices
         with timer("prefill"):
             prompt = prefill(rt, layout, keep)
-        with timer("decode"):
-            speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
-            decode = decoder or (eagle2 if speculate else greedy)
-            out = decode(rt, prompt, plan.max_new_tokens, on_tokens)
-        stage_ms = timer.milliseconds()                       # (one device sync, after the last stage)
-        if decoder is None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
-            rt.costs.observe_answer("eagle" if speculate else "greedy", len(out.tokens), stage_ms["decode"])
+        return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached], len(todo), prompt,
+                       max_new, float(budget))
+
+    def finish(self, started: "Started", out, decoded_as: str | None) -> Answer:
+        """The Answer of a decoded query; `decoded_as` (greedy | eagle, None: a decoder the caller
+        chose) teaches the speculation policy from whole answers."""
+        rt, plan, prompt, max_new = started.rt, started.plan, started.prompt, started.max_new
+        stage_ms = started.timer.milliseconds()               # (one device sync, after the last stage)
+        if decoded_as is not None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
+            rt.costs.observe_answer(decoded_as, len(out.tokens), stage_ms["decode"])
         if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
             plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
 
         ans = Answer(
-            question=question,
+            question=started.question,
             text=rt.tok.decode(out.tokens).strip(),
             token_ids=out.tokens,
             stage_ms=stage_ms,
@@ -103,12 +134,12 @@ class Pipeline:
             decode_steps=out.steps,
             accepted_length=out.accepted,
             pipeline=rt.options.label(),
-            reused_cameras=[c for c in plan.cameras if c in cached],
+            reused_cameras=list(started.reused),
             degraded=list(plan.degraded),
-            budget_ms=float(budget),
+            budget_ms=started.budget_ms,
             extra={"rounds": out.rounds} if out.rounds else {},
         )
-        rt.planner.costs.observe(ans, len(todo), plan.decoding)
+        rt.planner.costs.observe(ans, started.encoded, plan.decoding)
         return ans
 
     def warm_up(self, images: dict | None = None) -> Answer:

@@ -253,7 +253,9 @@ class Eagle2:
             a.v_cache[:, :, p:p + n] = a.v_cache[:, :, src]
         a.positions[p:p + n] = a.slots[:n] + root_pos
 
-    def decode(self, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
+    def decode(self, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
+        """`stop()`, checked after each pass, ends the answer early with `Decoded.resume` set
+        (greedy steps carry on from there, token for token what speculation would give)."""
         rt, a = self.rt, self.a
         eos = rt.tok.eos_ids
         root, p, root_pos = prompt.first, prompt.length, prompt.next_pos
@@ -291,6 +293,8 @@ class Eagle2:
                 out.append(nxt)
                 if on_tokens is not None:
                     on_tokens(out)
+                if stop is not None and len(out) < max_new and stop():
+                    return Decoded(out, steps, len(out) / steps, rounds, resume=(root, p, root_pos))
                 continue
             t0 = time.perf_counter()
             h = self.draft_pending(pend_emb, pend_feat, d0, p)
@@ -319,6 +323,8 @@ class Eagle2:
             pend_emb = rt.lm.embed(a.token_ids[d0 + 1:p + 1])
             pend_feat = hidden[path]
             root, root_pos = bonus, root_pos + len(path)
+            if stop is not None and stop():
+                return Decoded(out, steps, (len(out) - 1) / steps, rounds, resume=(root, p, root_pos))
         # Tokens the decode passes produced (after the first, which prefill chose), the EOS that
         # ended the answer included: greedy decoding makes exactly one per pass.
         emitted = len(out) - 1 + int(ended)
@@ -336,6 +342,6 @@ def speculates(rt) -> bool:
     return d.eagle.policy == TreePolicy.FIXED or rt.costs.speculate_this_answer(d.eagle.depth)
 
 
-def eagle2(rt, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
+def eagle2(rt, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
     """EAGLE-2 decoding of one answer (greedy-lossless; exact sampling at a temperature)."""
-    return Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).decode(prompt, max_new, on_tokens)
+    return Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).decode(prompt, max_new, on_tokens, stop)

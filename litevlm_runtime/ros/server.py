@@ -49,6 +49,7 @@ import numpy as np
 from ..answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
+from .batch_worker import work_batched
 from .frame_store import FrameMatchError, FrameSet, FrameStore
 from .images import CameraImages, FrameKeys, ImageError
 
@@ -308,6 +309,7 @@ class QueryServer:
         self._pending_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._running: Request | None = None
+        self._batch_running: list[Request] = []     # the requests of an in-flight batch (batch_worker.py)
         self._stop = threading.Event()
 
     def apply_settings(self, settings: ServerSettings) -> None:
@@ -443,35 +445,50 @@ class QueryServer:
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
+        rec = self._starting(req, now_ns)
+        if rec.status != "ok":
+            return self._answer(req, rec)
+        try:
+            # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
+            cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
+            ans = self.pipeline.answer(self._images(req), req.text, frame_keys=FrameKeys(req.frames.frames),
+                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req))
+            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
+        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
+            return self._answer(req, self._failed(req, rec, exc))
+        return self._answer(req, self._answered(rec, ans))
+
+    def _starting(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
+        """The record of a request leaving the queue: ok, or deadline_passed."""
         now = self.clock_ns() if now_ns is None else now_ns
         rec = self._record_for(req, "ok", "")
         rec.queue_ms = max(0.0, (now - req.received_ns) / 1e6)
         if req.deadline_ns and now > req.deadline_ns:
             rec.status, rec.status_message = "deadline_passed", (
                 f"deadline passed after {rec.queue_ms:.1f} ms in the queue")
-            return self._answer(req, rec)
-        limit = self.pipeline.rt.options.images.max_pixels
-        images = CameraImages({c: f.payload for c, f in req.frames.frames.items()}, limit)
-        try:
-            # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
-            cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
-            ans = self.pipeline.answer(images, req.text, frame_keys=FrameKeys(req.frames.frames),
-                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req))
-            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
-        except ImageError as exc:
+        return rec
+
+    def _images(self, req: Request) -> CameraImages:
+        return CameraImages({c: f.payload for c, f in req.frames.frames.items()}, self.pipeline.rt.options.images.max_pixels)
+
+    def _failed(self, req: Request, rec: AnswerRecord, exc: Exception) -> AnswerRecord:
+        """`rec` with the status of a pipeline failure."""
+        if isinstance(exc, ImageError):
             rec.status, rec.status_message = "bad_image", str(exc)
-            return self._answer(req, rec)
-        except InputError as exc:
+        elif isinstance(exc, InputError):
             # The pipeline names the camera first in image errors ("CAM_BACK: cannot decode
             # image ..."); anything else is about the question (reserved token, too many tokens).
             msg = str(exc)
             about_image = msg.startswith(tuple(self.settings.cameras)) or msg.startswith("no image")
             rec.status, rec.status_message = ("bad_image" if about_image else "bad_question"), msg
-            return self._answer(req, rec)
-        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
-            log.error("pipeline failed on %s: %s", req.query_id, traceback.format_exc())
+        else:
+            log.error("pipeline failed on %s: %s", req.query_id,
+                      "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
             rec.status, rec.status_message = "pipeline_error", f"{type(exc).__name__}: {exc}"
-            return self._answer(req, rec)
+        return rec
+
+    def _answered(self, rec: AnswerRecord, ans) -> AnswerRecord:
+        """`rec` filled from the pipeline's Answer."""
         rec.answer = ans.text
         rec.token_ids = [int(t) for t in ans.token_ids]
         rec.cameras = list(ans.cameras)
@@ -482,7 +499,7 @@ class QueryServer:
         rec.pipeline = ans.pipeline
         rec.reused_cameras, rec.degraded = list(ans.reused_cameras), list(ans.degraded)
         rec.budget_ms, rec.budget_met = float(ans.budget_ms), bool(ans.budget_met)
-        return self._answer(req, rec)
+        return rec
 
     def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:
         return AnswerRecord(
@@ -587,16 +604,18 @@ class QueryServer:
         if worker is not None:
             worker.join(timeout_s)
             finished = not worker.is_alive()
-            running = self._running
-            if not finished and running is not None:
-                self._answer(running, self._record_for(
-                    running, "shutting_down", f"node shutting down; the query was still running after "
-                                              f"drain_timeout_s {timeout_s:.1f} s"))
+            for running in ([self._running] if self._running is not None else []) + list(self._batch_running):
+                if not finished:
+                    self._answer(running, self._record_for(
+                        running, "shutting_down", f"node shutting down; the query was still running after "
+                                                  f"drain_timeout_s {timeout_s:.1f} s"))
             self._worker = None
         self._answer_waiting("shutting_down", "node shutting down")     # any that raced the first pass
         return finished
 
     def _work(self) -> None:
+        if self.pipeline is not None and self.pipeline.rt.arena.limits.batch > 1:
+            return work_batched(self, GC_CLOCK)           # in-flight batching (serving.max_batch)
         while not self._stop.is_set():
             req = self.queue.get(timeout=0.2)
             if req is not None:
