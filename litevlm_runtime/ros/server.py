@@ -167,6 +167,7 @@ class AnswerRecord:
     degraded: list[str] = field(default_factory=list)         # what a latency budget cut
     budget_ms: float = 0.0
     budget_met: bool = True
+    batched_steps: int = 0              # decode steps taken together with other queries (in-flight batching)
     # Where the pipeline's wall time went (diagnostics; the JSON form only): CPU time of the
     # serving thread (torch's intra-op threads beyond it are not counted), and garbage
     # collection. Wall minus CPU is time the thread was not running: other processes or threads.
@@ -208,6 +209,7 @@ class AnswerRecord:
             "degraded": list(self.degraded),
             "budget_ms": self.budget_ms,
             "budget_met": self.budget_met,
+            "batched_steps": self.batched_steps,
             "cpu_ms": self.cpu_ms,
             "gc_ms": self.gc_ms,
             "query_stamp_ns": self.query_stamp_ns,
@@ -499,6 +501,7 @@ class QueryServer:
         rec.pipeline = ans.pipeline
         rec.reused_cameras, rec.degraded = list(ans.reused_cameras), list(ans.degraded)
         rec.budget_ms, rec.budget_met = float(ans.budget_ms), bool(ans.budget_met)
+        rec.batched_steps = int(ans.extra.get("batched_steps", 0))
         return rec
 
     def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:
