@@ -112,7 +112,7 @@ class BatchDecoder:
     @torch.inference_mode()
     def admit(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
               budget_ms: float = 0.0, on_tokens=None, temperature: float | None = None, seed: int | None = None,
-              tag=None) -> Running:
+              tag=None, choices: list[str] | None = None, answer_schema: str = "") -> Running:
         """View selection .. prefill for one query into a free region; it joins the next step.
         Raises what Pipeline.answer raises (InputError ...), the region then stays free. A query
         whose first token ends it is finished at once (in `finished`, returned by the next step)."""
@@ -124,7 +124,8 @@ class BatchDecoder:
                         seed=d.seed if seed is None else seed)
             rt = replace(rt, options=replace(rt.options, decoding=d))
         try:
-            started = self.pipe.begin(images, question, max_new_tokens, frame_keys, budget_ms, rt=rt)
+            started = self.pipe.begin(images, question, max_new_tokens, frame_keys, budget_ms, rt=rt,
+                                      choices=choices, answer_schema=answer_schema)
         except BaseException:
             self.free.insert(0, region)
             self.free.sort()

@@ -39,12 +39,21 @@ class Decoded:
 
 
 def choose(rt, logits: torch.Tensor) -> int:
-    """The next token from one row of logits [1, V]: argmax, or a draw at the temperature."""
+    """The next token from one row of logits [1, V]: argmax, or a draw at the temperature; under
+    the query's constraint (constrain.py) among the tokens its grammar allows, which then
+    advances past the token."""
     temperature = rt.options.decoding.temperature
+    constraint = rt.constraint
+    if constraint is not None:
+        logits = constraint.mask(logits[-1:])
     if temperature <= 0:
-        return int(logits[-1].argmax())
-    probs = torch.softmax(logits[-1].float() / temperature, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=rt.sampler))
+        token = int(logits[-1].argmax())
+    else:
+        probs = torch.softmax(logits[-1].float() / temperature, dim=-1)
+        token = int(torch.multinomial(probs.cpu(), 1, generator=rt.sampler))
+    if constraint is not None:
+        constraint.advance(token)
+    return token
 
 
 def step_one(rt, token: int, slot: int, position: int) -> torch.Tensor:

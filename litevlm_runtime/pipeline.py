@@ -10,13 +10,14 @@ pipeline, with every module the model folder carries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .answer import Answer
 from .budget import Plan
+from .constrain import compile_constraint
 from .decoding import Prompt, choose, greedy
 from .errors import InputError
 from .options import DecodingMode, PipelineOptions
@@ -68,13 +69,16 @@ class Pipeline:
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
     def answer(self, images: dict, question: str, max_new_tokens: int | None = None, on_tokens=None,
-               decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0) -> Answer:
+               decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0,
+               choices: list[str] | None = None, answer_schema: str = "") -> Answer:
         """One query. `frame_keys` (camera -> what identifies its image, e.g. the frame's stamp)
         lets later questions about the same frames reuse their visual features; `budget_ms` (0:
         the configured default, none) makes the plan fit a latency budget; `on_tokens(ids so far)`
         sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
-        overrides the configured decoding for this call."""
-        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms)
+        overrides the configured decoding for this call. `choices` / `answer_schema` (a JSON
+        schema): the answer is exactly one choice / valid JSON for it (constrain.py)."""
+        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms,
+                             choices=choices, answer_schema=answer_schema)
         rt, plan = started.rt, started.plan
         with started.timer("decode"):
             speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
@@ -83,12 +87,16 @@ class Pipeline:
         return self.finish(started, out, ("eagle" if speculate else "greedy") if decoder is None else None)
 
     def begin(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
-              budget_ms: float = 0.0, rt: Runtime | None = None) -> "Started":
+              budget_ms: float = 0.0, rt: Runtime | None = None, choices: list[str] | None = None,
+              answer_schema: str = "") -> "Started":
         """Every stage of one query up to and including prefill (the first answer token chosen):
         what `answer` decodes from, and what the batch scheduler (batching.py) admits. `rt`: the
         runtime whose KV region prefill writes (default: this pipeline's, region 0)."""
         rt = rt or self.rt
         check_question(rt, question)
+        constraint = compile_constraint(rt, choices, answer_schema)
+        if constraint is not None:
+            rt = replace(rt, constraint=constraint)       # this query's runtime: its decoding is masked
         max_new = min(max_new_tokens or rt.options.max_new_tokens, rt.arena.limits.new_tokens)
         rt.sampler.manual_seed(rt.options.decoding.seed)   # sampling: the same query, the same answer
         budget = budget_ms or rt.options.serving.latency_budget_ms
@@ -121,6 +129,9 @@ class Pipeline:
             rt.costs.observe_answer(decoded_as, len(out.tokens), stage_ms["decode"])
         if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
             plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
+        if rt.constraint is not None and not rt.constraint.complete:
+            plan.degraded.append(f"constrained answer incomplete: cut at {len(out.tokens)} tokens "
+                                 f"({rt.constraint.what} not finished)")
 
         ans = Answer(
             question=started.question,

@@ -101,6 +101,7 @@ class Runtime:
     planner: object = None            # budget.BudgetPlanner (latency budgets)
     prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
     extra: dict = field(default_factory=dict)
+    constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
 
     @property
     def lm(self):

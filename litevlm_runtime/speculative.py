@@ -233,15 +233,21 @@ class Eagle2:
         hidden = rt.engines.decoder.step(rt.lm.embed(tree.tokens), a.positions[p:p + t], a.slots[p:p + t],
                                          a.all_visible(t, p), anc)
         logits = rt.engines.head.run(hidden)
+        constraint = rt.constraint
+        if constraint is not None:            # each node's row under the grammar state of its own path
+            logits = constraint.mask_tree(tree.tokens, tree.parents, logits)
         if self.temperature > 0:
             probs = torch.softmax(logits.float() / self.temperature, dim=-1).cpu()
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             children = {(par, tokens[i]): i for i, par in enumerate(parents) if par >= 0}
             path, bonus = speculative_sample(children, tree.samples, tree.draft_probs, probs, self.gen)
-            return path, bonus, hidden
-        pred = logits.argmax(-1)
-        path = accepted_path(tree.tokens, tree.parents, tree.depths, anc, pred)
-        return path, int(pred[path[-1]]), hidden
+        else:
+            pred = logits.argmax(-1)
+            path = accepted_path(tree.tokens, tree.parents, tree.depths, anc, pred)
+            bonus = int(pred[path[-1]])
+        if constraint is not None:
+            constraint.advance_all(tree.tokens[path[1:]].tolist() + [bonus])
+        return path, bonus, hidden
 
     def accept(self, path: list[int], p: int, root_pos: int) -> None:
         """Copy the accepted rows' KV from their tree slots down into place (src index >= dst)."""

@@ -38,7 +38,8 @@ def work_batched(server, gc_clock) -> None:
         server._batch_running.append(req)           # running from here on (a drain may give up on it)
         try:
             batch.admit(server._images(req), req.text, frame_keys=FrameKeys(req.frames.frames), budget_ms=req.budget_ms,
-                        on_tokens=server._partials_of(req), tag=(req, rec))
+                        on_tokens=server._partials_of(req), tag=(req, rec), choices=list(req.choices),
+                        answer_schema=req.answer_schema)
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             started.pop(id(req), None)
             server._batch_running.remove(req)

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..answer import STAGES
 from ..cameras import CAMERAS
+from ..constrain import compile_constraint
 from ..errors import InputError
 from .batch_worker import work_batched
 from .frame_store import FrameMatchError, FrameSet, FrameStore
@@ -132,6 +133,8 @@ class Request:
     received_ns: int
     frames: FrameSet
     budget_ms: float = 0.0  # the Query's latency budget (0: the pipeline's serving.latency_budget_ms)
+    choices: tuple = ()     # constrained answer (constrain.py): one of these ...
+    answer_schema: str = ""  # ... or JSON valid for this schema
     answered: bool = False  # set once, under QueryServer._answer_lock
     streamed: bool = False  # a partial answer was published: the last partial (final) must follow
 
@@ -358,7 +361,8 @@ class QueryServer:
 
     # ---- queries ----
     def submit(self, text: str, query_id: str = "", stamp_ns: int = 0, deadline_ns: int = 0,
-               now_ns: int | None = None, allow_wait: bool = True, budget_ms: float = 0.0) -> Request | None:
+               now_ns: int | None = None, allow_wait: bool = True, budget_ms: float = 0.0,
+               choices: Sequence[str] = (), answer_schema: str = "") -> Request | None:
         """Accept one query. Returns the queued Request, or None when it was answered at once
         or is waiting for frames (see match_wait_s and retry_pending). `budget_ms`: the query's
         latency budget (0: the pipeline's default); a negative or non-finite one is bad_question."""
@@ -392,8 +396,11 @@ class QueryServer:
             from ..pipeline import check_question
 
             check_question(self.pipeline.rt, text)
+            if choices or answer_schema:
+                compile_constraint(self.pipeline.rt, list(choices), answer_schema)
         except InputError as exc:
             return refuse("bad_question", str(exc))
+        constraint = (tuple(choices), answer_schema)
         if not math.isfinite(budget_ms) or budget_ms < 0:
             return refuse("bad_question", f"budget_ms {budget_ms!r}: must be a finite number >= 0 (0: the node's default)")
         if deadline_ns and now > deadline_ns:
@@ -404,10 +411,10 @@ class QueryServer:
             if allow_wait and self.settings.match_wait_s > 0:
                 with self._pending_lock:
                     self._pending.append((now + int(self.settings.match_wait_s * 1e9), query_id, text,
-                                          stamp_ns or now, deadline_ns, now, budget_ms))
+                                          stamp_ns or now, deadline_ns, now, budget_ms, constraint))
                 return None
             return refuse(exc.status, str(exc))
-        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames, budget_ms))
+        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames, budget_ms, *constraint))
 
     def _enqueue(self, req: Request) -> Request | None:
         queue = self.queue
@@ -430,7 +437,7 @@ class QueryServer:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for item in pending:
-            until, query_id, text, stamp, deadline, received, budget = item
+            until, query_id, text, stamp, deadline, received, budget, constraint = item
             try:
                 frames = self.frames.match(now)
             except FrameMatchError as exc:
@@ -443,7 +450,7 @@ class QueryServer:
                 rec.queue_ms = (now - received) / 1e6
                 self._finish(rec)
                 continue
-            self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget))
+            self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget, *constraint))
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
@@ -454,7 +461,8 @@ class QueryServer:
             # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
             cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
             ans = self.pipeline.answer(self._images(req), req.text, frame_keys=FrameKeys(req.frames.frames),
-                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req))
+                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req),
+                                       choices=list(req.choices), answer_schema=req.answer_schema)
             rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             return self._answer(req, self._failed(req, rec, exc))
