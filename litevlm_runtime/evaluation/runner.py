@@ -48,13 +48,17 @@ def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Que
 
 
 def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, options=None,
-              blank_images: bool = False, limit: int | None = None, progress: bool = True) -> list[dict]:
+              blank_images: bool = False, limit: int | None = None, progress: bool = True,
+              constrain: bool = False) -> list[dict]:
     """Answer every question; one record per question (the challenge's output.json fields
     id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
-    (InputError) is recorded with its error and an empty answer, never dropped."""
+    (InputError) is recorded with its error and an empty answer, never dropped. `constrain`: a
+    closed-form question's answer is constrained to its choices (evaluation/choices.py), which
+    the record keeps."""
     from tqdm import tqdm
 
     from ..pipeline import Pipeline
+    from .choices import closed_form_choices
     root = Path(frames_root)
     work = select(load_frames(data), limit)
     if not work:
@@ -72,8 +76,11 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
             for q in questions:
                 record = {"id": q.id, "question": q.question, "gt_answer": q.answer, "category": q.category,
                           "tags": list(q.tags)}
+                choices = closed_form_choices(q.question) if constrain else None
+                if choices:
+                    record["choices"] = choices
                 try:
-                    ans = pipe.answer(images, q.question, frame_keys=keys)
+                    ans = pipe.answer(images, q.question, frame_keys=keys, choices=choices)
                     record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
                                "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
                                "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,
