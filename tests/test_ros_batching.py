@@ -16,7 +16,7 @@ QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behi
 def test_batched_answers_over_dds_equal_one_at_a_time(tmp_path):
     import json
 
-    from litevlm_msgs.msg import Answer
+    from litevlm_msgs.msg import Answer, Query
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
 
@@ -51,14 +51,25 @@ def test_batched_answers_over_dds_equal_one_at_a_time(tmp_path):
             rig.ask(f"b{i}", q)
         assert client.spin_until(lambda: len(answers) == len(QUESTIONS) and len(mirrored) == len(QUESTIONS), 180), \
             node.text()[-2000:]
+        # Constrained answers through the Query message: choices, and a schema that is not one.
+        rig.frames(seed=5)
+        client.spin_for(0.1)
+        for qid, extra in (("c0", {"choices": ["Yes.", "No."]}), ("c1", {"answer_schema": "{not json"})):
+            msg = Query(id=qid, text="Is there a pedestrian in front of the ego car?", **extra)
+            msg.header.stamp = client.node.get_clock().now().to_msg()
+            rig.query.publish(msg)
+        assert client.spin_until(lambda: len(answers) == len(QUESTIONS) + 2, 120), node.text()[-2000:]
         client.spin_for(0.5)
     finally:
         client.close()
         node.stop()
 
     got = {a.query_id: a for a in answers}
-    assert sorted(got) == [f"b{i}" for i in range(len(QUESTIONS))] and len(answers) == len(QUESTIONS)
-    assert all(a.status == 0 for a in answers), [(a.query_id, a.status_message) for a in answers]
+    assert got["c0"].status == 0 and got["c0"].answer in ("Yes.", "No."), got["c0"]
+    assert got["c1"].status == 5 and "answer_schema" in got["c1"].status_message      # STATUS_BAD_QUESTION
+    got = {k: a for k, a in got.items() if k.startswith("b")}
+    assert sorted(got) == [f"b{i}" for i in range(len(QUESTIONS))] and len(answers) == len(QUESTIONS) + 2
+    assert all(a.status == 0 for a in got.values()), [(a.query_id, a.status_message) for a in answers]
     pipe = Pipeline.from_pretrained(DEFAULT_MODEL, pipeline_options_from(values))
     images = {cam: jpeg(5 * 10 + i) for i, cam in enumerate(CAMERAS)}          # what rig.frames(seed=5) sent
     for i, q in enumerate(QUESTIONS):

@@ -192,7 +192,8 @@ def cmd_soak(args) -> int:
             node, client, work, close = _harness(args, extra)
             try:
                 runs[label].append(soak(client, work, args.count, args.rate, frame_rate=args.frame_rate,
-                                        warmup=args.warmup, grace_s=args.grace, node=node, prefix=f"soak{r}_"))
+                                        warmup=args.warmup, grace_s=args.grace, node=node, prefix=f"soak{r}_",
+                                        concurrency=args.concurrency))
             finally:
                 close()
     results = {label: SoakResult.pooled(rs) for label, rs in runs.items()}
@@ -331,6 +332,7 @@ def register(subparsers) -> None:
                    help="also soak the node with these parameters (a fresh node each), after the baseline, and "
                         "compare them in one table")
     p.add_argument("--rounds", type=int, default=1, help="repeat baseline and --versus runs alternately this often")
+    p.add_argument("--concurrency", type=int, default=1, help="N clients asking at once: queries come N together")
     p.set_defaults(func=cmd_soak)
 
     p = sub.add_parser("peak", help="the highest query rate with under 5%% queue_full answers, by bisection")

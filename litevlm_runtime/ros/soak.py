@@ -538,7 +538,7 @@ def pipeline_of(node: NodeProcess | None) -> str:
 
 def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate: float = 2.0,
          warmup: int = 10, grace_s: float = 30.0, node: NodeProcess | None = None, prefix: str = "soak",
-         progress=print) -> SoakResult:
+         progress=print, concurrency: int = 1) -> SoakResult:
     play = Playback(client, work, frame_rate, node).start()
     time.sleep(0.5)                  # the first frame set arrives before the first question
     try:
@@ -547,7 +547,7 @@ def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate:
         def report(n: int) -> None:
             progress(f"soak: {n}/{count} sent, {len(client.answers())} answered, node RSS "
                      f"{(node.rss_bytes() / 2**20) if node else float('nan'):.1f} MB")
-        sent = play.send(count, rate, prefix, every_s=30.0, on_every=report)
+        sent = play.send(count, rate, prefix, every_s=30.0, on_every=report, concurrency=concurrency)
         rows = client.wait_for_answers([q for q, _ in sent], timeout=grace_s, quiet_s=1.0)
         duration = time.monotonic() - t0
     finally:
@@ -615,7 +615,24 @@ class PeakResult:
         lo, hi = self.bracket
         lines.append(f"peak rate: {self.peak:.2f} queries/s (passes; {hi:.2f}/s fails)" if hi else
                      f"peak rate: >= {self.peak:.2f} queries/s (the highest rate tried passed)")
+        at_peak = self.at_peak()
+        if at_peak:
+            lines.append(f"at the peak rate ({len(at_peak)} ok answers), ms:")
+            lines.append(f"{'':<14}{'p50':>10}{'p99':>10}")
+            for name in ("total", "queue", "e2e", *STAGES):
+                v = [r["total_ms"] if name == "total" else r[f"{name}_ms"] if name in ("queue", "e2e")
+                     else r["stage_ms"].get(name, 0.0) for r in at_peak]
+                p50, p99 = percentiles(v, (50, 99))
+                lines.append(f"{'pipeline' if name == 'total' else name:<14}{p50:>10.1f}{p99:>10.1f}")
         return "\n".join(lines)
+
+    def at_peak(self) -> list[dict]:
+        """The ok answers of the trial at the peak rate."""
+        index = next((i for i, t in enumerate(self.trials) if t.rate == self.peak), None)
+        if index is None:
+            return []
+        prefix = f"peak{index + 1}_"
+        return [r for r in self.rows if r["status"] == "ok" and r["query_id"].startswith(prefix)]
 
 
 def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, steps: int = 6,
