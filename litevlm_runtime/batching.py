@@ -20,8 +20,9 @@ A query running alone decodes as an unbatched one would (EAGLE-2 when the specul
 chooses it, else greedy single steps) until another query is waiting (`waiting()`); then it
 stops after its current pass and carries on in batched greedy steps. Greedy verification is
 lossless, so a greedy answer is token for token the same whichever way it was decoded. Inside a
-batch the steps are greedy: `batch_speculates` compares, from the measured speculation costs,
-what a batched greedy step yields per millisecond with the best a speculative round could.
+batch the steps are greedy: `batch_speculates` compares, from the measured speculation costs and
+the acceptance realised so far, what a batched greedy step yields per millisecond with what one
+query's speculation does.
 """
 
 from __future__ import annotations
@@ -53,13 +54,19 @@ def region_runtime(rt: Runtime, region: int) -> Runtime:
 
 
 def batch_speculates(costs, rows: int, max_depth: int) -> bool:
-    """Speculate inside a batch of `rows` queries? Only if the best a perfectly accepted chain
-    could yield per millisecond for one query beats what one batched greedy step yields for all
-    `rows` (rows tokens in verify(rows) ms). Measured on the bundled model here: never (docs/serving.md)."""
-    if costs is None or rows <= 1:
-        return costs is not None
-    chain_rate, _ = costs.best_chain_rate(max_depth)
-    return chain_rate > rows / costs.verify(rows)
+    """Would speculation pay against a batched greedy step of `rows` queries? The speculative
+    rate one query realises (tokens per ms of its EAGLE-2 rounds so far: `costs.speed` plain
+    steps' worth per step; before any round, the best a perfectly accepted chain could do)
+    against one batched greedy step: `rows` tokens in verify(rows) ms. Alone (rows 1) the
+    answer-level policy decides (spec_policy.py). This is the measurement behind batched steps
+    being greedy (`scripts/batch_costs.py` prints it; docs/serving.md): trees of several queries
+    in one verification pass are not built."""
+    if costs is None:
+        return False
+    if rows <= 1:
+        return True
+    speculative = costs.speed / costs.step_ms if costs.rounds else costs.best_chain_rate(max_depth)[0]
+    return speculative > rows / costs.verify(rows)
 
 
 @dataclass

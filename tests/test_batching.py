@@ -124,8 +124,12 @@ def test_max_batch_one_is_one_region_and_graph_backends_stay_unbatched():
 
 
 def test_batch_policy_from_measured_costs(pipe):
-    costs = pipe.rt.costs
-    assert batch_speculates(costs, 1, 6) is True
-    # Four greedy rows in one pass against the best a speculative chain could do for one query.
+    import copy
+
+    costs = copy.deepcopy(pipe.rt.costs)
+    assert batch_speculates(costs, 1, 6) is True and batch_speculates(None, 4, 6) is False
+    costs.rounds = 0              # no round yet: the best a perfectly accepted chain could do
     chain, _ = costs.best_chain_rate(6)
     assert batch_speculates(costs, 4, 6) == (chain > 4 / costs.verify(4))
+    costs.rounds, costs.speed = 10, 1.3          # realised: 1.3 plain steps' worth of tokens per step
+    assert batch_speculates(costs, 4, 6) == (1.3 / costs.step_ms > 4 / costs.verify(4))
