@@ -251,7 +251,7 @@ class BatchDecoder:
         accepted = (emitted / r.steps if r.steps else 1.0) if batched else r.accepted
         out = Decoded(list(r.tokens), r.steps, accepted, [x for x in r.rounds if x != "batched"])
         # The speculation policy learns from answers decoded the one way only.
-        ans = self.pipe.finish(r.started, out, None if batched else r.decoded_as)
+        ans = self.pipe.finish(r.started, out, None if batched else r.decoded_as, learn_costs=not batched)
         if batched:
             ans.extra["batched_steps"] = sum(1 for x in r.rounds if x == "batched")
         self.finished.append((r, ans))

@@ -120,9 +120,11 @@ class Pipeline:
         return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached], len(todo), prompt,
                        max_new, float(budget))
 
-    def finish(self, started: "Started", out, decoded_as: str | None) -> Answer:
+    def finish(self, started: "Started", out, decoded_as: str | None, learn_costs: bool = True) -> Answer:
         """The Answer of a decoded query; `decoded_as` (greedy | eagle, None: a decoder the caller
-        chose) teaches the speculation policy from whole answers."""
+        chose) teaches the speculation policy from whole answers; `learn_costs` False: the
+        latency-budget planner does not learn from it (a batched answer's decode stage spans
+        other queries' work)."""
         rt, plan, prompt, max_new = started.rt, started.plan, started.prompt, started.max_new
         stage_ms = started.timer.milliseconds()               # (one device sync, after the last stage)
         if decoded_as is not None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
@@ -150,7 +152,8 @@ class Pipeline:
             budget_ms=started.budget_ms,
             extra={"rounds": out.rounds} if out.rounds else {},
         )
-        rt.planner.costs.observe(ans, started.encoded, plan.decoding)
+        if learn_costs:
+            rt.planner.costs.observe(ans, started.encoded, plan.decoding)
         return ans
 
     def warm_up(self, images: dict | None = None) -> Answer:
