@@ -23,13 +23,13 @@ import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when
 import numpy as np
 import torch
 
-from litevlm_runtime.batching import BatchDecoder, batch_speculates
+from litevlm_runtime.pipeline.batching import BatchDecoder, batch_speculates
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.decoding import step_one
+from litevlm_runtime.decoding.greedy import step_one
 from litevlm_runtime.options import PipelineOptions, Serving
-from litevlm_runtime.pipeline import Pipeline
-from litevlm_runtime.speculative import eagle2
+from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.decoding.speculative import eagle2
 
 QUESTIONS = ["What is in front of the ego vehicle?", "What should the ego vehicle do next?",
              "Describe the traffic behind the ego car.", "Are there cars on the front left?"]

@@ -6,10 +6,10 @@ query keeps its own cap and sampling seed; the arena is not reallocated."""
 import pytest
 
 from helpers import options, random_frames
-from litevlm_runtime.batching import BatchDecoder, batch_speculates
+from litevlm_runtime.pipeline.batching import BatchDecoder, batch_speculates
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.pipeline import Pipeline
-from litevlm_runtime.runtime import batch_capacity
+from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.runtime import batch_capacity
 
 QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behind the ego car?",
              "What should the ego vehicle do next?", "Are there cars on the front left?",

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from helpers import options, random_frames
-from litevlm_runtime.batching import BatchDecoder
+from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.decoding import greedy
+from litevlm_runtime.decoding.greedy import greedy
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.pipeline import Pipeline
-from litevlm_runtime.speculative import eagle2
+from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.decoding.speculative import eagle2
 
 TAGS = ["car", "truck", "pedestrian", "traffic light", "bicycle"]
 STATUSES = ["moving", "parked", "crossing", "red", "green", "unknown"]

@@ -22,7 +22,7 @@ def test_batched_answers_over_dds_equal_one_at_a_time(tmp_path):
 
     from litevlm_runtime.bundled import DEFAULT_MODEL
     from litevlm_runtime.cameras import CAMERAS
-    from litevlm_runtime.pipeline import Pipeline
+    from litevlm_runtime.pipeline.pipeline import Pipeline
     from litevlm_runtime.ros.parameters import pipeline_options_from
 
     values = params_with(tmp_path / "p.yaml", **{"queue_size": 8})

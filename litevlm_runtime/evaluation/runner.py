@@ -57,7 +57,7 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
     the record keeps."""
     from tqdm import tqdm
 
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
     from .choices import closed_form_choices
     root = Path(frames_root)
     work = select(load_frames(data), limit)
