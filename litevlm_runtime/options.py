@@ -179,6 +179,8 @@ class Serving(_Validated):
     latency_budget_ms: float = setting(0.0, "a query's default latency budget (0: none; a Query's budget_ms wins)",
                                        lo=0.0, hi=600000.0, live=True)
     stream_partials: bool = setting(True, "publish the answer as it is decoded (litevlm_msgs/AnswerPartial)", live=True)
+    max_batch: int = setting(4, "queries decoded together, one decoder pass per step over all (in-flight batching, "
+                                "torch backend; 1: one query at a time)", lo=1, hi=64)
 
 
 @dataclass(frozen=True)

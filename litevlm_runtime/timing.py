@@ -28,6 +28,19 @@ class StageTimer:
             end = time.perf_counter()
         self._marks.append((stage, start, end))
 
+    def mark(self):
+        """Now, as `record` takes it (a recorded CUDA event on a GPU): for a stage that is not one
+        block of code (a query's decode steps interleaved with other queries' in a batch)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def record(self, stage: str, start, end) -> None:
+        """A stage from two `mark`s."""
+        self._marks.append((stage, start, end))
+
     def milliseconds(self) -> dict[str, float]:
         if self.cuda:
             torch.cuda.synchronize()

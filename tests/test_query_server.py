@@ -312,6 +312,14 @@ class SlowPipeline:
         self.release.wait(self.hold)
         return self.pipe.answer(images, question, **kw)
 
+    def begin(self, images, question, *args, **kw):      # the batched worker's entry (batching.py)
+        self.started.set()
+        self.release.wait(self.hold)
+        return self.pipe.begin(images, question, *args, **kw)
+
+    def finish(self, *args, **kw):
+        return self.pipe.finish(*args, **kw)
+
     def prefetch(self, *args, **kw):
         return self.pipe.prefetch(*args, **kw)
 
@@ -405,6 +413,9 @@ def test_a_query_that_arrives_while_the_worker_prefetches_is_answered(pipeline):
     class HeldPrefetch(SlowPipeline):
         def answer(self, images, question, **kw):
             return self.pipe.answer(images, question, **kw)
+
+        def begin(self, images, question, *args, **kw):
+            return self.pipe.begin(images, question, *args, **kw)
 
         def prefetch(self, images, keys, stop):
             self.started.set()

@@ -55,7 +55,8 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
             # No frames are in flight in a bag: a failed match is final (allow_wait=False). A bag
             # recorded before Query had budget_ms carries its old type: no budget.
             req = server.submit(msg.text, query_id=msg.id, stamp_ns=stamp, deadline_ns=deadline, now_ns=t,
-                                allow_wait=False, budget_ms=float(getattr(msg, "budget_ms", 0.0)))
+                                allow_wait=False, budget_ms=float(getattr(msg, "budget_ms", 0.0)),
+                                choices=list(getattr(msg, "choices", ())), answer_schema=getattr(msg, "answer_schema", ""))
             if req is not None:
                 server.queue.drain()        # no DDS, no waiting: serve it now
                 server.serve(req, now_ns=t)

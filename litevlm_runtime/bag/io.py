@@ -142,7 +142,7 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
                 writer.write(conns[key], t, store.serialize_cdr(msg, CompressedImage.__msgtype__))
             else:
                 msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns),
-                            budget_ms=float(item.budget_ms))
+                            budget_ms=float(item.budget_ms), choices=[], answer_schema="")
                 writer.write(qconn, t, store.serialize_cdr(msg, Query.__msgtype__))
     return out
 

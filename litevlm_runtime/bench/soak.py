@@ -497,14 +497,16 @@ class Playback:
             self.publish_set(k)
             k += 1
 
-    def send(self, count: int, rate: float, prefix: str, every_s: float = 0.0, on_every=None) -> list[tuple[str, str]]:
+    def send(self, count: int, rate: float, prefix: str, every_s: float = 0.0, on_every=None,
+             concurrency: int = 1) -> list[tuple[str, str]]:
         """`count` queries `{prefix}{i}` at `rate` per second on an absolute schedule (no
         drift), cycling through the questions; `on_every(i)` about every `every_s` seconds.
-        Returns the (id, question) pairs."""
+        `concurrency` N: N clients asking at once, i.e. N queries together every N / rate
+        seconds. Returns the (id, question) pairs."""
         sent = []
         t0 = last = time.monotonic()
         for i in range(count):
-            delay = t0 + i / rate - time.monotonic()
+            delay = t0 + (i // concurrency) * concurrency / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             text = self.work.questions[i % len(self.work.questions)]
@@ -534,7 +536,7 @@ def pipeline_of(node: NodeProcess | None) -> str:
 
 def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate: float = 2.0,
          warmup: int = 10, grace_s: float = 30.0, node: NodeProcess | None = None, prefix: str = "soak",
-         progress=print) -> SoakResult:
+         progress=print, concurrency: int = 1) -> SoakResult:
     play = Playback(client, work, frame_rate, node).start()
     time.sleep(0.5)                  # the first frame set arrives before the first question
     try:
@@ -543,7 +545,7 @@ def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate:
         def report(n: int) -> None:
             progress(f"soak: {n}/{count} sent, {len(client.answers())} answered, node RSS "
                      f"{(node.rss_bytes() / 2**20) if node else float('nan'):.1f} MB")
-        sent = play.send(count, rate, prefix, every_s=30.0, on_every=report)
+        sent = play.send(count, rate, prefix, every_s=30.0, on_every=report, concurrency=concurrency)
         rows = client.wait_for_answers([q for q, _ in sent], timeout=grace_s, quiet_s=1.0)
         duration = time.monotonic() - t0
     finally:
@@ -573,6 +575,33 @@ class PeakResult:
     peak: float = 0.0
     max_queue_full: float = 0.05
     bracket: tuple[float, float] = (0.0, 0.0)
+    concurrency: int = 1
+    rows: list[dict] = field(default_factory=list)            # every answer of every trial
+    set_of_stamp: dict[int, int] = field(default_factory=dict)
+    lone_rows: list[dict] = field(default_factory=list)       # queries asked one at a time (lone latency)
+
+    def answers(self) -> dict[tuple[str, int], list[tuple[int, ...]]]:
+        """(question, frame set) -> the token ids of every ok answer to it."""
+        out = defaultdict(list)
+        for r in self.rows + self.lone_rows:
+            if r["status"] == "ok":
+                key = (r["question"], self.set_of_stamp.get(r["frame_stamps_ns"].get("CAM_FRONT", -1), -1))
+                out[key].append(tuple(r["token_ids"]))
+        return out
+
+    def lone_p50(self) -> float:
+        return percentiles([r["total_ms"] for r in self.lone_rows if r["status"] == "ok"], (50,))[0]
+
+    def to_json(self) -> dict:
+        return {"peak_rate": self.peak, "bracket": list(self.bracket), "concurrency": self.concurrency,
+                "max_queue_full": self.max_queue_full,
+                "trials": [vars(t) | {"queue_full_fraction": t.queue_full_fraction} for t in self.trials],
+                "lone_pipeline_p50_ms": self.lone_p50(),
+                "answers": [{"query_id": r["query_id"], "question": r["question"], "status": r["status"],
+                             "frame_set": self.set_of_stamp.get(r["frame_stamps_ns"].get("CAM_FRONT", -1), -1),
+                             "answer": r.get("answer", ""), "token_ids": list(r["token_ids"]),
+                             "total_ms": r["total_ms"], "queue_ms": r["queue_ms"]}
+                            for r in self.rows + self.lone_rows]}
 
     def table(self) -> str:
         lines = [f"peak: highest query rate with under {self.max_queue_full:.0%} queue_full",
@@ -584,26 +613,46 @@ class PeakResult:
         lo, hi = self.bracket
         lines.append(f"peak rate: {self.peak:.2f} queries/s (passes; {hi:.2f}/s fails)" if hi else
                      f"peak rate: >= {self.peak:.2f} queries/s (the highest rate tried passed)")
+        at_peak = self.at_peak()
+        if at_peak:
+            lines.append(f"at the peak rate ({len(at_peak)} ok answers), ms:")
+            lines.append(f"{'':<14}{'p50':>10}{'p99':>10}")
+            for name in ("total", "queue", "e2e", *STAGES):
+                v = [r["total_ms"] if name == "total" else r[f"{name}_ms"] if name in ("queue", "e2e")
+                     else r["stage_ms"].get(name, 0.0) for r in at_peak]
+                p50, p99 = percentiles(v, (50, 99))
+                lines.append(f"{'pipeline' if name == 'total' else name:<14}{p50:>10.1f}{p99:>10.1f}")
         return "\n".join(lines)
+
+    def at_peak(self) -> list[dict]:
+        """The ok answers of the trial at the peak rate."""
+        index = next((i for i, t in enumerate(self.trials) if t.rate == self.peak), None)
+        if index is None:
+            return []
+        prefix = f"peak{index + 1}_"
+        return [r for r in self.rows if r["status"] == "ok" and r["query_id"].startswith(prefix)]
 
 
 def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, steps: int = 6,
          trial_count: int = 60, max_queue_full: float = 0.05, frame_rate: float = 2.0,
-         grace_s: float = 30.0, progress=print) -> PeakResult:
+         grace_s: float = 30.0, progress=print, concurrency: int = 1, lone: int = 0) -> PeakResult:
     """Bisection for the highest rate with under max_queue_full queue_full answers: first `hi`
     (if it passes, that is the answer), then `lo` (if it fails, the search goes down by halves),
-    then `steps` geometric midpoints."""
+    then `steps` geometric midpoints. `concurrency` N: queries come N at once (N clients);
+    `lone` > 0: afterwards that many queries one at a time, each after the last was answered
+    (a lone query's latency)."""
     play = Playback(client, work, frame_rate).start()
     time.sleep(0.5)
-    result = PeakResult(max_queue_full=max_queue_full)
+    result = PeakResult(max_queue_full=max_queue_full, concurrency=concurrency)
     n_trial = [0]
 
     def trial(rate: float) -> bool:
         n_trial[0] += 1
         prefix = f"peak{n_trial[0]}_"
-        sent = play.send(trial_count, rate, prefix)
+        sent = play.send(trial_count, rate, prefix, concurrency=concurrency)
         rows = client.wait_for_answers([q for q, _ in sent], timeout=grace_s)
         mine = [r for r in rows if r["query_id"].startswith(prefix)]
+        result.rows += mine
         statuses = Counter(r["status"] for r in mine)
         answered = {r["query_id"] for r in mine}
         t = Trial(rate, len(sent), statuses["ok"], statuses["queue_full"],
@@ -629,6 +678,41 @@ def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, s
             else:
                 hi = mid
         result.peak, result.bracket = lo, (lo, hi)
+        for i in range(lone):              # one at a time: each waits for the last answer
+            qid = f"lone_{i}"
+            client.publish_query(qid, work.questions[i % len(work.questions)])
+            client.wait_for_answers([qid], timeout=grace_s)
+        result.lone_rows = [r for r in client.answers() if r["query_id"].startswith("lone_")]
         return result
     finally:
+        result.set_of_stamp = dict(play.set_of_stamp)
         play.stop()
+
+
+def peak_comparison(results: dict[str, PeakResult]) -> dict:
+    """Each configuration against the first (the baseline) of the same run: peak rate ratio,
+    greedy answers to the same (question, frame set) pairs (every answer of either run to a pair
+    must be the one token sequence), and a lone query's pipeline p50."""
+    labels = list(results)
+    base = results[labels[0]]
+    base_answers = base.answers()
+    rows, differing, compared = [], [], 0
+    lines = [f"peak comparison (concurrency {base.concurrency}; ratios against {labels[0] or 'baseline'})",
+             f"{'config':<16}{'peak/s':>9}{'x base':>8}{'lone p50 ms':>13}{'x base':>8}{'pairs compared':>16}{'differ':>8}"]
+    for label in labels:
+        res = results[label]
+        pairs = res.answers()
+        common = [k for k in pairs if k in base_answers]
+        diff = [k for k in common if len(set(pairs[k]) | set(base_answers[k])) > 1]
+        if label != labels[0]:
+            compared += len(common)
+            differing += [f"{label}: {q[:40]!r} on frame set {s}" for q, s in diff]
+        ratio = res.peak / base.peak if base.peak else float("nan")
+        lone = res.lone_p50() / base.lone_p50() if base.lone_p50() else float("nan")
+        rows.append({"config": label or "baseline", "peak_rate": res.peak, "peak_vs_base": ratio,
+                     "lone_p50_ms": res.lone_p50(), "lone_p50_vs_base": lone, "pairs_compared": len(common),
+                     "pairs_differing": len(diff)})
+        lines.append(f"{label or 'baseline':<16}{res.peak:>9.2f}{ratio:>8.2f}{res.lone_p50():>13.1f}{lone:>8.2f}"
+                     f"{len(common):>16}{len(diff):>8}")
+    lines += [f"  DIFF {d}" for d in differing[:10]]
+    return {"rows": rows, "pairs_compared": compared, "differing": differing, "table": "\n".join(lines)}

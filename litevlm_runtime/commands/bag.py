@@ -194,7 +194,8 @@ def cmd_soak(args) -> int:
             node, client, work, close = _harness(args, extra)
             try:
                 runs[label].append(soak(client, work, args.count, args.rate, frame_rate=args.frame_rate,
-                                        warmup=args.warmup, grace_s=args.grace, node=node, prefix=f"soak{r}_"))
+                                        warmup=args.warmup, grace_s=args.grace, node=node, prefix=f"soak{r}_",
+                                        concurrency=args.concurrency))
             finally:
                 close()
     results = {label: SoakResult.pooled(rs) for label, rs in runs.items()}
@@ -213,16 +214,37 @@ def cmd_soak(args) -> int:
 
 
 def cmd_peak(args) -> int:
-    from ..bench.soak import peak
+    from ..bench.soak import peak, peak_comparison
 
-    node, client, work, close = _harness(args)
-    try:
-        result = peak(client, work, lo=args.min_rate, hi=args.max_rate, steps=args.steps, trial_count=args.trial_count,
-                      max_queue_full=args.max_queue_full, frame_rate=args.frame_rate, grace_s=args.grace)
-    finally:
-        close()
-    print(result.table())
-    return 0
+    configs = _versus(args.versus)
+    results = {}
+    for label, extra in configs.items():          # a fresh node each, one after the other, same bag
+        if args.node_log and len(configs) > 1:
+            args.node_log = args.node_log.with_name(f"{args.node_log.stem.split('.')[0]}.{label or 'baseline'}.log")
+        node, client, work, close = _harness(args, extra)
+        try:
+            results[label] = peak(client, work, lo=args.min_rate, hi=args.max_rate, steps=args.steps,
+                                  trial_count=args.trial_count, max_queue_full=args.max_queue_full,
+                                  frame_rate=args.frame_rate, grace_s=args.grace, concurrency=args.concurrency,
+                                  lone=args.lone)
+        finally:
+            close()
+    for label, result in results.items():
+        if len(configs) > 1:
+            print(f"\n== {label or 'baseline'}: {', '.join(f'{k}={v}' for k, v in configs[label].items()) or 'as given'}")
+        print(result.table())
+    comparison = peak_comparison(results) if len(results) > 1 else None
+    if comparison is not None:
+        print("\n" + comparison["table"])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"concurrency": args.concurrency,
+               "configs": {label or "baseline": {"overrides": configs[label], **res.to_json()} for label, res in results.items()}}
+        if comparison is not None:
+            doc["comparison"] = {k: v for k, v in comparison.items() if k != "table"}
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"peak: -> {args.json}")
+    return 0 if comparison is None or not comparison["differing"] else 1
 
 
 def _harness_args(p) -> None:
@@ -312,6 +334,7 @@ def register(subparsers) -> None:
                    help="also soak the node with these parameters (a fresh node each), after the baseline, and "
                         "compare them in one table")
     p.add_argument("--rounds", type=int, default=1, help="repeat baseline and --versus runs alternately this often")
+    p.add_argument("--concurrency", type=int, default=1, help="N clients asking at once: queries come N together")
     p.set_defaults(func=cmd_soak)
 
     p = sub.add_parser("peak", help="the highest query rate with under 5%% queue_full answers, by bisection")
@@ -321,4 +344,10 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=6, help="bisection steps between them")
     p.add_argument("--trial-count", type=int, default=60, help="queries per trial")
     p.add_argument("--max-queue-full", type=float, default=0.05, help="the fraction of queue_full a passing rate stays under")
+    p.add_argument("--concurrency", type=int, default=1, help="N clients asking at once: queries come N together")
+    p.add_argument("--lone", type=int, default=10, help="then this many queries one at a time (a lone query's latency)")
+    p.add_argument("--versus", action="append", default=[], metavar="LABEL=NAME=VALUE[,NAME=VALUE]",
+                   help="also find the peak of a node with these parameters (e.g. batch1=serving.max_batch=1) and "
+                        "compare: rate ratio, answers to the same (question, frame set), lone latency")
+    p.add_argument("--json", type=Path, help="write peak_rate, the trials and every answer (per configuration) here")
     p.set_defaults(func=cmd_peak)

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--versus", action="append", default=[], metavar="NAME=PREDICTIONS.json",
                    help="with --by-question: add a column for another run's predictions on the same questions "
                         "(e.g. blanked=blank_pred.json); repeatable")
+    p.add_argument("--constrain", action="store_true",
+                   help="also answer every closed-form question (options A-D, yes/no) constrained to its choices "
+                        "(derived from the question) and report accuracy and valid answers with and without")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -73,6 +76,10 @@ def run(args) -> int:
                             args.limit, progress=not args.quiet)
         predictions = {r["id"]: r["answer"] for r in records}
         questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
+        if args.constrain:
+            constrained = run_model(args.model, args.data, frames_root, options_from_args(args), args.blank_images,
+                                    args.limit, progress=not args.quiet, constrain=True)
+            print(constrain_table(questions, records, constrained, rules, args.match_threshold))
         if args.predictions:
             Path(args.predictions).write_text(json.dumps(records, indent=1))
     scores = score(questions, predictions, judge, args.match_threshold, rules).to_dict()
@@ -113,6 +120,24 @@ def run(args) -> int:
         print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
               f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
     return 0
+
+
+def constrain_table(questions, free: list[dict], constrained: list[dict], rules, match_threshold: float) -> str:
+    """Closed-form questions (scored by accuracy) answered without and with their choices: how
+    many got choices derived, how many answers are one of them, and the accuracy of each run."""
+    from ..evaluation.choices import closed_form_choices
+    from ..evaluation.metrics import ACCURACY, score
+
+    closed = [q for q in questions if ACCURACY in q.tags]
+    by_id = {"without": {r["id"]: r["answer"] for r in free}, "with": {r["id"]: r["answer"] for r in constrained}}
+    lines = [f"constrained answers: {len(closed)} closed-form questions (scored by accuracy), "
+             f"{sum(1 for q in closed if closed_form_choices(q.question))} with choices derived from the question",
+             f"{'run':<10}{'valid choice':>14}{'accuracy':>10}"]
+    for name, pred in by_id.items():
+        valid = sum(1 for q in closed if (c := closed_form_choices(q.question)) and pred[q.id] in c)
+        acc = score(closed, pred, None, match_threshold, rules).accuracy if closed else None
+        lines.append(f"{name:<10}{f'{valid}/{len(closed)}':>14}{(f'{acc:.3f}' if acc is not None else 'n/a'):>10}")
+    return "\n".join(lines)
 
 
 def report(run_info: dict, s: dict) -> str:

@@ -33,15 +33,27 @@ class Decoded:
     steps: int                    # target decoder passes after prefill
     accepted: float = 1.0         # mean answer tokens per target pass
     rounds: list = field(default_factory=list)   # EAGLE-2: per round (depth, tree size, accepted) or "greedy"
+    # Stopped early (`stop()`: another query wants to join a batch): (the last token of `tokens`,
+    # not yet in the cache; its slot; its position), where batched steps carry on (batching.py).
+    resume: tuple[int, int, int] | None = None
 
 
 def choose(rt, logits: torch.Tensor) -> int:
-    """The next token from one row of logits [1, V]: argmax, or a draw at the temperature."""
+    """The next token from one row of logits [1, V]: argmax, or a draw at the temperature; under
+    the query's constraint (constrain.py) among the tokens its grammar allows, which then
+    advances past the token."""
     temperature = rt.options.decoding.temperature
+    constraint = rt.constraint
+    if constraint is not None:
+        logits = constraint.mask(logits[-1:])
     if temperature <= 0:
-        return int(logits[-1].argmax())
-    probs = torch.softmax(logits[-1].float() / temperature, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=rt.sampler))
+        token = int(logits[-1].argmax())
+    else:
+        probs = torch.softmax(logits[-1].float() / temperature, dim=-1)
+        token = int(torch.multinomial(probs.cpu(), 1, generator=rt.sampler))
+    if constraint is not None:
+        constraint.advance(token)
+    return token
 
 
 def step_one(rt, token: int, slot: int, position: int) -> torch.Tensor:
@@ -56,9 +68,10 @@ def step_one(rt, token: int, slot: int, position: int) -> torch.Tensor:
                                    a.all_visible(1, slot), a.mask_new[:1, :1])
 
 
-def greedy(rt, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
+def greedy(rt, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
     """Plain decoding over the static cache: one decoder pass per token (greedy, or sampling at
-    the configured temperature). `on_tokens(tokens so far)` is called as they are emitted."""
+    the configured temperature). `on_tokens(tokens so far)` is called as they are emitted;
+    `stop()`, checked before each pass, ends it early with `Decoded.resume` set."""
     eos = rt.tok.eos_ids
     out: list[int] = []
     token, slot, position, steps = prompt.first, prompt.length, prompt.next_pos, 0
@@ -68,6 +81,8 @@ def greedy(rt, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
             on_tokens(out)
         if len(out) == max_new:
             break
+        if stop is not None and stop():
+            return Decoded(out, steps, 1.0, resume=(token, slot, position))
         hidden = step_one(rt, token, slot, position)
         token = choose(rt, rt.engines.head.run(hidden))
         steps, slot, position = steps + 1, slot + 1, position + 1

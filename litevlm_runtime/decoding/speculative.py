@@ -234,15 +234,21 @@ class Eagle2:
         hidden = rt.engines.decoder.step(rt.lm.embed(tree.tokens), a.positions[p:p + t], a.slots[p:p + t],
                                          a.all_visible(t, p), anc)
         logits = rt.engines.head.run(hidden)
+        constraint = rt.constraint
+        if constraint is not None:            # each node's row under the grammar state of its own path
+            logits = constraint.mask_tree(tree.tokens, tree.parents, logits)
         if self.temperature > 0:
             probs = torch.softmax(logits.float() / self.temperature, dim=-1).cpu()
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             children = {(par, tokens[i]): i for i, par in enumerate(parents) if par >= 0}
             path, bonus = speculative_sample(children, tree.samples, tree.draft_probs, probs, self.gen)
-            return path, bonus, hidden
-        pred = logits.argmax(-1)
-        path = accepted_path(tree.tokens, tree.parents, tree.depths, anc, pred)
-        return path, int(pred[path[-1]]), hidden
+        else:
+            pred = logits.argmax(-1)
+            path = accepted_path(tree.tokens, tree.parents, tree.depths, anc, pred)
+            bonus = int(pred[path[-1]])
+        if constraint is not None:
+            constraint.advance_all(tree.tokens[path[1:]].tolist() + [bonus])
+        return path, bonus, hidden
 
     def accept(self, path: list[int], p: int, root_pos: int) -> None:
         """Copy the accepted rows' KV from their tree slots down into place (src index >= dst)."""
@@ -254,7 +260,9 @@ class Eagle2:
             a.v_cache[:, :, p:p + n] = a.v_cache[:, :, src]
         a.positions[p:p + n] = a.slots[:n] + root_pos
 
-    def decode(self, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
+    def decode(self, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
+        """`stop()`, checked after each pass, ends the answer early with `Decoded.resume` set
+        (greedy steps carry on from there, token for token what speculation would give)."""
         rt, a = self.rt, self.a
         eos = rt.tok.eos_ids
         root, p, root_pos = prompt.first, prompt.length, prompt.next_pos
@@ -292,6 +300,8 @@ class Eagle2:
                 out.append(nxt)
                 if on_tokens is not None:
                     on_tokens(out)
+                if stop is not None and len(out) < max_new and stop():
+                    return Decoded(out, steps, len(out) / steps, rounds, resume=(root, p, root_pos))
                 continue
             t0 = time.perf_counter()
             h = self.draft_pending(pend_emb, pend_feat, d0, p)
@@ -320,6 +330,8 @@ class Eagle2:
             pend_emb = rt.lm.embed(a.token_ids[d0 + 1:p + 1])
             pend_feat = hidden[path]
             root, root_pos = bonus, root_pos + len(path)
+            if stop is not None and stop():
+                return Decoded(out, steps, (len(out) - 1) / steps, rounds, resume=(root, p, root_pos))
         # Tokens the decode passes produced (after the first, which prefill chose), the EOS that
         # ended the answer included: greedy decoding makes exactly one per pass.
         emitted = len(out) - 1 + int(ended)
@@ -336,6 +348,6 @@ def speculates(rt) -> bool:
     return d.eagle.policy == TreePolicy.FIXED or rt.costs.speculate_this_answer(d.eagle.depth)
 
 
-def eagle2(rt, prompt: Prompt, max_new: int, on_tokens=None) -> Decoded:
+def eagle2(rt, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
     """EAGLE-2 decoding of one answer (greedy-lossless; exact sampling at a temperature)."""
-    return Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).decode(prompt, max_new, on_tokens)
+    return Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).decode(prompt, max_new, on_tokens, stop)

@@ -41,6 +41,29 @@ class TorchDecoder(DecoderEngine):
         return hidden
 
 
+class TorchBatchDecoder:
+    """The batched decode step (batching.py) over the arena's KV regions [batch, layers, Hkv, S,
+    D]: row b is region b's next token; each row reads the first L columns of its own region
+    and its K/V row is stored at its own slot there."""
+
+    backend = "torch"
+
+    def __init__(self, lm, k_regions, v_regions, region_ids):
+        self.lm, self.k_regions, self.v_regions, self.region_ids = lm, k_regions, v_regions, region_ids
+
+    def step(self, embeds, positions, slots, mask_cache, mask_new):
+        """embeds [B, D], positions [B], slots [B] (within each region), mask_cache [B, L],
+        mask_new [B, B] (identity) -> hidden [B, D]."""
+        b, live = embeds.shape[0], mask_cache.shape[1]
+        k_view = self.k_regions[:b, :, :, :live].transpose(0, 1)          # [layers, B, Hkv, L, D]
+        v_view = self.v_regions[:b, :, :, :live].transpose(0, 1)
+        hidden, k, v = self.lm(embeds, positions, mask_new, k_view, v_view, mask_cache)
+        regions = self.region_ids[:b]
+        self.k_regions[regions, :, :, slots] = k.permute(2, 0, 1, 3)       # [B, layers, Hkv, D]
+        self.v_regions[regions, :, :, slots] = v.permute(2, 0, 1, 3)
+        return hidden
+
+
 class TorchHead(HeadEngine):
     backend = "torch"
 

@@ -12,6 +12,7 @@ from PIL import Image
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..pipeline.pipeline import Pipeline
+from .choices import closed_form_choices
 from .data import Frame, frame_images, load_frames, resolve_image
 from .metrics import Question
 
@@ -49,10 +50,13 @@ def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Que
 
 
 def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, options=None,
-              blank_images: bool = False, limit: int | None = None, progress: bool = True) -> list[dict]:
+              blank_images: bool = False, limit: int | None = None, progress: bool = True,
+              constrain: bool = False) -> list[dict]:
     """Answer every question; one record per question (the challenge's output.json fields
     id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
-    (InputError) is recorded with its error and an empty answer, never dropped."""
+    (InputError) is recorded with its error and an empty answer, never dropped. `constrain`: a
+    closed-form question's answer is constrained to its choices (evaluation/choices.py), which
+    the record keeps."""
     from tqdm import tqdm
 
     root = Path(frames_root)
@@ -72,8 +76,11 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
             for q in questions:
                 record = {"id": q.id, "question": q.question, "gt_answer": q.answer, "category": q.category,
                           "tags": list(q.tags)}
+                choices = closed_form_choices(q.question) if constrain else None
+                if choices:
+                    record["choices"] = choices
                 try:
-                    ans = pipe.answer(images, q.question, frame_keys=keys)
+                    ans = pipe.answer(images, q.question, frame_keys=keys, choices=choices)
                     record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
                                "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
                                "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,

@@ -70,6 +70,8 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> to
     matmuls on the CPU, where small kernels dominate); an export (ONNX for ONNX Runtime and
     TensorRT) traces the grouped matmuls, since SDPA's enable_gqa does not export. The numerics
     tests compare the two (ONNX Runtime against torch, 1e-4)."""
+    if k_cache is not None and k_cache.dim() == 4:
+        return attend_batched(q, k, v, mask_new, k_cache, v_cache, mask_cache)
     if not torch.compiler.is_exporting():
         keys, values, allowed = k.transpose(0, 1), v.transpose(0, 1), mask_new
         if k_cache is not None:
@@ -79,6 +81,20 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> to
                                              enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
     return attend_grouped(q, k, v, mask_new, k_cache, v_cache, mask_cache)
+
+
+def attend_batched(q, k, v, mask_new, k_cache, v_cache, mask_cache) -> torch.Tensor:
+    """A batched decode step (batching.py): row b is one query's next token, q [B, Hq, D], k, v
+    [B, Hkv, D], over its own KV region k_cache[b], v_cache[b] [Hkv, L, D] under mask_cache[b]
+    [L] and its own new row (mask_new [B, B] is the identity: queries never see each other).
+    Returns [B, Hq*D]. The same attention `attend` computes for one query, B of them in one
+    kernel, each over L columns (a packed [B, B*L] mask would cost B times more)."""
+    b = q.shape[0]
+    keys = torch.cat([k_cache, k[:, :, None]], 2)                              # [B, Hkv, L + 1, D]
+    values = torch.cat([v_cache, v[:, :, None]], 2)
+    allowed = torch.cat([mask_cache, mask_new.diagonal()[:, None]], -1)[:, None, None, :]   # [B, 1, 1, L + 1]
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed, enable_gqa=True)
+    return out.reshape(b, -1)
 
 
 def attend_grouped(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> torch.Tensor:

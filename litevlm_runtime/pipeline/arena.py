@@ -23,6 +23,7 @@ class Limits:
     tree_tokens: int = 64         # EAGLE-2 draft tree verified in one pass (scratch slots)
     draft_layers: int = 0         # EAGLE-2 draft head's own KV cache (0: no draft)
     cached_cameras: int = 0       # visual features kept for later queries (feature_cache.py)
+    batch: int = 1                # queries decoded together (serving.max_batch): one KV region each
 
     def max_tiles(self) -> int:
         return self.cameras * self.tiles_per_camera
@@ -62,8 +63,19 @@ class Arena:
         self.mask_cache = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
         self.mask_new = torch.zeros(self.max_query, self.max_query, dtype=torch.bool, **alloc)
         self.layer_mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
-        self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
-        self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
+        # One KV region per query of a batch (batching.py), [batch, layers, kv_heads, max_len,
+        # head_dim]; region 0 is the cache every single-query stage and engine uses (k_cache).
+        self.k_regions = torch.zeros(limits.batch, *kv_shape, dtype=dtype, **alloc)
+        self.v_regions = torch.zeros(limits.batch, *kv_shape, dtype=dtype, **alloc)
+        self.k_cache = self.k_regions[0]
+        self.v_cache = self.v_regions[0]
+        # A batched decode step's rows (one per region): token, position, slot in its region, the
+        # region columns it sees, and the identity mask of its own new row.
+        self.batch_tokens = torch.zeros(limits.batch, dtype=torch.long, **alloc)
+        self.batch_positions = torch.zeros(limits.batch, dtype=torch.long, **alloc)
+        self.batch_slots = torch.zeros(limits.batch, dtype=torch.long, **alloc)
+        self.batch_mask = torch.zeros(limits.batch, self.max_len, dtype=torch.bool, **alloc)
+        self.batch_eye = torch.eye(limits.batch, dtype=torch.bool, **alloc)
         self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)
         # Visual reuse: one camera's visual tokens per slot (tiles per camera x tokens per tile).
         self.feature_cache = torch.zeros(limits.cached_cameras, limits.tiles_per_camera * cfg.tokens_per_tile, d,
@@ -76,7 +88,9 @@ class Arena:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers().values())
+        # (k_cache/v_cache are views of the regions: each storage counted once)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.buffers().values()}
+        return sum(storages.values())
 
     def causal_mask(self, n: int) -> torch.Tensor:
         """mask_new[:n, :n] set to lower-triangular (True = may attend), in place."""

@@ -10,10 +10,12 @@ pipeline, with every module the model folder carries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..decoding.constrain import compile_constraint
 from ..decoding.greedy import Prompt, choose, greedy
 from ..decoding.spec_policy import measure_costs
 from ..decoding.speculative import eagle2, speculates
@@ -28,6 +30,20 @@ from ..timing import StageTimer
 from ..weights.tokenizer import SPECIAL_TOKENS
 from .answer import Answer
 from .runtime import Runtime, build_runtime
+
+
+@dataclass
+class Started:
+    """A query after prefill: what its decode starts from and its Answer is built from."""
+    rt: Runtime
+    question: str
+    plan: Plan
+    timer: StageTimer
+    reused: list[str]             # cameras whose visual features came from the feature cache
+    encoded: int                  # cameras the vision stage ran for
+    prompt: Prompt
+    max_new: int                  # the answer cap before any budget cut
+    budget_ms: float
 
 
 class Pipeline:
@@ -53,14 +69,34 @@ class Pipeline:
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
     def answer(self, images: dict, question: str, max_new_tokens: int | None = None, on_tokens=None,
-               decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0) -> Answer:
+               decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0,
+               choices: list[str] | None = None, answer_schema: str = "") -> Answer:
         """One query. `frame_keys` (camera -> what identifies its image, e.g. the frame's stamp)
         lets later questions about the same frames reuse their visual features; `budget_ms` (0:
         the configured default, none) makes the plan fit a latency budget; `on_tokens(ids so far)`
         sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
-        overrides the configured decoding for this call."""
-        rt = self.rt
+        overrides the configured decoding for this call. `choices` / `answer_schema` (a JSON
+        schema): the answer is exactly one choice / valid JSON for it (constrain.py)."""
+        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms,
+                             choices=choices, answer_schema=answer_schema)
+        rt, plan = started.rt, started.plan
+        with started.timer("decode"):
+            speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
+            decode = decoder or (eagle2 if speculate else greedy)
+            out = decode(rt, started.prompt, plan.max_new_tokens, on_tokens)
+        return self.finish(started, out, ("eagle" if speculate else "greedy") if decoder is None else None)
+
+    def begin(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
+              budget_ms: float = 0.0, rt: Runtime | None = None, choices: list[str] | None = None,
+              answer_schema: str = "") -> "Started":
+        """Every stage of one query up to and including prefill (the first answer token chosen):
+        what `answer` decodes from, and what the batch scheduler (batching.py) admits. `rt`: the
+        runtime whose KV region prefill writes (default: this pipeline's, region 0)."""
+        rt = rt or self.rt
         check_question(rt, question)
+        constraint = compile_constraint(rt, choices, answer_schema)
+        if constraint is not None:
+            rt = replace(rt, constraint=constraint)       # this query's runtime: its decoding is masked
         max_new = min(max_new_tokens or rt.options.max_new_tokens, rt.arena.limits.new_tokens)
         rt.sampler.manual_seed(rt.options.decoding.seed)   # sampling: the same query, the same answer
         budget = budget_ms or rt.options.serving.latency_budget_ms
@@ -81,18 +117,26 @@ class Pipeline:
             keep = select_tokens(rt, layout, plan.keep_ratio)  # per camera: kept token indices
         with timer("prefill"):
             prompt = prefill(rt, layout, keep)
-        with timer("decode"):
-            speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
-            decode = decoder or (eagle2 if speculate else greedy)
-            out = decode(rt, prompt, plan.max_new_tokens, on_tokens)
-        stage_ms = timer.milliseconds()                       # (one device sync, after the last stage)
-        if decoder is None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
-            rt.costs.observe_answer("eagle" if speculate else "greedy", len(out.tokens), stage_ms["decode"])
+        return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached], len(todo), prompt,
+                       max_new, float(budget))
+
+    def finish(self, started: "Started", out, decoded_as: str | None, learn_costs: bool = True) -> Answer:
+        """The Answer of a decoded query; `decoded_as` (greedy | eagle, None: a decoder the caller
+        chose) teaches the speculation policy from whole answers; `learn_costs` False: the
+        latency-budget planner does not learn from it (a batched answer's decode stage spans
+        other queries' work)."""
+        rt, plan, prompt, max_new = started.rt, started.plan, started.prompt, started.max_new
+        stage_ms = started.timer.milliseconds()               # (one device sync, after the last stage)
+        if decoded_as is not None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
+            rt.costs.observe_answer(decoded_as, len(out.tokens), stage_ms["decode"])
         if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
             plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
+        if rt.constraint is not None and not rt.constraint.complete:
+            plan.degraded.append(f"constrained answer incomplete: cut at {len(out.tokens)} tokens "
+                                 f"({rt.constraint.what} not finished)")
 
         ans = Answer(
-            question=question,
+            question=started.question,
             text=rt.tok.decode(out.tokens).strip(),
             token_ids=out.tokens,
             stage_ms=stage_ms,
@@ -103,12 +147,13 @@ class Pipeline:
             decode_steps=out.steps,
             accepted_length=out.accepted,
             pipeline=rt.options.label(),
-            reused_cameras=[c for c in plan.cameras if c in cached],
+            reused_cameras=list(started.reused),
             degraded=list(plan.degraded),
-            budget_ms=float(budget),
+            budget_ms=started.budget_ms,
             extra={"rounds": out.rounds} if out.rounds else {},
         )
-        rt.planner.costs.observe(ans, len(todo), plan.decoding)
+        if learn_costs:
+            rt.planner.costs.observe(ans, started.encoded, plan.decoding)
         return ans
 
     def warm_up(self, images: dict | None = None) -> Answer:

@@ -58,7 +58,17 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
         tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
         draft_layers=1 if eagle else 0,
         cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
+        batch=batch_capacity(options),
     )
+
+
+def batch_capacity(options: PipelineOptions) -> int:
+    """Queries decoded together (batching.py): serving.max_batch on the torch backend; 1 where
+    the batched step is not built (graph backends bind one static KV region; FastV's per-layer
+    masks are one query's)."""
+    if options.backend.name != BackendName.TORCH or options.fastv.ratio > 0:
+        return 1
+    return options.serving.max_batch
 
 
 def set_threads(n: int) -> None:
@@ -97,6 +107,7 @@ class Runtime:
     planner: object = None            # budget.BudgetPlanner (latency budgets)
     prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
     extra: dict = field(default_factory=dict)
+    constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
 
     @property
     def lm(self):
@@ -180,7 +191,6 @@ def load_tokens(options: PipelineOptions, model_dir: Path | None, lm, dtype):
 
 
 def load_draft(options: PipelineOptions, model_dir: Path | None, lm, dtype):
-
     folder = Path(options.decoding.draft_dir) if options.decoding.draft_dir else model_dir / "eagle"
     return load_draft_head(folder, lm.cfg, lm.rope, dtype)
 

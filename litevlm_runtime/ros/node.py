@@ -312,7 +312,8 @@ class DriveNode(LifecycleNode):
 
     def _on_query(self, msg: Query) -> None:
         self.server.submit(msg.text, query_id=msg.id, stamp_ns=ns_of(msg.header.stamp), deadline_ns=ns_of(msg.deadline),
-                           budget_ms=float(msg.budget_ms))
+                           budget_ms=float(msg.budget_ms), choices=list(msg.choices),
+                           answer_schema=str(msg.answer_schema))
 
     def _on_question(self, msg: String) -> None:
         self.server.submit(msg.data)

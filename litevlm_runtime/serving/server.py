@@ -41,13 +41,15 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
+from ..decoding.constrain import compile_constraint
 from ..errors import InputError
 from ..pipeline.answer import STAGES
 from ..pipeline.pipeline import check_question
 from ..stages.prompt import is_blank
 from ..timing import percentile
+from .batch_worker import work_batched
 from .frame_store import FrameMatchError, FrameSet, FrameStore
 from .images import CameraImages, FrameKeys, ImageError
 from .settings import ServerSettings
@@ -100,6 +102,8 @@ class Request:
     received_ns: int
     frames: FrameSet
     budget_ms: float = 0.0  # the Query's latency budget (0: the pipeline's serving.latency_budget_ms)
+    choices: tuple = ()     # constrained answer (constrain.py): one of these ...
+    answer_schema: str = ""  # ... or JSON valid for this schema
     answered: bool = False  # set once, under QueryServer._answer_lock
     streamed: bool = False  # a partial answer was published: the last partial (final) must follow
 
@@ -135,6 +139,7 @@ class AnswerRecord:
     degraded: list[str] = field(default_factory=list)         # what a latency budget cut
     budget_ms: float = 0.0
     budget_met: bool = True
+    batched_steps: int = 0              # decode steps taken together with other queries (in-flight batching)
     # Where the pipeline's wall time went (diagnostics; the JSON form only): CPU time of the
     # serving thread (torch's intra-op threads beyond it are not counted), and garbage
     # collection. Wall minus CPU is time the thread was not running: other processes or threads.
@@ -176,6 +181,7 @@ class AnswerRecord:
             "degraded": list(self.degraded),
             "budget_ms": self.budget_ms,
             "budget_met": self.budget_met,
+            "batched_steps": self.batched_steps,
             "cpu_ms": self.cpu_ms,
             "gc_ms": self.gc_ms,
             "query_stamp_ns": self.query_stamp_ns,
@@ -267,6 +273,7 @@ class QueryServer:
         self._pending_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._running: Request | None = None
+        self._batch_running: list[Request] = []     # the requests of an in-flight batch (batch_worker.py)
         self._stop = threading.Event()
 
     def apply_settings(self, settings: ServerSettings) -> None:
@@ -313,7 +320,8 @@ class QueryServer:
 
     # ---- queries ----
     def submit(self, text: str, query_id: str = "", stamp_ns: int = 0, deadline_ns: int = 0,
-               now_ns: int | None = None, allow_wait: bool = True, budget_ms: float = 0.0) -> Request | None:
+               now_ns: int | None = None, allow_wait: bool = True, budget_ms: float = 0.0,
+               choices: Sequence[str] = (), answer_schema: str = "") -> Request | None:
         """Accept one query. Returns the queued Request, or None when it was answered at once
         or is waiting for frames (see match_wait_s and retry_pending). `budget_ms`: the query's
         latency budget (0: the pipeline's default); a negative or non-finite one is bad_question."""
@@ -344,10 +352,12 @@ class QueryServer:
         try:
             # The pipeline's own question checks (reserved tokens, token count), before frames:
             # a bad question is bad_question whatever the cameras are doing.
-
             check_question(self.pipeline.rt, text)
+            if choices or answer_schema:
+                compile_constraint(self.pipeline.rt, list(choices), answer_schema)
         except InputError as exc:
             return refuse("bad_question", str(exc))
+        constraint = (tuple(choices), answer_schema)
         if not math.isfinite(budget_ms) or budget_ms < 0:
             return refuse("bad_question", f"budget_ms {budget_ms!r}: must be a finite number >= 0 (0: the node's default)")
         if deadline_ns and now > deadline_ns:
@@ -358,10 +368,10 @@ class QueryServer:
             if allow_wait and self.settings.match_wait_s > 0:
                 with self._pending_lock:
                     self._pending.append((now + int(self.settings.match_wait_s * 1e9), query_id, text,
-                                          stamp_ns or now, deadline_ns, now, budget_ms))
+                                          stamp_ns or now, deadline_ns, now, budget_ms, constraint))
                 return None
             return refuse(exc.status, str(exc))
-        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames, budget_ms))
+        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames, budget_ms, *constraint))
 
     def _enqueue(self, req: Request) -> Request | None:
         queue = self.queue
@@ -384,7 +394,7 @@ class QueryServer:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for item in pending:
-            until, query_id, text, stamp, deadline, received, budget = item
+            until, query_id, text, stamp, deadline, received, budget, constraint = item
             try:
                 frames = self.frames.match(now)
             except FrameMatchError as exc:
@@ -397,37 +407,53 @@ class QueryServer:
                 rec.queue_ms = (now - received) / 1e6
                 self._finish(rec)
                 continue
-            self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget))
+            self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget, *constraint))
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
+        rec = self._starting(req, now_ns)
+        if rec.status != "ok":
+            return self._answer(req, rec)
+        try:
+            # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
+            cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
+            ans = self.pipeline.answer(self._images(req), req.text, frame_keys=FrameKeys(req.frames.frames),
+                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req),
+                                       choices=list(req.choices), answer_schema=req.answer_schema)
+            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
+        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
+            return self._answer(req, self._failed(req, rec, exc))
+        return self._answer(req, self._answered(rec, ans))
+
+    def _starting(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
+        """The record of a request leaving the queue: ok, or deadline_passed."""
         now = self.clock_ns() if now_ns is None else now_ns
         rec = self._record_for(req, "ok", "")
         rec.queue_ms = max(0.0, (now - req.received_ns) / 1e6)
         if req.deadline_ns and now > req.deadline_ns:
             rec.status, rec.status_message = "deadline_passed", (
                 f"deadline passed after {rec.queue_ms:.1f} ms in the queue")
-            return self._answer(req, rec)
-        limit = self.pipeline.rt.options.images.max_pixels
-        images = CameraImages({c: f.payload for c, f in req.frames.frames.items()}, limit)
-        try:
-            # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
-            cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
-            ans = self.pipeline.answer(images, req.text, frame_keys=FrameKeys(req.frames.frames),
-                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req))
-            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
-        except ImageError as exc:
+        return rec
+
+    def _images(self, req: Request) -> CameraImages:
+        return CameraImages({c: f.payload for c, f in req.frames.frames.items()}, self.pipeline.rt.options.images.max_pixels)
+
+    def _failed(self, req: Request, rec: AnswerRecord, exc: Exception) -> AnswerRecord:
+        """`rec` with the status of a pipeline failure."""
+        if isinstance(exc, ImageError):
             rec.status, rec.status_message = "bad_image", str(exc)
-            return self._answer(req, rec)
-        except InputError as exc:
+        elif isinstance(exc, InputError):
             # The error says what it is about: a camera's image, or the question (reserved token,
             # too many tokens).
             rec.status, rec.status_message = ("bad_image" if exc.about == "image" else "bad_question"), str(exc)
-            return self._answer(req, rec)
-        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
-            log.error("pipeline failed on %s: %s", req.query_id, traceback.format_exc())
+        else:
+            log.error("pipeline failed on %s: %s", req.query_id,
+                      "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
             rec.status, rec.status_message = "pipeline_error", f"{type(exc).__name__}: {exc}"
-            return self._answer(req, rec)
+        return rec
+
+    def _answered(self, rec: AnswerRecord, ans) -> AnswerRecord:
+        """`rec` filled from the pipeline's Answer."""
         rec.answer = ans.text
         rec.token_ids = [int(t) for t in ans.token_ids]
         rec.cameras = list(ans.cameras)
@@ -438,7 +464,8 @@ class QueryServer:
         rec.pipeline = ans.pipeline
         rec.reused_cameras, rec.degraded = list(ans.reused_cameras), list(ans.degraded)
         rec.budget_ms, rec.budget_met = float(ans.budget_ms), bool(ans.budget_met)
-        return self._answer(req, rec)
+        rec.batched_steps = int(ans.extra.get("batched_steps", 0))
+        return rec
 
     def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:
         return AnswerRecord(
@@ -543,16 +570,18 @@ class QueryServer:
         if worker is not None:
             worker.join(timeout_s)
             finished = not worker.is_alive()
-            running = self._running
-            if not finished and running is not None:
-                self._answer(running, self._record_for(
-                    running, "shutting_down", f"node shutting down; the query was still running after "
-                                              f"drain_timeout_s {timeout_s:.1f} s"))
+            for running in ([self._running] if self._running is not None else []) + list(self._batch_running):
+                if not finished:
+                    self._answer(running, self._record_for(
+                        running, "shutting_down", f"node shutting down; the query was still running after "
+                                                  f"drain_timeout_s {timeout_s:.1f} s"))
             self._worker = None
         self._answer_waiting("shutting_down", "node shutting down")     # any that raced the first pass
         return finished
 
     def _work(self) -> None:
+        if self.pipeline is not None and self.pipeline.rt.arena.limits.batch > 1:
+            return work_batched(self, GC_CLOCK)           # in-flight batching (serving.max_batch)
         while not self._stop.is_set():
             req = self.queue.get(timeout=0.2)
             if req is not None:

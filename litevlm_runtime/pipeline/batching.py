@@ -1,0 +1,257 @@
+"""In-flight batching: up to `serving.max_batch` queries decoded together, one decoder pass per
+step over every running query (Orca's iteration-level scheduling, on the static arena).
+
+    batch = BatchDecoder(pipeline)
+    batch.admit(images, question, ...)     every stage up to prefill, into a free KV region
+    batch.step()                           one decoder pass over every running query -> finished Answers
+
+Each query of a batch owns one KV region of the arena (`k_regions[r]`, sized once from max_batch
+at start-up) and keeps its own slots, positions, mask row, answer cap, budget plan, temperature
+and seed (its region runtime's sampler). Admission is prefill-then-join: a query arriving while
+others decode runs view selection .. prefill on its own (the single-query stages, unchanged,
+writing its region) and joins at the next step. Mixed steps (its prefill rows and the others'
+decode rows in one pass) were measured and lose here: `scripts/batch_costs.py`, docs/serving.md.
+
+A step over B queries runs the one layer forward with rows [B, D]; each row attends to its own
+region only (models/decoder.py, attend_batched). A finished query (EOS or its cap) leaves at once
+and its Answer is returned by that step; its region is free for the next admission.
+
+A query running alone decodes as an unbatched one would (EAGLE-2 when the speculation policy
+chooses it, else greedy single steps) until another query is waiting (`waiting()`); then it
+stops after its current pass and carries on in batched greedy steps. Greedy verification is
+lossless, so a greedy answer is token for token the same whichever way it was decoded. Inside a
+batch the steps are greedy: `batch_speculates` compares, from the measured speculation costs and
+the acceptance realised so far, what a batched greedy step yields per millisecond with what one
+query's speculation does.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..decoding.greedy import Decoded, Prompt, choose, greedy
+from ..decoding.speculative import eagle2, speculates
+from ..engines.torch_engine import TorchBatchDecoder, TorchDecoder
+from .answer import Answer
+from .pipeline import Pipeline, Started
+from .runtime import Runtime
+
+
+def region_runtime(rt: Runtime, region: int) -> Runtime:
+    """The runtime whose single-query stages and engines (prefill, greedy and EAGLE-2 steps)
+    read and write KV region `region`; everything else (model, scratch buffers, feature cache,
+    cost tables) is shared. Region 0 is `rt` itself. Its own sampler: each query its own draws."""
+    if region == 0:
+        return rt
+    a = copy.copy(rt.arena)
+    a.k_cache, a.v_cache = rt.arena.k_regions[region], rt.arena.v_regions[region]
+    engines = replace(rt.engines, decoder=TorchDecoder(rt.lm, a.k_cache, a.v_cache))
+    return replace(rt, arena=a, engines=engines,
+                   sampler=torch.Generator(device="cpu").manual_seed(rt.options.decoding.seed))
+
+
+def batch_speculates(costs, rows: int, max_depth: int) -> bool:
+    """Would speculation pay against a batched greedy step of `rows` queries? The speculative
+    rate one query realises (tokens per ms of its EAGLE-2 rounds so far: `costs.speed` plain
+    steps' worth per step; before any round, the best a perfectly accepted chain could do)
+    against one batched greedy step: `rows` tokens in verify(rows) ms. Alone (rows 1) the
+    answer-level policy decides (spec_policy.py). This is the measurement behind batched steps
+    being greedy (`scripts/batch_costs.py` prints it; docs/serving.md): trees of several queries
+    in one verification pass are not built."""
+    if costs is None:
+        return False
+    if rows <= 1:
+        return True
+    speculative = costs.speed / costs.step_ms if costs.rounds else costs.best_chain_rate(max_depth)[0]
+    return speculative > rows / costs.verify(rows)
+
+
+@dataclass
+class Running:
+    """One query of the batch after prefill."""
+    started: Started
+    region: int
+    tokens: list[int]                 # the answer so far (EOS excluded); the last is not yet in the cache
+    slot: int                         # its cache slot in the region
+    position: int                     # its RoPE position
+    decoded_as: str                   # greedy | eagle: how it decodes while alone
+    on_tokens: object = None
+    tag: object = None                # the caller's (the server's request)
+    steps: int = 0
+    rounds: list = field(default_factory=list)
+    fresh: bool = True                # nothing decoded yet and the arena's prompt scratch is still its own
+    accepted: float = 1.0             # tokens per pass of its unbatched decoding (EAGLE-2 > 1)
+    emitted: int = 0                  # tokens already shown to on_tokens
+    done: bool = False
+    start_mark: object = None
+
+    @property
+    def rt(self) -> Runtime:
+        return self.started.rt
+
+    @property
+    def max_new(self) -> int:
+        return self.started.plan.max_new_tokens
+
+
+class BatchDecoder:
+    def __init__(self, pipe: Pipeline):
+        rt = pipe.rt
+        self.pipe, self.rt = pipe, rt
+        self.capacity = rt.arena.limits.batch
+        self.regions = [region_runtime(rt, r) for r in range(self.capacity)]
+        a = rt.arena
+        self.engine = TorchBatchDecoder(rt.lm, a.k_regions, a.v_regions, a.slots) if self.capacity > 1 else None
+        self.free = list(range(self.capacity))
+        self.running: list[Running] = []
+        self.finished: list[tuple[Running, Answer]] = []
+
+    @property
+    def has_room(self) -> bool:
+        return bool(self.free)
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @torch.inference_mode()
+    def admit(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
+              budget_ms: float = 0.0, on_tokens=None, temperature: float | None = None, seed: int | None = None,
+              tag=None, choices: list[str] | None = None, answer_schema: str = "") -> Running:
+        """View selection .. prefill for one query into a free region; it joins the next step.
+        Raises what Pipeline.answer raises (InputError ...), the region then stays free. A query
+        whose first token ends it is finished at once (in `finished`, returned by the next step)."""
+        region = self.free.pop(0)
+        rt = self.regions[region]
+        if temperature is not None or seed is not None:
+            d = rt.options.decoding
+            d = replace(d, temperature=d.temperature if temperature is None else temperature,
+                        seed=d.seed if seed is None else seed)
+            rt = replace(rt, options=replace(rt.options, decoding=d))
+        try:
+            started = self.pipe.begin(images, question, max_new_tokens, frame_keys, budget_ms, rt=rt,
+                                      choices=choices, answer_schema=answer_schema)
+        except BaseException:
+            self.free.insert(0, region)
+            self.free.sort()
+            raise
+        for other in self.running:
+            other.fresh = False                # the prompt scratch (embeds) is this query's now
+        prompt, plan = started.prompt, started.plan
+        speculate = plan.decoding == "eagle" and speculates(rt)
+        r = Running(started, region, [], prompt.length, prompt.next_pos, "eagle" if speculate else "greedy",
+                    on_tokens, tag, start_mark=started.timer.mark())
+        if prompt.first in rt.tok.eos_ids or plan.max_new_tokens <= 0:
+            self._finish(r)
+        else:
+            r.tokens.append(prompt.first)
+            self._emit(r)
+            if len(r.tokens) >= r.max_new:
+                self._finish(r)
+            else:
+                self.running.append(r)
+        return r
+
+    @torch.inference_mode()
+    def step(self, waiting=lambda: False) -> list[tuple[Running, Answer]]:
+        """One decode pass: a lone query decodes unbatched until `waiting()` says a query wants
+        to join; two or more: one batched greedy step. Returns the queries finished since the
+        last call, with their Answers."""
+        if len(self.running) == 1:
+            self._alone(self.running[0], waiting)
+        elif self.running:
+            self._batched()
+        done, self.finished = self.finished, []
+        return done
+
+    def run(self, waiting=lambda: False) -> list[tuple[Running, Answer]]:
+        """Step until every running query is finished."""
+        out = []
+        while self.running:
+            out += self.step(waiting)
+        return out + self.step(waiting)
+
+    # ------------------------------------------------------------------ decoding
+    def _alone(self, r: Running, waiting) -> None:
+        """The decoder an unbatched query would run, from where `r` is, until it ends or a query
+        waits. EAGLE-2 only from the prompt (its draft catches up from the prompt's features)."""
+        rt = r.rt
+        prefix = r.tokens[:-1]
+
+        def on_tokens(ids):
+            r.tokens = prefix + list(ids)
+            self._emit(r)
+
+        if r.decoded_as == "eagle" and r.fresh and not r.steps:
+            out = eagle2(rt, r.started.prompt, r.max_new, on_tokens, stop=waiting)
+        else:
+            prompt = Prompt(length=r.slot, next_pos=r.position, first=r.tokens[-1], hidden=None,
+                            input_tokens=0, kept_tokens=0)
+            out = greedy(rt, prompt, r.max_new - len(prefix), on_tokens, stop=waiting)
+        r.fresh = False
+        r.tokens = prefix + out.tokens
+        r.accepted = out.accepted
+        r.steps += out.steps
+        r.rounds += out.rounds
+        if out.resume is None:
+            self._finish(r)
+        else:
+            _, r.slot, r.position = out.resume
+
+    def _batched(self) -> None:
+        """One decoder pass over every running query: row b is region b (a free region inside
+        the span runs a dummy row that sees only itself)."""
+        a, rt = self.rt.arena, self.rt
+        span = max(r.region for r in self.running) + 1
+        live = max(r.slot for r in self.running)
+        tokens, positions, slots = a.batch_tokens[:span], a.batch_positions[:span], a.batch_slots[:span]
+        mask = a.batch_mask[:span, :live]
+        mask.fill_(False)
+        tokens.zero_(), positions.zero_()
+        slots.fill_(a.max_len - 1)              # a free region's scratch slot (written before any read)
+        for r in self.running:
+            tokens[r.region], positions[r.region], slots[r.region] = r.tokens[-1], r.position, r.slot
+            mask[r.region, :r.slot] = True
+        hidden = self.engine.step(rt.lm.embed(tokens), positions, slots, mask, a.batch_eye[:span, :span])
+        logits = rt.engines.head.run(hidden)
+        eos = rt.tok.eos_ids
+        for r in list(self.running):
+            nxt = choose(r.rt, logits[r.region:r.region + 1])
+            r.steps += 1
+            r.rounds.append("batched")
+            r.slot, r.position, r.fresh = r.slot + 1, r.position + 1, False
+            if nxt in eos:
+                self._finish(r)
+                continue
+            r.tokens.append(nxt)
+            self._emit(r)
+            if len(r.tokens) >= r.max_new:
+                self._finish(r)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _emit(self, r: Running) -> None:
+        if r.on_tokens is not None and len(r.tokens) > r.emitted:
+            r.emitted = len(r.tokens)
+            r.on_tokens(list(r.tokens))
+
+    def _finish(self, r: Running) -> None:
+        if r.done:
+            return
+        r.done = True
+        timer = r.started.timer
+        timer.record("decode", r.start_mark, timer.mark())
+        if r in self.running:
+            self.running.remove(r)
+        self.free.append(r.region)
+        self.free.sort()                        # lowest regions first: the batched span stays short
+        batched = any(x == "batched" for x in r.rounds)
+        emitted = len(r.tokens) - 1 + int(len(r.tokens) < r.max_new)      # the EOS that ended it counts
+        accepted = (emitted / r.steps if r.steps else 1.0) if batched else r.accepted
+        out = Decoded(list(r.tokens), r.steps, accepted, [x for x in r.rounds if x != "batched"])
+        # The speculation policy learns from answers decoded the one way only.
+        ans = self.pipe.finish(r.started, out, None if batched else r.decoded_as, learn_costs=not batched)
+        if batched:
+            ans.extra["batched_steps"] = sum(1 for x in r.rounds if x == "batched")
+        self.finished.append((r, ans))
