@@ -18,6 +18,9 @@ def make_engines(rt) -> Engines:
     if name == BackendName.ONNXRUNTIME:
         from .onnxruntime_engine import onnxruntime_engines
         return onnxruntime_engines(rt)
+    if name == BackendName.TORCH_COMPILE:
+        from .compiled import compiled_engines
+        return compiled_engines(rt)
     if name == BackendName.TENSORRT:
         from .tensorrt_engine import tensorrt_engines
         return tensorrt_engines(rt)
