@@ -25,6 +25,7 @@ from .errors import InputError
 from .options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
 from .budget import BudgetPlanner
 from .feature_cache import FeatureCache
+from .int8_weights import quantize_decoder
 from .preprocess import Normalizer
 from .prompt import resolve_layout
 from .tokenizer import Tokenizer
@@ -141,6 +142,8 @@ class Runtime:
             rt.token_selector.rope = lm.rope
         if options.fastv.ratio > 0:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
+        if options.backend.weights == "int8":
+            rt.extra["int8"] = quantize_decoder(lm)     # after the selector/draft copied what they need
         rt.engines = make_engines(rt)
         if arena.feature_cache.shape[0]:
             rt.features = FeatureCache(arena.feature_cache)
