@@ -225,7 +225,7 @@ def median(values: list[float]) -> float:
 def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int, prompt_rows: int, tiles: int,
                  rounds: int = 3, repeats: int = 5, progress=print) -> dict:
     """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8) they
-    alternate round by round in this process (the float and int8 decoder linears both kept:
+    alternate round by round in this process, in reversed order every other round (the float and int8 decoder linears both kept:
     DecoderWeights), so a loaded machine hits them alike. Returns the figures for roofline_table."""
     rt = pipe.rt
     swap = None
@@ -239,7 +239,7 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
     times: dict[str, dict[str, list[float]]] = {w: {} for w in weights}
     costs: dict[str, list[StageCost]] = {}
     for r in range(rounds):
-        for w in weights:
+        for w in (weights if r % 2 == 0 else weights[::-1]):       # A B, B A, ...: a load trend hits both alike
             if swap is not None:
                 swap.use(w)
             measured = stage_costs(rt, stages, context, prompt_rows, tiles, repeats)
