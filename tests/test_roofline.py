@@ -61,3 +61,13 @@ def test_bench_roofline_alternates_weights_in_one_table(capsys):
     assert rc == 0
     assert "fraction of floor" in out and "GB/s" in out
     assert "int8 vs float" in out and out.count("decode step (1 row, 32 cached)") == 3    # float, int8, ratio
+
+
+@pytest.mark.parametrize("extra", [[], ["--costs"]])
+def test_every_bench_table_prints_the_decode_step_against_its_floor(capsys, extra):
+    rc = main(["bench", "--preset", "tiny", "--questions", "1", "--frame-sets", "1", "--max_new_tokens", "4",
+               "--backend.threads", "1"] + extra)
+    out = capsys.readouterr().out
+    assert rc == 0
+    line = next(l for l in out.splitlines() if l.startswith("decode step ("))
+    assert "floor" in line and "GB/s" in line and "fraction of the floor reached" in line
