@@ -25,9 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.commands.bench import load_frame_sets
-from litevlm_runtime.decoding import choose, step_one
+from litevlm_runtime.decoding.greedy import choose, step_one
 from litevlm_runtime.options import options_from_flat
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.report import table
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"

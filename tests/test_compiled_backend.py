@@ -13,9 +13,9 @@ import torch
 from export_fixtures import MAX_NEW_TOKENS, lively_checkpoint
 from helpers import options, random_frames
 
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.compiled import compile_counters
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 TOLERANCE = 1e-5
 BUCKETS = "vision=6;prefill=256;step=1,8;head=1,8"

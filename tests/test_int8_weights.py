@@ -15,9 +15,9 @@ from helpers import options, random_frames
 from torch import nn
 
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.int8_weights import (FUSED_MAX_ROWS, DecoderWeights, Int8Linear, decoder_linears,
+from litevlm_runtime.weights.int8 import (FUSED_MAX_ROWS, DecoderWeights, Int8Linear, decoder_linears,
                                           quantize_per_channel)
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 
 def test_per_channel_rounding_is_within_half_a_step():

@@ -12,9 +12,9 @@ from export_fixtures import lively_checkpoint
 from helpers import options
 
 from litevlm_runtime.cli import main
-from litevlm_runtime.int8_weights import Int8Linear
-from litevlm_runtime.pipeline import Pipeline
-from litevlm_runtime.roofline import measure_bandwidth, stage_costs
+from litevlm_runtime.weights.int8 import Int8Linear
+from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.bench.roofline import measure_bandwidth, stage_costs
 
 
 def test_bandwidth_is_a_measurement():

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..errors import LiteVLMError
-from ..export import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from ..export.exporter import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from .bound_stages import bound_engines
 from .buckets import Buckets, check_fits, default_buckets, parse_buckets
 
