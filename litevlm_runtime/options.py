@@ -58,6 +58,7 @@ class TreePolicy(str, Enum):
 class BackendName(str, Enum):
     TORCH = "torch"
     TORCH_CUDAGRAPH = "torch-cudagraph"
+    TORCH_COMPILE = "torch-compile"
     ONNXRUNTIME = "onnxruntime"
     TENSORRT = "tensorrt"
 
@@ -161,12 +162,15 @@ class Decoding(_Validated):
 
 @dataclass(frozen=True)
 class Backend(_Validated):
-    name: BackendName = setting(BackendName.TORCH, "stage engines: torch | torch-cudagraph | onnxruntime | tensorrt")
+    name: BackendName = setting(BackendName.TORCH, "stage engines: torch | torch-cudagraph | torch-compile | onnxruntime | tensorrt")
     bundle: str = setting("", "export bundle folder (litevlm export) for onnxruntime and tensorrt")
     precision: str = setting("fp16", "TensorRT engine precision: fp16 | fp8 (engines built by litevlm build-engines)",
                              choices=ENGINE_PRECISIONS)
-    buckets: str = setting("", "torch-cudagraph shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
+    buckets: str = setting("", "torch-cudagraph / torch-compile shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
                                "('': derived from the arena)")
+    weights: str = setting("float", "decoder linear weights: float (the pipeline's dtype) | int8 (per-channel int8, "
+                                    "quantized at load, dequantized in the matmul: weights/int8.py)",
+                           choices=("float", "int8"))
     threads: int = setting(0, "CPU threads per stage (0: one per core this process may use; idle threads sleep, "
                                "so that a shared CPU does not collapse them: threads.py)", lo=0, hi=1024)
 
@@ -217,6 +221,9 @@ class PipelineOptions(_Validated):
             raise InputError(f"cameras: {unknown or '(none)'} not in the rig {', '.join(CAMERAS)}")
         if self.fastv.ratio > 0 and self.backend.name != BackendName.TORCH:
             raise InputError("fastv.ratio: FastV prunes inside the decoder and needs backend.name torch")
+        if self.backend.weights == "int8" and self.backend.name in (BackendName.ONNXRUNTIME, BackendName.TENSORRT):
+            raise InputError(f"backend.weights int8 quantizes the PyTorch engines' weights; {self.backend.name.value} runs "
+                             f"an exported bundle: build an INT8/FP8 bundle with `litevlm calibrate --precision int8|fp8`")
 
     # ------------------------------------------------------------------ resolution
     def resolved(self, model_dir: str | Path | None, provided: frozenset[str] = frozenset()) -> "PipelineOptions":

@@ -30,6 +30,7 @@ class BenchResult:
     stage_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     reference_ms: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    input_tokens: list[int] = field(default_factory=list)     # prompt rows prefill ran over
     reference_tokens: list[int] = field(default_factory=list)
     identical: int = 0
     queries: int = 0
@@ -81,6 +82,7 @@ def run_benchmark(pipe, frame_sets: list[dict], questions: list[str], repeat: in
         for s in STAGES:
             result.stage_ms[s].append(ans.stage_ms[s])
         result.tokens.append(len(ans.token_ids))
+        result.input_tokens.append(ans.input_tokens)
         result.rounds += ans.extra.get("rounds", [])
         result.queries += 1
         if hf is not None:

@@ -4,8 +4,10 @@ reference `generate` on the same weights and inputs, in the same run."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
+from ..bench.roofline import decode_step_line
 from ..frames import load_frame_sets
 from ..report import table
 from .ask import pipeline_options
@@ -39,6 +41,14 @@ def register(subparsers) -> None:
     p.add_argument("--costs", action="store_true",
                    help="the speculation cost table measured on this device and backend, and the tree the policy "
                         "chooses from it (decodes with EAGLE-2; with --preset, a random draft head)")
+    p.add_argument("--roofline", action="store_true",
+                   help="each stage's time against the floor the measured memory bandwidth and peak FLOP/s allow "
+                        "(bench/roofline.py); --weights float,int8 alternates the decoder's weights in one process")
+    p.add_argument("--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8)")
+    p.add_argument("--context", type=int, help="--roofline: cached rows a decode step attends to (default: a real "
+                                               "query's prompt; 256 with --preset)")
+    p.add_argument("--stages", help="--roofline: comma list of step, head, prefill, vision (default all; "
+                                    "step,head with --preset: a 2B prefill or vision pass takes minutes here)")
     p.add_argument("--budget", type=float, action="append", metavar="F",
                    help="latency budgets at F x the unbudgeted median on --data questions (repeatable; e.g. 0.5)")
     p.add_argument("--contention", action="store_true",
@@ -139,6 +149,30 @@ def run_costs_command(args) -> int:
     print(table(["measured", "ms", "x plain step"], costs.table()))
     print()
     print(table(["adaptive policy", ""], policy_choice(costs, tree)))
+    print("\n" + decode_step_line(rt, context))
+    return 0
+
+
+def run_roofline_command(args) -> int:
+    import sys
+
+    from ..bench.roofline import roofline_table, run_roofline
+
+    options = pipeline_options(args)
+    pipe = build_pipeline(args, options)
+    rt = pipe.rt
+    weights = [w.strip() for w in (args.weights or options.backend.weights).split(",") if w.strip()]
+    if args.context:
+        context = args.context
+    elif args.preset:
+        context = 256
+    else:
+        context = pipe.warm_up(load_frame_sets(args.frames, 1)[0]).input_tokens
+    stages = tuple(s.strip() for s in (args.stages or ("step,head" if args.preset else "vision,prefill,step,head"))
+                   .split(",") if s.strip())
+    result = run_roofline(pipe, weights, stages, context, context, rt.arena.pixels.shape[0], rounds=max(5, args.repeat),
+                          progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(result, indent=2) if args.json else roofline_table(result))
     return 0
 
 
@@ -179,6 +213,8 @@ def run(args) -> int:
 
     if args.costs:
         return run_costs_command(args)
+    if args.roofline:
+        return run_roofline_command(args)
     if args.preset:
         from ..errors import InputError
 
@@ -218,6 +254,11 @@ def run(args) -> int:
           f"device {options.device} {options.dtype}  pipeline {pipe.rt.options.label()}\n")
     print(table(["stage", "median ms", "p90 ms"], rows))
     rt = pipe.rt
+    seconds = getattr(rt.engines.decoder, "compile_seconds", None)
+    if seconds:
+        print(f"\ncompiled at start-up ({rt.engines.backend}): "
+              + ", ".join(f"{stage} {s:.1f} s" for stage, s in seconds.items()) + f"; total {sum(seconds.values()):.1f} s")
+    print("\n" + decode_step_line(rt, round(statistics.median(res.input_tokens))))
     if rt.costs is not None and rt.costs.source == "measured":
         print("\nspeculation costs measured at warm-up on this device and backend:")
         print(table(["measured", "ms", "x plain step"], rt.costs.table()))

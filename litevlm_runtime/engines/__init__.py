@@ -2,6 +2,7 @@
 
 from ..options import BackendName
 from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, StageEngine, VisionEngine
+from .compiled import compiled_engines
 from .cuda_graph import cuda_graph_engines
 from .onnxruntime_engine import onnxruntime_engines
 from .tensorrt_engine import tensorrt_engines
@@ -19,6 +20,8 @@ def make_engines(rt) -> Engines:
         return torch_engines(rt)
     if name == BackendName.ONNXRUNTIME:
         return onnxruntime_engines(rt)
+    if name == BackendName.TORCH_COMPILE:
+        return compiled_engines(rt)
     if name == BackendName.TENSORRT:
         return tensorrt_engines(rt)
     return cuda_graph_engines(rt)

@@ -1,0 +1,290 @@
+"""How far each stage is from what the machine allows (`litevlm bench --roofline`, and the decode
+step's line in every `litevlm bench` and `--costs` table).
+
+    machine   memory bandwidth: STREAM-like read (sum), copy and triad kernels in torch, at this
+              process's thread count, over arrays as large as the stage's working set (capped at
+              2 GiB: a 30 MB decoder is served from the last-level cache, a 7 GB one from DRAM,
+              and each floor is against the bandwidth its own size gets); peak FLOP/s: a
+              1024 x 1024 float32 matmul (torch's GEMM, the kernel the stages use)
+    stage     bytes it must move (every weight it reads, plus the KV cache columns attention
+              reads: the live ones for eager torch, the whole static cache for the graph
+              backends) and FLOPs (torch.utils.flop_counter over the stage's own modules at the
+              same shapes)
+    floor     max(bytes / bandwidth, FLOPs / peak); fraction = floor / measured time (1.0 = at the
+              limit; above 1 means the measured bandwidth underestimates what the stage got)
+
+A decode step is one row through every layer: its floor is the weight bytes over the bandwidth
+(gpt-fast's argument); prefill and vision are many rows per weight and compute-bound.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+from ..report import table
+from ..timing import median_ms
+from ..weights.int8 import DecoderWeights, weight_bytes
+
+CAP_BYTES = 2 << 30
+MIN_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    array_bytes: int          # per array
+    read_gbs: float           # sum(a): bytes of a
+    copy_gbs: float           # b.copy_(a): 2 arrays (STREAM counts no write-allocate)
+    triad_gbs: float          # a = b + s * c: 3 arrays
+
+    @property
+    def best_gbs(self) -> float:
+        return max(self.read_gbs, self.copy_gbs, self.triad_gbs)
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@torch.inference_mode()
+def measure_bandwidth(working_set_bytes: int, repeats: int = 5) -> Bandwidth:
+    """STREAM-like kernels over three float32 arrays that together hold `working_set_bytes`
+    (between 8 MiB and 2 GiB). Best of `repeats`, as STREAM reports."""
+    total = min(max(working_set_bytes, MIN_BYTES), CAP_BYTES)
+    n = total // 3 // 4
+    a, b, c = torch.ones(n), torch.full((n,), 2.0), torch.empty(n)
+    nbytes = n * 4
+    read = _best_seconds(lambda: a.sum(), repeats)
+    copy = _best_seconds(lambda: c.copy_(a), repeats)
+    triad = _best_seconds(lambda: torch.add(b, a, alpha=3.0, out=c), repeats)
+    return Bandwidth(nbytes, nbytes / read / 1e9, 2 * nbytes / copy / 1e9, 3 * nbytes / triad / 1e9)
+
+
+@torch.inference_mode()
+def measure_peak_flops(repeats: int = 5, n: int = 1024) -> float:
+    """FLOP/s of an n x n x n float32 matmul (best of repeats)."""
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / _best_seconds(lambda: x @ y, repeats)
+
+
+@dataclass
+class StageCost:
+    name: str
+    ms: float
+    bytes: int
+    flops: int
+
+    def floor_ms(self, bw: Bandwidth, peak_flops: float) -> float:
+        return max(self.memory_ms(bw), self.compute_ms(peak_flops))
+
+    def memory_ms(self, bw: Bandwidth) -> float:
+        return self.bytes / (bw.best_gbs * 1e9) * 1000
+
+    def compute_ms(self, peak_flops: float) -> float:
+        return self.flops / peak_flops * 1000
+
+
+@register_flop_formula(torch.ops.aten._weight_int8pack_mm)
+def _int8pack_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """x [M, K] @ w_int8 [N, K].T: the same 2 M K N as the float matmul it replaces (weights/int8.py)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[0]
+
+
+def count_flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def kv_bytes(rt, columns: int, rows: int) -> int:
+    """Bytes of the KV cache a pass of `rows` reads over `columns` cache columns (+ its rows written)."""
+    llm, a = rt.cfg.llm, rt.arena
+    per_column = 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * a.k_cache.element_size()
+    return per_column * (columns + rows)
+
+
+def static_cache(rt) -> bool:
+    """Graph backends (bound_stages.py) attend over the whole static cache; eager torch over the live columns."""
+    return rt.engines.backend != "torch"
+
+
+def decoder_modules(rt) -> list:
+    lm = rt.lm
+    return list(lm.layers) + [lm.norm] + ([lm.head] if isinstance(lm.head, torch.nn.Module) else [])
+
+
+@torch.inference_mode()
+def stage_costs(rt, stages: tuple[str, ...], context: int, prompt_rows: int, tiles: int,
+                repeats: int = 5) -> list[StageCost]:
+    """Each stage timed through the runtime's engines (median of `repeats`) with its bytes and
+    FLOPs: `step` = one decode step (decoder over `context` cache rows + head + argmax, what a
+    token costs), `prefill` over `prompt_rows`, `vision` over `tiles`, `head` one row."""
+    a, e, lm, dev, dt = rt.arena, rt.engines, rt.lm, rt.device, rt.dtype
+    d = rt.cfg.llm.hidden_size
+    context = min(context, a.max_len - 2)
+    x = torch.zeros(1, d, dtype=dt, device=dev)
+    out = []
+    head_modules = [lm.head] if isinstance(lm.head, torch.nn.Module) else []
+    head_bytes = weight_bytes(head_modules) if head_modules else lm.embed.weight.numel() * lm.embed.weight.element_size()
+    for stage in stages:
+        if stage == "step":
+            def run():
+                hidden = e.decoder.step(x, a.positions[context:context + 1], a.slots[context:context + 1],
+                                        a.all_visible(1, context), a.causal_mask(1))
+                e.head.run(hidden).argmax(-1)
+
+            def eager():
+                hidden, _, _ = lm(x, a.positions[context:context + 1], a.causal_mask(1),
+                                  a.k_cache[:, :, :context], a.v_cache[:, :, :context], a.all_visible(1, context))
+                lm.head(hidden)
+            columns = a.max_len if static_cache(rt) else context
+            nbytes = weight_bytes(decoder_modules(rt)) + kv_bytes(rt, columns, 1)
+            out.append(StageCost(f"decode step (1 row, {context} cached)", median_ms(run, repeats, dev), nbytes,
+                                 count_flops(eager)))
+        elif stage == "head":
+            def run():
+                e.head.run(x)
+            out.append(StageCost("head (1 row)", median_ms(run, repeats, dev), head_bytes,
+                                 count_flops(lambda: lm.head(x))))
+        elif stage == "prefill":
+            t = min(prompt_rows, a.max_prompt)
+            emb = torch.zeros(t, d, dtype=dt, device=dev)
+
+            def run():
+                e.decoder.prefill(emb, a.positions[:t], a.causal_mask(t))
+            nbytes = weight_bytes(list(lm.layers) + [lm.norm]) + kv_bytes(rt, 0, t)
+            out.append(StageCost(f"prefill ({t} rows)", median_ms(run, repeats, dev), nbytes,
+                                 count_flops(lambda: lm(emb, a.positions[:t], a.causal_mask(t)))))
+        elif stage == "vision":
+            n = min(tiles, a.pixels.shape[0])
+            pixels = a.pixels[:n]
+
+            def run():
+                e.vision.run(pixels)
+            vision_modules = [rt.model.vision_model, rt.model.mlp1]
+            out.append(StageCost(f"vision ({n} tiles)", median_ms(run, repeats, dev), weight_bytes(vision_modules),
+                                 count_flops(lambda: rt.model.encode_images(pixels, rt.pos_embed))))
+        else:
+            raise ValueError(f"roofline stage {stage!r}: one of step, head, prefill, vision")
+    return out
+
+
+def roofline_rows(costs: list[StageCost], bw_of, peak_flops: float, label: str = "") -> list[list]:
+    """Table rows: stage, ms, MB, GFLOP, memory floor, compute floor, floor, bound, fraction.
+    `bw_of(bytes)` gives the bandwidth measured at that working-set size."""
+    rows = []
+    for c in costs:
+        bw = bw_of(c.bytes)
+        mem, comp = c.memory_ms(bw), c.compute_ms(peak_flops)
+        floor = max(mem, comp)
+        rows.append(([label] if label else []) + [c.name, c.ms, c.bytes / 1e6, c.flops / 1e9, mem, comp, floor,
+                                                  "memory" if mem >= comp else "compute", f"{floor / c.ms:.2f}"])
+    return rows
+
+
+ROOFLINE_HEADERS = ["stage", "ms", "MB moved", "GFLOP", "memory floor ms", "compute floor ms", "floor ms", "bound",
+                    "fraction of floor"]
+
+
+class Machine:
+    """Bandwidth measured once per working-set size class (rounded to a power of two), peak FLOP/s once."""
+
+    def __init__(self):
+        self.peak_flops = measure_peak_flops()
+        self._bw: dict[int, Bandwidth] = {}
+
+    def bandwidth(self, nbytes: int) -> Bandwidth:
+        key = 1 << max(0, int(min(max(nbytes, MIN_BYTES), CAP_BYTES) - 1).bit_length())
+        if key not in self._bw:
+            self._bw[key] = measure_bandwidth(key)
+        return self._bw[key]
+
+    def rows(self) -> list[list]:
+        return [[f"{3 * bw.array_bytes / 2 ** 20:.0f} MiB", bw.read_gbs, bw.copy_gbs, bw.triad_gbs]
+                for _, bw in sorted(self._bw.items())]
+
+
+BANDWIDTH_HEADERS = ["working set (3 arrays)", "read GB/s", "copy GB/s", "triad GB/s"]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# ---------------------------------------------------------------------- the benchmark
+def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int, prompt_rows: int, tiles: int,
+                 rounds: int = 3, repeats: int = 5, progress=print) -> dict:
+    """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8) they
+    alternate round by round in this process, in reversed order every other round (the float and int8 decoder linears both kept:
+    DecoderWeights), so a loaded machine hits them alike. Returns the figures for roofline_table."""
+    rt = pipe.rt
+    swap = None
+    if len(weights) > 1 or weights[0] != rt.options.backend.weights:
+        if rt.engines.backend != "torch":
+            raise ValueError(f"--weights {','.join(weights)}: alternating weights in one process needs backend torch "
+                             f"(a compiled backend would recompile per switch); run one --backend.weights per process")
+        swap = DecoderWeights(rt.lm, keep_float=True)
+    machine = Machine()
+    load_before = os.getloadavg()[0]
+    times: dict[str, dict[str, list[float]]] = {w: {} for w in weights}
+    costs: dict[str, list[StageCost]] = {}
+    for r in range(rounds):
+        for w in (weights if r % 2 == 0 else weights[::-1]):       # A B, B A, ...: a load trend hits both alike
+            if swap is not None:
+                swap.use(w)
+            measured = stage_costs(rt, stages, context, prompt_rows, tiles, repeats)
+            costs[w] = measured
+            for c in measured:
+                times[w].setdefault(c.name, []).append(c.ms)
+            progress(f"[round {r + 1}/{rounds}] weights {w}: " + "  ".join(f"{c.name} {c.ms:.2f} ms" for c in measured))
+    for w in weights:                                   # median over the rounds
+        for c in costs[w]:
+            c.ms = median(times[w][c.name])
+    if swap is not None:
+        swap.use(rt.options.backend.weights)
+    rows = []
+    for w in weights:
+        rows += roofline_rows(costs[w], machine.bandwidth, machine.peak_flops, label=w)
+    ratios = []
+    if len(weights) > 1:
+        base = costs[weights[0]]
+        for w in weights[1:]:
+            ratios += [[f"{w} vs {weights[0]}", b.name, b.ms / c.ms] for b, c in zip(base, costs[w])]
+    return {"model": rt.name, "backend": rt.engines.backend, "threads": torch.get_num_threads(),
+            "dtype": rt.options.dtype, "rounds": rounds, "load": (load_before, os.getloadavg()[0]),
+            "peak_gflops": machine.peak_flops / 1e9, "bandwidth": machine.rows(), "rows": rows, "ratios": ratios}
+
+
+def roofline_table(result: dict) -> str:
+
+    out = [f"model {result['model']}  backend {result['backend']}  {result['dtype']}  {result['threads']} thread(s)  "
+           f"median of {result['rounds']} alternating rounds  1-min load average {result['load'][0]:.2f} before, "
+           f"{result['load'][1]:.2f} after",
+           "", f"machine: peak {result['peak_gflops']:.1f} GFLOP/s (1024^3 float32 matmul); bandwidth at each working set:",
+           table(BANDWIDTH_HEADERS, result["bandwidth"]), "",
+           table(["weights"] + ROOFLINE_HEADERS, result["rows"])]
+    if result["ratios"]:
+        out += ["", table(["same run", "stage", "speed-up"], result["ratios"])]
+    return "\n".join(out)
+
+
+def decode_step_line(rt, context: int) -> str:
+    """One line for `litevlm bench`: the decode step at `context` cached rows against its floor."""
+    machine = Machine()
+    (cost,) = stage_costs(rt, ("step",), context, 0, 0)
+    bw = machine.bandwidth(cost.bytes)
+    floor = cost.floor_ms(bw, machine.peak_flops)
+    return (f"decode step ({context} cached rows): {cost.ms:.2f} ms; floor {floor:.2f} ms = {cost.bytes / 1e6:.1f} MB "
+            f"(weights + KV read) / {bw.best_gbs:.1f} GB/s measured at that working set; fraction of the floor "
+            f"reached {floor / cost.ms:.2f}")

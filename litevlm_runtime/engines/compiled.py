@@ -1,0 +1,122 @@
+"""PyTorch compiled with torch.compile (backend `torch-compile`, CPU and GPU).
+
+The same export-form stage modules and bound buffers as the CUDA-graph backend (export.py,
+bound_stages.py), each compiled once per shape bucket with static shapes: inductor fuses the
+small kernels of a layer (RMSNorm, RoPE, SiLU x up, residual adds) into a few C++/OpenMP loops on
+the CPU (Triton kernels on a GPU) and runs the stage as one call, without Python between the
+operators. That per-operator overhead is most of a decode step's time for the bundled model
+(docs/performance.md).
+
+Why bound buffers: every call of a bucket sees the same shapes, strides and dtypes, so dynamo's
+guards hold and nothing recompiles in steady state (`dynamic=False`: a new bucket is a new static
+graph, never a symbolic one). The step graph attends over the whole static cache under its mask,
+as the exported graphs do; the outputs are written into the bound buffers inside the graph
+(`out.copy_(value)` compiles to the kernels writing there).
+
+Compile time: every bucket is compiled at start-up (`CompiledStage.__init__` runs it once) and the
+seconds per stage are kept in `compile_seconds` (`litevlm bench` prints them). Inductor's FX graph
+cache and AOTAutograd cache (on by default in torch 2.13, under TORCHINDUCTOR_CACHE_DIR, default
+/tmp/torchinductor_$USER) make a second start-up of the same model and buckets reuse the
+generated code: only dynamo's tracing runs again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import LiteVLMError
+from .bound_stages import bound_engines
+from .buckets import Buckets, check_fits, default_buckets, parse_buckets
+from .stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+
+BACKEND = "torch-compile"
+PREFILL_STEP = 64
+
+
+class WriteOutputs(torch.nn.Module):
+    """module(*inputs) copied into the bound output buffers, inside the compiled graph."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        result = self.module(*inputs)
+        result = result if isinstance(result, tuple) else (result,)
+        for out, value in zip(outputs, result):
+            out.copy_(value)
+
+
+class CompiledStage:
+    """One stage at one bucket: its module compiled for the bound buffers' static shapes; the
+    first run (here, at start-up) compiles."""
+
+    def __init__(self, compiled, inputs: dict, outputs: dict):
+        self.compiled, self.inputs, self.outputs = compiled, list(inputs.values()), list(outputs.values())
+        t0 = time.perf_counter()
+        self.run()
+        self.compile_seconds = time.perf_counter() - t0
+
+    def run(self) -> None:
+        self.compiled(self.inputs, self.outputs)
+
+
+def compile_counters() -> dict[str, int]:
+    """dynamo's counts so far in this process: graphs compiled, and frames it was asked to
+    (re)compile (what the no-recompilation test compares before and after steady-state queries)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "frames": int(sum(counters["frames"].values()))}
+
+
+def allow_recompiles(count: int) -> None:
+    """Every stage and bucket is one entry in the cache of one code object (WriteOutputs.forward,
+    guarded on the module and the shapes): dynamo's per-code cache limit (8 by default) must hold
+    them all, or the extra buckets would fall back to eager."""
+    import torch._dynamo.config as config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < count:
+            setattr(config, name, count)
+
+
+def compiled_defaults(arena, coarse: Buckets) -> Buckets:
+    """The arena's buckets with prefill every PREFILL_STEP rows up to the longest prompt: a prompt
+    pads at most PREFILL_STEP - 1 rows (the coarse quarter/half/full buckets padded a one-camera
+    prompt of 121 rows to 192: 1.6x the work of a compute-bound stage)."""
+    longest = arena.max_prompt
+    prefill = tuple(range(PREFILL_STEP, longest, PREFILL_STEP)) + (longest,)
+    return Buckets(vision=coarse.vision, prefill=prefill, step=coarse.step, head=coarse.head)
+
+
+def compiled_engines(rt, buckets=None):
+    """Every stage (the EAGLE-2 draft head too, when the runtime has one) compiled per bucket."""
+    if rt.device.type == "cuda" and not torch.cuda.is_available():
+        raise LiteVLMError("backend torch-compile on cuda: torch.cuda.is_available() is False")
+    coarse = default_buckets(rt.arena)
+    buckets = buckets or parse_buckets(rt.options.backend.buckets, compiled_defaults(rt.arena, coarse))
+    check_fits(buckets, rt.arena)
+    modules = {"vision": VisionStage(rt.model, rt.pos_embed), "decoder": DecoderStage(rt.lm),
+               "prefill": PrefillStage(rt.lm), "head": HeadStage(rt.lm)}
+    if rt.draft is not None:
+        modules["eagle_draft"] = DraftStage(rt.draft)
+    sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "prefill", "decoder", "head")}
+    if rt.draft is not None:
+        # the draft's pending rows reach prompt sizes: the coarse buckets (only its catch-up pays the padding)
+        sizes["eagle_draft"] = tuple(sorted(set(coarse.prefill) | set(buckets.step)))
+    allow_recompiles(sum(len(s) for s in sizes.values()) + 1)
+    compiled = {stage: torch.compile(WriteOutputs(m.eval()), dynamic=False, fullgraph=True)
+                for stage, m in modules.items()}
+    seconds: dict[str, float] = {}
+
+    def bind(stage, bucket, inputs, outputs):
+        with torch.inference_mode():
+            runner = CompiledStage(compiled[stage], inputs, outputs)
+        seconds[stage] = seconds.get(stage, 0.0) + runner.compile_seconds
+        return runner
+
+    engines = bound_engines(rt, sizes, bind, BACKEND)
+    engines.decoder.compile_seconds = seconds         # per stage, all its buckets (read by `litevlm bench`)
+    return engines
