@@ -411,8 +411,10 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
     return params | shipped_topic_names(params["camera_topics"])
 
 
-def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
-    """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
+def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerRecord]:
+    """Replay the bag through QueryServer + Pipeline in bag time, one query at a time. `load`:
+    returns the pipeline for these params (a fleet worker's, loaded once for many bags); default:
+    load it from params["model_dir"]."""
     from .frame_store import Frame
     from .images import payload_from_msg
     from ..bundled import DEFAULT_MODEL
@@ -439,7 +441,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     try:
         # Warm-up as the node does, so that latencies are comparable between eval and a replay.
         model_dir = params.get("model_dir") or str(DEFAULT_MODEL)     # "": the bundled model, as the node does
-        server.load(lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params)),
+        server.load(load or (lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params))),
                     warmup=params["warmup"])
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does
