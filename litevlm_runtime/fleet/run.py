@@ -47,6 +47,8 @@ from .manifest import (check_resume, identity, jsonable, model_checksum, model_d
                        project_version)
 from .sources import BagRef
 
+RESTART_WAIT_S = 600.0     # how long a feeder waits for its lost actor to be placed and loaded again
+
 
 @dataclass
 class FleetConfig:
@@ -242,6 +244,22 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
 
+    def back(actor) -> bool:
+        """Wait until a restarted actor has its model loaded again (a bag sent to an actor that is
+        still restarting fails at once and would spend an attempt); False: it will not come back."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                ray.get(actor.info.remote(), timeout=30)
+                return True
+            except ray.exceptions.GetTimeoutError:
+                continue                 # still being placed (a node lost: waiting for room) or loading
+            except ray.exceptions.ActorDiedError:
+                return False
+            except ray.exceptions.RayActorError:
+                time.sleep(1.0)          # unavailable: restarting
+        return False
+
     def feed(actor) -> None:
         while not stop.is_set():
             try:
@@ -261,8 +279,10 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
                 from .worker import failure_reason
 
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
-                events.put(("died" if _is_worker_loss(exc) else "failed", bag, attempt,
-                            reason if _is_worker_loss(exc) else failure_reason(exc)))
+                lost = _is_worker_loss(exc)
+                events.put(("died" if lost else "failed", bag, attempt, reason if lost else failure_reason(exc)))
+                if lost and not back(actor):
+                    return               # this actor is gone for good; the others go on
 
     feeders = [threading.Thread(target=feed, args=(a,), name=f"fleet-feed-{i}", daemon=True)
                for i, a in enumerate(actors)]
@@ -273,6 +293,10 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
             try:
                 kind, bag, attempt, payload = events.get(timeout=0.5)
             except queue.Empty:
+                if not any(t.is_alive() for t in feeders):     # every actor gone for good
+                    for key in sorted(driver.outstanding):
+                        driver.handle("failed", driver.todo[key], 0, "no worker left: the pool's actors could "
+                                      f"not be restarted within {RESTART_WAIT_S:.0f} s")
                 continue
             driver.handle(kind, bag, attempt, payload)
     finally:

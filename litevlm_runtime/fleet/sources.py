@@ -13,6 +13,7 @@ drives named `bag0` in different folders stay apart, and the same bag in two run
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 @dataclass(frozen=True)
 class BagRef:
-    path: str       # absolute (not resolved through symlinks: the name a user gave is kept)
+    path: str       # absolute, normalized (not resolved through symlinks: the name a user gave is kept)
     key: str        # partition name: <name>-<8 hex of the path>
 
     @property
@@ -41,7 +42,7 @@ def bag_key(path: str | Path) -> str:
 
 
 def bag_ref(path: str | Path) -> BagRef:
-    p = Path(path).expanduser().absolute()
+    p = Path(os.path.normpath(Path(path).expanduser().absolute()))     # x/../y -> y; symlinks kept
     return BagRef(str(p), bag_key(p))
 
 

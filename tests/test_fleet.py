@@ -1,0 +1,180 @@
+"""litevlm fleet eval: BAGS arguments, the run folder (one atomic partition per bag, written once),
+in-process runs that answer exactly as bag eval does and resume, and one real Ray run (a cluster
+started with `ray start --head`) in which a worker is killed mid-bag and a bag is corrupt."""
+
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+from ray_helpers import ray_cluster
+
+from litevlm_runtime.errors import InputError
+from litevlm_runtime.fleet.dataset import RunFolder, record_json
+from litevlm_runtime.fleet.run import FleetConfig, run_fleet
+from litevlm_runtime.fleet.sources import expand_bags
+from litevlm_runtime.ros.bag import drivelm_contents, evaluate, load_node_params, write_bag
+
+ANSWER_FIELDS = ("query_id", "question", "status", "answer", "token_ids", "cameras", "kept_tokens", "pipeline")
+
+
+def answers(rows):
+    return [{k: r[k] for k in ANSWER_FIELDS} for r in rows]
+
+
+def bag_eval(bag, params):
+    """What `litevlm bag eval BAG` writes, per answer."""
+    return answers([r.to_json() for r in evaluate(bag, params)])
+
+
+@pytest.fixture(scope="module")
+def bags(tmp_path_factory, drivelm_dir):
+    """Two small bags from the DriveLM sample (one given as its .mcap file) and a truncated one."""
+    root = tmp_path_factory.mktemp("bags")
+    small = write_bag(drivelm_contents(drivelm_dir, max_frames=1, questions_per_frame=2, max_width=160), root / "small")
+    two = write_bag(drivelm_contents(drivelm_dir, max_frames=2, questions_per_frame=2, max_width=160), root / "two")
+    mcap = next(two.glob("*.mcap"))
+    corrupt = root / "corrupt.mcap"
+    corrupt.write_bytes(mcap.read_bytes()[: mcap.stat().st_size // 3])       # cut off mid-file
+    return {"small": small, "two": mcap, "corrupt": corrupt}
+
+
+@pytest.fixture(scope="module")
+def params(tiny_model):
+    return load_node_params(None, {"model_dir": str(tiny_model), "max_new_tokens": "4"})
+
+
+def test_bags_from_the_command_line_and_list_files(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for d in ("x", "y"):
+        (tmp_path / d / "drive").mkdir()
+    (tmp_path / "x" / "one.mcap").write_bytes(b"")
+    listing = tmp_path / "x" / "bags.txt"
+    listing.write_text("# release set\ndrive\none.mcap   # a bare MCAP file\n\n../y/drive\n/nowhere/bag\n")
+    refs = expand_bags([listing, tmp_path / "x" / "drive"])
+    assert [r.path for r in refs] == [str(tmp_path / "x" / "drive"), str(tmp_path / "x" / "one.mcap"),
+                                      str(tmp_path / "y" / "drive"), "/nowhere/bag"]   # relative to the list; once
+    assert len({r.key for r in refs}) == 4 and refs[0].key.startswith("drive-") and refs[1].key.startswith("one-")
+    assert expand_bags([tmp_path / "x" / "drive"])[0].key == refs[0].key               # stable across runs
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(InputError, match="no bags"):
+        expand_bags([tmp_path / "empty.txt"])
+
+
+def test_a_bag_partition_is_atomic_and_written_once(tmp_path):
+    run = RunFolder(tmp_path / "run")
+    row = {"bag_path": "/b", "seq": 0, "query_id": "q", "question": "?", "answer": "a", "status": "ok",
+           "status_code": 0, "cameras": ["CAM_FRONT"], "token_ids": [1], "frame_stamps_ns": {"CAM_FRONT": 5}}
+    with run.lock():
+        (run.answers / ".tmp-b-1234").mkdir()                 # a driver killed before its rename
+        with pytest.raises(InputError, match="another"), run.lock():
+            pass
+    with run.lock():
+        assert not list(run.answers.glob(".tmp-*"))
+        run.write_bag("b", [row], {"answers": 1})
+        with pytest.raises(FileExistsError):
+            run.write_bag("b", [row], {"answers": 1})
+        run.mark_failed("c", {"reason": "broken"})
+    assert run.complete_keys() == {"b"} and run.bag_meta("b") == {"answers": 1}
+    (back,) = run.read_rows()
+    assert back["bag"] == "b" and back["frame_stamps_ns"] == {"CAM_FRONT": 5} and back["gt_answer"] is None
+    assert run.failures() == {"c": {"reason": "broken"}}
+
+
+def test_in_process_run_answers_as_bag_eval_and_resumes(tmp_path, bags, params, drivelm_dir):
+    out = tmp_path / "run"
+    plan = expand_bags([bags["small"], bags["two"], bags["corrupt"]])
+    keys = [b.key for b in plan]
+    cfg = FleetConfig(plan, out, params, ground_truth=[str(drivelm_dir)], workers=0, progress=False)
+
+    def stop_after_first_bag(event):
+        if event["event"] == "done":
+            raise KeyboardInterrupt             # the driver stopped (Ctrl-C) after one bag
+    with pytest.raises(KeyboardInterrupt):
+        run_fleet(cfg, stop_after_first_bag)
+    run = RunFolder(out)
+    assert run.complete_keys() == {keys[0]}
+    first_file = run.partition(keys[0]) / "part-0.parquet"
+    inode = first_file.stat().st_ino
+
+    started = []
+    result = run_fleet(cfg, lambda e: started.append(e["bag"]) if e["event"] == "start" else None)
+    assert started == keys[1:]                  # only what was not finished
+    assert result.skipped == keys[:1] and result.complete == keys[1:2] and result.exit_code == 1
+    assert "cannot read the bag" in result.failed[keys[2]] or "corrupt" in result.failed[keys[2]].lower()
+    assert first_file.stat().st_ino == inode    # never rewritten
+    rows = run.read_rows()
+    for bag in (bags["small"], bags["two"]):
+        key = expand_bags([bag])[0].key
+        mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
+        assert [r["seq"] for r in mine] == list(range(len(mine)))
+        assert answers(mine) == bag_eval(bag, params)       # exactly bag eval's answers
+        assert [record_json(r)["query_id"] for r in mine] == [a["query_id"] for a in bag_eval(bag, params)]
+    assert all(r["gt_question_id"] and r["gt_answer"] for r in rows)     # every question is DriveLM's
+    manifest = run.read_manifest()
+    assert manifest["bags"][keys[2]]["status"] == "failed" and manifest["invocations"][0]["interrupted"]
+    assert manifest["model"]["sha256"] and manifest["params"]["max_new_tokens"] == 4
+
+    started.clear()
+    assert run_fleet(cfg, lambda e: started.append(e["bag"]) if e["event"] == "start" else None).exit_code == 1
+    assert started == keys[2:]                  # a failed bag is tried again, finished ones are not
+    changed = FleetConfig(plan, out, params | {"max_new_tokens": 5}, workers=0, progress=False,
+                          ground_truth=[str(drivelm_dir)])
+    with pytest.raises(InputError, match="max_new_tokens"):
+        run_fleet(changed)
+
+
+def test_ray_pool_survives_a_killed_worker(tmp_path, bags, params, drivelm_dir):
+    """A real cluster (`ray start --head`), two actors; one is SIGKILLed right after the first answer
+    of the bigger bag: Ray restarts it, the bag is redone, and every bag's answers are there once."""
+    plan = expand_bags([bags["two"], bags["small"], bags["corrupt"]])
+    big, small, corrupt = (b.key for b in plan)
+    events, killed = [], []
+    lock = threading.Lock()
+
+    def kill_mid_bag(event):
+        with lock:
+            events.append(event)
+            if event["event"] == "row" and event["bag"] == big and not killed:
+                os.kill(event["pid"], signal.SIGKILL)
+                killed.append(event["pid"])
+
+    with ray_cluster(cpus=2) as address:
+        cfg = FleetConfig(plan, tmp_path / "run", params, ground_truth=[str(drivelm_dir)], ray_address=address,
+                          workers=2, progress=False)
+        result = run_fleet(cfg, kill_mid_bag)
+    died = [e for e in events if e["event"] == "died"]
+    assert killed and died and died[0]["bag"] == big and died[0]["attempt"] == 1
+    assert result.complete and set(result.complete) == {big, small} and list(result.failed) == [corrupt]
+    assert result.exit_code == 1 and "cannot read" in result.failed[corrupt]
+    run = RunFolder(tmp_path / "run")
+    rows = run.read_rows()
+    for bag, key in ((bags["two"], big), (bags["small"], small)):
+        mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
+        assert [r["seq"] for r in mine] == list(range(len(mine)))          # none lost, none twice
+        assert answers(mine) == bag_eval(bag, params)
+    assert {r["attempt"] for r in rows if r["bag"] == big} == {2} and killed[0] not in {
+        r["worker_pid"] for r in rows if r["bag"] == big}
+    assert died[0]["discarded"] < len([r for r in rows if r["bag"] == big])   # it was killed mid-bag
+    manifest = run.read_manifest()
+    assert manifest["bags"][big]["attempts"] == 2 and manifest["invocations"][0]["workers"] == 2
+    assert manifest["invocations"][0]["threads_per_worker"] == 1 and manifest["hosts"]
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="language scores need Java")
+def test_cli_eval_then_compare(tmp_path, bags, params, drivelm_dir, tiny_model):
+    from litevlm_runtime.cli import main
+
+    common = [str(bags["small"]), "--set", f"model_dir={tiny_model}", "--set", "max_new_tokens=4",
+              "--ground-truth", str(drivelm_dir), "--workers", "0", "--quiet"]
+    assert main(["fleet", "eval", *common, "--out", str(tmp_path / "a")]) == 0
+    assert main(["fleet", "eval", *common, "--set", "pipeline=baseline", "--out", str(tmp_path / "b")]) == 0
+    assert main(["fleet", "compare", str(tmp_path / "a"), str(tmp_path / "a"), "--report", str(tmp_path / "same"),
+                 "--max-p99-ratio", "1.0", "--max-changed", "0", "--lenient"]) == 0
+    code = main(["fleet", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "rep"),
+                 "--max-p99-ratio", "0.0001", "--lenient"])
+    assert code == 1                           # the p99 gate is crossed at any latency
+    html = (tmp_path / "rep" / "index.html").read_text()
+    assert "FAILED" in html and "pipeline" in html and "latency_stages.png" in html
