@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 from ray_helpers import ray_cluster
@@ -16,6 +17,7 @@ from litevlm_runtime.fleet.run import FleetConfig, run_fleet
 from litevlm_runtime.fleet.sources import expand_bags
 from litevlm_runtime.ros.bag import drivelm_contents, evaluate, load_node_params, write_bag
 
+ROOT = Path(__file__).resolve().parents[1]
 ANSWER_FIELDS = ("query_id", "question", "status", "answer", "token_ids", "cameras", "kept_tokens", "pipeline")
 
 
@@ -178,3 +180,74 @@ def test_cli_eval_then_compare(tmp_path, bags, params, drivelm_dir, tiny_model):
     assert code == 1                           # the p99 gate is crossed at any latency
     html = (tmp_path / "rep" / "index.html").read_text()
     assert "FAILED" in html and "pipeline" in html and "latency_stages.png" in html
+    if shutil.which("chromium"):                # the report as a person sees it: not a blank page
+        import subprocess
+
+        import numpy as np
+        from PIL import Image
+
+        shot = tmp_path / "shot.png"
+        subprocess.run(["bash", str(ROOT / "scripts" / "fleet_screenshot.sh"), str(tmp_path / "rep"), str(shot),
+                        "1000x1400"], check=True, timeout=120)
+        pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
+        assert pixels.shape == (1400, 1000) and pixels.std() > 10
+
+
+@pytest.mark.slow
+def test_a_lost_node_ends_every_bag_complete(tmp_path, bags, params, drivelm_dir):
+    """Two Ray nodes (raylets) on this machine, one actor on each; the worker node is removed
+    (every process of it killed) after the first answer it streams: its bag is redone by the
+    actor that is left, and every bag's answers are there exactly once."""
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    short = tempfile.mkdtemp(prefix="lvray-")       # unix socket paths: <= 107 bytes
+    env = {"RAY_TMPDIR": short, "RAY_AUTH_MODE": "disabled"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    worker_node = cluster.add_node(num_cpus=1)
+    plan = expand_bags([bags["two"], bags["small"]])
+    events, removed = [], []
+
+    def lose_node(event):
+        events.append(event)
+        if event["event"] == "start" and event["node"] == worker_node.node_id:
+            removed.append(event["bag"])
+        if event["event"] == "row" and removed and event["bag"] == removed[0] and len(removed) == 1:
+            cluster.remove_node(worker_node, allow_graceful=False)
+            removed.append("gone")
+    try:
+        cfg = FleetConfig(plan, tmp_path / "run", params, ray_address=cluster.address, workers=2, threads=1,
+                          progress=False)
+        result = run_fleet(cfg, lose_node)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(short, ignore_errors=True)
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert removed[-1] == "gone"
+    assert any(e["event"] == "died" and e["bag"] == removed[0] for e in events)
+    assert sorted(result.complete) == sorted(b.key for b in plan) and not result.failed
+    rows = RunFolder(tmp_path / "run").read_rows()
+    for bag in (bags["two"], bags["small"]):
+        key = expand_bags([bag])[0].key
+        mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
+        assert answers(mine) == bag_eval(bag, params)
+
+
+@pytest.mark.slow
+def test_bench_two_workers_answer_as_one(tmp_path, bags, params, drivelm_dir):
+    """`fleet bench` on a local Ray instance (no --ray): 1 and 2 workers, the same answers as each
+    other and as bag eval of each bag (the speed is the note's business, not a test's)."""
+    from litevlm_runtime.fleet.bench import scaling
+
+    plan = expand_bags([bags["small"], bags["two"]])
+    text, result = scaling(lambda out, n: FleetConfig(plan, out, params, workers=n, threads=1, progress=False),
+                           [1, 2], tmp_path / "bench", versus_bag_eval=True)
+    assert result["identical_runs"] and result["identical_to_bag_eval"], text
+    assert "vs 1 worker(s)" in text

@@ -261,8 +261,9 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
         for key, label in (("accuracy", "accuracy"), ("language", "language"), ("match_f1", "match F1"),
                            ("final_renormalized", "final without GPT (renormalized)")):
             rows.append([label, _num(sa.get(key)), _num(sb.get(key)), _delta(sa.get(key), sb.get(key))])
-        parts.append(f"<p>{sa['questions']} questions with a DriveLM reference, the same for both runs "
-                     f"(scored under the graph filter: A {sa['scored']}, B {sb['scored']}).</p>")
+        scored = (f" (scored under the challenge's graph filter: A {sa['scored']}, B {sb['scored']}; "
+                  "--lenient scores every one)" if cmp.rules == "challenge" else "")
+        parts.append(f"<p>{sa['questions']} questions with a DriveLM reference, the same for both runs{scored}.</p>")
         parts.append(_table(["score", "A", "B", "B - A"], rows))
         rows = []
         for c in cmp.categories:

@@ -324,8 +324,9 @@ def _ray_init(address: str | None) -> bool:
     return True
 
 
-def pool_size(cfg: FleetConfig) -> tuple[int, int]:
-    """(workers, threads per worker) for a Ray pool: CPUs of the cluster divided among workers."""
+def pool_size(cfg: FleetConfig, bags: int) -> tuple[int, int]:
+    """(workers, threads per worker) for a Ray pool: the cluster's CPUs divided among the workers
+    (never more workers than bags: an idle actor would only hold a model and cores)."""
     import ray
 
     cpus = int(ray.cluster_resources().get("CPU", 0))
@@ -334,6 +335,7 @@ def pool_size(cfg: FleetConfig) -> tuple[int, int]:
         workers = cfg.workers or max(1, int(gpus // cfg.gpus_per_worker))
     else:
         workers = cfg.workers or max(1, cpus // (cfg.threads or 1))
+    workers = max(1, min(workers, bags))
     threads = cfg.threads or max(1, cpus // workers)
     return workers, threads
 
@@ -366,8 +368,7 @@ def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) 
             where = "in-process"
         else:
             started_ray = _ray_init(cfg.ray_address) if todo else False
-            workers, threads = pool_size(cfg) if todo else (cfg.workers or 0, cfg.threads or 0)
-            workers = min(workers, len(todo)) if todo else workers
+            workers, threads = pool_size(cfg, len(todo)) if todo else (cfg.workers or 0, cfg.threads or 0)
             where = cfg.ray_address or "local"
         invocation = {"started": now_iso(t_start), "finished": None, "driver": socket.gethostname(),
                       "ray": where, "workers": workers, "threads_per_worker": threads,

@@ -73,6 +73,7 @@ class BagEvaluator:
             self.params["backend.threads"] = threads      # the pool's share of the cores, not all of them
         self.threads = int(self.params.get("backend.threads") or 0)
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.node = ""                                    # the Ray node id, in an actor
         self.truth = GroundTruth(list(ground_truth)) if ground_truth else None
         t0 = time.perf_counter()
         self.pipeline, self.load_error = None, None
@@ -85,7 +86,7 @@ class BagEvaluator:
         self._set_threads = set_threads
 
     def info(self) -> dict:
-        return {"host": self.host, "pid": self.pid, "threads": self.threads, "load_s": self.load_s,
+        return {"host": self.host, "pid": self.pid, "node": self.node, "threads": self.threads, "load_s": self.load_s,
                 "load_error": failure_reason(self.load_error) if self.load_error else ""}
 
     def _pipeline(self):
@@ -144,7 +145,10 @@ class FleetWorker:
     """The Ray actor (run.py wraps it with ray.remote): one BagEvaluator per actor process."""
 
     def __init__(self, params: dict, threads: int, ground_truth: list[str]):
+        import ray
+
         self.evaluator = BagEvaluator(params, threads, ground_truth)
+        self.evaluator.node = ray.get_runtime_context().get_node_id()
 
     def info(self) -> dict:
         return self.evaluator.info()
