@@ -241,13 +241,21 @@ def test_a_lost_node_ends_every_bag_complete(tmp_path, bags, params, drivelm_dir
 
 
 @pytest.mark.slow
-def test_bench_two_workers_answer_as_one(tmp_path, bags, params, drivelm_dir):
+def test_bench_two_workers_answer_as_one(tmp_path, bags, params, drivelm_dir, monkeypatch):
     """`fleet bench` on a local Ray instance (no --ray): 1 and 2 workers, the same answers as each
     other and as bag eval of each bag (the speed is the note's business, not a test's)."""
+    import tempfile
+
     from litevlm_runtime.fleet.bench import scaling
 
+    short = tempfile.mkdtemp(prefix="lvray-")      # Ray's files (not /tmp/ray); sockets <= 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", short)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     plan = expand_bags([bags["small"], bags["two"]])
-    text, result = scaling(lambda out, n: FleetConfig(plan, out, params, workers=n, threads=1, progress=False),
-                           [1, 2], tmp_path / "bench", versus_bag_eval=True)
+    try:
+        text, result = scaling(lambda out, n: FleetConfig(plan, out, params, workers=n, threads=1, progress=False),
+                               [1, 2], tmp_path / "bench", versus_bag_eval=True)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert result["identical_runs"] and result["identical_to_bag_eval"], text
     assert "vs 1 worker(s)" in text

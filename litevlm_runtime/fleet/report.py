@@ -281,11 +281,12 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
         if "accuracy_categories" in plots:
             parts.append(f'<img class="plot" src="{plots["accuracy_categories"]}" alt="accuracy per type">')
         if cmp.templates:
-            rows = [[_e(r["template"]), f"{r['questions'].get('A', 0)}", _num(r["accuracy"].get("A")),
+            rows = [[_e(r["template"]), f"{r['questions'].get('A', 0)} / {r['questions'].get('B', 0)}",
+                     _num(r["accuracy"].get("A")),
                      _num(r["accuracy"].get("B")), _delta(r["accuracy"].get("A"), r["accuracy"].get("B"))]
-                    for r in cmp.templates[:15]]
+                    for r in cmp.templates if r["questions"].get("A") or r["questions"].get("B")][:15]
             parts.append("<h3>Closed-form accuracy per question template</h3>"
-                         + _table(["template", "questions", "A", "B", "B - A"], rows))
+                         + _table(["template", "scored A / B", "A", "B", "B - A"], rows))
     else:
         parts.append("<p>No reference answers in these runs (fleet eval --ground-truth DIR adds DriveLM's).</p>")
 
