@@ -4,8 +4,11 @@ load hits every size alike), as a table with the ratio to the first size; and wh
 gave the same answers (and, with --versus-bag-eval, the answers `bag eval` gives each bag).
 
 Wall time is the whole `fleet eval`: actors started, each loading the model once, all bags
-evaluated, answers written. The 1-minute load average before and after each run is in the table:
-on a shared machine it says how much of the CPU the runs had.
+evaluated, answers written. "s per bag" is a bag's own time in its worker; "CPU s per bag" the CPU
+seconds its worker process spent on it (every thread: the query thread, torch's intra-op threads,
+prefetching while idle), which does not grow with other load the way wall time does. The 1-minute
+load average before and after each run is in the table: on a shared machine it says how much of
+the CPU the runs had.
 """
 
 from __future__ import annotations
@@ -56,7 +59,11 @@ def scaling(make_config: Callable, sizes: list[int], out: Path, rounds: int = 1,
             t0 = time.perf_counter()
             res = run_fleet(cfg)
             wall = time.perf_counter() - t0
+            bags = RunFolder(folder).read_manifest()["bags"].values()
+            cpu_per_bag = float(np.mean([b["cpu_s"] for b in bags if "cpu_s" in b] or [float("nan")]))
             results[n].append({"wall_s": wall, "answers": res.answers, "bags": len(res.complete),
+                               "cpu_s_per_bag": cpu_per_bag, "wall_s_per_bag": float(np.mean(
+                                   [b["wall_s"] for b in bags if "wall_s" in b] or [float("nan")])),
                                "failed": len(res.failed), "threads": res.threads,
                                "load_before": load0, "load_after": os.getloadavg()[0]})
             answers[(n, r)] = run_answers(folder)
@@ -74,9 +81,11 @@ def scaling(make_config: Callable, sizes: list[int], out: Path, rounds: int = 1,
         med = float(np.median(walls))
         rows.append([n, results[n][0]["threads"], " ".join(f"{w:.1f}" for w in walls), med, med / base,
                      results[n][0]["answers"], results[n][0]["bags"] * 60.0 / med,
+                     float(np.median([x["wall_s_per_bag"] for x in results[n]])),
+                     float(np.median([x["cpu_s_per_bag"] for x in results[n]])),
                      " ".join(f"{x['load_before']:.1f}/{x['load_after']:.1f}" for x in results[n])])
     text = table(["workers", "threads each", "wall s per round", "median s", f"vs {sizes[0]} worker(s)", "answers",
-                  "bags/min", "load avg before/after"], rows)
+                  "bags/min", "s per bag", "CPU s per bag", "load avg before/after"], rows)
     text += (f"\nanswers identical across all {len(answers)} runs: {identical}"
              + (f"; identical to bag eval of each bag: {versus}" if versus is not None else ""))
     return text, {"results": {str(n): v for n, v in results.items()}, "identical": identical and versus is not False,

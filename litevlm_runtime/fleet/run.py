@@ -183,7 +183,8 @@ class _Driver:
             self.completed.append(key)
             self.answers += len(rows)
             self._bag_entry(bag, status="complete", answers=len(rows), attempts=attempt, host=payload["host"],
-                            wall_s=round(payload["wall_s"], 3), finished=now_iso(payload["finished"]))
+                            wall_s=round(payload["wall_s"], 3), cpu_s=round(payload["cpu_s"], 3),
+                            finished=now_iso(payload["finished"]))
             self.progress.bag()
             self.on_event({"event": "done", "bag": key, "attempt": attempt, "answers": len(rows)})
         elif kind in ("failed", "died"):

@@ -103,7 +103,7 @@ class BagEvaluator:
 
         if self.threads:
             self._set_threads(self.threads)
-        started = time.time()
+        started, cpu0 = time.time(), time.process_time()     # CPU: every thread of this process
         refs = front_references(bag.path, self.params, self.truth) if self.truth is not None else {}
         seq = [0]
 
@@ -116,7 +116,7 @@ class BagEvaluator:
 
         evaluate(bag.path, self.params, on_record, load=self._pipeline)
         return {"answers": seq[0], "host": self.host, "pid": self.pid, "started": started,
-                "finished": time.time(), "wall_s": time.time() - started,
+                "finished": time.time(), "wall_s": time.time() - started, "cpu_s": time.process_time() - cpu0,
                 "with_ground_truth": bool(refs)}
 
     def stream(self, bag: BagRef, attempt: int = 1) -> Iterator[tuple]:
