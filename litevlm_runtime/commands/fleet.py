@@ -77,7 +77,7 @@ def cmd_bench(args) -> int:
 
     sizes = [int(v) for v in args.workers.split(",")]
     table, ok = scaling(lambda out, n: _config(args, out, workers=n, progress=False), sizes, args.out,
-                        rounds=args.rounds)
+                        rounds=args.rounds, versus_bag_eval=args.versus_bag_eval)
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(ok, indent=1))
@@ -136,4 +136,6 @@ def register(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=1, help="repeat the sizes alternately this often")
     p.add_argument("--out", type=Path, required=True, help="a folder for the runs (one per size and round)")
     p.add_argument("--json", type=Path, help="also write the measurements here")
+    p.add_argument("--versus-bag-eval", action="store_true",
+                   help="also evaluate each bag as `bag eval` does (a fresh pipeline per bag) and compare the answers")
     p.set_defaults(func=cmd_bench)

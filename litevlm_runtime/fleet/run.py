@@ -305,7 +305,10 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
         for _ in feeders:
             driver.pending.put(None)
         for a in actors:
-            ray.kill(a, no_restart=True)
+            try:
+                ray.kill(a, no_restart=True)      # its cores and its model go back to the cluster
+            except Exception:  # noqa: BLE001 - the cluster may be gone already (the reason we stop)
+                pass
         for t in feeders:
             t.join(timeout=10)
 
