@@ -292,6 +292,9 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
 
     # latency
     parts.append("<h2>Latency (ms, ok answers)</h2>")
+    parts.append('<p class="small">Each answer\'s own stage times, as <code>bag eval</code> reports them. With the visual '
+                 "feature cache on, a frame set's cameras are encoded while the worker is idle after its first "
+                 "question (prefetch), outside any answer, so later questions show a vision stage near 0 ms.</p>")
     rows = [[_e(r["stage"]), _num(r["A_p50"], 1), _num(r["B_p50"], 1), _ratio(r["p50_ratio"]),
              _num(r["A_p99"], 1), _num(r["B_p99"], 1),
              _ratio(r["p99_ratio"], t.max_p99_ratio if r["stage"] == cmp.stage else None), f"{r['A_n']} / {r['B_n']}"]
