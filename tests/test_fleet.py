@@ -37,9 +37,11 @@ def bags(tmp_path_factory, drivelm_dir):
     small = write_bag(drivelm_contents(drivelm_dir, max_frames=1, questions_per_frame=2, max_width=160), root / "small")
     two = write_bag(drivelm_contents(drivelm_dir, max_frames=2, questions_per_frame=2, max_width=160), root / "two")
     mcap = next(two.glob("*.mcap"))
+    # the bag the Ray test kills a worker in: enough answers after the first that the kill lands mid-bag
+    long = write_bag(drivelm_contents(drivelm_dir, max_frames=4, questions_per_frame=3, max_width=160), root / "long")
     corrupt = root / "corrupt.mcap"
     corrupt.write_bytes(mcap.read_bytes()[: mcap.stat().st_size // 3])       # cut off mid-file
-    return {"small": small, "two": mcap, "corrupt": corrupt}
+    return {"small": small, "two": mcap, "long": long, "corrupt": corrupt}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,7 @@ def test_in_process_run_answers_as_bag_eval_and_resumes(tmp_path, bags, params, 
 def test_ray_pool_survives_a_killed_worker(tmp_path, bags, params, drivelm_dir):
     """A real cluster (`ray start --head`), two actors; one is SIGKILLed right after the first answer
     of the bigger bag: Ray restarts it, the bag is redone, and every bag's answers are there once."""
-    plan = expand_bags([bags["two"], bags["small"], bags["corrupt"]])
+    plan = expand_bags([bags["long"], bags["small"], bags["corrupt"]])
     big, small, corrupt = (b.key for b in plan)
     events, killed = [], []
     lock = threading.Lock()
@@ -153,7 +155,7 @@ def test_ray_pool_survives_a_killed_worker(tmp_path, bags, params, drivelm_dir):
     assert result.exit_code == 1 and "cannot read" in result.failed[corrupt]
     run = RunFolder(tmp_path / "run")
     rows = run.read_rows()
-    for bag, key in ((bags["two"], big), (bags["small"], small)):
+    for bag, key in ((bags["long"], big), (bags["small"], small)):
         mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
         assert [r["seq"] for r in mine] == list(range(len(mine)))          # none lost, none twice
         assert answers(mine) == bag_eval(bag, params)
