@@ -321,7 +321,11 @@ def _ray_init(address: str | None) -> bool:
         return False
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if address:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as exc:
+            raise InputError(f"--ray {address}: no Ray cluster there ({str(exc).splitlines()[0]}); start one with "
+                             "`ray start --head`, or leave --ray out for a local instance") from None
     else:
         # A local instance sized to this machine (RAY_TMPDIR, if set, keeps its files out of /tmp).
         ray.init(num_cpus=available_cores(), **kwargs)
