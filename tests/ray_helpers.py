@@ -21,30 +21,40 @@ from pathlib import Path
 RAY = Path(sys.executable).parent / "ray"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (all bound at once, so the kernel cannot hand out one twice)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
-def start_head(temp_dir: Path, cpus: int = 2) -> str:
-    """`ray start --head` with every port it listens on chosen free; returns the address."""
+def start_head(temp_dir: Path, cpus: int = 2, tries: int = 3) -> str:
+    """`ray start --head` with every port it listens on chosen free; returns the address. A port
+    taken by someone else between choosing and binding fails the start: it is retried."""
     temp_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    workers_from = 20000 + free_port() % 30000     # a range of its own for the worker processes
-    cmd = [str(RAY), "start", "--head", "--num-cpus", str(cpus), "--port", str(port), "--include-dashboard", "false",
-           "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
-           "--node-manager-port", str(free_port()),
-           "--object-manager-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-           "--dashboard-agent-grpc-port", str(free_port()), "--metrics-export-port", str(free_port()),
-           "--runtime-env-agent-port", str(free_port()),
-           "--min-worker-port", str(workers_from), "--max-worker-port", str(workers_from + 200)]
     env = dict(os.environ, RAY_TMPDIR=str(temp_dir))      # (RAY_AUTH_MODE: see ray_cluster)
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if out.returncode != 0:
+    for attempt in range(tries):
+        port, *ports = free_ports(7)
+        # worker processes: a range below Linux's ephemeral ports (32768+), where the ones above come from
+        workers_from = 10000 + (port * 7919 + attempt * 211) % 20000
+        cmd = [str(RAY), "start", "--head", "--num-cpus", str(cpus), "--port", str(port), "--include-dashboard",
+               "false", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
+               "--node-manager-port", str(ports[0]), "--object-manager-port", str(ports[1]),
+               "--dashboard-agent-listen-port", str(ports[2]), "--dashboard-agent-grpc-port", str(ports[3]),
+               "--metrics-export-port", str(ports[4]), "--runtime-env-agent-port", str(ports[5]),
+               "--min-worker-port", str(workers_from), "--max-worker-port", str(workers_from + 200)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        if out.returncode == 0:
+            return f"127.0.0.1:{port}"
         stop_cluster(temp_dir)
-        raise RuntimeError(f"ray start failed:\n{out.stdout}\n{out.stderr}")
-    return f"127.0.0.1:{port}"
+    raise RuntimeError(f"ray start failed {tries} times; last:\n{out.stdout}\n{out.stderr}")
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -46,6 +46,7 @@ from .groundtruth import qa_files
 from .manifest import (check_resume, identity, jsonable, model_checksum, model_dir_of, now_iso,
                        project_version)
 from .sources import BagRef
+from .worker import BagEvaluator, FleetWorker, failure_reason
 
 RESTART_WAIT_S = 600.0     # how long a feeder waits for its lost actor to be placed and loaded again
 
@@ -213,8 +214,6 @@ class _Driver:
 
 def _in_process(cfg: FleetConfig, driver: _Driver, threads: int) -> None:
     """--workers 0: one BagEvaluator in this process, no Ray (for debugging)."""
-    from .worker import BagEvaluator
-
     evaluator = BagEvaluator(cfg.params, threads, cfg.ground_truth)
     while driver.outstanding:
         bag, attempt = driver.pending.get_nowait()
@@ -236,8 +235,6 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
     """One thread per actor feeds it bags from the queue and forwards its stream to the driver's
     event queue; the main thread handles every event (commits, retries, the bar)."""
     import ray
-
-    from .worker import FleetWorker
 
     Worker = ray.remote(FleetWorker).options(num_cpus=threads, num_gpus=cfg.gpus_per_worker,
                                              max_restarts=-1, max_task_retries=0)
@@ -277,8 +274,6 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
                     if kind in ("done", "failed"):
                         break
             except Exception as exc:  # noqa: BLE001 - sorted below: the worker lost, or our bug
-                from .worker import failure_reason
-
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
                 lost = _is_worker_loss(exc)
                 events.put(("died" if lost else "failed", bag, attempt, reason if lost else failure_reason(exc)))
