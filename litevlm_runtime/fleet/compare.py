@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..errors import InputError
 from ..evaluation.breakdown import accuracy_by_template
 from ..evaluation.metrics import (CHALLENGE, LANGUAGE, LENIENT, Question, answer_is_correct, combine_language,

@@ -30,7 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..errors import InputError
 from .groundtruth import Reference
 from .sources import BagRef

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import __version__
 from ..bundled import DEFAULT_MODEL
 from ..errors import InputError
-from ..integrity import DigestCache, file_digest
+from ..weights.integrity import DigestCache, file_digest
 
 
 def model_dir_of(params: dict) -> Path:

@@ -147,7 +147,7 @@ def _thumbnails(cmp: Comparison, changes: list[dict], out: Path) -> dict[tuple[s
     from PIL import Image
 
     from ..ros.bag import read_bag
-    from ..ros.images import CompressedPayload, payload_from_msg, raw_to_rgb
+    from ..serving.images import CompressedPayload, payload_from_msg, raw_to_rgb
 
     topics = list(cmp.a.manifest.get("params", {}).get("camera_topics", []))
     camera_of = dict(zip(topics, CAMERAS))

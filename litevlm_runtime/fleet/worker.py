@@ -64,9 +64,9 @@ class BagEvaluator:
     """The model of one worker process, and bag after bag evaluated on it."""
 
     def __init__(self, params: dict, threads: int = 0, ground_truth: list[str] | tuple = ()):
-        from ..pipeline import Pipeline
+        from ..pipeline.pipeline import Pipeline
         from ..ros.parameters import pipeline_options_from
-        from ..runtime import set_threads
+        from ..pipeline.runtime import set_threads
 
         self.params = dict(params)
         if threads and not self.params.get("backend.threads"):

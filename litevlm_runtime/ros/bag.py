@@ -34,10 +34,10 @@ from typing import Iterable
 
 import numpy as np
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
-from .server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
+from ..serving.server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
 
 QUERY_TOPIC = "/litevlm/query"
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
@@ -73,7 +73,7 @@ def raw_frame(stamp_ns: int, jpeg_or_png: bytes, encoding: str, name: str = "fra
     """Decode an image into a sensor_msgs/Image payload in `encoding` (no row padding)."""
     from PIL import Image
 
-    from .images import raw_encoding, rgb_to_raw
+    from ..serving.images import raw_encoding, rgb_to_raw
 
     img = Image.open(io.BytesIO(jpeg_or_png))
     try:
@@ -231,7 +231,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
     Capture times come from the nuScenes file names (trailing 16-digit microseconds); files
     without one (rendered data) are put on a `synthetic_period_s` timeline. Scenes (file-name
     prefix before "__") follow each other with `scene_gap_s` between them."""
-    from .images import raw_encoding as check_encoding
+    from ..serving.images import raw_encoding as check_encoding
 
     if raw_encoding:
         check_encoding(raw_encoding)
@@ -415,10 +415,10 @@ def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerR
     """Replay the bag through QueryServer + Pipeline in bag time, one query at a time. `load`:
     returns the pipeline for these params (a fleet worker's, loaded once for many bags); default:
     load it from params["model_dir"]."""
-    from .frame_store import Frame
-    from .images import payload_from_msg
+    from ..serving.frame_store import Frame
+    from ..serving.images import payload_from_msg
     from ..bundled import DEFAULT_MODEL
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
     from .parameters import pipeline_options_from
 
     topics = dict(zip(params["camera_topics"], CAMERAS))

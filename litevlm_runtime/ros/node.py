@@ -42,14 +42,14 @@ from std_msgs.msg import String
 
 from litevlm_msgs.msg import Answer, AnswerPartial, Query
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
-from .frame_store import Frame
-from .images import payload_from_msg
+from ..serving.frame_store import Frame
+from ..serving.images import payload_from_msg
 from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
                          ros_default, validate_values)
-from .server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
+from ..serving.server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
 from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
 
 NODE_NAME = "litevlm_drive"
@@ -230,7 +230,7 @@ class DriveNode(LifecycleNode):
                                f"{options.backend.name.value}, {options.device}, {options.dtype})")
 
         def factory():
-            from ..pipeline import Pipeline
+            from ..pipeline.pipeline import Pipeline
 
             return Pipeline.from_pretrained(model_dir, options)
         try:
