@@ -32,7 +32,8 @@ def _overrides(items: list[str]) -> dict:
 
 
 def cmd_make(args) -> int:
-    from ..ros.bag import drivelm_contents, write_bag
+    from ..bag.io import write_bag
+    from ..bag.make import drivelm_contents
 
     src = args.from_drivelm or args.from_synth
     contents = drivelm_contents(src, max_frames=args.max_frames, questions_per_frame=args.questions_per_frame,
@@ -45,7 +46,7 @@ def cmd_make(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from ..ros.bag import replay
+    from ..bag.dds import replay
 
     return replay(args.bag, rate=args.rate, restamp=not args.keep_stamps, params_file=args.params,
                   topics=args.topics, all_topics=args.all_topics, wait_s=0.0 if args.no_wait else args.wait,
@@ -53,13 +54,13 @@ def cmd_replay(args) -> int:
 
 
 def cmd_record(args) -> int:
-    from ..ros.bag import record
+    from ..bag.dds import record
 
     return record(args.out, topic=args.topic, count=args.count, timeout_s=args.timeout, bag_out=args.bag)
 
 
 def print_latency(rows, title: str) -> None:
-    from ..ros.bag import latency_table
+    from ..bag.compare import latency_table
 
     table = latency_table(rows)
     if not table:
@@ -70,7 +71,8 @@ def print_latency(rows, title: str) -> None:
 
 
 def cmd_eval(args) -> int:
-    from ..ros.bag import evaluate, load_node_params
+    from ..bag.evaluate import evaluate
+    from ..ros.params_file import load_node_params
 
     params = load_node_params(args.params, _overrides(args.set))
     if args.model:
@@ -94,7 +96,7 @@ def cmd_eval(args) -> int:
 
 def cmd_summary(args) -> int:
     from ..pipeline.answer import STAGES
-    from ..ros.bag import read_jsonl, reuse_summary
+    from ..bag.compare import read_jsonl, reuse_summary
 
     rows = read_jsonl(args.file)
     print(f"{len(rows)} answers in {args.file}")
@@ -115,7 +117,7 @@ def cmd_summary(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from ..ros.bag import compare_runs, read_jsonl
+    from ..bag.compare import compare_runs, read_jsonl
 
     a, b = read_jsonl(args.a), read_jsonl(args.b)
     cmp = compare_runs(a, b)
@@ -137,7 +139,7 @@ def _harness(args, extra: dict | None = None):
     import signal
     import tempfile
 
-    from ..ros.bag import load_node_params
+    from ..ros.params_file import load_node_params
     from ..ros.node import config_dir
     from ..bench.soak import DDSClient, NodeProcess, workload_from_bag
 

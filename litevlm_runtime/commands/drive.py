@@ -19,7 +19,7 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "fatal")
 
 
 def run(args) -> int:
-    from ..ros.bag import load_node_params
+    from ..ros.params_file import load_node_params
     from ..ros.node import NODE_NAME, config_dir, ros_arguments, run_node, use_large_data_profile
 
     params = args.params or config_dir() / "drive.yaml"

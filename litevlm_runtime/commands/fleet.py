@@ -19,7 +19,7 @@ from .bag import _overrides
 
 
 def _params(args) -> dict:
-    from ..ros.bag import load_node_params
+    from ..ros.params_file import load_node_params
 
     params = load_node_params(args.params, _overrides(args.set))
     if args.model:

@@ -69,7 +69,7 @@ def queries_from_bag(path: Path, camera_topics: dict[str, str] | None = None) ->
     questions) with the newest frame of every camera at that moment, read with the bag tooling
     of litevlm_runtime.ros.bag."""
     from ..cameras import CAMERAS
-    from ..ros.bag import QUERY_TOPIC, camera_topic, read_bag
+    from ..bag.io import QUERY_TOPIC, camera_topic, read_bag
     from ..serving.images import payload_from_msg, to_pipeline_image
 
     if camera_topics:

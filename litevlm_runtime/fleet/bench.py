@@ -32,7 +32,7 @@ def run_answers(out: Path) -> dict[tuple[str, str], tuple]:
 
 def bag_eval_answers(cfg) -> dict[tuple[str, str], tuple]:
     """Each bag through ros.bag.evaluate with a freshly loaded pipeline, as `litevlm bag eval` runs it."""
-    from ..ros.bag import evaluate
+    from ..bag.evaluate import evaluate
 
     out = {}
     for bag in cfg.bags:

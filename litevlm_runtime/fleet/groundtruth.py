@@ -80,7 +80,7 @@ class GroundTruth:
 
     def _index_width(self, width: int) -> None:
         """Add the digests of every CAM_FRONT image as `bag make --max-width width` re-encodes it."""
-        from ..ros.bag import _downscale
+        from ..bag.make import _downscale
 
         self._widths_done.add(width)
         for _, front, refs in self._frames:

@@ -146,7 +146,7 @@ def _thumbnails(cmp: Comparison, changes: list[dict], out: Path) -> dict[tuple[s
     """(bag, camera, stamp) -> thumbnail path relative to the report, for the changes shown."""
     from PIL import Image
 
-    from ..ros.bag import read_bag
+    from ..bag.io import read_bag
     from ..serving.images import CompressedPayload, payload_from_msg, raw_to_rgb
 
     topics = list(cmp.a.manifest.get("params", {}).get("camera_topics", []))

@@ -46,7 +46,7 @@ def failure_reason(exc: BaseException) -> str:
 def front_references(bag: str, params: dict, truth: GroundTruth) -> dict[int, dict[str, Reference]]:
     """CAM_FRONT frame stamp -> the references of its DriveLM key frame (by question text), for the
     bag's CAM_FRONT frames that a ground-truth folder has."""
-    from ..ros.bag import read_bag
+    from ..bag.io import read_bag
 
     topic = params["camera_topics"][CAMERAS.index("CAM_FRONT")]
     out: dict[int, dict[str, Reference]] = {}
@@ -99,7 +99,7 @@ class BagEvaluator:
     def evaluate(self, bag: BagRef, on_row: Callable[[dict], None], attempt: int = 1) -> dict:
         """Evaluate one bag; on_row(row) per answer in answer order; returns the bag's summary.
         Raises when the bag cannot be evaluated (unreadable, no camera topics)."""
-        from ..ros.bag import evaluate
+        from ..bag.evaluate import evaluate
 
         if self.threads:
             self._set_threads(self.threads)
