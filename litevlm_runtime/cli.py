@@ -29,6 +29,7 @@ COMMAND_MODULES = [
     "litevlm_runtime.commands.bag",
     "litevlm_runtime.commands.synth",
     "litevlm_runtime.commands.evaluate",
+    "litevlm_runtime.commands.fleet",
 ]
 
 

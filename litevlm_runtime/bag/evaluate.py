@@ -17,8 +17,10 @@ from ..serving.settings import ServerSettings
 from .io import bag_topics, missing_cameras, read_bag
 
 
-def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
-    """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
+def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerRecord]:
+    """Replay the bag through QueryServer + Pipeline in bag time, one query at a time. `load`:
+    returns the pipeline for these params (a fleet worker's, loaded once for many bags); default:
+    load it from params["model_dir"]."""
 
     topics = dict(zip(params["camera_topics"], CAMERAS))
     why = missing_cameras(bag_topics(bag), params["camera_topics"])
@@ -37,7 +39,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     try:
         # Warm-up as the node does, so that latencies are comparable between eval and a replay.
         model_dir = params.get("model_dir") or str(DEFAULT_MODEL)     # "": the bundled model, as the node does
-        server.load(lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params)),
+        server.load(load or (lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params))),
                     warmup=params["warmup"])
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does

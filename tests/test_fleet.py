@@ -1,0 +1,266 @@
+"""litevlm fleet eval: BAGS arguments, the run folder (one atomic partition per bag, written once),
+in-process runs that answer exactly as bag eval does and resume, and one real Ray run (a cluster
+started with `ray start --head`) in which a worker is killed mid-bag and a bag is corrupt."""
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from ray_helpers import ray_cluster
+
+from litevlm_runtime.bag.evaluate import evaluate
+from litevlm_runtime.bag.io import write_bag
+from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.errors import InputError
+from litevlm_runtime.fleet.dataset import RunFolder, record_json
+from litevlm_runtime.fleet.run import FleetConfig, run_fleet
+from litevlm_runtime.fleet.sources import expand_bags
+from litevlm_runtime.ros.params_file import load_node_params
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSWER_FIELDS = ("query_id", "question", "status", "answer", "token_ids", "cameras", "kept_tokens", "pipeline")
+
+
+def answers(rows):
+    return [{k: r[k] for k in ANSWER_FIELDS} for r in rows]
+
+
+def bag_eval(bag, params):
+    """What `litevlm bag eval BAG` writes, per answer."""
+    return answers([r.to_json() for r in evaluate(bag, params)])
+
+
+@pytest.fixture(scope="module")
+def bags(tmp_path_factory, drivelm_dir):
+    """Two small bags from the DriveLM sample (one given as its .mcap file) and a truncated one."""
+    root = tmp_path_factory.mktemp("bags")
+    small = write_bag(drivelm_contents(drivelm_dir, max_frames=1, questions_per_frame=2, max_width=160), root / "small")
+    two = write_bag(drivelm_contents(drivelm_dir, max_frames=2, questions_per_frame=2, max_width=160), root / "two")
+    mcap = next(two.glob("*.mcap"))
+    # the bag the Ray test kills a worker in: enough answers after the first that the kill lands mid-bag
+    long = write_bag(drivelm_contents(drivelm_dir, max_frames=4, questions_per_frame=3, max_width=160), root / "long")
+    corrupt = root / "corrupt.mcap"
+    corrupt.write_bytes(mcap.read_bytes()[: mcap.stat().st_size // 3])       # cut off mid-file
+    return {"small": small, "two": mcap, "long": long, "corrupt": corrupt}
+
+
+@pytest.fixture(scope="module")
+def params(tiny_model):
+    return load_node_params(None, {"model_dir": str(tiny_model), "max_new_tokens": "4"})
+
+
+def test_bags_from_the_command_line_and_list_files(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for d in ("x", "y"):
+        (tmp_path / d / "drive").mkdir()
+    (tmp_path / "x" / "one.mcap").write_bytes(b"")
+    listing = tmp_path / "x" / "bags.txt"
+    listing.write_text("# release set\ndrive\none.mcap   # a bare MCAP file\n\n../y/drive\n/nowhere/bag\n")
+    refs = expand_bags([listing, tmp_path / "x" / "drive"])
+    assert [r.path for r in refs] == [str(tmp_path / "x" / "drive"), str(tmp_path / "x" / "one.mcap"),
+                                      str(tmp_path / "y" / "drive"), "/nowhere/bag"]   # relative to the list; once
+    assert len({r.key for r in refs}) == 4 and refs[0].key.startswith("drive-") and refs[1].key.startswith("one-")
+    assert expand_bags([tmp_path / "x" / "drive"])[0].key == refs[0].key               # stable across runs
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(InputError, match="no bags"):
+        expand_bags([tmp_path / "empty.txt"])
+
+
+def test_a_bag_partition_is_atomic_and_written_once(tmp_path):
+    run = RunFolder(tmp_path / "run")
+    row = {"bag_path": "/b", "seq": 0, "query_id": "q", "question": "?", "answer": "a", "status": "ok",
+           "status_code": 0, "cameras": ["CAM_FRONT"], "token_ids": [1], "frame_stamps_ns": {"CAM_FRONT": 5}}
+    with run.lock():
+        (run.answers / ".tmp-b-1234").mkdir()                 # a driver killed before its rename
+        with pytest.raises(InputError, match="another"), run.lock():
+            pass
+    with run.lock():
+        assert not list(run.answers.glob(".tmp-*"))
+        run.write_bag("b", [row], {"answers": 1})
+        with pytest.raises(FileExistsError):
+            run.write_bag("b", [row], {"answers": 1})
+        run.mark_failed("c", {"reason": "broken"})
+    assert run.complete_keys() == {"b"} and run.bag_meta("b") == {"answers": 1}
+    (back,) = run.read_rows()
+    assert back["bag"] == "b" and back["frame_stamps_ns"] == {"CAM_FRONT": 5} and back["gt_answer"] is None
+    assert run.failures() == {"c": {"reason": "broken"}}
+
+
+def test_in_process_run_answers_as_bag_eval_and_resumes(tmp_path, bags, params, drivelm_dir):
+    out = tmp_path / "run"
+    plan = expand_bags([bags["small"], bags["two"], bags["corrupt"]])
+    keys = [b.key for b in plan]
+    cfg = FleetConfig(plan, out, params, ground_truth=[str(drivelm_dir)], workers=0, progress=False)
+
+    def stop_after_first_bag(event):
+        if event["event"] == "done":
+            raise KeyboardInterrupt             # the driver stopped (Ctrl-C) after one bag
+    with pytest.raises(KeyboardInterrupt):
+        run_fleet(cfg, stop_after_first_bag)
+    run = RunFolder(out)
+    assert run.complete_keys() == {keys[0]}
+    first_file = run.partition(keys[0]) / "part-0.parquet"
+    inode = first_file.stat().st_ino
+
+    started = []
+    result = run_fleet(cfg, lambda e: started.append(e["bag"]) if e["event"] == "start" else None)
+    assert started == keys[1:]                  # only what was not finished
+    assert result.skipped == keys[:1] and result.complete == keys[1:2] and result.exit_code == 1
+    assert "cannot read the bag" in result.failed[keys[2]] or "corrupt" in result.failed[keys[2]].lower()
+    assert first_file.stat().st_ino == inode    # never rewritten
+    rows = run.read_rows()
+    for bag in (bags["small"], bags["two"]):
+        key = expand_bags([bag])[0].key
+        mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
+        assert [r["seq"] for r in mine] == list(range(len(mine)))
+        assert answers(mine) == bag_eval(bag, params)       # exactly bag eval's answers
+        assert [record_json(r)["query_id"] for r in mine] == [a["query_id"] for a in bag_eval(bag, params)]
+    assert all(r["gt_question_id"] and r["gt_answer"] for r in rows)     # every question is DriveLM's
+    manifest = run.read_manifest()
+    assert manifest["bags"][keys[2]]["status"] == "failed" and manifest["invocations"][0]["interrupted"]
+    assert manifest["model"]["sha256"] and manifest["params"]["max_new_tokens"] == 4
+
+    started.clear()
+    assert run_fleet(cfg, lambda e: started.append(e["bag"]) if e["event"] == "start" else None).exit_code == 1
+    assert started == keys[2:]                  # a failed bag is tried again, finished ones are not
+    changed = FleetConfig(plan, out, params | {"max_new_tokens": 5}, workers=0, progress=False,
+                          ground_truth=[str(drivelm_dir)])
+    with pytest.raises(InputError, match="max_new_tokens"):
+        run_fleet(changed)
+
+
+def test_ray_pool_survives_a_killed_worker(tmp_path, bags, params, drivelm_dir):
+    """A real cluster (`ray start --head`), two actors; one is SIGKILLed right after the first answer
+    of the bigger bag: Ray restarts it, the bag is redone, and every bag's answers are there once."""
+    plan = expand_bags([bags["long"], bags["small"], bags["corrupt"]])
+    big, small, corrupt = (b.key for b in plan)
+    events, killed = [], []
+    lock = threading.Lock()
+
+    def kill_mid_bag(event):
+        with lock:
+            events.append(event)
+            if event["event"] == "row" and event["bag"] == big and not killed:
+                os.kill(event["pid"], signal.SIGKILL)
+                killed.append(event["pid"])
+
+    with ray_cluster(cpus=2) as address:
+        cfg = FleetConfig(plan, tmp_path / "run", params, ground_truth=[str(drivelm_dir)], ray_address=address,
+                          workers=2, progress=False)
+        result = run_fleet(cfg, kill_mid_bag)
+    died = [e for e in events if e["event"] == "died"]
+    assert killed and died and died[0]["bag"] == big and died[0]["attempt"] == 1
+    assert result.complete and set(result.complete) == {big, small} and list(result.failed) == [corrupt]
+    assert result.exit_code == 1 and "cannot read" in result.failed[corrupt]
+    run = RunFolder(tmp_path / "run")
+    rows = run.read_rows()
+    for bag, key in ((bags["long"], big), (bags["small"], small)):
+        mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
+        assert [r["seq"] for r in mine] == list(range(len(mine)))          # none lost, none twice
+        assert answers(mine) == bag_eval(bag, params)
+    assert {r["attempt"] for r in rows if r["bag"] == big} == {2} and killed[0] not in {
+        r["worker_pid"] for r in rows if r["bag"] == big}
+    assert died[0]["discarded"] < len([r for r in rows if r["bag"] == big])   # it was killed mid-bag
+    manifest = run.read_manifest()
+    assert manifest["bags"][big]["attempts"] == 2 and manifest["invocations"][0]["workers"] == 2
+    assert manifest["invocations"][0]["threads_per_worker"] == 1 and manifest["hosts"]
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="language scores need Java")
+def test_cli_eval_then_compare(tmp_path, bags, params, drivelm_dir, tiny_model):
+    from litevlm_runtime.cli import main
+
+    common = [str(bags["small"]), "--set", f"model_dir={tiny_model}", "--set", "max_new_tokens=4",
+              "--ground-truth", str(drivelm_dir), "--workers", "0", "--quiet"]
+    assert main(["fleet", "eval", *common, "--out", str(tmp_path / "a")]) == 0
+    assert main(["fleet", "eval", *common, "--set", "pipeline=baseline", "--out", str(tmp_path / "b")]) == 0
+    assert main(["fleet", "compare", str(tmp_path / "a"), str(tmp_path / "a"), "--report", str(tmp_path / "same"),
+                 "--max-p99-ratio", "1.0", "--max-changed", "0", "--lenient"]) == 0
+    code = main(["fleet", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "rep"),
+                 "--max-p99-ratio", "0.0001", "--lenient"])
+    assert code == 1                           # the p99 gate is crossed at any latency
+    html = (tmp_path / "rep" / "index.html").read_text()
+    assert "FAILED" in html and "pipeline" in html and "latency_stages.png" in html
+    if shutil.which("chromium"):                # the report as a person sees it: not a blank page
+        import subprocess
+
+        import numpy as np
+        from PIL import Image
+
+        shot = tmp_path / "shot.png"
+        subprocess.run(["bash", str(ROOT / "scripts" / "fleet_screenshot.sh"), str(tmp_path / "rep"), str(shot),
+                        "1000x1400"], check=True, timeout=120)
+        pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
+        assert pixels.shape == (1400, 1000) and pixels.std() > 10
+
+
+@pytest.mark.slow
+def test_a_lost_node_ends_every_bag_complete(tmp_path, bags, params, drivelm_dir):
+    """Two Ray nodes (raylets) on this machine, one actor on each; the worker node is removed
+    (every process of it killed) after the first answer it streams: its bag is redone by the
+    actor that is left, and every bag's answers are there exactly once."""
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    short = tempfile.mkdtemp(prefix="lvray-")       # unix socket paths: <= 107 bytes
+    env = {"RAY_TMPDIR": short, "RAY_AUTH_MODE": "disabled"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    worker_node = cluster.add_node(num_cpus=1)
+    plan = expand_bags([bags["two"], bags["small"]])
+    events, removed = [], []
+
+    def lose_node(event):
+        events.append(event)
+        if event["event"] == "start" and event["node"] == worker_node.node_id:
+            removed.append(event["bag"])
+        if event["event"] == "row" and removed and event["bag"] == removed[0] and len(removed) == 1:
+            cluster.remove_node(worker_node, allow_graceful=False)
+            removed.append("gone")
+    try:
+        cfg = FleetConfig(plan, tmp_path / "run", params, ray_address=cluster.address, workers=2, threads=1,
+                          progress=False)
+        result = run_fleet(cfg, lose_node)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(short, ignore_errors=True)
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert removed[-1] == "gone"
+    assert any(e["event"] == "died" and e["bag"] == removed[0] for e in events)
+    assert sorted(result.complete) == sorted(b.key for b in plan) and not result.failed
+    rows = RunFolder(tmp_path / "run").read_rows()
+    for bag in (bags["two"], bags["small"]):
+        key = expand_bags([bag])[0].key
+        mine = sorted((r for r in rows if r["bag"] == key), key=lambda r: r["seq"])
+        assert answers(mine) == bag_eval(bag, params)
+
+
+@pytest.mark.slow
+def test_bench_two_workers_answer_as_one(tmp_path, bags, params, drivelm_dir, monkeypatch):
+    """`fleet bench` on a local Ray instance (no --ray): 1 and 2 workers, the same answers as each
+    other and as bag eval of each bag (the speed is the note's business, not a test's)."""
+    import tempfile
+
+    from litevlm_runtime.fleet.bench import scaling
+
+    short = tempfile.mkdtemp(prefix="lvray-")      # Ray's files (not /tmp/ray); sockets <= 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", short)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    plan = expand_bags([bags["small"], bags["two"]])
+    try:
+        text, result = scaling(lambda out, n: FleetConfig(plan, out, params, workers=n, threads=1, progress=False),
+                               [1, 2], tmp_path / "bench", versus_bag_eval=True)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert result["identical_runs"] and result["identical_to_bag_eval"], text
+    assert "vs 1 worker(s)" in text
