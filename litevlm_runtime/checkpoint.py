@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import CheckpointError, read_json
+from .finite import check_finite
 from .integrity import verify_model_folder, write_manifest
 from .models.internvl import InternVL
 
@@ -51,10 +52,13 @@ def open_safetensors(path: Path):
 
 
 def get_tensor(f, path: Path, name: str) -> torch.Tensor:
+    """One tensor of an open file, refused by name when unreadable or not finite (finite.py)."""
     try:
-        return f.get_tensor(name)
+        t = f.get_tensor(name)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: tensor {name!r} unreadable ({exc})") from None
+    check_finite(path, name, t)
+    return t
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from ros_helpers import Proc, RosClient, domain_id, ros_env, write_params
 
+from litevlm_runtime.ros.parameters import AT_CONFIGURE, CONFIGURE_NOTE, LIVE_NOTE
 from litevlm_runtime.ros.topics import SHIPPED_REMAPS, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,9 @@ def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model
         assert (d["queue_size"].integer_range[0].from_value, d["queue_size"].integer_range[0].to_value) == (1, 10000)
         assert d["max_skew_s"].floating_point_range[0].to_value == 60.0 and d["max_skew_s"].description
         assert "drop_oldest" in d["overflow_policy"].additional_constraints
-        assert d["model_dir"].read_only and d["tokens.keep_ratio"].read_only
+        assert not any(x.read_only for x in d.values())       # rclpy-read-only would refuse them unconfigured too
+        assert d["model_dir"].description.endswith(CONFIGURE_NOTE) and d["tokens.keep_ratio"].description.endswith(
+            CONFIGURE_NOTE) and d["queue_size"].description.endswith(LIVE_NOTE)
         assert d["camera_topics"].type == ParameterType.PARAMETER_STRING_ARRAY
         assert client.param_get(name, "camera_topics")[0] == "cam_front/image_raw/compressed"
 
@@ -118,9 +121,9 @@ def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model
         for pname, value, why in (("overflow_policy", "bogus", "not one of 'reject_new', 'drop_oldest'"),
                                   ("queue_size", 0, "out of range"),
                                   ("queue_size", "four", "Wrong parameter type"),
-                                  ("model_dir", "/elsewhere", "read-only"),
-                                  ("tokens.keep_ratio", 0.5, "read-only"),
-                                  ("serving.latency_budget_ms", 100.0, "read-only")):
+                                  ("model_dir", "/elsewhere", AT_CONFIGURE),
+                                  ("tokens.keep_ratio", 0.5, AT_CONFIGURE),
+                                  ("serving.latency_budget_ms", 100.0, AT_CONFIGURE)):
             r = client.param_set(name, pname, value)
             assert not r.successful and why in r.reason, (pname, value, r.reason)
         assert client.param_get(name, "overflow_policy") == "reject_new"
