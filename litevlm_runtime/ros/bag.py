@@ -37,6 +37,9 @@ import numpy as np
 from ..answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
+from .bag_damage import damaged, decode, guarded
+from .bag_ids import replay_tag, split, tagged
+from .bag_types import camera_topics_from_bag, parse_remaps, published_name
 from .server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
 
 QUERY_TOPIC = "/litevlm/query"
@@ -334,6 +337,8 @@ def _reader(path: Path):
         reader.open()
     except (AnyReaderError, ReaderError) as exc:
         raise InputError(f"{path}: cannot read the bag ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - damage rosbags does not name (bag_damage.py)
+        raise damaged(path, "opening it", exc) from None
     return reader
 
 
@@ -345,7 +350,7 @@ def read_bag(path: Path, topics: Iterable[str] | None = None):
         wanted = None if topics is None else set(topics)
         conns = [c for c in reader.connections if wanted is None or c.topic in wanted]
         if conns:
-            for conn, t, raw in reader.messages(connections=conns):
+            for conn, t, raw in guarded(path, reader.messages(connections=conns)):
                 yield t, conn.topic, conn.msgtype, raw, reader
     finally:
         reader.close()
@@ -419,6 +424,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     from ..pipeline import Pipeline
     from .parameters import pipeline_options_from
 
+    params = camera_topics_from_bag(params, bag_topics(bag))     # camera_topics not set: the bag's own
     topics = dict(zip(params["camera_topics"], CAMERAS))
     why = missing_cameras(bag_topics(bag), params["camera_topics"])
     if why:
@@ -447,11 +453,11 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     for t, topic, msgtype, raw, reader in read_bag(bag, [*topics, params["query_topic"], params["question_topic"]]):
         clock[0] = t
         if topic in topics:
-            msg = reader.deserialize(raw, msgtype)
+            msg = decode(bag, topic, t, reader.deserialize, raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             server.frames.add(Frame(topics[topic], stamp, payload_from_msg(msg)))
         elif topic == params["query_topic"]:
-            msg = reader.deserialize(raw, msgtype)
+            msg = decode(bag, topic, t, reader.deserialize, raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             deadline = msg.deadline.sec * 1_000_000_000 + msg.deadline.nanosec
             # No frames are in flight in a bag: a failed match is final (allow_wait=False). A bag
@@ -463,7 +469,7 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
                 server.serve(req, now_ns=t)
                 server.prefetch(req)        # idle until the next message, as the node's worker is
         elif topic == params["question_topic"]:
-            msg = reader.deserialize(raw, msgtype)
+            msg = decode(bag, topic, t, reader.deserialize, raw, msgtype)
             req = server.submit(msg.data, now_ns=t, allow_wait=False)
             if req is not None:
                 server.queue.drain()
@@ -508,7 +514,7 @@ def compare_runs(a_rows: list[dict], b_rows: list[dict]) -> Comparison:
     for name, rows in (("A", a_rows), ("B", b_rows)):
         d = defaultdict(list)
         for r in rows:
-            d[r["query_id"]].append(r)
+            d[split(r["query_id"])[0]].append(r)      # a replay's tagged id is its bag's id (bag_ids.py)
         for qid, rs in d.items():
             if len(rs) > 1:
                 diffs.append(f"{qid}: answered {len(rs)} times in {name}")
@@ -657,7 +663,8 @@ def _qos_mismatch(ours, theirs) -> str | None:
 
 def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path | None = None,
            topics: list[str] | None = None, all_topics: bool = False, wait_s: float = 10.0,
-           settle_s: float = 1.0, reliable: bool = False, progress=print) -> int:
+           settle_s: float = 1.0, reliable: bool = False, progress=print, namespace: str = "",
+           remaps: list[str] | None = None) -> int:
     """Publish the bag's messages with their original timing (divided by `rate`): the topics the
     node subscribes to (its parameters, `params_file`, default config/drive.yaml), or `topics`, or
     all of them; each with the QoS the bag recorded for it (replay_qos). A topic whose message type
@@ -673,6 +680,9 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
         raise InputError(f"--rate must be > 0, got {rate}")
     info = bag_topic_info(bag)
     params = load_node_params(params_file)
+    params = camera_topics_from_bag(params, {t: i.msgtype for t, i in info.items()}, progress)
+    remap_rules = parse_remaps(remaps)
+    tag = replay_tag()
     chosen = select_topics(info, params, topics, all_topics, progress)
     types, missing = {}, defaultdict(list)
     for t in chosen:
@@ -690,9 +700,11 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
     pubs, qos = {}, {}
     for t, msg_type in types.items():
         qos[t] = replay_qos(info[t].qos, reliable)
-        pubs[t] = node.create_publisher(msg_type, t, qos[t])
+        pubs[t] = node.create_publisher(msg_type, published_name(t, namespace, remap_rules), qos[t])
         recorded = "as recorded" if info[t].qos and not reliable else "default"
-        progress(f"replay: {t} ({info[t].msgtype}, {info[t].count} messages; QoS {_qos_text(qos[t])}, {recorded})")
+        shown = t if pubs[t].topic_name == t else f"{t} as {pubs[t].topic_name}"
+        progress(f"replay: {shown} ({info[t].msgtype}, {info[t].count} messages; QoS {_qos_text(qos[t])}, {recorded})")
+    progress(f"replay: query ids published as ID@replay-{tag} (bag record gives back the bag's ids)")
     # One bounded wait, for the node's query subscription (the question topic, or any, without one).
     target = next((t for t in (params["query_topic"], params["question_topic"]) if t in pubs), None)
     try:
@@ -710,20 +722,26 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
             else:
                 progress(f"replay: no subscriber on {what} after {wait_s:.0f} s; publishing anyway")
         for t, pub in pubs.items():
-            for sub in node.get_subscriptions_info_by_topic(t):
+            for sub in node.get_subscriptions_info_by_topic(pub.topic_name):
                 why = _qos_mismatch(qos[t], sub.qos_profile)
                 if why:
                     progress(f"replay: {t}: subscriber {sub.node_name} {why}: it receives nothing (--reliable)")
         n, first_t, start_wall, start_clock = 0, None, time.monotonic(), node.get_clock().now().nanoseconds
-        for t, topic, msgtype, raw, _ in read_bag(bag, pubs):
+        for t, topic, msgtype, raw, reader in read_bag(bag, pubs):
             if first_t is None:
                 first_t = t
             due = start_wall + (t - first_t) / 1e9 / rate
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            if restamp:
+            # rosbags parses the bytes first (pure Python: a clean error): rclpy's deserialize_message
+            # crashed the process (SIGSEGV) on a damaged message, and a subscriber would get them raw.
+            decode(bag, topic, t, reader.deserialize, raw, msgtype)
+            if restamp or msgtype == "litevlm_msgs/msg/Query":
                 msg = deserialize_message(raw, types[topic])
+            if msgtype == "litevlm_msgs/msg/Query":
+                msg.id = tagged(msg.id, tag)          # unique per replay (bag_ids.py)
+            if restamp:
                 shift = lambda ns: start_clock + int((ns - first_t) / rate)  # noqa: E731
                 if hasattr(msg, "header"):
                     s = shift(msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec)
@@ -733,7 +751,7 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
                     msg.deadline.sec, msg.deadline.nanosec = s // 1_000_000_000, s % 1_000_000_000
                 pubs[topic].publish(msg)
             else:
-                pubs[topic].publish(raw)
+                pubs[topic].publish(msg if msgtype == "litevlm_msgs/msg/Query" else raw)
             n += 1
             if msgtype == "litevlm_msgs/msg/Query":
                 progress(f"replay: {(time.monotonic() - start_wall):7.2f} s  query published ({n} messages)")
@@ -799,6 +817,7 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
 
     def on_answer(msg: Answer) -> None:
         row = answer_row(msg, node.get_clock().now().nanoseconds)
+        row["query_id"], row["replay"] = split(msg.query_id)     # the bag's id back (bag_ids.py)
         now = row["received_ns"]
         fh.write(json.dumps(row) + "\n")
         fh.flush()

@@ -11,8 +11,8 @@ Everything between "a query arrives" and "an answer record" is server.QueryServe
 with `litevlm bag eval`; this file only converts messages and parameters.
 
 Topic names are relative (ros/topics.py); the shipped names come from remapping. A camera topic
-whose name ends in "/compressed" carries sensor_msgs/CompressedImage, any other sensor_msgs/Image,
-as image_transport names them.
+whose resolved name (after namespace and remaps) ends in "/compressed" carries
+sensor_msgs/CompressedImage, any other sensor_msgs/Image, as image_transport names them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rclpy.signals import SignalHandlerOptions
-from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
 from litevlm_msgs.msg import Answer, AnswerPartial, Query
@@ -46,6 +45,7 @@ from ..answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
 from ..integrity import integrity_label, require_manifest_error
+from .bag_types import message_type_of
 from .frame_health import header_defect, too_large
 from .memory import release_memory
 from .frame_store import Frame
@@ -280,7 +280,7 @@ class DriveNode(LifecycleNode):
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         for cam, topic in zip(CAMERAS, self.settings.camera_topics):
-            msg_type = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
+            msg_type = message_type_of(self.resolve_topic_name(topic))   # after namespace and remaps
             events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info))
             self._camera_subs.append(self.create_subscription(
                 msg_type, topic, lambda m, c=cam: self._on_image(c, m), qos_profile_sensor_data,
