@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -93,7 +94,15 @@ def use_large_data_profile() -> None:
     executable that launch starts). Must run before rclpy.init."""
     if not os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE"):
         os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(large_data_profile())
-        os.environ.setdefault("RMW_FASTRTPS_USE_QOS_FROM_XML", "1")     # its reader memory policy (the XML says why)
+    use_profile_memory_policy()
+
+
+def use_profile_memory_policy() -> None:
+    """With the shipped profile in effect, let rmw_fastrtps take its reader memory policy from it
+    (RMW_FASTRTPS_USE_QOS_FROM_XML; the XML says why), unless the user set that variable."""
+    chosen = os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE", "")
+    if chosen and Path(chosen).resolve() == large_data_profile().resolve():
+        os.environ.setdefault("RMW_FASTRTPS_USE_QOS_FROM_XML", "1")
 
 
 def model_label(model_dir: str) -> str:
@@ -492,6 +501,10 @@ def drain_and_close(node: DriveNode, executor, ack_timeout_s: float = 2.0) -> No
         rclpy.shutdown()
 
 
+# A second SIGINT this soon after the first is the same Ctrl-C, forwarded by ros2 launch.
+REPEATED_SIGINT_S = 1.0
+
+
 def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = True) -> int:
     """Start the node with these command-line arguments and spin until SIGINT or SIGTERM, then
     drain (drain_and_close). With self_drive (`litevlm drive`) the node takes itself through
@@ -499,12 +512,23 @@ def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = Tru
     the node up: it answers every query with an error and reports the cause on /diagnostics."""
     # rclpy's own handlers would shut the context down on the signal, before the worker could
     # publish what it owes ("publisher's context is invalid"): the node handles both itself.
+    use_profile_memory_policy()
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     stop = threading.Event()
+    first_signal = [0.0]
 
     def on_signal(signum, frame):
-        stop.set()
-        signal.signal(signum, signal.SIG_DFL)      # a second one ends the process at once
+        now = time.monotonic()
+        if not stop.is_set():
+            first_signal[0] = now
+            stop.set()
+        elif signum == signal.SIGINT and now - first_signal[0] < REPEATED_SIGINT_S:
+            # Ctrl-C under `ros2 launch` reaches the node twice: from the terminal (the process
+            # group) and from launch, which forwards it. That second one is the same request.
+            return
+        else:
+            signal.signal(signum, signal.SIG_DFL)      # a later one ends the process at once
+            os.kill(os.getpid(), signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -524,12 +548,16 @@ def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = Tru
         pass
     finally:
         drain_and_close(node, executor)
-    return 0
+    # Everything owed is done: answers acknowledged, summary logged, the DDS participant gone.
+    # The interpreter's own teardown (torch, OpenMP, a large heap) then took 4-5 s here, which
+    # under `ros2 launch` runs into its 5 s sigint_timeout and a SIGTERM ("process has died").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
     """`litevlm_drive_node`: the executable launch_ros starts (lib/litevlm/litevlm_drive_node).
     Transitions come from the launch file or `ros2 lifecycle set`; names, remaps, parameters and
     the DDS profile are entirely the caller's (no shipped remap is added here)."""
-    import sys
     return run_node(sys.argv, self_drive=False)
