@@ -143,3 +143,20 @@ def test_a_bag_replayed_twice_into_one_namespaced_node_is_answered_twice(tmp_pat
     assert compare_runs(first, [r for r in rows if r["replay"] != rows[0]["replay"]]).ok
     assert "duplicate_id" not in node.text()
     json.dumps(rows)
+
+
+def test_bag_eval_applies_require_manifest_as_the_node_does(tmp_path, tiny_model):
+    import shutil
+
+    from litevlm_runtime.integrity import MANIFEST_FILE
+
+    folder = tmp_path / "brought"
+    shutil.copytree(tiny_model, folder)
+    (folder / MANIFEST_FILE).unlink()
+    bag = write_bag(contents(n_sets=1), tmp_path / "bag")
+    params = load_node_params(None, {"model_dir": str(folder), "max_new_tokens": 2, "warmup": False})
+    assert params["require_manifest"] is True                     # the shipped vehicle parameters
+    records = evaluate(bag, params)
+    assert [r.status for r in records] == ["pipeline_error"]
+    assert f"then write the manifests with: litevlm checksum {folder}" in records[0].status_message
+    assert [r.status for r in evaluate(bag, params | {"require_manifest": False})] == ["ok"]

@@ -39,7 +39,7 @@ from ..cameras import CAMERAS
 from ..errors import InputError
 from .bag_damage import damaged, decode, guarded
 from .bag_ids import replay_tag, split, tagged
-from .bag_types import camera_topics_from_bag, parse_remaps, published_name
+from .bag_types import camera_topics_from_bag, checked_folder, parse_remaps, published_name
 from .server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
 
 QUERY_TOPIC = "/litevlm/query"
@@ -445,8 +445,10 @@ def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     try:
         # Warm-up as the node does, so that latencies are comparable between eval and a replay.
         model_dir = params.get("model_dir") or str(DEFAULT_MODEL)     # "": the bundled model, as the node does
-        server.load(lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params)),
-                    warmup=params["warmup"])
+        def factory():
+            checked_folder(model_dir, params.get("require_manifest", False))   # as the node does
+            return Pipeline.from_pretrained(model_dir, pipeline_options_from(params))
+        server.load(factory, warmup=params["warmup"])
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does
     server.active = server.pipeline is not None

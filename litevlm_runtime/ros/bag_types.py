@@ -7,6 +7,7 @@
                            published, so that a namespaced or remapped node is fed
   message_type_of          the node's rule for a camera subscription: the type follows the
                            resolved topic (after namespace and remaps), not the parameter's text
+  checked_folder           require_manifest for `bag eval`, as the node applies it
 """
 
 from __future__ import annotations
@@ -68,3 +69,14 @@ def message_type_of(resolved_topic: str):
     from sensor_msgs.msg import CompressedImage, Image
 
     return CompressedImage if resolved_topic.rstrip("/").endswith("/compressed") else Image
+
+
+def checked_folder(model_dir: str, require_manifest: bool) -> None:
+    """CheckpointError when require_manifest is on and a folder of the model has no manifest
+    (`bag eval` refuses what the node with the same parameters would)."""
+    from ..errors import CheckpointError
+    from ..integrity import require_manifest_error
+
+    refused = require_manifest_error(model_dir) if require_manifest else None
+    if refused:
+        raise CheckpointError(refused)

@@ -48,9 +48,9 @@ from ..errors import CheckpointError, InputError
 from ..integrity import integrity_label, require_manifest_error
 from .bag_types import message_type_of
 from .frame_health import header_defect, too_large
-from .memory import release_memory
 from .frame_store import Frame
 from .images import payload_from_msg
+from .memory import release_memory
 from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
                          ros_default, validate_values)
 from .server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
