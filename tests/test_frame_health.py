@@ -17,11 +17,16 @@ from litevlm_runtime.ros.server import QueryServer, ServerSettings, is_blank
 
 
 def test_raw_size_from_the_header_before_the_data():
-    msg = SimpleNamespace(width=8000, height=8000, encoding="rgb8")      # no data at all: never read
+    msg = SimpleNamespace(width=8000, height=8000, encoding="rgb8", data=bytes(8))   # the header decides
     why = too_large("CAM_FRONT", msg, 4096 * 4096)
     assert why.startswith("CAM_FRONT: image is 8000x8000 = 64.0 Mpixel") and "images.max_pixels" in why
-    assert too_large("CAM_FRONT", SimpleNamespace(width=1600, height=900, encoding="rgb8"), 4096 * 4096) is None
-    assert too_large("CAM_FRONT", SimpleNamespace(format="jpeg"), 4) is None
+    assert too_large("CAM_FRONT", SimpleNamespace(width=1600, height=900, encoding="rgb8", data=bytes(8)),
+                     4096 * 4096) is None
+    assert too_large("CAM_FRONT", SimpleNamespace(format="jpeg", data=bytes(32)), 4) is None
+    # a small header over a huge buffer: bounded by bytes too (max_pixels x 8)
+    huge = SimpleNamespace(width=2, height=2, encoding="mono8", data=bytes(1000))
+    assert "frame data of 0.0 MB, above images.max_pixels x 8 bytes" in too_large("CAM_BACK", huge, 100)
+    assert "above images.max_pixels x 8" in too_large("CAM_BACK", SimpleNamespace(format="jpeg", data=bytes(801)), 100)
 
 
 @pytest.mark.parametrize("payload, why", [
