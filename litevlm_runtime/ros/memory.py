@@ -1,9 +1,11 @@
 """Giving a dropped model's memory back to the system (lifecycle cleanup).
 
-Dropping the last reference frees the tensors, but glibc keeps freed heap memory in its arenas:
-the worker thread that ran the pipeline (a new one per activate) has its own arena, and the
-pages freed there stay resident. Measured on the bundled model over DDS, 8 deactivate/cleanup/
-configure/activate cycles: RSS 512 -> 676 MB (+32%) without a trim (tests/test_ros_memory.py).
+Dropping the last reference frees the tensors (no Pipeline, Runtime or model object survives a
+cleanup: counted with gc), but glibc keeps freed heap memory in its arenas, and the pages stay
+resident (likely made worse by the worker thread, new per activate, allocating from an arena of
+its own; loading and dropping the model 6 times on one thread kept RSS flat). Measured on the
+bundled model over DDS, 8 deactivate/cleanup/configure/activate cycles: RSS 512 -> 676 MB (+32%)
+without a trim; with it, 20 cycles 516 -> 527 MB (+2.1%) (tests/test_ros_memory.py).
 malloc_trim(0) returns the free pages of every arena.
 """
 
