@@ -1,9 +1,10 @@
 """Giving a dropped model's memory back to the system (lifecycle cleanup).
 
-Dropping the last reference frees the tensors (no Pipeline, Runtime or model object survives a
-cleanup: counted with gc), but glibc keeps freed heap memory in its arenas, and the pages stay
-resident (likely made worse by the worker thread, new per activate, allocating from an arena of
-its own; loading and dropping the model 6 times on one thread kept RSS flat). Measured on the
+Dropping the last reference frees the tensors, but glibc keeps freed heap memory in its arenas
+and the pages stay resident. In one process on one thread, loading, warming up and dropping the
+bundled pipeline 6 times kept RSS flat (~298 MB) with no Pipeline/Runtime/model object left (gc
+count); in the node it grew, likely because the worker thread, new per activate, allocates from
+an arena of its own (a guess, not measured apart). Measured on the
 bundled model over DDS, 8 deactivate/cleanup/configure/activate cycles: RSS 512 -> 676 MB (+32%)
 without a trim; with it, 20 cycles 516 -> 527 MB (+2.1%) (tests/test_ros_memory.py).
 malloc_trim(0) returns the free pages of every arena.
