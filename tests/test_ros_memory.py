@@ -37,6 +37,26 @@ def rss_parts(pid: int) -> str:
     return ", ".join(f"{k} {rss_mb(pid, k):.0f}" for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"))
 
 
+BIG_FRAME_PUBLISHER = """
+import time, rclpy
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import Image
+rclpy.init()
+node = rclpy.create_node("big_frame")
+pub = node.create_publisher(Image, "/cam_front/image_raw", qos_profile_sensor_data)
+end = time.monotonic() + 60
+while pub.get_subscription_count() == 0 and time.monotonic() < end:
+    time.sleep(0.05)
+time.sleep(1.0)
+big = Image(height=8000, width=8000, encoding="rgb8", step=8000 * 3, data=bytes(8000 * 8000 * 3))
+big.header.stamp = node.get_clock().now().to_msg()
+pub.publish(big)
+time.sleep(3.0)
+node.destroy_node()
+rclpy.shutdown()
+"""
+
+
 def big_sample_profile(path: Path) -> Path:
     """The shipped profile with room for one 192 MB best-effort sample in shared memory (its 32 MB
     segment and 512-fragment port queue drop it, so the node would never see the frame)."""
@@ -48,16 +68,13 @@ def big_sample_profile(path: Path) -> Path:
     return path
 
 
-def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model, monkeypatch):
-    from rclpy.qos import qos_profile_sensor_data
-    from sensor_msgs.msg import Image
+def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model):
     from std_msgs.msg import String
 
     from diagnostic_msgs.msg import DiagnosticArray
 
     domain = domain_id(212)
     profile = big_sample_profile(tmp_path / "big_samples.xml")
-    monkeypatch.setattr(ros_helpers, "PROFILE", profile)        # the test's client
     topics = ["cam_front/image_raw", *(f"{c}/image_raw/compressed" for c in
                                        ("cam_front_left", "cam_front_right", "cam_back", "cam_back_left", "cam_back_right"))]
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=2,
@@ -67,24 +84,23 @@ def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model, monkeyp
     remaps = [a for src, dst in SHIPPED_REMAPS for a in ("-r", f"{src}:={dst}")]
     node = Proc([], env, tmp_path / "node.log", cmd=[sys.executable, "-c", NODE_MAIN, "--ros-args", "--params-file",
                                                      str(params), *remaps])
-    client = RosClient(domain)
+    client = RosClient(domain)          # small samples only: its process may hold an earlier profile
     try:
         assert client.lifecycle_set(NAME, "configure") and client.lifecycle_set(NAME, "activate")
         rig = Rig(client)
-        raw = client.node.create_publisher(Image, "/cam_front/image_raw", qos_profile_sensor_data)
         diags, answers = [], []
         client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
         client.node.create_subscription(String, "/litevlm/answer_json", lambda m: answers.append(json.loads(m.data)),
                                         10)
-        assert client.spin_until(lambda: raw.get_subscription_count() > 0 and rig.query.get_subscription_count() > 0, 30)
+        assert client.spin_until(lambda: rig.query.get_subscription_count() > 0, 30)
         client.spin_for(1.0)
         before = private_mb(node.p.pid)
         print("before:", rss_parts(node.p.pid))
-        big = Image(height=8000, width=8000, encoding="rgb8", step=8000 * 3, data=bytes(8000 * 8000 * 3))
         rig.frames(1)          # the five compressed cameras (and a compressed cam_front nobody hears)
-        big.header.stamp = client.node.get_clock().now().to_msg()
-        raw.publish(big)
-        del big
+        # The 192 MB frame from a process of its own: Fast DDS reads its XML profile once per
+        # process, so this one's big shared-memory segment holds whatever earlier tests loaded.
+        publisher = Proc([], env, tmp_path / "big.log", cmd=[sys.executable, "-c", BIG_FRAME_PUBLISHER])
+        assert publisher.wait(120) == 0, publisher.text()
         assert client.spin_until(lambda: diags and {kv.key: kv.value for kv in diags[-1].status[0].values}.get(
             "camera.CAM_FRONT.too_large") == "1", 60), "the 8000x8000 frame never arrived"
         client.spin_for(1.0)
