@@ -49,9 +49,10 @@ while pub.get_subscription_count() == 0 and time.monotonic() < end:
     time.sleep(0.05)
 time.sleep(1.0)
 big = Image(height=8000, width=8000, encoding="rgb8", step=8000 * 3, data=bytes(8000 * 8000 * 3))
-big.header.stamp = node.get_clock().now().to_msg()
-pub.publish(big)
-time.sleep(3.0)
+for _ in range(5):      # best effort: a loaded machine can drop fragments of a 192 MB sample
+    big.header.stamp = node.get_clock().now().to_msg()
+    pub.publish(big)
+    time.sleep(1.5)
 node.destroy_node()
 rclpy.shutdown()
 """
@@ -101,8 +102,8 @@ def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model):
         # process, so this one's big shared-memory segment holds whatever earlier tests loaded.
         publisher = Proc([], env, tmp_path / "big.log", cmd=[sys.executable, "-c", BIG_FRAME_PUBLISHER])
         assert publisher.wait(120) == 0, publisher.text()
-        assert client.spin_until(lambda: diags and {kv.key: kv.value for kv in diags[-1].status[0].values}.get(
-            "camera.CAM_FRONT.too_large") == "1", 60), "the 8000x8000 frame never arrived"
+        assert client.spin_until(lambda: diags and int({kv.key: kv.value for kv in diags[-1].status[0].values}.get(
+            "camera.CAM_FRONT.too_large", "0")) >= 1, 60), "the 8000x8000 frame never arrived (5 sent)"
         client.spin_for(1.0)
         growth = private_mb(node.p.pid) - before
         print("after:", rss_parts(node.p.pid))
