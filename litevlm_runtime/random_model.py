@@ -17,7 +17,7 @@ def random_internvl(preset_name: str, vocab_size: int, device: torch.device, dty
     """InternVL of the preset on `device`: normal(0, 0.02) weights, unit norms and layer scales,
     zero biases; seconds even at 2B on a GPU."""
     from .models.internvl import InternVL
-    from .presets import preset
+    from .weights.presets import preset
 
     torch.manual_seed(seed)
     with torch.device(device):
@@ -47,7 +47,7 @@ def random_draft(model):
 def small_tokenizer():
     """The tiny preset's tokenizer (its ids fit any vocabulary): prompts for a random model."""
     from .commands.make_checkpoint import make_checkpoint
-    from .tokenizer import Tokenizer
+    from .weights.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         make_checkpoint(Path(tmp), "tiny")
@@ -60,8 +60,8 @@ def random_pipeline(preset_name: str, options, seed: int = 0):
     """A Pipeline over a random model of the preset with a random EAGLE-2 head (when the options
     decode with EAGLE) and the untrained token selector."""
     from .options import DecodingMode
-    from .pipeline import Pipeline
-    from .runtime import DTYPES
+    from .pipeline.pipeline import Pipeline
+    from .pipeline.runtime import DTYPES
 
     tok = small_tokenizer()
     vocab = 92553 if preset_name.startswith("internvl") else tok.vocab_size

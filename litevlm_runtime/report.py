@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .answer import Answer
+from .pipeline.answer import Answer
 
 
 def table(headers: list[str], rows: list[list], floatfmt: str = "{:.2f}") -> str:

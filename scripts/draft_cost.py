@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import torch
 
-from litevlm_runtime.checkpoint import read_config
+from litevlm_runtime.weights.checkpoint import read_config
 from litevlm_runtime.models.eagle import DraftHead
 from litevlm_runtime.models.internvl import DECODERS
-from litevlm_runtime.presets import preset
+from litevlm_runtime.weights.presets import preset
 
 
 def median_ms(fns: dict, reps: int, warmup: int = 20) -> dict:

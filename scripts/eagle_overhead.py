@@ -18,11 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS  # noqa: E402
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS  # noqa: E402
 from litevlm_runtime.bundled import DEFAULT_MODEL  # noqa: E402
 from litevlm_runtime.frames import read_frame_set  # noqa: E402
 from litevlm_runtime.options import options_from_flat  # noqa: E402
-from litevlm_runtime.pipeline import Pipeline  # noqa: E402
+from litevlm_runtime.pipeline.pipeline import Pipeline  # noqa: E402
 
 
 def timed_engines(rt) -> dict:

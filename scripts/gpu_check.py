@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from litevlm_runtime.answer import STAGES  # noqa: E402
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS  # noqa: E402
+from litevlm_runtime.pipeline.answer import STAGES  # noqa: E402
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS  # noqa: E402
 from litevlm_runtime.report import table  # noqa: E402
 
 from litevlm_runtime.random_model import random_draft, random_internvl as random_model  # noqa: E402
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     from litevlm_runtime.commands.make_checkpoint import make_checkpoint
     from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
     from litevlm_runtime.options import options_from_flat
-    from litevlm_runtime.pipeline import Pipeline
-    from litevlm_runtime.tokenizer import Tokenizer
+    from litevlm_runtime.pipeline.pipeline import Pipeline
+    from litevlm_runtime.weights.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:

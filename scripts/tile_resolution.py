@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from litevlm_runtime.preprocess import load_image
+from litevlm_runtime.stages.preprocess import load_image
 
 
 def tile(img: Image.Image, size: int) -> np.ndarray:

@@ -21,7 +21,7 @@ def lively_checkpoint(root: Path) -> Path:
     if "model" not in _cache:
         from helpers import make_tiny_checkpoint
 
-        from litevlm_runtime.checkpoint import load_model, write_checkpoint
+        from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
         from litevlm_runtime.commands.make_checkpoint import init_weights
 
         tiny = make_tiny_checkpoint(root / "tiny-base")
@@ -50,7 +50,7 @@ def exported_bundle(root: Path) -> Path:
 def pipelines(model: Path, bundle: Path, **settings):
     from helpers import options
 
-    from litevlm_runtime.pipeline import Pipeline
+    from litevlm_runtime.pipeline.pipeline import Pipeline
 
     torch_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, **settings))
     ort_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, backend__name="onnxruntime",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from litevlm_runtime.ros.soak import LoggedProcess
+from litevlm_runtime.bench.soak import LoggedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"

@@ -11,7 +11,7 @@ import torch
 from export_fixtures import MAX_NEW_TOKENS, exported_bundle, lively_checkpoint, pipelines
 from helpers import random_frames
 
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.errors import LiteVLMError
 
 TOLERANCE = 1e-4
@@ -126,7 +126,7 @@ def test_bucket_overflow_is_a_clear_error(pipes):
 def test_backend_needs_a_bundle(tmp_path_factory):
     from helpers import options
 
-    from litevlm_runtime.pipeline import Pipeline
+    from litevlm_runtime.pipeline.pipeline import Pipeline
 
     model = lively_checkpoint(tmp_path_factory.getbasetemp())
     with pytest.raises(LiteVLMError, match="litevlm export"):

@@ -13,13 +13,13 @@ import torch
 from export_fixtures import MAX_NEW_TOKENS, lively_checkpoint
 from helpers import random_frames
 
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.buckets import Buckets
 from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
 from litevlm_runtime.engines.tensorrt_engine import build_engines, check_engines, import_tensorrt
 from litevlm_runtime.errors import LiteVLMError
 from helpers import options
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = not torch.cuda.is_available()
@@ -108,7 +108,7 @@ GPU = {"name": "NVIDIA Jetson AGX Thor", "compute_capability": "11.0"}
 
 
 def fabricated_bundle(tmp_path: Path) -> tuple[dict, Path]:
-    from litevlm_runtime.export import sha256_file
+    from litevlm_runtime.export.exporter import sha256_file
 
     engine = tmp_path / "decoder_1.fp16.engine"
     engine.write_bytes(b"serialized engine bytes")

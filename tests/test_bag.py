@@ -16,8 +16,8 @@ from litevlm_runtime.ros.bag import (bag_files, bag_topic_info, bag_topics, came
                                      drivelm_contents, evaluate, latency_table, load_node_params,
                                      msg_definitions_dir, read_bag, replay_qos, select_topics, typestore,
                                      write_bag)
-from litevlm_runtime.ros.images import RAW_ENCODINGS
-from litevlm_runtime.ros.server import STATUS_CODES
+from litevlm_runtime.serving.images import RAW_ENCODINGS
+from litevlm_runtime.serving.server import STATUS_CODES
 
 
 def test_status_codes_are_the_message_constants():
@@ -113,7 +113,7 @@ def test_raw_image_bag_round_trip(tmp_path):
     """--raw: sensor_msgs/Image on .../image_raw, pixels as the node will convert them back."""
     from PIL import Image
 
-    from litevlm_runtime.ros.images import RawPayload, to_pipeline_image
+    from litevlm_runtime.serving.images import RawPayload, to_pipeline_image
 
     for cam in CAMERAS:
         (tmp_path / "samples" / cam).mkdir(parents=True)

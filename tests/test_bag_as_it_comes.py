@@ -17,7 +17,7 @@ from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, compare_runs, evaluate, load_node_params,
                                      raw_frame, read_jsonl, write_bag)
-from litevlm_runtime.ros.bag_ids import replay_tag, split, tagged
+from litevlm_runtime.bag.ids import replay_tag, split, tagged
 from litevlm_runtime.ros.bag_types import camera_topics_from_bag, message_type_of, published_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_a_bag_replayed_twice_into_one_namespaced_node_is_answered_twice(tmp_pat
 def test_bag_eval_applies_require_manifest_as_the_node_does(tmp_path, tiny_model):
     import shutil
 
-    from litevlm_runtime.integrity import MANIFEST_FILE
+    from litevlm_runtime.weights.integrity import MANIFEST_FILE
 
     folder = tmp_path / "brought"
     shutil.copytree(tiny_model, folder)

@@ -22,7 +22,7 @@ from helpers import ros2_msgdef
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.bag import camera_topic, msg_definitions_dir
-from litevlm_runtime.ros.bag_ids import split
+from litevlm_runtime.bag.ids import split
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"

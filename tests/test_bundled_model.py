@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
 
 def test_bundled_model_is_small_and_answers_like_its_training(tmp_path):

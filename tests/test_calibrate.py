@@ -52,7 +52,7 @@ def write_qa(folder):
 def calibrated(tmp_path_factory):
     from helpers import options
 
-    from litevlm_runtime.calibration import calibrate
+    from litevlm_runtime.export.calibration import calibrate
 
     root = tmp_path_factory.getbasetemp()
     model, bundle = lively_checkpoint(root), exported_bundle(root)
@@ -86,7 +86,7 @@ def test_int8_bundle_has_qdq_graphs_and_keeps_its_interface(calibrated):
 def test_int8_bundle_runs_in_onnxruntime_close_to_fp32(calibrated):
     from helpers import options
 
-    from litevlm_runtime.pipeline import Pipeline
+    from litevlm_runtime.pipeline.pipeline import Pipeline
 
     model, bundle, out, _, report = calibrated
     make = lambda b: Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS,  # noqa: E731
@@ -105,7 +105,7 @@ def test_int8_bundle_runs_in_onnxruntime_close_to_fp32(calibrated):
 
 
 def test_recorder_reservoir_is_bounded_and_deterministic():
-    from litevlm_runtime.calibration import Recorder
+    from litevlm_runtime.export.calibration import Recorder
 
     def run():
         r = Recorder(per_graph=3, seed=0)
@@ -118,7 +118,7 @@ def test_recorder_reservoir_is_bounded_and_deterministic():
 
 
 def test_fit_sample_prefix_and_padding():
-    from litevlm_runtime.calibration import fit_sample
+    from litevlm_runtime.export.calibration import fit_sample
 
     t, s = 5, 9
     sample = {"embeds": np.arange(t * 2, dtype=np.float32).reshape(t, 2), "positions": np.arange(t),
@@ -135,7 +135,7 @@ def test_fit_sample_prefix_and_padding():
 
 
 def test_queries_from_a_rosbag(tmp_path):
-    from litevlm_runtime.calibration import load_queries
+    from litevlm_runtime.export.calibration import load_queries
     from litevlm_runtime.ros.bag import BagContents, BagQuery, CameraFrame, write_bag
 
     contents = BagContents()
@@ -150,7 +150,7 @@ def test_queries_from_a_rosbag(tmp_path):
 
 
 def test_bad_data_is_a_clear_error(tmp_path):
-    from litevlm_runtime.calibration import load_queries
+    from litevlm_runtime.export.calibration import load_queries
 
     with pytest.raises(InputError, match="expected a DriveLM QA"):
         load_queries(tmp_path / "data.txt")
@@ -164,7 +164,7 @@ def test_fp8_qdq_graph_for_tensorrt(calibrated, tmp_path):
     It cannot run here (TensorRT-only operators); `build-engines --precision fp8` consumes it."""
     import onnx
 
-    from litevlm_runtime.calibration import quantize_graph
+    from litevlm_runtime.export.calibration import quantize_graph
 
     _, bundle, _, _, _ = calibrated
     g = next(g for g in json.loads((bundle / "manifest.json").read_text())["graphs"] if g["stage"] == "vision")

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from litevlm_runtime.checkpoint import load_model, read_config
+from litevlm_runtime.weights.checkpoint import load_model, read_config
 from litevlm_runtime.commands.make_checkpoint import make_checkpoint
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.integrity import MANIFEST_FILE, write_manifest
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
-from litevlm_runtime.tokenizer import IMG_CONTEXT, Tokenizer
+from litevlm_runtime.weights.integrity import MANIFEST_FILE, write_manifest
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.weights.tokenizer import IMG_CONTEXT, Tokenizer
 
 
 def test_round_trip_single_and_sharded(tmp_path, tiny_model):
@@ -37,9 +37,9 @@ def test_round_trip_single_and_sharded(tmp_path, tiny_model):
 
 
 def test_qwen2_checkpoint_loads(tmp_path):
-    from litevlm_runtime.checkpoint import write_checkpoint
+    from litevlm_runtime.weights.checkpoint import write_checkpoint
     from litevlm_runtime.models.internvl import InternVL
-    from litevlm_runtime.presets import preset
+    from litevlm_runtime.weights.presets import preset
 
     cfg = preset("tiny", vocab_size=300)
     cfg.llm.architecture = "qwen2"

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from litevlm_runtime.config import ModelConfig, RopeScaling
+from litevlm_runtime.models.config import ModelConfig, RopeScaling
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.presets import PRESETS, preset
+from litevlm_runtime.weights.presets import PRESETS, preset
 
 # What transformers 4.37's PretrainedConfig.to_dict writes into every sub-config of InternVL2.5's
 # config.json (InternVLChatConfig serialises llm_config and vision_config in full).

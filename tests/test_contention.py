@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from litevlm_runtime.contention import Hog, ThreadConfig, parse_configs
+from litevlm_runtime.bench.contention import Hog, ThreadConfig, parse_configs
 from litevlm_runtime.errors import InputError, LiteVLMError
 
 
@@ -81,7 +81,7 @@ def test_contention_command_prints_the_table_for_each_configuration(tiny_model, 
 
 
 def test_a_worker_that_cannot_build_its_pipeline_is_an_error_naming_the_configuration(tmp_path):
-    from litevlm_runtime.contention import run_contention
+    from litevlm_runtime.bench.contention import run_contention
     from litevlm_runtime.options import PipelineOptions
 
     with pytest.raises(LiteVLMError, match=r"thread configuration 1\+passive: .*missing"):

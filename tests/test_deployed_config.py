@@ -15,7 +15,7 @@ from litevlm_runtime.errors import InputError
 from litevlm_runtime.options import (BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode,
                                      add_option_flags, flat_from_options, options_from_args, options_from_flat,
                                      settings)
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behind the ego car?",

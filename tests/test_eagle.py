@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from helpers import options, random_frames
-from litevlm_runtime.benchmark import DEFAULT_QUESTIONS
-from litevlm_runtime.checkpoint import load_model
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.weights.checkpoint import load_model
 from litevlm_runtime.models.eagle import DraftHead, load_draft_head, save_draft_head
-from litevlm_runtime.pipeline import Pipeline
-from litevlm_runtime.tokenizer import Tokenizer
+from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.weights.tokenizer import Tokenizer
 from litevlm_runtime.training.eagle import Sequence, collect, draft_loss, mean_accepted_length
 
 TREES = [dict(decoding__eagle__total=60, decoding__eagle__depth=6, decoding__eagle__topk=10),
@@ -73,7 +73,7 @@ def test_greedy_eagle_is_lossless(tiny_model, trained, tree, policy):
 
 
 def test_tree_is_ancestor_closed(tiny_model, trained):
-    from litevlm_runtime.speculative import Eagle2, tree_ancestors
+    from litevlm_runtime.decoding.speculative import Eagle2, tree_ancestors
 
     pipe = Pipeline.from_pretrained(tiny_model, options(max_new_tokens=8, decoding__mode="eagle",
                                                         decoding__draft_dir=str(trained["dir"]),
@@ -106,7 +106,7 @@ def test_tree_is_ancestor_closed(tiny_model, trained):
 def test_draft_head_checkpoint_errors(tiny_model, trained, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from litevlm_runtime.checkpoint import read_config
+    from litevlm_runtime.weights.checkpoint import read_config
     from litevlm_runtime.errors import CheckpointError
 
     cfg = read_config(tiny_model).llm

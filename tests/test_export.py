@@ -10,9 +10,9 @@ from export_fixtures import MAX_NEW_TOKENS, TEST_BUCKETS, exported_bundle, livel
 
 from litevlm_runtime.engines.buckets import Buckets, default_buckets, parse_buckets, pick
 from litevlm_runtime.errors import LiteVLMError
-from litevlm_runtime.export import checkpoint_hash, read_manifest, sha256_file, verify_bundle
+from litevlm_runtime.export.exporter import checkpoint_hash, read_manifest, sha256_file, verify_bundle
 from helpers import options
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_manifest_describes_every_graph(exported):
 
 
 def _lm_params(model):
-    from litevlm_runtime.checkpoint import load_model
+    from litevlm_runtime.weights.checkpoint import load_model
 
     return [(n, p) for n, p in load_model(model).language_model.named_parameters() if "embed" not in n and "output" not in n]
 
@@ -105,7 +105,7 @@ def test_bucket_parsing_and_picking(exported):
 
 
 def test_export_refuses_buckets_larger_than_the_arena(exported, tmp_path):
-    from litevlm_runtime.export import export_bundle
+    from litevlm_runtime.export.exporter import export_bundle
 
     model, _ = exported
     pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS))
@@ -122,7 +122,7 @@ def test_eagle_draft_step_exports_and_matches(exported, tmp_path):
     import onnxruntime as ort
     import torch
 
-    from litevlm_runtime.export import SharedWeights, draft_specs, export_graph
+    from litevlm_runtime.export.exporter import SharedWeights, draft_specs, export_graph
     from litevlm_runtime.models.eagle import DraftHead, save_draft_head
 
     model, _ = exported
@@ -172,8 +172,8 @@ def test_view_selector_exports_and_matches(tmp_path):
     import onnxruntime as ort
     import torch
 
-    from litevlm_runtime.export import SharedWeights, export_graph, view_selector_spec
-    from litevlm_runtime.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer
+    from litevlm_runtime.export.exporter import SharedWeights, export_graph, view_selector_spec
+    from litevlm_runtime.stages.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer
 
     tok = train_tokenizer(["is there a car behind the ego vehicle", "what is in front left of the ego car"])
     torch.manual_seed(0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from litevlm_runtime.checkpoint import load_model
+from litevlm_runtime.weights.checkpoint import load_model
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.finite import check_finite
-from litevlm_runtime.integrity import MANIFEST_FILE, integrity_label, require_manifest_error
+from litevlm_runtime.weights.finite import check_finite
+from litevlm_runtime.weights.integrity import MANIFEST_FILE, integrity_label, require_manifest_error
 
 
 def unverified_copy(tiny_model, tmp_path, poison=None):

@@ -10,10 +10,10 @@ from helpers import png_claiming
 from ros_helpers import jpeg
 
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.ros.frame_health import header_defect, too_large
-from litevlm_runtime.ros.frame_store import Frame
-from litevlm_runtime.ros.images import CompressedPayload, RawPayload
-from litevlm_runtime.ros.server import QueryServer, ServerSettings, is_blank
+from litevlm_runtime.serving.frame_health import header_defect, too_large
+from litevlm_runtime.serving.frame_store import Frame
+from litevlm_runtime.serving.images import CompressedPayload, RawPayload
+from litevlm_runtime.serving.server import QueryServer, ServerSettings, is_blank
 
 
 def test_raw_size_from_the_header_before_the_data():
@@ -51,7 +51,7 @@ def server(published):
 
 
 def test_a_camera_with_only_refused_frames_is_bad_image(monkeypatch):
-    import litevlm_runtime.pipeline as pipeline
+    import litevlm_runtime.pipeline.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "check_question", lambda rt, text: None)
     published = []
@@ -67,7 +67,7 @@ def test_a_camera_with_only_refused_frames_is_bad_image(monkeypatch):
 
 
 def test_queued_deadline_is_answered_when_it_passes(monkeypatch):
-    import litevlm_runtime.pipeline as pipeline
+    import litevlm_runtime.pipeline.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "check_question", lambda rt, text: None)
     published = []

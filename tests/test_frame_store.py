@@ -3,7 +3,7 @@
 import pytest
 
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.ros.frame_store import Frame, FrameMatchError, FrameStore
+from litevlm_runtime.serving.frame_store import Frame, FrameMatchError, FrameStore
 
 MS = 1_000_000
 SKEW, AGE = 100 * MS, 1000 * MS

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_train_script_renders_trains_and_writes_a_loadable_model(tmp_path):
-    from litevlm_runtime.checkpoint import load_model
+    from litevlm_runtime.weights.checkpoint import load_model
 
     env = dict(os.environ, PYTHON=sys.executable, SCENES="6", VAL_FRACTION="0.2", MINUTES="0.03", PRESET="tiny",
                DECODER_LAYERS="3", SIZES="160x90,224x126", FRAMES_PER_STEP="2", OUT_DIR=str(tmp_path / "out"),

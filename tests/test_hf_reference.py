@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.hf_reference import (
+from litevlm_runtime.bench.hf_reference import (
     build_hf_internvl,
     build_hf_text_model,
     find_image_token_id,

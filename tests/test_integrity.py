@@ -9,14 +9,14 @@ import shutil
 import pytest
 import torch
 
-from litevlm_runtime import integrity
+from litevlm_runtime.weights import integrity
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.checkpoint import load_model
+from litevlm_runtime.weights.checkpoint import load_model
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.integrity import (MANIFEST_FILE, model_folders, verify_model_folder, write_manifest,
+from litevlm_runtime.weights.integrity import (MANIFEST_FILE, model_folders, verify_model_folder, write_manifest,
                                        write_manifests)
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
 DIGEST = "[0-9a-f]{64}"
 
@@ -75,7 +75,7 @@ def test_folder_without_manifest_loads_with_exactly_one_warning(folder, caplog):
         pipe = Pipeline.from_pretrained(folder, PipelineOptions(max_new_tokens=2))
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert warnings[0].name == "litevlm_runtime.integrity"
+    assert warnings[0].name == "litevlm_runtime.weights.integrity"
     assert f"{folder}: no {MANIFEST_FILE}" in warnings[0].getMessage()
     assert f"litevlm checksum {folder}" in warnings[0].getMessage()
     assert pipe.rt.cfg.llm.hidden_size == 128

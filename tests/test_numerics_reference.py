@@ -11,7 +11,7 @@ With identical random weights, at the REAL widths of InternVL2.5-2B / -1B and re
 
 The weights travel the way a user's do: our model is randomized, written as an InternVL2.5 folder
 by the runtime's writer, loaded back by the runtime's loader, and read independently (raw
-config.json keys) by litevlm_runtime.hf_reference for transformers.
+config.json keys) by litevlm_runtime.bench.hf_reference for transformers.
 
 Relative error: max|ours - reference| / max|reference|, in fp32, tolerance 1e-4.
 Vocabulary is small (the BPE tokenizer trained for the folder, 2000 ids) to keep the file fast.
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from litevlm_runtime.checkpoint import load_model, write_checkpoint
-from litevlm_runtime.config import LLMConfig, ModelConfig, VisionConfig
-from litevlm_runtime.corpus import default_corpus
-from litevlm_runtime.hf_reference import (
+from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
+from litevlm_runtime.models.config import LLMConfig, ModelConfig, VisionConfig
+from litevlm_runtime.weights.corpus import default_corpus
+from litevlm_runtime.bench.hf_reference import (
     build_hf_internvl,
     build_hf_text_model,
     find_image_token_id,
@@ -36,8 +36,8 @@ from litevlm_runtime.hf_reference import (
     load_upstream_state_dict,
 )
 from litevlm_runtime.models.internvl import InternVL
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
-from litevlm_runtime.tokenizer import Tokenizer, train_bpe_tokenizer
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.weights.tokenizer import Tokenizer, train_bpe_tokenizer
 
 TOL = 1e-4
 NEW_TOKENS = 12

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from helpers import options, random_frames
-from litevlm_runtime.answer import STAGES
+from litevlm_runtime.pipeline.answer import STAGES
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.pipeline import Pipeline, prompt_ids
+from litevlm_runtime.pipeline.pipeline import Pipeline, prompt_ids
 
 
 @pytest.fixture(scope="module")

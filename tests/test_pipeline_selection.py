@@ -5,8 +5,8 @@ import torch
 
 from helpers import options, random_frames
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.pipeline import Pipeline, prompt_ids
-from litevlm_runtime.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer
+from litevlm_runtime.pipeline.pipeline import Pipeline, prompt_ids
+from litevlm_runtime.stages.view_selector import ViewSelector, ViewSelectorConfig, save_view_selector, train_tokenizer
 
 
 @pytest.fixture(scope="module")

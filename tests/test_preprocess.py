@@ -9,7 +9,7 @@ from helpers import png_claiming
 from PIL import Image
 
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.preprocess import IMAGENET_MEAN, IMAGENET_STD, Normalizer, load_image, to_tiles_uint8
+from litevlm_runtime.stages.preprocess import IMAGENET_MEAN, IMAGENET_STD, Normalizer, load_image, to_tiles_uint8
 
 
 def png_bytes(arr):
@@ -82,7 +82,7 @@ def jpeg_bytes(arr, **kw):
 def test_minimum_size_is_one_rule_for_every_input(tmp_path):
     """A 1x1 image is refused whatever it comes as (it used to be answered as a JPEG and refused
     as an array); 2x2 is accepted as every kind."""
-    from litevlm_runtime.preprocess import MIN_IMAGE_SIDE
+    from litevlm_runtime.stages.preprocess import MIN_IMAGE_SIDE
 
     for h, w, ok in ((1, 1, False), (1, 5, False), (5, 1, False), (MIN_IMAGE_SIDE, MIN_IMAGE_SIDE, True)):
         arr = np.full((h, w, 3), 90, np.uint8)

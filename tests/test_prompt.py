@@ -20,17 +20,17 @@ import torch
 
 from helpers import random_frames
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.checkpoint import write_checkpoint
+from litevlm_runtime.weights.checkpoint import write_checkpoint
 from litevlm_runtime.cli import main
-from litevlm_runtime.config import INTERNVL_SYSTEM_MESSAGE
-from litevlm_runtime.corpus import default_corpus
+from litevlm_runtime.models.config import INTERNVL_SYSTEM_MESSAGE
+from litevlm_runtime.weights.corpus import default_corpus
 from litevlm_runtime.errors import CheckpointError, InputError
 from litevlm_runtime.models.internvl import InternVL
 from litevlm_runtime.options import Tokens
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions, assemble_prompt, prompt_ids
-from litevlm_runtime.presets import preset
-from litevlm_runtime.prompt import build_prompt, model_layout, render, resolve_layout
-from litevlm_runtime.tokenizer import SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions, assemble_prompt, prompt_ids
+from litevlm_runtime.weights.presets import preset
+from litevlm_runtime.stages.prompt import build_prompt, model_layout, render, resolve_layout
+from litevlm_runtime.weights.tokenizer import SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
 
 QUESTION = "Is there a pedestrian in front of the ego car?"
 TOKENS_PER_TILE = 256          # upstream's num_image_token at 448 px tiles

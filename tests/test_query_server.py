@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
-from litevlm_runtime.ros.frame_store import Frame
-from litevlm_runtime.ros.images import CompressedPayload, RawPayload
-from litevlm_runtime.ros.server import QueryServer, ServerSettings
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.serving.frame_store import Frame
+from litevlm_runtime.serving.images import CompressedPayload, RawPayload
+from litevlm_runtime.serving.server import QueryServer, ServerSettings
 
 MS = 1_000_000
 
@@ -282,7 +282,7 @@ def test_duplicate_ids_are_answered_once_and_node_ids_never_collide(pipeline):
 
 
 def test_duplicate_detection_remembers_a_bounded_number_of_ids(pipeline, monkeypatch):
-    from litevlm_runtime.ros import server as server_module
+    from litevlm_runtime.serving import server as server_module
 
     monkeypatch.setattr(server_module, "ID_MEMORY", 3)
     server, records = make_server(None)

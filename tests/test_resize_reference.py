@@ -5,7 +5,7 @@ Tolerances: PIL's resize vs the float64 reference within 1.5 uint8 levels (PIL r
 intermediate and output, 0.5 each, plus fixed-point weights); measured 1.04 on nuScenes frames.
 Ours with JPEG draft (DCT-domain downscaling) is not exact: mean within 1 level, max within 48
 (measured on 54 nuScenes frames: max 17.5 at one 448 px tile, 33.8 at one 224 tile, mean 0.45 /
-0.77; `python -m litevlm_runtime.resize_reference --frames DIR` prints the table).
+0.77; `python -m litevlm_runtime.bench.resize_reference --frames DIR` prints the table).
 """
 
 import io
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from litevlm_runtime.resize_reference import bicubic_resize_float64, compare, resample_weights
+from litevlm_runtime.bench.resize_reference import bicubic_resize_float64, compare, resample_weights
 
 PIL_TOLERANCE = 1.5
 

@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from litevlm_runtime.config import LLMConfig, RopeScaling
+from litevlm_runtime.models.config import LLMConfig, RopeScaling
 from litevlm_runtime.errors import CheckpointError
-from litevlm_runtime.integrity import write_manifest
+from litevlm_runtime.weights.integrity import write_manifest
 from litevlm_runtime.models.rope import RotaryTable
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
 from helpers import random_frames
 

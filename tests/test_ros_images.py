@@ -13,8 +13,8 @@ import pytest
 from helpers import png_claiming
 from PIL import Image
 
-from litevlm_runtime.preprocess import MIN_IMAGE_SIDE
-from litevlm_runtime.ros.images import (RAW_ENCODINGS, CompressedPayload, ImageError, RawPayload,
+from litevlm_runtime.stages.preprocess import MIN_IMAGE_SIDE
+from litevlm_runtime.serving.images import (RAW_ENCODINGS, CompressedPayload, ImageError, RawPayload,
                                         payload_from_msg, rgb_to_raw, to_pipeline_image)
 
 RNG = np.random.default_rng(0)
@@ -236,9 +236,9 @@ def test_server_answers_bad_image_naming_the_camera(tiny_model):
     the camera (it used to be pipeline_error without it), the next good query is answered ok."""
     from litevlm_runtime.cameras import CAMERAS
     from litevlm_runtime.errors import InputError
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
-    from litevlm_runtime.ros.frame_store import Frame
-    from litevlm_runtime.ros.server import QueryServer, ServerSettings
+    from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+    from litevlm_runtime.serving.frame_store import Frame
+    from litevlm_runtime.serving.server import QueryServer, ServerSettings
 
     pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
     records = []

@@ -241,10 +241,10 @@ def test_live_queue_change_keeps_queued_queries(tiny_model):
     beyond the new size queue_full, so nothing is lost either way."""
     from litevlm_runtime.cameras import CAMERAS
     from litevlm_runtime.options import PipelineOptions
-    from litevlm_runtime.pipeline import Pipeline
-    from litevlm_runtime.ros.frame_store import Frame
+    from litevlm_runtime.pipeline.pipeline import Pipeline
+    from litevlm_runtime.serving.frame_store import Frame
     from litevlm_runtime.ros.node import apply_live
-    from litevlm_runtime.ros.server import QueryServer, ServerSettings
+    from litevlm_runtime.serving.server import QueryServer, ServerSettings
 
     pipeline = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
 

@@ -30,7 +30,7 @@ def test_partials_then_the_final_answer_equal_to_the_unstreamed_one(tmp_path):
 
     from litevlm_runtime.bundled import DEFAULT_MODEL
     from litevlm_runtime.cameras import CAMERAS
-    from litevlm_runtime.pipeline import Pipeline
+    from litevlm_runtime.pipeline.pipeline import Pipeline
     from litevlm_runtime.ros.parameters import pipeline_options_from
 
     values = params_with(tmp_path / "p.yaml", **{"decoding.eagle.policy": "fixed"})

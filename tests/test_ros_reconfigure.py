@@ -82,7 +82,7 @@ def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):
 
     from diagnostic_msgs.msg import DiagnosticArray
 
-    from litevlm_runtime.integrity import MANIFEST_FILE
+    from litevlm_runtime.weights.integrity import MANIFEST_FILE
 
     folder = tmp_path / "brought"
     shutil.copytree(tiny_model, folder)

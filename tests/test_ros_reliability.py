@@ -14,7 +14,7 @@ from ros_helpers import PROFILE, ROOT, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.bag import load_node_params
-from litevlm_runtime.ros.soak import DDSClient, NodeProcess
+from litevlm_runtime.bench.soak import DDSClient, NodeProcess
 
 S = 1_000_000_000
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, write_params
 
-from litevlm_runtime.answer import STAGES
+from litevlm_runtime.pipeline.answer import STAGES
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.ros.bag_ids import split
+from litevlm_runtime.bag.ids import split
 from litevlm_runtime.ros.bag import (BagContents, BagQuery, CameraFrame, camera_topic, compare_runs,
                                      drivelm_contents, evaluate, load_node_params, raw_frame, read_jsonl, write_bag)
 

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import options, random_frames
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.pipeline import Pipeline
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behind the ego car?",
              "What should the ego vehicle do next?", "Are there cars on the front left?"]

@@ -15,7 +15,7 @@ from ros_helpers import ROOT, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.bag import BagContents, BagQuery, CameraFrame, drivelm_contents, write_bag
-from litevlm_runtime.ros.soak import SoakResult
+from litevlm_runtime.bench.soak import SoakResult
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -128,7 +128,7 @@ def test_soak_versus_compares_configurations_in_one_table(tmp_path, tiny_model, 
 
 
 def test_identical_work_tail_divides_each_answer_by_its_group_median():
-    from litevlm_runtime.ros.soak import identical_work_tail
+    from litevlm_runtime.bench.soak import identical_work_tail
 
     def r(q, total, cpu, cams=("CAM_FRONT",)):
         return {"status": "ok", "question": q, "cameras": list(cams), "reused_cameras": [], "decode_steps": 3,

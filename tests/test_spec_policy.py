@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from litevlm_runtime.spec_policy import DeviceCosts, TreePolicyState, interpolate
+from litevlm_runtime.decoding.spec_policy import DeviceCosts, TreePolicyState, interpolate
 
 def gpu():      # memory-bound: 64 rows cost about one
     return DeviceCosts(verify_ms={1: 1.0, 64: 1.05}, draft_level_ms=0.1, pending_ms={1: 0.1, 8: 0.11})
@@ -121,7 +121,7 @@ def test_fixed_policy_is_the_configured_tree():
 
 
 def test_answers_alternate_to_learn_then_decode_greedily_while_speculation_loses_then_probe():
-    from litevlm_runtime.spec_policy import MIN_ANSWERS, PROBE_EVERY, PROBE_LIMIT
+    from litevlm_runtime.decoding.spec_policy import MIN_ANSWERS, PROBE_EVERY, PROBE_LIMIT
 
     costs = gpu()
 
@@ -158,7 +158,7 @@ def test_round_overhead_is_learned_and_counts_against_trees():
 def test_bench_reports_the_answer_level_decision():
     from litevlm_runtime.commands.bench import policy_choice
     from litevlm_runtime.options import EagleTree
-    from litevlm_runtime.spec_policy import MIN_ANSWERS
+    from litevlm_runtime.decoding.spec_policy import MIN_ANSWERS
 
     costs = cpu()
     rows = dict(policy_choice(costs, EagleTree()))

@@ -6,7 +6,7 @@ standard errors)."""
 import torch
 
 from helpers import random_frames
-from litevlm_runtime.speculative import speculative_sample
+from litevlm_runtime.decoding.speculative import speculative_sample
 
 V = 6
 
@@ -74,11 +74,11 @@ def test_emitted_tokens_follow_the_target():
 
 def test_sampling_pipeline_runs_with_eagle(tiny_model, tmp_path):
     """Temperature sampling through the whole pipeline, with and without the draft tree."""
-    from litevlm_runtime.checkpoint import read_config
+    from litevlm_runtime.weights.checkpoint import read_config
     from litevlm_runtime.models.eagle import DraftHead, save_draft_head
     from helpers import options
 
-    from litevlm_runtime.pipeline import Pipeline
+    from litevlm_runtime.pipeline.pipeline import Pipeline
 
     torch.manual_seed(0)
     save_draft_head(DraftHead(read_config(tiny_model).llm), tmp_path / "eagle", {})

@@ -9,11 +9,11 @@ import torch
 
 from helpers import options, random_frames
 from litevlm_runtime.cameras import CAMERAS
-from litevlm_runtime.decoding import greedy as greedy_decode
+from litevlm_runtime.decoding.greedy import greedy as greedy_decode
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.fastv import FastV
-from litevlm_runtime.pipeline import Pipeline, assemble_prompt, encode, prompt_ids, select_tokens
-from litevlm_runtime.token_selector import kept_count
+from litevlm_runtime.stages.fastv import FastV
+from litevlm_runtime.pipeline.pipeline import Pipeline, assemble_prompt, encode, prompt_ids, select_tokens
+from litevlm_runtime.stages.token_selector import kept_count
 
 MAX_NEW = 6
 QUESTION = "Is there a pedestrian behind the ego car?"
@@ -173,7 +173,7 @@ def test_selector_scores_equal_float64_recomputation(tiny_model, frames, reduce)
 
 
 def test_the_selector_is_its_own_copy(base):
-    from litevlm_runtime.token_selector import TokenSelector
+    from litevlm_runtime.stages.token_selector import TokenSelector
 
     sel = TokenSelector.from_decoder(base.rt.lm)
     with torch.no_grad():
@@ -263,7 +263,7 @@ def test_bad_options(tiny_model):
 def test_eagle_after_token_selection_is_lossless(tiny_model, tmp_path, frames):
     """EAGLE-2 reads the prefill's compacted rows (embeddings, features, original positions): its
     greedy output under token selection equals plain greedy under the same selection."""
-    from litevlm_runtime.checkpoint import read_config
+    from litevlm_runtime.weights.checkpoint import read_config
     from litevlm_runtime.models.eagle import DraftHead, save_draft_head
 
     torch.manual_seed(0)

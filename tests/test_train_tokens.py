@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from helpers import make_tiny_checkpoint, random_frames
-from litevlm_runtime.checkpoint import load_model, write_checkpoint
+from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
 from litevlm_runtime.cli import main
 from litevlm_runtime.options import Tokens
-from litevlm_runtime.pipeline import Pipeline, PipelineOptions
-from litevlm_runtime.token_selector import kept_count, load_token_selector
+from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
+from litevlm_runtime.stages.token_selector import kept_count, load_token_selector
 
 ROOT = Path(__file__).resolve().parents[1]
 

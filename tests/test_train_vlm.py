@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.commands.make_checkpoint import init_weights
 from litevlm_runtime.models.internvl import InternVL
-from litevlm_runtime.preprocess import Normalizer
-from litevlm_runtime.presets import preset
-from litevlm_runtime.tokenizer import Tokenizer, train_bpe_tokenizer
+from litevlm_runtime.stages.preprocess import Normalizer
+from litevlm_runtime.weights.presets import preset
+from litevlm_runtime.weights.tokenizer import Tokenizer, train_bpe_tokenizer
 from litevlm_runtime.training import vlm
 
 
@@ -146,10 +146,10 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
     """The written folder loads with Pipeline.from_pretrained and answers; the pipeline's logits for
     the first answer token equal the training forward's on the same frame and question (same
     preprocessing, same prompt ids)."""
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+    from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
     out, _ = tiny_run
-    from litevlm_runtime.decoding import greedy
+    from litevlm_runtime.decoding.greedy import greedy
 
     # the folder records the layout its prompts were trained in, and the pipeline reads it there
     assert json.loads((out / "litevlm.json").read_text()) == {"prompt_layout": vlm.SCRATCH_LAYOUT}
@@ -389,9 +389,9 @@ def test_tile_size_fine_tune_interpolates_the_position_grid_and_runs_in_the_pipe
     """--init a 112 px checkpoint with --tile-size 140: the vision tower keeps its 8x8 position grid
     (interpolated to 10x10 in every forward, as InternViT does), the saved config says tile 140,
     and the pipeline answers with 25 visual tokens per camera."""
-    from litevlm_runtime.checkpoint import load_model
+    from litevlm_runtime.weights.checkpoint import load_model
     from litevlm_runtime.evaluation.data import load_frames
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+    from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
     out = tmp_path / "m140"
     record = _continue_tiny_run(tiny_run, synth_set, out, "--tile-size", "140")
@@ -453,8 +453,8 @@ def test_init_with_more_decoder_layers_grows_trains_and_saves_bf16(tiny_run, syn
     4-layer checkpoint in bf16 safetensors, which loads as float32 and answers through the pipeline."""
     from safetensors import safe_open
 
-    from litevlm_runtime.checkpoint import load_model
-    from litevlm_runtime.pipeline import Pipeline, PipelineOptions
+    from litevlm_runtime.weights.checkpoint import load_model
+    from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 
     init, _ = tiny_run
     out = tmp_path / "deeper"

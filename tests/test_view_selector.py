@@ -17,7 +17,7 @@ from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.cli import build_parser, main
 from litevlm_runtime.errors import CheckpointError, InputError
 from litevlm_runtime.training.views import QARecord, camera_labels, evaluate, load_qa, split_by_frame, train
-from litevlm_runtime.view_selector import (
+from litevlm_runtime.stages.view_selector import (
     FUSION_RULES,
     WEIGHTS_FILE,
     Fusion,
@@ -163,7 +163,7 @@ def test_no_fusion_rule_drops_a_certain_camera_and_add_keeps_the_keyword_choice(
     keeps the tagged and explicitly named cameras, whatever the module says (here: random,
     all 0, all 1), at every setting; "add" keeps all of the keyword map's choice."""
     from litevlm_runtime.training.views import GRID, fusion_candidates
-    from litevlm_runtime.view_selector import certain_cameras, keyword_choice
+    from litevlm_runtime.stages.view_selector import certain_cameras, keyword_choice
 
     gen = torch.Generator().manual_seed(0)
     modules = [torch.rand(6, generator=gen) for _ in range(20)] + [torch.zeros(6), torch.ones(6)]

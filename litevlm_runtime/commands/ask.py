@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
 
     images: dict[str, object] = {}
     if args.frames:

@@ -93,7 +93,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    from ..answer import STAGES
+    from ..pipeline.answer import STAGES
     from ..ros.bag import read_jsonl, reuse_summary
 
     rows = read_jsonl(args.file)
@@ -139,7 +139,7 @@ def _harness(args, extra: dict | None = None):
 
     from ..ros.bag import load_node_params
     from ..ros.node import config_dir
-    from ..ros.soak import DDSClient, NodeProcess, workload_from_bag
+    from ..bench.soak import DDSClient, NodeProcess, workload_from_bag
 
     params_file = args.params or config_dir() / "drive.yaml"
     extra = dict(extra or {})
@@ -181,7 +181,7 @@ def _versus(items: list[str]) -> dict[str, dict]:
 
 
 def cmd_soak(args) -> int:
-    from ..ros.soak import SoakResult, comparison_table, soak
+    from ..bench.soak import SoakResult, comparison_table, soak
 
     configs = _versus(args.versus)
     runs: dict[str, list] = {label: [] for label in configs}
@@ -211,7 +211,7 @@ def cmd_soak(args) -> int:
 
 
 def cmd_peak(args) -> int:
-    from ..ros.soak import peak
+    from ..bench.soak import peak
 
     node, client, work, close = _harness(args)
     try:

@@ -31,7 +31,7 @@ def load_frame_sets(frames: Path | None, count: int) -> list[dict]:
 
 def register(subparsers) -> None:
     from ..options import add_option_flags
-    from ..presets import PRESETS
+    from ..weights.presets import PRESETS
 
     p = subparsers.add_parser("bench", help="per-stage latency table, against transformers' generate")
     model = p.add_mutually_exclusive_group(required=True)
@@ -74,7 +74,7 @@ def run_ablation_command(args) -> int:
     import json
     import sys
 
-    from ..ablation import ablation_plot, ablation_table, run_ablation
+    from ..bench.ablation import ablation_plot, ablation_table, run_ablation
     from ..errors import InputError
 
     if not args.data or not args.frames:
@@ -90,7 +90,7 @@ def run_ablation_command(args) -> int:
 
 
 def build_pipeline(args, options):
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
 
     if args.preset:
         from ..random_model import random_pipeline
@@ -105,7 +105,7 @@ def policy_choice(costs, tree) -> list[list]:
     whose best child has p 0.6, the next 0.15, 0.05, ...; EAGLE-2's confidences look like this)."""
     import torch
 
-    from ..spec_policy import TreePolicyState
+    from ..decoding.spec_policy import TreePolicyState
 
     rate, depth = costs.best_chain_rate(tree.depth)
     pol = TreePolicyState(costs, tree.total, tree.depth, tree.topk, adaptive=True)
@@ -136,7 +136,7 @@ def answer_speed_line(costs) -> str:
 
 def run_costs_command(args) -> int:
     from ..options import options_from_flat
-    from ..spec_policy import measure_costs
+    from ..decoding.spec_policy import measure_costs
 
     options = pipeline_options(args)
     options = options_from_flat({"decoding.mode": "eagle"} if options.decoding.mode.value == "auto" else {}, options)
@@ -163,7 +163,7 @@ def run_costs_command(args) -> int:
 def run_budget_command(args) -> int:
     import sys
 
-    from ..budget_bench import budget_table, run_budget_bench
+    from ..bench.budget import budget_table, run_budget_bench
     from ..errors import InputError
 
     if not args.data or not args.frames:
@@ -177,8 +177,8 @@ def run_budget_command(args) -> int:
 def run_contention_command(args) -> int:
     import sys
 
-    from ..benchmark import DEFAULT_QUESTIONS
-    from ..contention import contention_table, parse_configs, run_contention
+    from ..bench.benchmark import DEFAULT_QUESTIONS
+    from ..bench.contention import contention_table, parse_configs, run_contention
     from ..errors import InputError
 
     if args.rounds < 1:
@@ -193,7 +193,7 @@ def run_contention_command(args) -> int:
 def run(args) -> int:
     import sys
 
-    from ..benchmark import DEFAULT_QUESTIONS, run_benchmark
+    from ..bench.benchmark import DEFAULT_QUESTIONS, run_benchmark
 
     if args.costs:
         return run_costs_command(args)
@@ -212,7 +212,7 @@ def run(args) -> int:
         return run_contention_command(args)
     options = pipeline_options(args)
     if args.backend:
-        from ..backend_bench import parse_backends
+        from ..bench.backends import parse_backends
 
         backends = parse_backends(args.backend, args.bundle)
         if len(backends) > 1:
@@ -260,8 +260,8 @@ def run_backends(args, options, backends) -> int:
     """Several backends side by side: one table, a speed-up column against the first."""
     import sys
 
-    from ..backend_bench import build_runs, comparison_table, compare_backends
-    from ..benchmark import DEFAULT_QUESTIONS
+    from ..bench.backends import build_runs, comparison_table, compare_backends
+    from ..bench.benchmark import DEFAULT_QUESTIONS
 
     runs = build_runs(args.model, options, backends)
     summary = compare_backends(runs, load_frame_sets(args.frames, args.frame_sets), DEFAULT_QUESTIONS[: args.questions],

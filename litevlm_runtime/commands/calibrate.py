@@ -29,14 +29,14 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import logging
 
-    from ..calibration import calibrate
+    from ..export.calibration import calibrate
     from ..engines.buckets import default_buckets, parse_buckets
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     options = pipeline_options(args)
     buckets = None
     if args.buckets:
-        from ..pipeline import Pipeline
+        from ..pipeline.pipeline import Pipeline
 
         buckets = parse_buckets(args.buckets, default_buckets(Pipeline.from_pretrained(args.model, options).rt.arena))
     say = lambda m: print(m, file=sys.stderr)

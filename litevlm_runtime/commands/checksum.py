@@ -20,7 +20,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..integrity import MANIFEST_FILE, model_folders, verify_model_folder, write_manifests
+    from ..weights.integrity import MANIFEST_FILE, model_folders, verify_model_folder, write_manifests
 
     if args.verify:
         for f in model_folders(args.folder):
@@ -43,7 +43,7 @@ def bench(folder: Path) -> int:
     the CPU cost, a cold disk adds its read time). Restart: verify_model_folder with the digest
     cache filled, the cost every later load pays."""
     from ..errors import CheckpointError
-    from ..integrity import model_folders, read_manifest, sha256_file, verify_model_folder
+    from ..weights.integrity import model_folders, read_manifest, sha256_file, verify_model_folder
     from ..report import table
 
     rows, total_bytes, total_hash, total_cached = [], 0, 0.0, 0.0

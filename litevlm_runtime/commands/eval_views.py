@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..view_selector import FUSION_RULES
+from ..stages.view_selector import FUSION_RULES
 
 
 def register(subparsers) -> None:
@@ -49,7 +49,7 @@ def _bench(selector, questions: list[str]) -> str:
     import statistics
     import time
 
-    from ..view_selector import Fusion, fuse, keyword_map, tagged_cameras
+    from ..stages.view_selector import Fusion, fuse, keyword_map, tagged_cameras
 
     def keyword_only(q):
         return fuse(keyword_map(q), None, tagged_cameras(q), Fusion(threshold=selector.fusion.threshold))
@@ -74,7 +74,7 @@ def _bench(selector, questions: list[str]) -> str:
 
 def _run(args) -> int:
     from ..training.views import compare, format_table, load_qa
-    from ..view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
+    from ..stages.view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
 
     torch.set_num_threads(args.threads)
     selector = load_view_selector(args.selector, keyword_weight=args.keyword_weight, threshold=args.threshold,

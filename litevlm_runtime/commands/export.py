@@ -23,8 +23,8 @@ def run(args) -> int:
     import logging
 
     from ..engines.buckets import default_buckets, parse_buckets
-    from ..export import export_bundle
-    from ..pipeline import Pipeline
+    from ..export.exporter import export_bundle
+    from ..pipeline.pipeline import Pipeline
 
     # The exporter logs one warning per torchvision op it cannot register; we use none of them.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -36,7 +36,7 @@ def run(args) -> int:
         print(f"{stage}: {why}", file=sys.stderr)
     print(args.out / "manifest.json")
     if args.verify:
-        from ..export import verify_bundle
+        from ..export.exporter import verify_bundle
         from ..report import table
 
         rows = verify_bundle(rt, args.out)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import write_checkpoint
-from ..corpus import default_corpus
+from ..weights.checkpoint import write_checkpoint
+from ..weights.corpus import default_corpus
 from ..models.internvl import InternVL
-from ..presets import PRESETS, preset
-from ..tokenizer import Tokenizer, train_bpe_tokenizer
+from ..weights.presets import PRESETS, preset
+from ..weights.tokenizer import Tokenizer, train_bpe_tokenizer
 
 
 def init_weights(model: InternVL, seed: int, std: float = 0.02) -> None:

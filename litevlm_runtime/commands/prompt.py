@@ -31,9 +31,9 @@ def register(subparsers) -> None:
 def describe(model: Path, question: str, cameras: list[str], tiles_per_camera: int,
              layout: str | None = None) -> dict:
     """The prompt of `question` over `cameras` as the pipeline builds it for the model in `model`."""
-    from ..checkpoint import read_config
-    from ..prompt import build_prompt, render, resolve_layout
-    from ..tokenizer import Tokenizer
+    from ..weights.checkpoint import read_config
+    from ..stages.prompt import build_prompt, render, resolve_layout
+    from ..weights.tokenizer import Tokenizer
 
     unknown = [c for c in cameras if c not in CAMERAS]
     if unknown:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LiteVLMError
-from ..export import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from ..export.exporter import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from .bound_stages import bound_engines
 from .buckets import check_fits, default_buckets, parse_buckets
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LiteVLMError
-from ..export import check_bundle_matches, graphs_of, read_manifest, verify_files
+from ..export.exporter import check_bundle_matches, graphs_of, read_manifest, verify_files
 from .base import Engines
 from .bound_stages import bound_engines
 

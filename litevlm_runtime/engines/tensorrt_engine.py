@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import LiteVLMError
-from ..export import read_manifest, sha256_file, write_manifest
+from ..export.exporter import read_manifest, sha256_file, write_manifest
 from .base import Engines
 from .bound_stages import bound_engines
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import tensorrt as trt
     from torch.cuda import _POOL_HANDLE      # torch's own type for graph_pool_handle()
 
-    from ..runtime import Runtime
+    from ..pipeline.runtime import Runtime
 
 PRECISIONS = ("fp16", "fp8")
 WORKSPACE_BYTES = 8 << 30

@@ -54,7 +54,7 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
     (InputError) is recorded with its error and an empty answer, never dropped."""
     from tqdm import tqdm
 
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
     root = Path(frames_root)
     work = select(load_frames(data), limit)
     if not work:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import LLMConfig
+from .config import LLMConfig
 from .rope import RotaryTable, apply_rope  # the rest of the code imports them from here
 
 

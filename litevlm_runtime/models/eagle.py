@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import check_state_dict, read_safetensors
-from ..config import LLMConfig
+from ..weights.checkpoint import check_state_dict, read_safetensors
+from .config import LLMConfig
 from ..errors import CheckpointError
-from ..integrity import verify_model_folder
+from ..weights.integrity import verify_model_folder
 from .decoder import RotaryTable
 from .internlm2 import InternLM2Layer
 from .qwen2 import Qwen2Layer

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import VisionConfig
+from .config import VisionConfig
 
 
 class VisionEmbeddings(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import LLMConfig
+from .config import LLMConfig
 from .decoder import CausalLM, DecoderLayer, RMSNorm
 
 

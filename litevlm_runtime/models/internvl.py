@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .intern_vit import InternViT
 from .internlm2 import InternLM2ForCausalLM
 from .projector import Projector, vit_to_visual_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import LLMConfig
+from .config import LLMConfig
 from .decoder import CausalLM, DecoderLayer, RMSNorm
 
 

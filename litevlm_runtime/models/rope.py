@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import LLMConfig
+from .config import LLMConfig
 from ..errors import CheckpointError
 
 

@@ -34,13 +34,13 @@ from typing import Iterable
 
 import numpy as np
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import InputError
-from .bag_damage import damaged, decode, guarded
-from .bag_ids import replay_tag, split, tagged
+from ..bag.damage import damaged, decode, guarded
+from ..bag.ids import replay_tag, split, tagged
 from .bag_types import camera_topics_from_bag, checked_folder, parse_remaps, published_name
-from .server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
+from ..serving.server import STATUS_CODES, AnswerRecord, QueryServer, ServerSettings
 
 QUERY_TOPIC = "/litevlm/query"
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
@@ -76,7 +76,7 @@ def raw_frame(stamp_ns: int, jpeg_or_png: bytes, encoding: str, name: str = "fra
     """Decode an image into a sensor_msgs/Image payload in `encoding` (no row padding)."""
     from PIL import Image
 
-    from .images import raw_encoding, rgb_to_raw
+    from ..serving.images import raw_encoding, rgb_to_raw
 
     img = Image.open(io.BytesIO(jpeg_or_png))
     try:
@@ -234,7 +234,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
     Capture times come from the nuScenes file names (trailing 16-digit microseconds); files
     without one (rendered data) are put on a `synthetic_period_s` timeline. Scenes (file-name
     prefix before "__") follow each other with `scene_gap_s` between them."""
-    from .images import raw_encoding as check_encoding
+    from ..serving.images import raw_encoding as check_encoding
 
     if raw_encoding:
         check_encoding(raw_encoding)
@@ -418,10 +418,10 @@ def load_node_params(params_file: Path | None, overrides: dict | None = None) ->
 
 def evaluate(bag: Path, params: dict, on_record=None) -> list[AnswerRecord]:
     """Replay the bag through QueryServer + Pipeline in bag time, one query at a time."""
-    from .frame_store import Frame
-    from .images import payload_from_msg
+    from ..serving.frame_store import Frame
+    from ..serving.images import payload_from_msg
     from ..bundled import DEFAULT_MODEL
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
     from .parameters import pipeline_options_from
 
     params = camera_topics_from_bag(params, bag_topics(bag))     # camera_topics not set: the bag's own

@@ -75,7 +75,7 @@ def checked_folder(model_dir: str, require_manifest: bool) -> None:
     """CheckpointError when require_manifest is on and a folder of the model has no manifest
     (`bag eval` refuses what the node with the same parameters would)."""
     from ..errors import CheckpointError
-    from ..integrity import require_manifest_error
+    from ..weights.integrity import require_manifest_error
 
     refused = require_manifest_error(model_dir) if require_manifest else None
     if refused:

@@ -42,18 +42,18 @@ from std_msgs.msg import String
 
 from litevlm_msgs.msg import Answer, AnswerPartial, Query
 
-from ..answer import STAGES
+from ..pipeline.answer import STAGES
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
-from ..integrity import integrity_label, require_manifest_error
+from ..weights.integrity import integrity_label, require_manifest_error
 from .bag_types import message_type_of
-from .frame_health import header_defect, too_large
-from .frame_store import Frame
-from .images import payload_from_msg
+from ..serving.frame_health import header_defect, too_large
+from ..serving.frame_store import Frame
+from ..serving.images import payload_from_msg
 from .memory import release_memory
 from .parameters import (NodeSettings, all_settings, check_live_change, declare_parameters, node_settings,
                          ros_default, validate_values)
-from .server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
+from ..serving.server import AnswerRecord, PartialRecord, QueryServer, ServerSettings
 from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, QUERY, QUESTION, SHIPPED_REMAPS
 
 NODE_NAME = "litevlm_drive"
@@ -263,7 +263,7 @@ class DriveNode(LifecycleNode):
                                f"{options.backend.name.value}, {options.device}, {options.dtype})")
 
         def factory():
-            from ..pipeline import Pipeline
+            from ..pipeline.pipeline import Pipeline
 
             refused = require_manifest_error(model_dir) if settings.require_manifest else None
             if refused:

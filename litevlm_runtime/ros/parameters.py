@@ -24,7 +24,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 
 from ..errors import InputError
 from ..options import Setting, _Validated, options_from_flat, parse_value, setting, settings
-from .server import OVERFLOW_POLICIES, ServerSettings
+from ..serving.server import OVERFLOW_POLICIES, ServerSettings
 from .topics import DEFAULT_CAMERA_TOPICS, expand
 
 ROS_TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..decoding import greedy
-from ..integrity import write_manifest
+from ..decoding.greedy import greedy
+from ..weights.integrity import write_manifest
 from ..models.eagle import DraftHead, save_draft_head
-from ..speculative import eagle2
+from ..decoding.speculative import eagle2
 from .distributed import setup
 
 
@@ -103,10 +103,10 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
                 samples: int | None = 400, holdout: int = 20, epochs: int = 4, lr: float = 1e-3,
                 noise: float = 0.05, seed: int = 0, max_new_tokens: int = 48, threads: int | None = None,
                 tree: dict | None = None, log=print) -> dict:
-    from ..checkpoint import load_model
+    from ..weights.checkpoint import load_model
     from ..options import options_from_flat
-    from ..pipeline import Pipeline
-    from ..tokenizer import Tokenizer
+    from ..pipeline.pipeline import Pipeline
+    from ..weights.tokenizer import Tokenizer
 
     d = setup("cpu")                   # the target and draft run on the CPU pipeline here
     torch.manual_seed(seed)

@@ -45,15 +45,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cameras import CAMERAS
-from ..checkpoint import load_model
+from ..weights.checkpoint import load_model
 from ..errors import InputError
-from ..integrity import write_manifest
+from ..weights.integrity import write_manifest
 from ..models.decoder import attention_probs
 from ..options import options_from_flat
-from ..pipeline import Pipeline, assemble_prompt, encode, preprocess
-from ..token_selector import TokenSelector, kept_count, save_token_selector
+from ..pipeline.pipeline import Pipeline, assemble_prompt, encode, preprocess
+from ..stages.token_selector import TokenSelector, kept_count, save_token_selector
 from .distributed import setup, threads_per_rank
-from ..tokenizer import Tokenizer
+from ..weights.tokenizer import Tokenizer
 
 
 def closed_form(answer: str) -> bool:

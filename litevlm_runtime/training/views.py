@@ -40,9 +40,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..cameras import CAMERAS
 from ..errors import InputError
-from ..integrity import write_manifest
+from ..weights.integrity import write_manifest
 from .distributed import setup
-from ..view_selector import (
+from ..stages.view_selector import (
     FUSION_RULES,
     TOKENIZER_FILE,
     Fusion,

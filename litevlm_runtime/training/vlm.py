@@ -72,16 +72,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..cameras import CAMERAS
-from ..checkpoint import load_model, write_checkpoint
+from ..weights.checkpoint import load_model, write_checkpoint
 from ..commands.make_checkpoint import init_weights
 from ..errors import InputError
-from ..integrity import sha256_file
+from ..weights.integrity import sha256_file
 from ..evaluation.metrics import ACCURACY, derive_tags
 from ..models.internvl import InternVL
-from ..preprocess import Normalizer, load_image, to_tiles_uint8
-from ..presets import PRESETS, preset
-from ..prompt import build_prompt, model_layout, write_layout
-from ..tokenizer import Tokenizer, train_bpe_tokenizer
+from ..stages.preprocess import Normalizer, load_image, to_tiles_uint8
+from ..weights.presets import PRESETS, preset
+from ..stages.prompt import build_prompt, model_layout, write_layout
+from ..weights.tokenizer import Tokenizer, train_bpe_tokenizer
 from .distributed import setup, threads_per_rank
 from .vision_labels import LABELS, VisionProbe, load_vision_labels
 
@@ -543,7 +543,7 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
     (the same answer path and the same match rule as `litevlm eval`); with a view selector, the
     cameras it selects instead of all six."""
     from ..options import options_from_flat
-    from ..pipeline import Pipeline
+    from ..pipeline.pipeline import Pipeline
 
     items = [(f, qa) for f in frames for qa in f.qa if is_closed_form(qa.question, qa.answer)]
     rng = np.random.default_rng(seed)
@@ -729,7 +729,7 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
             f"{float(labels.float().mean()):.4f} positive")
     select = None
     if args.view_selector:
-        from ..view_selector import load_view_selector
+        from ..stages.view_selector import load_view_selector
         selector = load_view_selector(args.view_selector)
         memo: dict[str, list[str]] = {}
         select = lambda q: memo[q] if q in memo else memo.setdefault(q, selector.select(q))  # noqa: E731

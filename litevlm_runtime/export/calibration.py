@@ -1,0 +1,472 @@
+"""Post-training quantization of an export bundle from real pipeline traffic, with NVIDIA ModelOpt.
+
+1. Traffic. Questions with their camera frames (a DriveLM-layout QA.json with its images, or a
+   rosbag2 of camera streams and queries) go through the PyTorch pipeline, whose stages run on
+   the bundle's bucket shapes (bound_stages.py). Every stage call records the exact tensors its
+   ONNX graph would receive: selected-camera pixels padded to the tile bucket, prompt embeddings
+   (template + visual tokens + question) with positions, masks and the KV cache, decode steps,
+   LM-head rows. A reservoir sample (fixed seed) keeps at most N calls per graph, so decode steps
+   late in an answer are as likely to be kept as early ones.
+2. Quantization. Each graph is quantized by `modelopt.onnx.quantization.quantize` from its own
+   samples: INT8 Q/DQ (runs in ONNX Runtime on the CPU) or FP8 Q/DQ (TensorRT only). Graph inputs
+   and outputs keep their dtypes, so the new bundle binds exactly like the original one.
+3. Accuracy. Held-out questions (disjoint from the calibration questions) are answered by the
+   unquantized and the quantized bundle through ONNX Runtime; reported: greedy token agreement
+   with the unquantized model (the primary measure here, clearly labelled as such) and, where
+   the evaluation package is present, the DriveLM scores of both against the ground truth.
+   FP8 graphs cannot run without TensorRT; their accuracy is not measured on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InputError, LiteVLMError
+from .exporter import MANIFEST, read_manifest, sha256_file, write_manifest
+
+PRECISIONS = ("int8", "fp8")
+METHODS = ("entropy", "max")
+# Stages quantized from recorded traffic. The LM head stays in the export's precision, as
+# ModelOpt's LLM PTQ configurations leave `lm_head` unquantized (greedy decoding reads its argmax
+# directly); graphs of stages the PyTorch pipeline runs itself (EAGLE draft, view selector) are
+# carried over unchanged.
+QUANTIZED_STAGES = ("vision", "prefill", "decoder")
+MAX_SAMPLE_BYTES = 1 << 30          # per graph: a decoder sample carries the whole KV cache
+
+
+# ------------------------------------------------------------------------------------- traffic
+@dataclass
+class Query:
+    images: dict          # camera -> bytes / path / RGB array
+    question: str
+    reference: str = ""   # ground-truth answer when the source has one
+    id: str = ""
+
+
+def queries_from_qa(path: Path, frames_root: Path | None = None) -> list[Query]:
+    """Every question of a DriveLM v1.1 file with its frame's six images (frame order, then the
+    file's question order)."""
+    from ..evaluation.data import frame_images, load_frames
+
+    root = Path(frames_root) if frames_root else Path(path).parent
+    out = []
+    for frame in load_frames(path):
+        images = {cam: p.read_bytes() for cam, p in frame_images(root, frame).items()}
+        out += [Query(images, q.question, q.answer, q.id) for q in frame.questions]
+    return out
+
+
+def queries_from_bag(path: Path, camera_topics: dict[str, str] | None = None) -> list[Query]:
+    """Each query of a rosbag2 (litevlm_msgs/Query on /litevlm/query, or std_msgs/String
+    questions) with the newest frame of every camera at that moment, read with the bag tooling
+    of litevlm_runtime.ros.bag."""
+    from ..cameras import CAMERAS
+    from ..ros.bag import QUERY_TOPIC, camera_topic, read_bag
+    from ..serving.images import payload_from_msg, to_pipeline_image
+
+    if camera_topics:
+        topics = {t: c for c, t in camera_topics.items()}
+    else:   # the default names of both image transports
+        topics = {camera_topic(c, raw): c for c in CAMERAS for raw in (False, True)}
+    latest: dict[str, object] = {}
+    out = []
+    for _, topic, msgtype, raw, reader in read_bag(Path(path)):
+        if topic in topics:
+            payload = payload_from_msg(reader.deserialize(raw, msgtype))
+            latest[topics[topic]] = to_pipeline_image(topics[topic], payload)
+        elif topic == QUERY_TOPIC or msgtype == "std_msgs/msg/String":
+            msg = reader.deserialize(raw, msgtype)
+            text = getattr(msg, "text", None) or getattr(msg, "data", "")
+            if all(c in latest for c in CAMERAS) and text.strip():
+                out.append(Query(dict(latest), text, id=getattr(msg, "id", "") or f"q{len(out)}"))
+    if not out:
+        raise InputError(f"{path}: no query with all six cameras before it")
+    return out
+
+
+def load_queries(data: Path, frames_root: Path | None = None) -> list[Query]:
+    data = Path(data)
+    if data.suffix == ".json":
+        return queries_from_qa(data, frames_root)
+    if data.is_dir() or data.suffix in (".mcap", ".db3"):
+        return queries_from_bag(data)
+    raise InputError(f"--data {data}: expected a DriveLM QA .json or a rosbag2 (folder, .mcap or .db3)")
+
+
+def split_queries(queries: list[Query], calibrate: int, evaluate: int, seed: int = 0) -> tuple[list, list]:
+    """Disjoint calibration and evaluation questions, drawn with a fixed seed."""
+    order = list(range(len(queries)))
+    random.Random(seed).shuffle(order)
+    calib = [queries[i] for i in order[:calibrate]]
+    held_out = [queries[i] for i in order[calibrate:calibrate + evaluate]]
+    if not calib:
+        raise InputError("no calibration questions")
+    return calib, held_out
+
+
+class Recorder:
+    """Reservoir-samples the inputs of every stage call, per graph file."""
+
+    def __init__(self, per_graph: int, seed: int = 0):
+        self.per_graph = per_graph
+        self.rng = random.Random(seed)
+        self.samples: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.calls: dict[str, int] = {}
+        self.limit: dict[str, int] = {}
+
+    def record(self, graph: str, inputs: dict[str, torch.Tensor]) -> None:
+        n = self.calls[graph] = self.calls.get(graph, 0) + 1
+        if graph not in self.limit:
+            nbytes = sum(t.numel() * t.element_size() for t in inputs.values())
+            self.limit[graph] = max(1, min(self.per_graph, MAX_SAMPLE_BYTES // nbytes))
+        kept = self.samples.setdefault(graph, [])
+        slot = len(kept) if len(kept) < self.limit[graph] else self.rng.randrange(n)
+        if slot < self.limit[graph]:
+            snapshot = {k: t.detach().cpu().numpy().copy() for k, t in inputs.items()}
+            if slot == len(kept):
+                kept.append(snapshot)
+            else:
+                kept[slot] = snapshot
+
+
+class RecordingStage:
+    def __init__(self, inner, graph: str, inputs: dict, recorder: Recorder):
+        self.inner, self.graph, self.inputs, self.recorder = inner, graph, inputs, recorder
+
+    def run(self) -> None:
+        self.recorder.record(self.graph, self.inputs)
+        self.inner.run()
+
+
+def collect_traffic(pipe, bundle, queries: list[Query], recorder: Recorder, progress=print) -> None:
+    """Answer `queries` with `pipe` (torch) on the bundle's buckets, recording every graph's inputs."""
+    from ..engines.bound_stages import bound_engines
+    from ..engines.cuda_graph import StaticStage
+    from .exporter import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+
+    rt = pipe.rt
+    modules = {"vision": VisionStage(rt.model, rt.pos_embed).eval(), "decoder": DecoderStage(rt.lm).eval(),
+               "prefill": PrefillStage(rt.lm).eval(), "head": HeadStage(rt.lm).eval()}
+    sizes = bundle.sizes()
+    if rt.draft is not None:
+        modules["eagle_draft"] = DraftStage(rt.draft).eval()
+    else:
+        sizes["eagle_draft"] = ()
+
+    def bind(stage, bucket, inputs, outputs):
+        graph = bundle.graphs(stage)[bucket]["file"]
+        return RecordingStage(StaticStage(modules[stage], inputs, outputs), graph, inputs, recorder)
+
+    rt.engines = bound_engines(rt, sizes, bind, "calibration")
+    for i, q in enumerate(queries):
+        try:
+            pipe.answer(q.images, q.question)
+        except InputError as exc:
+            progress(f"  skipped {q.id}: {exc}")
+            continue
+        progress(f"[calibration traffic {i + 1}/{len(queries)}] {q.question[:60]}")
+
+
+# ------------------------------------------------------------------------------------- quantize
+class SamplesReader:
+    """The calibration-reader interface ModelOpt calls (onnxruntime's CalibrationDataReader plus
+    ModelOpt's get_first) over recorded samples, one graph call each."""
+
+    def __init__(self, samples: list[dict[str, np.ndarray]]):
+        self.samples = samples
+        self.rewind()
+
+    def get_next(self):
+        return next(self._it, None)
+
+    def get_first(self):
+        return self.samples[0]
+
+    def rewind(self):
+        self._it = iter(self.samples)
+
+
+QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
+
+
+def weight_nodes(path: Path) -> list[str]:
+    """MatMul/Gemm/Conv nodes with a weight (initializer) operand, as anchored name patterns.
+
+    Only these are quantized: activation x activation products (attention scores over the KV
+    cache, probabilities x values) are left in full precision, because their calibrated ranges
+    come from caches that are mostly masked-out or empty at calibration time and INT8 there
+    ruins the decoder (measured: prefill hidden states off by 75% relative with them, see the
+    calibration tests)."""
+    import re
+
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    weights = {t.name for t in model.graph.initializer}
+    # Weights may also reach a MatMul through a Transpose/Cast of an initializer or a Constant.
+    constants = set(weights) | {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    for n in model.graph.node:
+        if n.op_type in ("Transpose", "Cast", "Identity", "Reshape") and n.input and n.input[0] in constants:
+            constants.update(n.output)
+    return [f"^{re.escape(n.name)}$" for n in model.graph.node
+            if n.op_type in QUANTIZED_OPS and any(i in constants for i in n.input)]
+
+
+def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str, np.ndarray]],
+                   method: str = "entropy", export_dtype: str = "float32", weights_file: str | None = None) -> None:
+    try:
+        from modelopt.onnx.quantization import quantize
+    except ImportError as exc:
+        raise LiteVLMError(f"NVIDIA ModelOpt's ONNX quantization is not importable ({exc}); "
+                           f"pip install nvidia-modelopt onnx-graphsurgeon lief (see requirements.txt)") from None
+    import contextlib
+    import io
+
+    own = [src.parent / weights_file] if weights_file else list(src.parent.glob("*.weights"))
+    model_bytes = src.stat().st_size + sum(f.stat().st_size for f in own)
+    # ModelOpt and onnxruntime's calibrator print a histogram progress bar per tensor; our own
+    # progress line per graph replaces them, and their output is shown if quantization fails.
+    chatter = io.StringIO()
+    # ModelOpt may rewrite its input graph in place (shape inference, opset updates): quantize a
+    # copy in a scratch folder so that the source bundle keeps matching its manifest.
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory(dir=dst.parent) as scratch, \
+                contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            work = Path(scratch) / src.name
+            shutil.copy2(src, work)
+            for weights in own:
+                shutil.copy2(weights, Path(scratch) / weights.name)
+            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype)
+    except Exception as exc:
+        raise LiteVLMError(f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}") from exc
+    if not dst.is_file():
+        raise LiteVLMError(f"{src.name}: ModelOpt wrote no quantized graph")
+
+
+def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype):
+    quantize(str(src), quantize_mode=precision, calibration_data_reader=SamplesReader(samples),
+             nodes_to_quantize=weight_nodes(src),
+             calibration_method=method, calibration_eps=["cpu"],
+             high_precision_dtype={"float16": "fp16", "bfloat16": "bf16"}.get(export_dtype, "fp32"), output_path=str(dst), log_level="ERROR",
+             use_external_data_format=model_bytes > (1 << 31) - (1 << 28),
+             # ModelOpt skips GEMV-shaped products (a decode step's T=1 rows) because TensorRT
+             # runs them no faster in INT8; on the CPU they are the memory-bound part INT8 helps.
+             enable_gemv_detection_for_trt=(precision == "fp8"))
+
+
+ROW_INPUTS = {"vision": ("pixels",), "decoder": ("embeds", "positions", "mask_cache", "mask_new"),
+              "prefill": ("embeds", "positions", "mask_new"), "head": ("hidden",)}
+
+
+def fit_sample(stage: str, sample: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """A recorded call re-shaped to another bucket of the same stage, as the engine itself would
+    present it: the first `rows` rows/tiles (a shorter prompt is a prefix of a longer one under
+    the causal mask), or padded (zero rows that see only themselves; repeated tiles)."""
+    out = dict(sample)
+    have = sample[ROW_INPUTS[stage][0]].shape[0]
+    if rows <= have:
+        for name in ROW_INPUTS[stage]:
+            out[name] = sample[name][:rows]
+        if "mask_new" in sample:
+            out["mask_new"] = sample["mask_new"][:rows, :rows]
+        return out
+    if stage == "vision":
+        out["pixels"] = np.concatenate([sample["pixels"]] * -(-rows // have))[:rows]
+        return out
+    for name in ROW_INPUTS[stage]:
+        if name == "mask_new":
+            continue
+        pad = np.zeros((rows - have,) + sample[name].shape[1:], dtype=sample[name].dtype)
+        out[name] = np.concatenate([sample[name], pad])
+    if "mask_new" in sample:
+        mask_new = np.eye(rows, dtype=bool)
+        mask_new[:have, :have] = sample["mask_new"]
+        out["mask_new"] = mask_new
+    return out
+
+
+def samples_for(graph: dict, manifest: dict, recorder: Recorder) -> tuple[list, str]:
+    """The graph's own recorded calls; for a bucket the traffic never reached, the calls of the
+    same stage's nearest bucket (largest first), fitted to this one."""
+    own = recorder.samples.get(graph["file"])
+    if own:
+        return own, "own calls"
+    siblings = sorted((g for g in manifest["graphs"] if g["stage"] == graph["stage"] and recorder.samples.get(g["file"])),
+                      key=lambda g: (g["bucket"] < graph["bucket"], abs(g["bucket"] - graph["bucket"])))
+    if not siblings:
+        raise LiteVLMError(f"calibration traffic never reached the {graph['stage']} stage: answer more questions")
+    src = siblings[0]
+    return ([fit_sample(graph["stage"], s, graph["bucket"]) for s in recorder.samples[src["file"]]],
+            f"calls of {src['file']} fitted to {graph['bucket']}")
+
+
+def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recorder, calibration_info: dict,
+                    progress=print) -> dict:
+    """A new bundle in `out`: every graph quantized from its samples; manifest updated."""
+    import modelopt
+
+    manifest = read_manifest(src_bundle)
+    out.mkdir(parents=True, exist_ok=True)
+    graphs = []
+    weights = {}
+    for i, g in enumerate(manifest["graphs"]):
+        t0 = time.perf_counter()
+        if g["stage"] not in QUANTIZED_STAGES:
+            shutil.copy2(src_bundle / g["file"], out / g["file"])
+            shutil.copy2(src_bundle / g["weights"], out / g["weights"])
+            weights[g["weights"]] = sha256_file(out / g["weights"])
+            graphs.append(dict(g, precision=manifest["dtype"]))
+            progress(f"[quantize {i + 1}/{len(manifest['graphs'])}] {g['file']:<18} kept in {manifest['dtype']}")
+            continue
+        samples, source = samples_for(g, manifest, recorder)
+        quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
+                       manifest["dtype"], g.get("weights"))
+        entry = dict(g, sha256=sha256_file(out / g["file"]), calibration_samples=len(samples), precision=precision,
+                     calibration_source=source, calibration_calls=recorder.calls.get(g["file"], 0))
+        entry.pop("weights", None)
+        graphs.append(entry)
+        progress(f"[quantize {i + 1}/{len(manifest['graphs'])}] {g['file']:<18} {precision}  {len(samples)} samples "
+                 f"({source}; {entry['calibration_calls']} calls)  {time.perf_counter() - t0:5.1f} s")
+    for f in out.glob("*.onnx.data"):           # external data ModelOpt wrote for big graphs
+        weights[f.name] = sha256_file(f)
+    manifest.update(graphs=graphs, weights=weights, precision=precision, engines={},
+                    calibration=dict(calibration_info, modelopt=modelopt.__version__, source_bundle=str(src_bundle)))
+    write_manifest(out, manifest)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------- accuracy
+@dataclass
+class AccuracyReport:
+    questions: int = 0
+    identical_answers: int = 0
+    token_agreement: float = 0.0            # matching tokens / reference tokens, position by position
+    reference_tokens: int = 0
+    drivelm: dict = field(default_factory=dict)
+
+    def lines(self, precision: str) -> list[str]:
+        out = [f"evaluation on {self.questions} held-out questions (quantized vs unquantized fp32 model, both "
+               f"through ONNX Runtime):",
+               f"  token agreement with the fp32 model: {self.token_agreement:.4f} "
+               f"({self.reference_tokens} fp32 answer tokens, greedy, position by position)",
+               f"  answers identical to the fp32 model's: {self.identical_answers}/{self.questions}"]
+        if self.drivelm:
+            for name, v in self.drivelm.items():
+                out.append(f"  DriveLM {name}: fp32 {v['fp32']}  {precision} {v[precision]}  delta {v['delta']}")
+        return out
+
+
+def token_agreement(ref: list[int], got: list[int]) -> int:
+    return sum(a == b for a, b in zip(ref, got))
+
+
+def drivelm_accuracy(queries: list[Query], answers: dict[str, list[str]]) -> dict:
+    """DriveLM accuracy (exact match on its multiple-choice / yes-no questions) of each set of
+    answers, scored by litevlm_runtime.evaluation when present; {} when it is absent or no
+    held-out question is of that kind."""
+    try:
+        from ..evaluation.metrics import ACCURACY, Question, derive_tags, score
+    except ImportError:
+        return {}
+    picked = [(i, q) for i, q in enumerate(queries) if ACCURACY in derive_tags(q.question, q.reference)]
+    if not picked:
+        return {}
+    qs = [Question(q.id, q.id, q.question, q.reference, (ACCURACY,), "calibration") for _, q in picked]
+    return {name: (score(qs, {q.id: texts[i] for (i, _), q in zip(picked, qs)}).accuracy, len(qs))
+            for name, texts in answers.items()}
+
+
+def evaluate(model_dir: Path, options, fp32_bundle: Path, quant_bundle: Path, precision: str,
+             queries: list[Query], progress=print) -> AccuracyReport:
+    from dataclasses import replace
+
+    from ..pipeline.pipeline import Pipeline
+
+    report = AccuracyReport(questions=0)
+    if not queries:
+        return report
+    on_ort = lambda b: replace(options, backend=replace(options.backend, name="onnxruntime", bundle=str(b)))
+    ref = Pipeline.from_pretrained(model_dir, on_ort(fp32_bundle))
+    quant = Pipeline.from_pretrained(model_dir, on_ort(quant_bundle))
+    texts = {"fp32": [], precision: []}
+    agree = 0
+    for i, q in enumerate(queries):
+        a, b = ref.answer(q.images, q.question), quant.answer(q.images, q.question)
+        texts["fp32"].append(a.text)
+        texts[precision].append(b.text)
+        agree += token_agreement(a.token_ids, b.token_ids)
+        report.reference_tokens += len(a.token_ids)
+        report.identical_answers += int(a.token_ids == b.token_ids)
+        report.questions += 1
+        progress(f"[evaluate {i + 1}/{len(queries)}] {'same' if a.token_ids == b.token_ids else 'differs'}  "
+                 f"{q.question[:50]}")
+    report.token_agreement = agree / max(1, report.reference_tokens)
+    if all(q.reference for q in queries):
+        acc = drivelm_accuracy(queries, texts)
+        if acc:
+            (a32, n), (aq, _) = acc["fp32"], acc[precision]
+            report.drivelm = {f"accuracy ({n} multiple-choice/yes-no questions)": {
+                "fp32": f"{a32:.4f}", precision: f"{aq:.4f}", "delta": f"{aq - a32:+.4f}"}}
+    return report
+
+
+# ------------------------------------------------------------------------------------- top level
+def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, bundle: Path | None = None,
+              buckets=None, frames_root: Path | None = None, calib_questions: int = 16, eval_questions: int = 16,
+              samples_per_graph: int = 16, method: str | None = None, progress=print) -> tuple[dict, AccuracyReport]:
+    from dataclasses import replace
+
+    from ..engines.onnxruntime_engine import Bundle
+    from .exporter import export_bundle
+    from ..pipeline.pipeline import Pipeline
+
+    if precision not in PRECISIONS:
+        raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    out = Path(out)
+    queries = load_queries(data, frames_root)
+    calib, held_out = split_queries(queries, calib_questions, eval_questions)
+    progress(f"{len(queries)} questions in {data}: {len(calib)} for calibration, {len(held_out)} held out for evaluation")
+    pipe = Pipeline.from_pretrained(model_dir, replace(options, backend=replace(options.backend, name="torch")))
+    if bundle is None:
+        bundle = out / "fp32"
+        if not (bundle / MANIFEST).is_file():
+            progress(f"no --bundle: exporting the unquantized graphs to {bundle}")
+            export_bundle(pipe.rt, bundle, buckets, progress=progress)
+    src = Bundle(pipe.rt, bundle)
+    if src.manifest.get("precision"):
+        raise LiteVLMError(f"{bundle}: already quantized ({src.manifest['precision']}); calibrate an fp32 export")
+    recorder = Recorder(samples_per_graph)
+    t0 = time.perf_counter()
+    collect_traffic(pipe, src, calib, recorder, progress)
+    progress(f"traffic recorded in {time.perf_counter() - t0:.1f} s")
+    quant_dir = out / precision
+    if quant_dir.exists():
+        shutil.rmtree(quant_dir)
+    method = method or ("max" if precision == "fp8" else "entropy")
+    if method not in METHODS:
+        raise LiteVLMError(f"calibration method {method!r}: one of {', '.join(METHODS)}")
+    info = {"data": str(data), "questions": len(calib), "samples_per_graph": samples_per_graph, "method": method,
+            "quantized_stages": list(QUANTIZED_STAGES)}
+    manifest = quantize_bundle(Path(bundle), quant_dir, precision, recorder, info, progress)
+    if precision == "fp8":
+        report = AccuracyReport()
+        progress("fp8 Q/DQ graphs use TensorRT-only operators: accuracy is not measured without TensorRT "
+                 f"(build engines with `litevlm build-engines {quant_dir} --precision fp8` on the GPU)")
+    else:
+        report = evaluate(model_dir, options, Path(bundle), quant_dir, precision, held_out, progress)
+        manifest["calibration"]["evaluation"] = report.__dict__
+        write_manifest(quant_dir, manifest)
+    (out / "calibration_report.json").write_text(json.dumps(
+        {"precision": precision, "bundle": str(quant_dir), "fp32_bundle": str(bundle),
+         "evaluation": report.__dict__}, indent=2) + "\n")
+    return manifest, report

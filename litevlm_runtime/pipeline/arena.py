@@ -1,0 +1,91 @@
+"""The memory arena: every buffer a query touches, allocated once at start-up from configured maxima.
+
+Stages read and write slices of these tensors; nothing per query is allocated here afterwards, so
+buffer addresses are stable (what CUDA-graph capture and TensorRT tensor binding need). Model
+intermediates inside a stage come from the framework's allocator (on a GPU, the graph's pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Limits:
+    cameras: int = 6
+    tiles_per_camera: int = 1
+    text_tokens: int = 512        # template + camera labels + question
+    new_tokens: int = 64          # answer length
+    tree_tokens: int = 64         # EAGLE-2 draft tree verified in one pass (scratch slots)
+    draft_layers: int = 0         # EAGLE-2 draft head's own KV cache (0: no draft)
+    cached_cameras: int = 0       # visual features kept for later queries (feature_cache.py)
+
+    def max_tiles(self) -> int:
+        return self.cameras * self.tiles_per_camera
+
+
+class Arena:
+    @staticmethod
+    def max_len_for(cfg: ModelConfig, limits: Limits) -> int:
+        """Cache length: the longest prompt, the answer, and the draft tree's scratch slots."""
+        return limits.max_tiles() * cfg.tokens_per_tile + limits.text_tokens + limits.new_tokens + limits.tree_tokens
+
+    def __init__(self, cfg: ModelConfig, limits: Limits, dtype: torch.dtype, device: torch.device):
+        self.limits = limits
+        s, d, llm = cfg.force_image_size, cfg.llm.hidden_size, cfg.llm
+        tiles = limits.max_tiles()
+        self.max_visual = tiles * cfg.tokens_per_tile
+        self.max_prompt = self.max_visual + limits.text_tokens
+        self.max_len = self.max_len_for(cfg, limits)
+        self.max_query = max(self.max_prompt, limits.tree_tokens)
+        kv_shape = (llm.num_hidden_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
+        alloc = dict(device=device)
+        self.pixels_u8 = torch.zeros(tiles, 3, s, s, dtype=torch.uint8, **alloc)
+        self.pixels = torch.zeros(tiles, 3, s, s, dtype=dtype, **alloc)
+        self.visual = torch.zeros(tiles, cfg.tokens_per_tile, d, dtype=dtype, **alloc)
+        self.token_ids = torch.zeros(self.max_len, dtype=torch.long, **alloc)
+        self.embeds = torch.zeros(self.max_prompt, d, dtype=dtype, **alloc)
+        # The full prompt (every visual token present) the token selector reads; prefill gathers the
+        # kept rows from it into token_ids/embeds/positions (kept_rows: their full-prompt indices).
+        self.prompt_ids = torch.zeros(self.max_prompt, dtype=torch.long, **alloc)
+        self.prompt_embeds = torch.zeros(self.max_prompt, d, dtype=dtype, **alloc)
+        self.kept_rows = torch.zeros(self.max_prompt, dtype=torch.long, **alloc)
+        # FastV: which cache slots layers >= K may see, and the masks of those layers.
+        self.slot_visible = torch.ones(self.max_len, dtype=torch.bool, **alloc)
+        self.positions = torch.zeros(self.max_len, dtype=torch.long, **alloc)
+        self.slots = torch.arange(self.max_len, dtype=torch.long, **alloc)
+        # A call's two masks (engines/base.py): old cache columns, and this call's own rows.
+        self.mask_cache = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
+        self.mask_new = torch.zeros(self.max_query, self.max_query, dtype=torch.bool, **alloc)
+        self.layer_mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, **alloc)
+        self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)
+        # Visual reuse: one camera's visual tokens per slot (tiles per camera x tokens per tile).
+        self.feature_cache = torch.zeros(limits.cached_cameras, limits.tiles_per_camera * cfg.tokens_per_tile, d,
+                                         dtype=dtype, **alloc)
+        draft_shape = (limits.draft_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
+        self.draft_k = torch.zeros(draft_shape, dtype=dtype, **alloc)
+        self.draft_v = torch.zeros(draft_shape, dtype=dtype, **alloc)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers().values())
+
+    def causal_mask(self, n: int) -> torch.Tensor:
+        """mask_new[:n, :n] set to lower-triangular (True = may attend), in place."""
+        m = self.mask_new[:n, :n]
+        m.fill_(True)
+        return m.tril_()
+
+    def all_visible(self, rows: int, columns: int) -> torch.Tensor:
+        """mask_cache[:rows, :columns] set to True, in place (a step that sees every earlier slot)."""
+        m = self.mask_cache[:rows, :columns]
+        m.fill_(True)
+        return m

@@ -1,0 +1,207 @@
+"""The runtime context: everything a query touches, built once and passed to the stages, the
+decoders, export, calibration and training (instead of a pipeline object they all reach into).
+
+    rt = build_runtime(model_dir, options)      # or Runtime.from_model(model, tokenizer, options)
+
+Order matters and is fixed here: the options are resolved against the model folder (which
+modules run), the arena's limits follow from the options and the model config, the model is
+loaded with its RoPE table sized once at the arena's max_len (shared by the token selector and
+the EAGLE-2 head), moved to the device, and the engines of the chosen backend are bound to the
+arena's buffers. Nothing here is sized twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .arena import Arena, Limits
+from ..models.config import ModelConfig
+from ..errors import InputError
+from ..options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
+from ..stages.budget import BudgetPlanner
+from ..stages.feature_cache import FeatureCache
+from ..stages.preprocess import Normalizer
+from ..stages.prompt import resolve_layout
+from ..weights.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_threads_lock = threading.Lock()
+
+
+def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, layout: str) -> Limits:
+    """The arena's maxima: the rig's cameras and tiles, the longest template + question, the
+    answer cap and the largest draft tree the options allow."""
+    from ..stages.prompt import build_prompt
+
+    # Everything in the prompt except the visual tokens and the question, for the worst case.
+    template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1)
+    template_tokens = len(template.input_ids) - len(options.cameras)      # one placeholder per camera
+    tree = options.decoding.eagle
+    eagle = options.decoding.mode == DecodingMode.EAGLE
+    return Limits(
+        cameras=len(options.cameras),
+        tiles_per_camera=options.tiles_per_camera,
+        text_tokens=template_tokens + 8 + options.max_question_tokens,
+        new_tokens=options.max_new_tokens,
+        tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
+        draft_layers=1 if eagle else 0,
+        cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
+    )
+
+
+def set_threads(n: int) -> None:
+    """torch's intra-op threads for this process (the one knob shared by every pipeline in it)."""
+    from .. import threads
+
+    if n > 1 and threads.torch_loaded_first:
+        warnings.warn("torch was imported before litevlm_runtime, so its OpenMP threads spin when idle and a shared "
+                      "CPU can collapse them: set OMP_WAIT_POLICY=PASSIVE in the environment, or import "
+                      "litevlm_runtime first (threads.py)", RuntimeWarning, stacklevel=3)
+    with _threads_lock:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+
+@dataclass
+class Runtime:
+    name: str
+    model_dir: Path | None
+    options: PipelineOptions          # resolved: no `auto` left
+    cfg: ModelConfig
+    model: torch.nn.Module            # InternVL
+    tok: Tokenizer
+    arena: Arena
+    device: torch.device
+    dtype: torch.dtype
+    pos_embed: torch.Tensor           # InternViT's position table at this tile size
+    normalize: Normalizer
+    sampler: torch.Generator
+    view_selector: object | None = None
+    token_selector: torch.nn.Module | None = None
+    draft: torch.nn.Module | None = None
+    fastv: object | None = None
+    engines: object = None            # engines.Engines, bound last
+    costs: object = None              # spec_policy.DeviceCosts, measured at warm-up (adaptive trees)
+    features: object = None           # feature_cache.FeatureCache (visual reuse), or None
+    planner: object = None            # budget.BudgetPlanner (latency budgets)
+    prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def lm(self):
+        return self.model.language_model
+
+    @property
+    def tokens_per_camera(self) -> int:
+        return self.options.tiles_per_camera * self.cfg.tokens_per_tile
+
+    @classmethod
+    def from_model(cls, model, tok: Tokenizer, options: PipelineOptions, *, name: str = "model",
+                   model_dir: str | Path | None = None, draft=None, token_selector=None,
+                   view_selector=None) -> "Runtime":
+        """A runtime over an already built model (tests, the GPU check, training): `options` must
+        be resolved (see PipelineOptions.resolved); modules not passed are loaded from model_dir."""
+        from ..engines import make_engines
+        from ..stages.fastv import FastV
+
+        model_dir = Path(model_dir) if model_dir else None
+        provided = frozenset(name for name, obj in (("view_selector", view_selector), ("token_selector", token_selector),
+                                                    ("eagle", draft)) if obj is not None)
+        options = options.resolved(model_dir, provided)
+        device, dtype = torch.device(options.device), DTYPES[options.dtype]
+        set_threads(options.threads())
+        cfg = model.cfg
+        layout = resolve_layout(options.prompt_layout or None, model_dir or tok.folder)[0]
+        arena = Arena(cfg, arena_limits(cfg, tok, options, layout), dtype, device)
+        model = model.to(device, dtype).eval()
+        lm = model.language_model
+        if getattr(lm, "rope", None) is None or lm.rope.max_len != arena.max_len:
+            lm.init_rope(arena.max_len)                 # the one RoPE table, at the arena's size
+        with torch.inference_mode():
+            grid = cfg.patches_per_side
+            pos_embed = model.vision_model.embeddings.position_embedding_for(grid, grid)
+        rt = cls(name=name, model_dir=model_dir, options=options, cfg=cfg, model=model, tok=tok, arena=arena,
+                 device=device, dtype=dtype, pos_embed=pos_embed, normalize=Normalizer(dtype, device),
+                 sampler=torch.Generator(device="cpu").manual_seed(options.decoding.seed), prompt_layout=layout)
+        on = options.modules()
+        rt.view_selector = (view_selector or load_views(options, model_dir)) if "views" in on else None
+        rt.token_selector = (token_selector or load_tokens(options, model_dir, lm, dtype)) \
+            if any(m.startswith("tokens") for m in on) else None
+        if options.decoding.mode == DecodingMode.EAGLE:
+            rt.draft = draft if draft is not None else load_draft(options, model_dir, lm, dtype)
+            rt.draft = rt.draft.to(device, dtype).eval()
+            rt.draft.rope = lm.rope
+        if rt.token_selector is not None:
+            rt.token_selector = rt.token_selector.to(device, dtype).eval()
+            rt.token_selector.rope = lm.rope
+        if options.fastv.ratio > 0:
+            rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
+        rt.engines = make_engines(rt)
+        if arena.feature_cache.shape[0]:
+            rt.features = FeatureCache(arena.feature_cache)
+        rt.planner = BudgetPlanner(rt)
+        if rt.fastv is not None:
+            rt.engines.decoder = rt.fastv          # later passes run under FastV's per-layer masks
+        if options.decoding.mode == DecodingMode.EAGLE:
+            from ..decoding.spec_policy import DeviceCosts, measure_costs
+
+            # The speculation cost table (spec_policy.py), at half the longest prompt; a server's
+            # warm-up re-measures it at a real prompt's length (Pipeline.warm_up).
+            rt.costs = (measure_costs(rt) if options.decoding.eagle.policy.value == "adaptive"
+                        else DeviceCosts({1: 1.0}, 0.0, {1: 0.0}, source="fixed tree: not measured"))
+        return rt
+
+
+def load_views(options: PipelineOptions, model_dir: Path | None):
+    if options.views.mode != ViewMode.SELECTOR:
+        return None
+    from ..stages.view_selector import load_view_selector
+
+    folder = Path(options.views.selector_dir) if options.views.selector_dir else model_dir / "view_selector"
+    return load_view_selector(folder, threshold=options.views.threshold or None)
+
+
+def load_tokens(options: PipelineOptions, model_dir: Path | None, lm, dtype):
+    from ..stages.token_selector import load_token_selector
+
+    mode = options.tokens.mode
+    if mode == TokenMode.OFF:
+        return None
+    reduce = options.tokens.reduce or None
+    if mode == TokenMode.LAYER0:
+        return load_token_selector(None, lm, reduce, dtype)
+    folder = Path(options.tokens.selector_dir) if options.tokens.selector_dir else model_dir / "token_selector"
+    return load_token_selector(folder, lm, reduce, dtype)
+
+
+def load_draft(options: PipelineOptions, model_dir: Path | None, lm, dtype):
+    from ..models.eagle import load_draft_head
+
+    folder = Path(options.decoding.draft_dir) if options.decoding.draft_dir else model_dir / "eagle"
+    return load_draft_head(folder, lm.cfg, lm.rope, dtype)
+
+
+def build_runtime(model_dir: str | Path, options: PipelineOptions | None = None) -> Runtime:
+    """Load an InternVL2.5 folder into a runtime for `options` (default: the deployed LiteVLM
+    configuration, modules where the folder has them)."""
+    from ..weights.checkpoint import load_model, read_config
+
+    options = options or PipelineOptions()
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)                 # fail fast on a bad folder before loading weights
+    resolved = options.resolved(model_dir)
+    if resolved.backend.name == BackendName.TENSORRT and not resolved.device.startswith("cuda"):
+        raise InputError(f"backend.name tensorrt runs on a CUDA device; device is {resolved.device!r}")
+    if resolved.backend.name in (BackendName.ONNXRUNTIME, BackendName.TENSORRT) and not resolved.backend.bundle:
+        raise InputError(f"backend.name {resolved.backend.name.value} needs backend.bundle (an export folder: "
+                         f"`litevlm export --model {model_dir} --out DIR`)")
+    tok = Tokenizer(model_dir)
+    layout = resolve_layout(resolved.prompt_layout or None, model_dir)[0]
+    max_len = Arena.max_len_for(cfg, arena_limits(cfg, tok, resolved, layout))
+    model = load_model(model_dir, DTYPES[resolved.dtype], max_len=max_len)
+    return Runtime.from_model(model, tok, resolved, name=model_dir.name, model_dir=model_dir)

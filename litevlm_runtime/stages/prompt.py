@@ -1,0 +1,216 @@
+"""Prompt layouts: the token ids the decoder sees for (system message, cameras, question), equal to
+what upstream InternVL's `chat()` gives, built id by id.
+
+Upstream builds one string with the `internvl2_5` template (conversation.py, separator style MPT)
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n<|im_start|>assistant\\n
+
+replaces each `<image>` in it, in order, by `<img>` + `<IMG_CONTEXT>` x (tokens per tile x tiles) +
+`</img>`, and tokenizes it whole with `tokenizer(query)`, which adds what the tokenizer's own
+configuration adds (InternLM2Tokenizer: `<s>`; Qwen2.5's tokenizer.json: nothing; see
+`Tokenizer.added_around_text`). The user turn `{user}` is the layout's image lines, then the question:
+
+    internvl   upstream's convention: one image `<image>\\n{question}` (what `chat()` prepends);
+               several `Image-1: <image>\\nImage-2: <image>\\n...{question}` (the InternVL
+               model card's multi-image convention, `num_patches_list` one entry per camera)
+    cameras    `{camera}: <image>\\n` per camera: `CAM_FRONT: <img>..</img>\\nCAM_BACK: ...`
+               (the project's models, the bundled one included, are trained with it)
+    template   any other string: the text of one camera's line, with exactly one `<image>` and
+               optionally `{camera}` (its name) and `{index}` (1, 2, ...); the lines come in camera
+               order before the question. `Image-{index}: <image>\\n` is `internvl` for several
+               cameras, `{camera}: <image>\\n` is `cameras`.
+
+Which layout a model folder uses: the `prompt_layout` key of `litevlm.json` in the folder
+(`{"prompt_layout": "internvl"}`), overridden by `PipelineOptions.prompt_layout` /
+`litevlm prompt --layout`. A folder without litevlm.json gets `internvl` when it looks upstream
+(a sentencepiece tokenizer.model, or tokenizer_config.json's `tokenizer_class` an InternLM2 or Qwen2
+tokenizer) and `cameras` otherwise (the project's own byte-level BPE checkpoints).
+
+Why id by id: tokenizers cut a text at special tokens before anything else, so the ids of the
+whole string are the ids of each piece of text between two special tokens, tokenized on its own.
+The pieces are tokenized (and cached) that way, the `<IMG_CONTEXT>` runs are written as ids, and
+the string with thousands of `<IMG_CONTEXT>` is never built. Everything up to the last camera's
+`</img>` depends only on (cameras, layout) and is cached; the question's piece is the text from
+there to `<|im_end|>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ..errors import CheckpointError, InputError, LiteVLMError
+from ..weights.tokenizer import SPECIAL_TOKENS, Tokenizer, read_tokenizer_config
+
+LAYOUTS = ("internvl", "cameras")
+LAYOUT_FILE = "litevlm.json"
+LAYOUT_KEY = "prompt_layout"
+IMAGE = "<image>"
+PLACEHOLDERS = ("{camera}", "{index}")
+# tokenizer_config.json classes of upstream InternVL2.5 checkpoints (InternLM2 for 2B/8B, Qwen2.5 for 1B/4B)
+UPSTREAM_TOKENIZER_CLASSES = ("InternLM2Tokenizer", "InternLM2TokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    input_ids: tuple[int, ...]                  # every id, `<IMG_CONTEXT>` placeholders included
+    image_spans: tuple[tuple[int, int], ...]    # per camera: (index of its first <IMG_CONTEXT>, count)
+    question_span: tuple[int, int]              # [start, end): the text after the last </img> up to <|im_end|>
+
+
+def check_layout(layout, source: str = "prompt layout", error: type[LiteVLMError] = InputError) -> str:
+    """`layout` if it is a layout name or a valid template, else `error` naming `source`."""
+    if layout in LAYOUTS:
+        return layout
+    hint = f"a layout is {' or '.join(LAYOUTS)}, or a template with one {IMAGE} such as 'Image-{{index}}: <image>\\n'"
+    if not isinstance(layout, str) or layout.count(IMAGE) != 1:
+        raise error(f"{source} {layout!r}: {hint}")
+    unknown = [p for p in re.findall(r"\{[^{}]*\}", layout) if p not in PLACEHOLDERS]
+    if unknown:
+        raise error(f"{source} {layout!r}: unknown placeholder {unknown[0]} (known: {', '.join(PLACEHOLDERS)})")
+    reserved = [t for t in SPECIAL_TOKENS if t in layout]
+    if reserved:
+        raise error(f"{source} {layout!r}: contains the special token {reserved[0]!r} (the layout writes "
+                    f"<img>...</img> itself where {IMAGE} stands)")
+    return layout
+
+
+def model_layout(folder: str | Path) -> tuple[str, str]:
+    """The layout a model folder was trained with, and where that was read from."""
+    folder = Path(folder)
+    path = folder / LAYOUT_FILE
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+        if not isinstance(data, dict) or LAYOUT_KEY not in data:
+            raise CheckpointError(f"{path}: no {LAYOUT_KEY!r} key")
+        extra = sorted(set(data) - {LAYOUT_KEY})
+        if extra:
+            raise CheckpointError(f"{path}: unknown key {extra[0]!r} (known: {LAYOUT_KEY!r})")
+        return check_layout(data[LAYOUT_KEY], f"{path}: {LAYOUT_KEY}", CheckpointError), str(path)
+    if (folder / "tokenizer.model").is_file():
+        return "internvl", f"no {LAYOUT_FILE}; tokenizer.model (an upstream sentencepiece tokenizer)"
+    tokenizer_class = read_tokenizer_config(folder).get("tokenizer_class")
+    if tokenizer_class in UPSTREAM_TOKENIZER_CLASSES:
+        return "internvl", f"no {LAYOUT_FILE}; tokenizer_class {tokenizer_class} (upstream)"
+    return "cameras", f"no {LAYOUT_FILE}; a project tokenizer ({tokenizer_class or 'tokenizer.json'})"
+
+
+def resolve_layout(override: str | None, folder: str | Path) -> tuple[str, str]:
+    """`override` (an option) when given, else the model folder's layout; and where it came from."""
+    if override is not None:
+        return check_layout(override), "option"
+    return model_layout(folder)
+
+
+def write_layout(folder: str | Path, layout: str) -> None:
+    """Record in a model folder the layout it was trained with."""
+    path = Path(folder) / LAYOUT_FILE
+    path.write_text(json.dumps({LAYOUT_KEY: check_layout(layout)}, ensure_ascii=False) + "\n")
+
+
+def image_line(layout: str, n_cameras: int) -> str:
+    """The template of one camera's line in the user turn."""
+    if layout == "internvl":
+        return IMAGE + "\n" if n_cameras == 1 else "Image-{index}: " + IMAGE + "\n"
+    if layout == "cameras":
+        return "{camera}: " + IMAGE + "\n"
+    return layout
+
+
+def build_prompt(tok: Tokenizer, system: str, layout: str, cameras: list[str] | tuple[str, ...], question: str,
+                 tokens_per_camera: int) -> Prompt:
+    """The full prompt for `cameras` (each `tokens_per_camera` visual tokens) and `question`."""
+    if not cameras:
+        raise InputError("a prompt needs at least one camera")
+    reserved = [t for t in SPECIAL_TOKENS if t in question]
+    if reserved:
+        raise InputError(f"question contains reserved token {reserved[0]!r}")
+    head, spans, text_after_images = _head(tok, system, layout, tuple(cameras), tokens_per_camera)
+    question_ids = tok.encode_cached(text_after_images + question)
+    ids = head + question_ids + _tail(tok)
+    return Prompt(ids, spans, (len(head), len(head) + len(question_ids)))
+
+
+class _IdWriter:
+    """Ids as a tokenizer cuts the string: text waits for the next special token (or the end),
+    then is tokenized as one piece."""
+
+    def __init__(self, tok: Tokenizer, ids=()):
+        self.tok, self.ids, self.text = tok, list(ids), ""
+
+    def flush(self) -> None:
+        if self.text:
+            self.ids.extend(self.tok.encode_cached(self.text))
+            self.text = ""
+
+    def special(self, token_id: int) -> None:
+        self.flush()
+        self.ids.append(token_id)
+
+
+@lru_cache(maxsize=64)
+def _head(tok: Tokenizer, system: str, layout: str, cameras: tuple[str, ...],
+          tokens_per_camera: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], str]:
+    """Ids up to the last camera's `</img>`, each camera's span, and the text that follows it."""
+    line = image_line(check_layout(layout), len(cameras))
+    w = _IdWriter(tok, tok.added_around_text[0])
+    w.special(tok.im_start_id)
+    w.text += f"system\n{system}"
+    w.special(tok.im_end_id)
+    w.text += "\n"
+    w.special(tok.im_start_id)
+    w.text += "user\n"
+    spans = []
+    for index, camera in enumerate(cameras, 1):
+        text_before, text_after = line.replace("{camera}", camera).replace("{index}", str(index)).split(IMAGE)
+        w.text += text_before
+        w.special(tok.img_start_id)
+        spans.append((len(w.ids), tokens_per_camera))
+        w.ids.extend([tok.img_context_id] * tokens_per_camera)
+        w.special(tok.img_end_id)
+        w.text += text_after
+    return tuple(w.ids), tuple(spans), w.text
+
+
+@lru_cache(maxsize=64)
+def _tail(tok: Tokenizer) -> tuple[int, ...]:
+    """`<|im_end|>\\n<|im_start|>assistant\\n` after the question, then what the tokenizer adds at the end."""
+    w = _IdWriter(tok)
+    w.special(tok.im_end_id)
+    w.text += "\n"
+    w.special(tok.im_start_id)
+    w.text += "assistant\n"
+    w.flush()
+    return tuple(w.ids) + tok.added_around_text[1]
+
+
+def render(tok: Tokenizer, ids) -> str:
+    """The prompt as text: special tokens (BOS included) written out, each run of `<IMG_CONTEXT>`
+    collapsed to `<IMG_CONTEXT>*N`, the text between them decoded."""
+    written_out = tok.special_ids | set(tok.added_around_text[0]) | set(tok.added_around_text[1])
+    out: list[str] = []
+    text: list[int] = []
+    i = 0
+    while i < len(ids):
+        token_id = int(ids[i])
+        if token_id not in written_out:
+            text.append(token_id)
+            i += 1
+            continue
+        if text:
+            out.append(tok.decode(text))
+            text = []
+        n = 1
+        while token_id == tok.img_context_id and i + n < len(ids) and int(ids[i + n]) == token_id:
+            n += 1
+        out.append(tok.id_to_token(token_id) + (f"*{n}" if n > 1 else ""))
+        i += n
+    if text:
+        out.append(tok.decode(text))
+    return "".join(out)
