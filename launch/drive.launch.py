@@ -1,9 +1,12 @@
 """`ros2 launch litevlm drive.launch.py [namespace:=NS] [params_file:=FILE] [model_dir:=DIR]
-[log_level:=LEVEL] [fastdds_profile:=FILE]`   (`ros2 launch litevlm drive.launch.py --show-args`)
+[log_level:=LEVEL] [fastdds_profile:=FILE] [auto_activate:=true|false]`   (`ros2 launch litevlm drive.launch.py --show-args`)
 
-Starts the litevlm_drive lifecycle node and takes it through configure and then activate, once:
-the activate request is tied to the configuring -> inactive transition only, so a later
-`ros2 lifecycle set /litevlm_drive deactivate` leaves it inactive (and `cleanup` then works).
+Starts the litevlm_drive lifecycle node and requests configure; when that first configure
+succeeds (configuring -> inactive) it requests activate, once: the handler handles one event only
+(handle_once) and activates only on success, so a manual `ros2 lifecycle set /litevlm_drive
+configure` later (after deactivate and cleanup, or after fixing a parameter that failed the
+launch's configure) leaves the node inactive, and the user's own `activate` works.
+`auto_activate:=false` leaves the node inactive after the launch's configure too.
 
 Topic names inside the node are relative; the remappings below give the shipped names in the
 root namespace (/litevlm/query, /litevlm/answer ...; the cameras' /cam_front/image_raw/compressed
@@ -46,6 +49,14 @@ def change_state(node, transition_id):
         lifecycle_node_matcher=launch.events.matches_action(node), transition_id=transition_id))
 
 
+def activate_if_configured(context, node):
+    """The one event the handler takes: the outcome of the launch's own configure. Activate on
+    success (goal inactive); on failure (goal unconfigured) nothing, now or later."""
+    if context.locals.event.goal_state == "inactive":
+        return [change_state(node, lifecycle_msgs.msg.Transition.TRANSITION_ACTIVATE)]
+    return []
+
+
 def node_and_transitions(context):
     """The node and its two transition requests. In an OpaqueFunction because model_dir
     overrides the params file only when it is given (a parameters dict always would)."""
@@ -64,9 +75,9 @@ def node_and_transitions(context):
         ros_arguments=["--log-level", launch.substitutions.LaunchConfiguration("log_level")],
     )
     activate_once_configured = launch.actions.RegisterEventHandler(launch_ros.event_handlers.OnStateTransition(
-        target_lifecycle_node=node, start_state="configuring", goal_state="inactive",
-        entities=[change_state(node, lifecycle_msgs.msg.Transition.TRANSITION_ACTIVATE)],
-    ))
+        target_lifecycle_node=node, start_state="configuring", handle_once=True,
+        entities=[launch.actions.OpaqueFunction(function=lambda ctx: activate_if_configured(ctx, node))],
+    ), condition=launch.conditions.IfCondition(launch.substitutions.LaunchConfiguration("auto_activate")))
     return [activate_once_configured, node, change_state(node, lifecycle_msgs.msg.Transition.TRANSITION_CONFIGURE)]
 
 
@@ -91,6 +102,10 @@ def generate_launch_description():
             "fastdds_profile", default_value="",
             description="Fast DDS XML profile for the node (sets FASTDDS_DEFAULT_PROFILES_FILE); '' leaves the "
                         "environment's. Single machine: " + os.path.join(share, "config", "fastdds_large_data.xml")),
+        launch.actions.DeclareLaunchArgument(
+            "auto_activate", default_value="true", choices=["true", "false"],
+            description="activate the node once the launch's own configure succeeds (false: leave it inactive; "
+                        "a manual configure never activates)"),
         launch.actions.SetEnvironmentVariable(
             "FASTDDS_DEFAULT_PROFILES_FILE", profile,
             condition=launch.conditions.IfCondition(launch.substitutions.NotEqualsSubstitution(profile, ""))),

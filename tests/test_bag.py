@@ -334,7 +334,11 @@ def test_rosbags_sqlite3_with_recorded_qos_and_extra_topics(tmp_path):
 
 def test_camera_topics_not_in_the_bag_are_named(tmp_path, tiny_model):
     bag = write_bag(drivelm_contents(png_frames(tmp_path / "f"), raw_encoding="bayer_rggb8"), tmp_path / "bag")
-    for call in (lambda: evaluate(bag, tiny_params(tiny_model)), lambda: select_topics(bag_topic_info(bag), load_node_params(None))):
+    # camera_topics given (here: the shipped compressed names, explicitly) are used as given; the
+    # default is resolved from the bag instead (test_bag_as_it_comes.py)
+    given = [f"/{c.lower()}/image_raw/compressed" for c in CAMERAS[:5]] + ["/cam_back_right/other"]
+    for call in (lambda: evaluate(bag, tiny_params(tiny_model) | {"camera_topics": given}),
+                 lambda: select_topics(bag_topic_info(bag), load_node_params(None))):
         with pytest.raises(InputError) as e:
             call()
         assert "none of the node's camera topics" in str(e.value) and "/cam_back/image_raw" in str(e.value)

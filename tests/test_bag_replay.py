@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from helpers import ros2_msgdef
 
+from litevlm_runtime.bag.ids import split
 from litevlm_runtime.bag.io import camera_topic, msg_definitions_dir
 from litevlm_runtime.cameras import CAMERAS
 
@@ -145,7 +146,8 @@ def test_replay_of_a_vehicle_bag(tmp_path, monkeypatch):
     assert sum("has a subscriber" in line for line in log.splitlines()) == 1
     assert "replay: /litevlm/query has a subscriber" in log
     # Everything else arrived, re-stamped to now, with the recorded QoS.
-    assert [q[0] for q in got["queries"]] == [f"q{k}" for k in range(5)]
+    assert [split(q[0])[0] for q in got["queries"]] == [f"q{k}" for k in range(5)]     # tagged per replay
+    assert len({split(q[0])[1] for q in got["queries"]}) == 1
     assert all(abs(sec - time.time()) < 120 for _, sec in got["queries"])
     assert all(frames and set(frames) == {"rgb8; jpeg compressed bgr8"} for frames in got["frames"].values()), got
     assert got["imu"] >= 1

@@ -38,7 +38,9 @@ def is_config(node, name: str) -> bool:
 
 def test_launch_arguments_are_declared_with_descriptions():
     args = {c.args[0].value: kwargs(c) for c in calls("DeclareLaunchArgument")}
-    assert set(args) == {"namespace", "params_file", "model_dir", "log_level", "fastdds_profile"}
+    assert set(args) == {"namespace", "params_file", "model_dir", "log_level", "fastdds_profile", "auto_activate"}
+    assert args["auto_activate"]["default_value"].value == "true"
+    assert [e.value for e in args["auto_activate"]["choices"].elts] == ["true", "false"]
     for name, kw in args.items():
         assert len(text(kw["description"])) > 20, name            # what `ros2 launch --show-args` prints
     for name in ("namespace", "model_dir", "fastdds_profile"):
@@ -67,8 +69,16 @@ def test_node_action_namespace_remaps_log_level_and_transitions():
     assert tuple(ast.literal_eval(remaps)) == SHIPPED_REMAPS         # what `litevlm drive` applies
     handler, = calls("OnStateTransition")
     hk = kwargs(handler)
-    assert (hk["start_state"].value, hk["goal_state"].value) == ("configuring", "inactive")
-    assert "TRANSITION_ACTIVATE" in ast.unparse(hk["entities"])
+    # One event only (the launch's own configure), activating on its success only: a manual
+    # configure later (after cleanup, or fixing what failed the launch's) leaves the node inactive.
+    assert hk["start_state"].value == "configuring" and hk["handle_once"].value is True and "goal_state" not in hk
+    assert "activate_if_configured" in ast.unparse(hk["entities"])
+    decide = next(n for n in TREE.body if isinstance(n, ast.FunctionDef) and n.name == "activate_if_configured")
+    assert "context.locals.event.goal_state == 'inactive'" in ast.unparse(decide)
+    assert "TRANSITION_ACTIVATE" in ast.unparse(decide)
+    register, = calls("RegisterEventHandler")
+    cond = kwargs(register)["condition"]
+    assert getattr(cond.func, "attr", "") == "IfCondition" and is_config(cond.args[0], "auto_activate")
     transitions = [ast.unparse(c) for c in calls("change_state")]
     assert sorted(t.split(".")[-1].rstrip(")") for t in transitions) == ["TRANSITION_ACTIVATE", "TRANSITION_CONFIGURE"]
     # parameters: the params file, then model_dir only when given

@@ -64,12 +64,12 @@ def test_drive_yaml_declares_only_known_parameters():
 def test_node_parameters_are_the_pipeline_settings():
     """Every pipeline setting is a node parameter of the same dotted name, with a descriptor."""
     from litevlm_runtime.options import settings
-    from litevlm_runtime.ros.parameters import all_settings, descriptor, pipeline_options_from
+    from litevlm_runtime.ros.parameters import CONFIGURE_NOTE, all_settings, descriptor, pipeline_options_from
 
     declared = all_settings()
     for s in settings():
         d = descriptor(declared[s.key])
-        assert d.name == s.key and d.description and d.read_only      # the pipeline is built at configure
+        assert d.name == s.key and d.description.endswith(CONFIGURE_NOTE) and not d.read_only   # built at configure
     opts = pipeline_options_from({"dtype": "float16", "decoding.mode": "eagle", "decoding.eagle.topk": 7,
                                   "backend.threads": 0, "queue_size": 4})
     assert opts.dtype == "float16" and opts.decoding.mode.value == "eagle" and opts.decoding.eagle.topk == 7

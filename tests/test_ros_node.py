@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from ros_helpers import Proc, RosClient, domain_id, ros_env, write_params
 
+from litevlm_runtime.ros.parameters import AT_CONFIGURE, CONFIGURE_NOTE, LIVE_NOTE
 from litevlm_runtime.ros.topics import SHIPPED_REMAPS, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,9 @@ def launch_handler() -> dict:
     tree = ast.parse((ROOT / "launch" / "drive.launch.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "OnStateTransition"]
     assert len(calls) == 1
-    return {k.arg: k.value.value for k in calls[0].keywords if isinstance(k.value, ast.Constant)}
+    handler = {k.arg: k.value.value for k in calls[0].keywords if isinstance(k.value, ast.Constant)}
+    assert handler.get("handle_once") is True and "goal_state" not in handler      # the outcome is checked inside
+    return handler
 
 
 def handler_matches(handler: dict, event) -> bool:
@@ -34,6 +37,16 @@ def handler_matches(handler: dict, event) -> bool:
     return all(handler.get(key) is None or handler[key] == label
                for key, label in (("transition", event.transition.label), ("start_state", event.start_state.label),
                                   ("goal_state", event.goal_state.label)))
+
+
+def launch_activations(handler: dict, events) -> int:
+    """How many activate requests the launch file's handler makes for these transition events:
+    launch's EventHandler with handle_once takes the first matching event only, and the launch
+    file's activate_if_configured activates when that event's goal is inactive."""
+    matching = [e for e in events if handler_matches(handler, e)]
+    if handler.get("handle_once"):
+        matching = matching[:1]
+    return sum(e.goal_state.label == "inactive" for e in matching)
 
 
 def start_node(tmp_path: Path, domain: int, namespace: str, params: Path, *extra: str) -> Proc:
@@ -98,6 +111,13 @@ def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model
         assert not any(handler_matches(handler, e) for e in later)
         assert any(handler_matches({"goal_state": "inactive"}, e) for e in later)   # issue 2's handler would have
         assert client.lifecycle_get(name) == "inactive"
+        # cleanup and a manual configure: it matches the handler's options, but the handler took
+        # its one event (the launch's configure), so the launch activates once in all.
+        assert client.lifecycle_set(name, "cleanup") and client.lifecycle_set(name, "configure")
+        client.spin_for(1.0)
+        assert any(handler_matches(handler, e) for e in events[seen:])       # issue 21: this one used to activate
+        assert launch_activations(handler, events) == 1
+        assert client.lifecycle_get(name) == "inactive"
 
         # Parameters: descriptors (`ros2 param describe`).
         d = {x.name: x for x in client.param_describe(name, ["queue_size", "overflow_policy", "max_skew_s",
@@ -106,7 +126,9 @@ def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model
         assert (d["queue_size"].integer_range[0].from_value, d["queue_size"].integer_range[0].to_value) == (1, 10000)
         assert d["max_skew_s"].floating_point_range[0].to_value == 60.0 and d["max_skew_s"].description
         assert "drop_oldest" in d["overflow_policy"].additional_constraints
-        assert d["model_dir"].read_only and d["tokens.keep_ratio"].read_only
+        assert not any(x.read_only for x in d.values())       # rclpy-read-only would refuse them unconfigured too
+        assert d["model_dir"].description.endswith(CONFIGURE_NOTE) and d["tokens.keep_ratio"].description.endswith(
+            CONFIGURE_NOTE) and d["queue_size"].description.endswith(LIVE_NOTE)
         assert d["camera_topics"].type == ParameterType.PARAMETER_STRING_ARRAY
         assert client.param_get(name, "camera_topics")[0] == "cam_front/image_raw/compressed"
 
@@ -117,9 +139,9 @@ def test_lifecycle_and_parameters_as_the_ros2_cli_sees_them(tmp_path, tiny_model
         for pname, value, why in (("overflow_policy", "bogus", "not one of 'reject_new', 'drop_oldest'"),
                                   ("queue_size", 0, "out of range"),
                                   ("queue_size", "four", "Wrong parameter type"),
-                                  ("model_dir", "/elsewhere", "read-only"),
-                                  ("tokens.keep_ratio", 0.5, "read-only"),
-                                  ("serving.latency_budget_ms", 100.0, "read-only")):
+                                  ("model_dir", "/elsewhere", AT_CONFIGURE),
+                                  ("tokens.keep_ratio", 0.5, AT_CONFIGURE),
+                                  ("serving.latency_budget_ms", 100.0, AT_CONFIGURE)):
             r = client.param_set(name, pname, value)
             assert not r.successful and why in r.reason, (pname, value, r.reason)
         assert client.param_get(name, "overflow_policy") == "reject_new"
@@ -158,6 +180,11 @@ def test_bad_start_values_fail_configure_and_the_process_stays_up(tmp_path, tiny
         qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
         client.node.create_subscription(String, "/litevlm/answer_json", lambda m: answers.append(json.loads(m.data)), qos)
+        from lifecycle_msgs.msg import TransitionEvent
+
+        events = []
+        client.node.create_subscription(TransitionEvent, f"{name}/transition_event", events.append, 10)
+        client.spin_for(1.0)
         assert not client.lifecycle_set(name, "configure")
         assert client.lifecycle_get(name) == "unconfigured" and node.alive()
         log = node.text()
@@ -181,6 +208,11 @@ def test_bad_start_values_fail_configure_and_the_process_stays_up(tmp_path, tiny
         assert client.param_set(name, "overflow_policy", "reject_new").successful
         assert client.lifecycle_set(name, "configure")
         assert client.lifecycle_get(name) == "inactive"
+        # Under ros2 launch the first event was the launch's failed configure: the fixed one the
+        # user requested leaves the node inactive (no auto-activation).
+        client.spin_for(1.0)
+        assert events and events[0].goal_state.label == "configuring"
+        assert launch_activations(launch_handler(), events) == 0
     finally:
         client.close()
         node.stop()

@@ -16,6 +16,7 @@ from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, write_params
 
 from litevlm_runtime.bag.compare import compare_runs, read_jsonl
 from litevlm_runtime.bag.evaluate import evaluate
+from litevlm_runtime.bag.ids import split
 from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, camera_topic, raw_frame, write_bag
 from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.cameras import CAMERAS
@@ -76,7 +77,7 @@ def test_replay_of_drivelm_bag_matches_eval(tmp_path, drivelm_dir, params_for):
     # The recorded answer bag holds the same answers (rclpy CDR read back by rosbags).
     from litevlm_runtime.bag.io import read_bag
     bagged = [reader.deserialize(raw, mt) for _, _, mt, raw, reader in read_bag(tmp_path / "answers_bag")]
-    assert sorted((m.query_id, m.answer, list(m.token_ids)) for m in bagged) == \
+    assert sorted((split(m.query_id)[0], m.answer, list(m.token_ids)) for m in bagged) == \
         sorted((r["query_id"], r["answer"], r["token_ids"]) for r in rows)
 
     evaluated = evaluate(bag, load_node_params(params))

@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import InputError
 from ..pipeline.answer import STAGES
 from ..serving.server import STATUS_CODES
+from .ids import split
 
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 
@@ -50,7 +51,7 @@ def compare_runs(a_rows: list[dict], b_rows: list[dict]) -> Comparison:
     for name, rows in (("A", a_rows), ("B", b_rows)):
         d = defaultdict(list)
         for r in rows:
-            d[r["query_id"]].append(r)
+            d[split(r["query_id"])[0]].append(r)      # a replay's tagged id is its bag's id (ids.py)
         for qid, rs in d.items():
             if len(rs) > 1:
                 diffs.append(f"{qid}: answered {len(rs)} times in {name}")

@@ -9,10 +9,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import InputError
+from ..ros.bag_types import camera_topics_from_bag, parse_remaps, published_name
 from ..ros.node import use_large_data_profile
 from ..ros.params_file import load_node_params
 from ..serving.server import AnswerRecord
 from .compare import STATUS_NAMES
+from .damage import decode
+from .ids import replay_tag, split, tagged
 from .io import TopicInfo, bag_topic_info, missing_cameras, read_bag, typestore
 
 
@@ -93,7 +96,8 @@ def _qos_mismatch(ours, theirs) -> str | None:
 
 def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path | None = None,
            topics: list[str] | None = None, all_topics: bool = False, wait_s: float = 10.0,
-           settle_s: float = 1.0, reliable: bool = False, progress=print) -> int:
+           settle_s: float = 1.0, reliable: bool = False, progress=print, namespace: str = "",
+           remaps: list[str] | None = None) -> int:
     """Publish the bag's messages with their original timing (divided by `rate`): the topics the
     node subscribes to (its parameters, `params_file`, default config/drive.yaml), or `topics`, or
     all of them; each with the QoS the bag recorded for it (replay_qos). A topic whose message type
@@ -108,6 +112,9 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
         raise InputError(f"--rate must be > 0, got {rate}")
     info = bag_topic_info(bag)
     params = load_node_params(params_file)
+    params = camera_topics_from_bag(params, {t: i.msgtype for t, i in info.items()}, progress)
+    remap_rules = parse_remaps(remaps)
+    tag = replay_tag()
     chosen = select_topics(info, params, topics, all_topics, progress)
     types, missing = {}, defaultdict(list)
     for t in chosen:
@@ -125,9 +132,11 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
     pubs, qos = {}, {}
     for t, msg_type in types.items():
         qos[t] = replay_qos(info[t].qos, reliable)
-        pubs[t] = node.create_publisher(msg_type, t, qos[t])
+        pubs[t] = node.create_publisher(msg_type, published_name(t, namespace, remap_rules), qos[t])
         recorded = "as recorded" if info[t].qos and not reliable else "default"
-        progress(f"replay: {t} ({info[t].msgtype}, {info[t].count} messages; QoS {_qos_text(qos[t])}, {recorded})")
+        shown = t if pubs[t].topic_name == t else f"{t} as {pubs[t].topic_name}"
+        progress(f"replay: {shown} ({info[t].msgtype}, {info[t].count} messages; QoS {_qos_text(qos[t])}, {recorded})")
+    progress(f"replay: query ids published as ID@replay-{tag} (bag record gives back the bag's ids)")
     # One bounded wait, for the node's query subscription (the question topic, or any, without one).
     target = next((t for t in (params["query_topic"], params["question_topic"]) if t in pubs), None)
     try:
@@ -145,20 +154,26 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
             else:
                 progress(f"replay: no subscriber on {what} after {wait_s:.0f} s; publishing anyway")
         for t, pub in pubs.items():
-            for sub in node.get_subscriptions_info_by_topic(t):
+            for sub in node.get_subscriptions_info_by_topic(pub.topic_name):
                 why = _qos_mismatch(qos[t], sub.qos_profile)
                 if why:
                     progress(f"replay: {t}: subscriber {sub.node_name} {why}: it receives nothing (--reliable)")
         n, first_t, start_wall, start_clock = 0, None, time.monotonic(), node.get_clock().now().nanoseconds
-        for t, topic, msgtype, raw, _ in read_bag(bag, pubs):
+        for t, topic, msgtype, raw, reader in read_bag(bag, pubs):
             if first_t is None:
                 first_t = t
             due = start_wall + (t - first_t) / 1e9 / rate
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            if restamp:
+            # rosbags parses the bytes first (pure Python: a clean error): rclpy's deserialize_message
+            # crashed the process (SIGSEGV) on a damaged message, and a subscriber would get them raw.
+            decode(bag, topic, t, reader.deserialize, raw, msgtype)
+            if restamp or msgtype == "litevlm_msgs/msg/Query":
                 msg = deserialize_message(raw, types[topic])
+            if msgtype == "litevlm_msgs/msg/Query":
+                msg.id = tagged(msg.id, tag)          # unique per replay (ids.py)
+            if restamp:
                 shift = lambda ns: start_clock + int((ns - first_t) / rate)  # noqa: E731
                 if hasattr(msg, "header"):
                     s = shift(msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec)
@@ -168,7 +183,7 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
                     msg.deadline.sec, msg.deadline.nanosec = s // 1_000_000_000, s % 1_000_000_000
                 pubs[topic].publish(msg)
             else:
-                pubs[topic].publish(raw)
+                pubs[topic].publish(msg if msgtype == "litevlm_msgs/msg/Query" else raw)
             n += 1
             if msgtype == "litevlm_msgs/msg/Query":
                 progress(f"replay: {(time.monotonic() - start_wall):7.2f} s  query published ({n} messages)")
@@ -232,6 +247,7 @@ def record(out: Path, topic: str = "/litevlm/answer", count: int | None = None, 
 
     def on_answer(msg: Answer) -> None:
         row = answer_row(msg, node.get_clock().now().nanoseconds)
+        row["query_id"], row["replay"] = split(msg.query_id)     # the bag's id back (ids.py)
         now = row["received_ns"]
         fh.write(json.dumps(row) + "\n")
         fh.flush()

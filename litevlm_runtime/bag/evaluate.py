@@ -9,11 +9,13 @@ from ..bundled import DEFAULT_MODEL
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..pipeline.pipeline import Pipeline
+from ..ros.bag_types import camera_topics_from_bag, checked_folder
 from ..ros.parameters import pipeline_options_from
 from ..serving.frame_store import Frame
 from ..serving.images import payload_from_msg
 from ..serving.server import AnswerRecord, QueryServer
 from ..serving.settings import ServerSettings
+from .damage import decode
 from .io import bag_topics, missing_cameras, read_bag
 
 
@@ -22,6 +24,7 @@ def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerR
     returns the pipeline for these params (a fleet worker's, loaded once for many bags); default:
     load it from params["model_dir"]."""
 
+    params = camera_topics_from_bag(params, bag_topics(bag))     # camera_topics not set: the bag's own
     topics = dict(zip(params["camera_topics"], CAMERAS))
     why = missing_cameras(bag_topics(bag), params["camera_topics"])
     if why:
@@ -39,8 +42,10 @@ def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerR
     try:
         # Warm-up as the node does, so that latencies are comparable between eval and a replay.
         model_dir = params.get("model_dir") or str(DEFAULT_MODEL)     # "": the bundled model, as the node does
-        server.load(load or (lambda: Pipeline.from_pretrained(model_dir, pipeline_options_from(params))),
-                    warmup=params["warmup"])
+        def factory():
+            checked_folder(model_dir, params.get("require_manifest", False))   # as the node does
+            return Pipeline.from_pretrained(model_dir, pipeline_options_from(params))
+        server.load(load or factory, warmup=params["warmup"])
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does
     server.active = server.pipeline is not None
@@ -64,7 +69,7 @@ def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerR
                 server.serve(req, now_ns=t)
                 server.prefetch(req)        # idle until the next message, as the node's worker is
         elif topic == params["question_topic"]:
-            msg = reader.deserialize(raw, msgtype)
+            msg = decode(bag, topic, t, reader.deserialize, raw, msgtype)
             req = server.submit(msg.data, now_ns=t, allow_wait=False)
             if req is not None:
                 server.queue.drain()

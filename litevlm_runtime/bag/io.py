@@ -15,6 +15,7 @@ import numpy as np
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..serving.images import raw_encoding, rgb_to_raw
+from .damage import damaged, guarded
 
 QUERY_TOPIC = "/litevlm/query"
 
@@ -180,6 +181,8 @@ def _reader(path: Path):
         reader.open()
     except (AnyReaderError, ReaderError) as exc:
         raise InputError(f"{path}: cannot read the bag ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - damage rosbags does not name (damage.py)
+        raise damaged(path, "opening it", exc) from None
     return reader
 
 
@@ -191,7 +194,7 @@ def read_bag(path: Path, topics: Iterable[str] | None = None):
         wanted = None if topics is None else set(topics)
         conns = [c for c in reader.connections if wanted is None or c.topic in wanted]
         if conns:
-            for conn, t, raw in reader.messages(connections=conns):
+            for conn, t, raw in guarded(path, reader.messages(connections=conns)):
                 yield t, conn.topic, conn.msgtype, raw, reader
     finally:
         reader.close()

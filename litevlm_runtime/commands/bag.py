@@ -50,7 +50,7 @@ def cmd_replay(args) -> int:
 
     return replay(args.bag, rate=args.rate, restamp=not args.keep_stamps, params_file=args.params,
                   topics=args.topics, all_topics=args.all_topics, wait_s=0.0 if args.no_wait else args.wait,
-                  reliable=args.reliable)
+                  reliable=args.reliable, namespace=args.namespace, remaps=args.remap)
 
 
 def cmd_record(args) -> int:
@@ -296,6 +296,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-wait", action="store_true", help="publish at once")
     p.add_argument("--reliable", action="store_true",
                    help="publish every topic reliable, volatile, depth 100 instead of the QoS the bag recorded")
+    p.add_argument("--namespace", default="", metavar="NS",
+                   help="publish every topic under NS (/cam_front/... as /NS/cam_front/...): feeds a node in NS")
+    p.add_argument("--remap", action="append", default=[], metavar="FROM:=TO",
+                   help="publish bag topic FROM as TO (relative TO: under --namespace); the first rule that matches wins")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("record", help="write the node's answers to JSON lines")

@@ -11,8 +11,8 @@ Everything between "a query arrives" and "an answer record" is server.QueryServe
 with `litevlm bag eval`; this file only converts messages and parameters.
 
 Topic names are relative (ros/topics.py); the shipped names come from remapping. A camera topic
-whose name ends in "/compressed" carries sensor_msgs/CompressedImage, any other sensor_msgs/Image,
-as image_transport names them.
+whose resolved name (after namespace and remaps) ends in "/compressed" carries
+sensor_msgs/CompressedImage, any other sensor_msgs/Image, as image_transport names them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -38,18 +39,21 @@ from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rclpy.signals import SignalHandlerOptions
-from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
 from ..bundled import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from ..cameras import CAMERAS
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 from ..pipeline.answer import STAGES
 from ..pipeline.pipeline import Pipeline
+from ..serving.frame_health import header_defect, too_large
 from ..serving.frame_store import Frame
 from ..serving.images import payload_from_msg
 from ..serving.server import AnswerRecord, PartialRecord, QueryServer
 from ..serving.settings import ServerSettings
+from ..weights.integrity import integrity_label, require_manifest_error
+from .bag_types import message_type_of
+from .memory import release_memory
 from .parameters import (
     NodeSettings,
     all_settings,
@@ -99,6 +103,15 @@ def use_large_data_profile() -> None:
     executable that launch starts). Must run before rclpy.init."""
     if not os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE"):
         os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(large_data_profile())
+    use_profile_memory_policy()
+
+
+def use_profile_memory_policy() -> None:
+    """With the shipped profile in effect, let rmw_fastrtps take its reader memory policy from it
+    (RMW_FASTRTPS_USE_QOS_FROM_XML; the XML says why), unless the user set that variable."""
+    chosen = os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE", "")
+    if chosen and Path(chosen).resolve() == large_data_profile().resolve():
+        os.environ.setdefault("RMW_FASTRTPS_USE_QOS_FROM_XML", "1")
 
 
 def model_label(model_dir: str) -> str:
@@ -160,6 +173,8 @@ class CameraMonitor:
         self.arrivals = {c: deque(maxlen=100) for c in CAMERAS}   # monotonic s
         self.newest_ns = {c: 0 for c in CAMERAS}
         self.lost = {c: 0 for c in CAMERAS}
+        self.undecodable = {c: 0 for c in CAMERAS}     # stored frames whose header says bad_image if selected
+        self.last_defect = {c: "" for c in CAMERAS}    # the newest frame's defect ("": it was fine)
 
     def frame(self, camera: str, stamp_ns: int) -> None:
         self.arrivals[camera].append(time.monotonic())
@@ -187,12 +202,19 @@ class DriveNode(LifecycleNode):
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS, 10)
         self.create_subscription(Query, QUERY, self._on_query, QUERY_QOS)
         self.create_subscription(String, QUESTION, self._on_question, QUERY_QOS)
-        self.create_timer(float(self.get_parameter("diagnostics_period_s").value), self._publish_diagnostics)
-        self.create_timer(0.01, self.server.retry_pending)     # queries waiting for frames in flight
+        self._diag_timer = self.create_timer(float(self.get_parameter("diagnostics_period_s").value),
+                                             self._publish_diagnostics)
+        self.create_timer(0.01, self._every_10ms)
         self.add_on_set_parameters_callback(self._check_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
         self._camera_subs = []
         self._state = "unconfigured"
+        self.max_pixels = int(self.get_parameter("images.max_pixels").value)   # configure sets the validated one
+        self.integrity = "not loaded"        # integrity_label of the loaded model folder
+
+    def _every_10ms(self) -> None:
+        self.server.retry_pending()          # queries waiting for frames in flight
+        self.server.expire_deadlines()       # queued queries answered deadline_passed on time
 
     def values(self) -> dict:
         return {name: self.get_parameter(name).value for name in all_settings()}
@@ -202,19 +224,26 @@ class DriveNode(LifecycleNode):
 
     # ---- parameters (`ros2 param set`) ----
     def _check_parameters(self, params) -> SetParametersResult:
+        configured = self._state != "unconfigured"      # inactive, active (or finalized)
         for p in params:
-            why = check_live_change(p.name, p.value)
+            why = check_live_change(p.name, p.value, configured)
             if why:
                 return SetParametersResult(successful=False, reason=why)
         return SetParametersResult(successful=True)
 
     def _apply_parameters(self, params) -> None:
+        ours = all_settings()
+        for p in params:
+            self.refused.pop(p.name, None)      # a new value replaces a refused start value
+        at_configure = [p.name for p in params if p.name in ours and not ours[p.name].live]
+        if at_configure:                        # only while unconfigured (_check_parameters)
+            if "model_dir" in at_configure:
+                self.model_name = model_label(str(self.get_parameter("model_dir").value))
+            self.get_logger().info("parameters set, applied at the next configure: " + ", ".join(at_configure))
         live = {p.name: (tuple(p.value) if isinstance(p.value, list) else p.value)
-                for p in params if p.name in PARAMETERS}
+                for p in params if p.name in PARAMETERS and ours[p.name].live}
         if not live:
             return
-        for name in live:
-            self.refused.pop(name, None)
         self.settings = replace(self.settings, **live)
         apply_live(self.server, self.settings.server_settings(CAMERAS))
         self.get_logger().info("parameters applied live: " + ", ".join(f"{k}={v!r}" for k, v in live.items()))
@@ -229,7 +258,11 @@ class DriveNode(LifecycleNode):
         except InputError as exc:
             return self._configure_failed(f"bad parameter: {exc}")
         self.settings = settings
+        self.max_pixels = options.images.max_pixels
         self.server.apply_settings(settings.server_settings(CAMERAS))   # nothing is queued before activate
+        if self._diag_timer.timer_period_ns != int(settings.diagnostics_period_s * 1e9):
+            self.destroy_timer(self._diag_timer)
+            self._diag_timer = self.create_timer(settings.diagnostics_period_s, self._publish_diagnostics)
 
         model_dir = settings.model_dir or str(DEFAULT_MODEL)      # "": the bundled default model
         self.model_name = model_label(settings.model_dir)
@@ -237,14 +270,19 @@ class DriveNode(LifecycleNode):
                                f"{options.backend.name.value}, {options.device}, {options.dtype})")
 
         def factory():
+            refused = require_manifest_error(model_dir) if settings.require_manifest else None
+            if refused:
+                raise CheckpointError(refused)
             return Pipeline.from_pretrained(model_dir, options)
         try:
             self.server.load(factory, warmup=settings.warmup)
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
             return self._configure_failed(f"{type(exc).__name__}: {exc}")
+        self.integrity = integrity_label(model_dir)
         self.config_error = ""
         self._state = "inactive"
-        self.get_logger().info(f"configure: model loaded and warmed up; serving {self.server.pipeline.options.label()}")
+        self.get_logger().info(f"configure: model loaded and warmed up; serving {self.server.pipeline.options.label()}; "
+                               f"integrity: {self.integrity}")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, why: str) -> TransitionCallbackReturn:
@@ -256,7 +294,7 @@ class DriveNode(LifecycleNode):
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         for cam, topic in zip(CAMERAS, self.settings.camera_topics):
-            msg_type = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
+            msg_type = message_type_of(self.resolve_topic_name(topic))   # after namespace and remaps
             events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info))
             self._camera_subs.append(self.create_subscription(
                 msg_type, topic, lambda m, c=cam: self._on_image(c, m), qos_profile_sensor_data,
@@ -277,8 +315,12 @@ class DriveNode(LifecycleNode):
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: State) -> TransitionCallbackReturn:
+        """Drop the model, its arena and caches, and give their memory back (release_memory)."""
         self.server.pipeline = None
+        self.integrity = "not loaded"
+        freed = release_memory()
         self._state = "unconfigured"
+        self.get_logger().info(f"cleanup: model released (RSS {freed})")
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: State) -> TransitionCallbackReturn:
@@ -288,8 +330,20 @@ class DriveNode(LifecycleNode):
 
     # ---- callbacks (executor thread: cheap work only) ----
     def _on_image(self, camera: str, msg) -> None:
-        """A CompressedImage or Image: kept undecoded until a query selects this camera."""
-        self._add_frame(camera, ns_of(msg.header.stamp), payload_from_msg(msg))
+        """A CompressedImage or Image: kept undecoded until a query selects this camera. A raw
+        frame above images.max_pixels is refused from its header before it is copied or stored;
+        every frame's header is checked (frame_health) so that a camera sending undecodable
+        frames shows on /diagnostics whether or not a query selects it."""
+        refused = too_large(camera, msg, self.max_pixels)
+        if refused:
+            self.server.frames.refuse(camera, refused)
+            return
+        payload = payload_from_msg(msg)
+        defect = header_defect(camera, payload, self.max_pixels)
+        self.cameras.last_defect[camera] = defect or ""
+        if defect:
+            self.cameras.undecodable[camera] += 1
+        self._add_frame(camera, ns_of(msg.header.stamp), payload)
 
     def _add_frame(self, camera: str, stamp_ns: int, payload) -> None:
         self.server.frame_delay_ms.append((self._now_ns() - stamp_ns) / 1e6)
@@ -349,9 +403,17 @@ class DriveNode(LifecycleNode):
             values[f"camera.{cam}.dropped"] = s["frames_dropped"][cam] + self.cameras.lost[cam]
             values[f"camera.{cam}.bad_stamp"] = s["frames_bad_stamp"][cam]
             values[f"camera.{cam}.history_resets"] = s["frames_history_resets"][cam]
+            values[f"camera.{cam}.too_large"] = s["frames_bad_image"][cam]
+            values[f"camera.{cam}.undecodable"] = self.cameras.undecodable[cam]
             if age is None or age > self.settings.max_frame_age_s:
                 stale.append(cam)
         return values, stale
+
+    def undecodable_cameras(self) -> list[str]:
+        """Cameras whose newest frame is undecodable by its header, with their count and why.
+        (A camera with only too-large frames has no frame stored: it shows as stale.)"""
+        return [f"{cam} ({self.cameras.undecodable[cam]} so far; newest: {self.cameras.last_defect[cam]})"
+                for cam in CAMERAS if self.cameras.last_defect[cam]]
 
     def _publish_diagnostics(self) -> None:
         s = self.server.stats()
@@ -367,11 +429,15 @@ class DriveNode(LifecycleNode):
         elif stale:
             status.level, status.message = DiagnosticStatus.WARN, (
                 f"serving, but no fresh frame from {', '.join(stale)} (max_frame_age_s {self.settings.max_frame_age_s:g})")
+        elif self.undecodable_cameras():
+            status.level, status.message = DiagnosticStatus.WARN, (
+                "serving, but undecodable frames from " + "; ".join(self.undecodable_cameras()))
         else:
             status.level, status.message = DiagnosticStatus.OK, f"serving ({s['answered']} answered, {s['errors']} errors)"
         values = {
             "state": self._state,
             "model": self.model_name,
+            "integrity": self.integrity,
             "pipeline": self.server.pipeline.options.label() if self.server.pipeline else "",
             "backend": self.get_parameter("backend.name").value,
             "device": self.get_parameter("device").value,
@@ -441,6 +507,10 @@ def drain_and_close(node: DriveNode, executor, ack_timeout_s: float = 2.0) -> No
         rclpy.shutdown()
 
 
+# A second SIGINT this soon after the first is the same Ctrl-C, forwarded by ros2 launch.
+REPEATED_SIGINT_S = 1.0
+
+
 def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = True) -> int:
     """Start the node with these command-line arguments and spin until SIGINT or SIGTERM, then
     drain (drain_and_close). With self_drive (`litevlm drive`) the node takes itself through
@@ -448,12 +518,23 @@ def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = Tru
     the node up: it answers every query with an error and reports the cause on /diagnostics."""
     # rclpy's own handlers would shut the context down on the signal, before the worker could
     # publish what it owes ("publisher's context is invalid"): the node handles both itself.
+    use_profile_memory_policy()
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     stop = threading.Event()
+    first_signal = [0.0]
 
     def on_signal(signum, frame):
-        stop.set()
-        signal.signal(signum, signal.SIG_DFL)      # a second one ends the process at once
+        now = time.monotonic()
+        if not stop.is_set():
+            first_signal[0] = now
+            stop.set()
+        elif signum == signal.SIGINT and now - first_signal[0] < REPEATED_SIGINT_S:
+            # Ctrl-C under `ros2 launch` reaches the node twice: from the terminal (the process
+            # group) and from launch, which forwards it. That second one is the same request.
+            return
+        else:
+            signal.signal(signum, signal.SIG_DFL)      # a later one ends the process at once
+            os.kill(os.getpid(), signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -473,12 +554,16 @@ def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = Tru
         pass
     finally:
         drain_and_close(node, executor)
-    return 0
+    # Everything owed is done: answers acknowledged, summary logged, the DDS participant gone.
+    # The interpreter's own teardown (torch, OpenMP, a large heap) then took 4-5 s here, which
+    # under `ros2 launch` runs into its 5 s sigint_timeout and a SIGTERM ("process has died").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
     """`litevlm_drive_node`: the executable launch_ros starts (lib/litevlm/litevlm_drive_node).
     Transitions come from the launch file or `ros2 lifecycle set`; names, remaps, parameters and
     the DDS profile are entirely the caller's (no shipped remap is added here)."""
-    import sys
     return run_node(sys.argv, self_drive=False)

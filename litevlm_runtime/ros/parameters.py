@@ -8,8 +8,10 @@
 Each setting is a parameter of the same name with a descriptor (description, type, range,
 choices), so `ros2 param describe` says what it is, and config/drive.yaml nests the same names.
 A `live` setting may change while the node serves (`ros2 param set`; the node applies it at
-once); every other one is read-only: the pipeline is built, and the cameras subscribed, at
-configure/activate, so a change needs a relaunch with the new value.
+once); every other one applies at configure (the pipeline is built, and the cameras subscribed,
+at configure/activate): it may be set while the node is unconfigured and is validated at the
+next configure, and is refused while inactive or active with AT_CONFIGURE (the ROS 2 way:
+deactivate, cleanup, set, configure; no relaunch). Each descriptor's description says which.
 
 Bad values never take the process down: a value the descriptor refuses at start (wrong type,
 out of range) is kept out and named, and configure fails with it (validate_values).
@@ -36,6 +38,7 @@ class NodeSettings(ServerSettings):
     """The node's own settings plus, inherited, every setting of the query server it serves with."""
     model_dir: str = setting("", "InternVL2.5-layout model folder ('': the bundled SynthDrive model)")
     warmup: bool = setting(True, "run one synthetic query during configure (and measure the speculation costs)")
+    require_manifest: bool = setting(False, "refuse a model folder without litevlm_manifest.json (`litevlm checksum DIR` writes one)")
     camera_topics: tuple = setting(
         DEFAULT_CAMERA_TOPICS, "six camera topics in rig order (FRONT, FRONT_LEFT, FRONT_RIGHT, BACK, BACK_LEFT, "
         "BACK_RIGHT); relative names are under the node's namespace and remappable; a name ending in /compressed "
@@ -69,7 +72,7 @@ def pipeline_settings() -> list[Setting]:
 
 def all_settings() -> dict[str, Setting]:
     """Every parameter. A pipeline setting marked live in options.py (serving.latency_budget_ms)
-    is still read-only here: the built pipeline has no way yet to take a new value, and a
+    applies at configure here: the built pipeline has no way yet to take a new value, and a
     `ros2 param set` that reports success and does nothing is what the node must not do."""
     return {s.key: s for s in (*node_settings(), *(replace(s, live=False) for s in pipeline_settings()))}
 
@@ -78,10 +81,17 @@ def ros_default(s: Setting):
     return list(s.default) if s.kind is tuple else s.default
 
 
-def descriptor(s: Setting, read_only: bool | None = None) -> ParameterDescriptor:
-    """The parameter's descriptor; read-only unless the setting is live."""
-    read_only = (not s.live) if read_only is None else read_only
-    d = ParameterDescriptor(name=s.key, type=ROS_TYPES[s.kind], description=s.help, read_only=read_only)
+# Why a pipeline setting is refused while the node is configured (inactive or active).
+AT_CONFIGURE = "applies at configure: deactivate, cleanup, set, configure"
+LIVE_NOTE = " [live: applied at once in any state]"
+CONFIGURE_NOTE = " [applies at configure: settable while unconfigured (deactivate, cleanup, set, configure)]"
+
+
+def descriptor(s: Setting, read_only: bool = False) -> ParameterDescriptor:
+    """The parameter's descriptor. Never rclpy-read-only (that would refuse it in every state,
+    unconfigured included); the description ends with when it applies (LIVE_NOTE/CONFIGURE_NOTE)."""
+    d = ParameterDescriptor(name=s.key, type=ROS_TYPES[s.kind], read_only=read_only,
+                            description=s.help + (LIVE_NOTE if s.live else CONFIGURE_NOTE))
     if s.choices:
         d.additional_constraints = "one of: " + ", ".join(map(str, s.choices))
     if s.kind is float and (s.lo is not None or s.hi is not None):
@@ -139,14 +149,16 @@ def validate_values(values: dict):
     return node_settings_from(values), pipeline_options_from(values)
 
 
-def check_live_change(name: str, value) -> str | None:
+def check_live_change(name: str, value, configured: bool = True) -> str | None:
     """Why `ros2 param set name value` is refused (None: accepted). rclpy has already checked
-    the type, the range and read_only against the descriptor; this adds the choices."""
+    the type and the range against the descriptor; this adds the lifecycle rule (a setting that
+    is not live is refused while `configured`, i.e. inactive or active) and a live one's choices.
+    While unconfigured, a setting that applies at configure is validated by that configure."""
     s = all_settings().get(name)
     if s is None:
         return None                      # not ours (use_sim_time ...): rclpy's own
     if not s.live:
-        return f"{name} is read-only while the node runs: relaunch with the new value"
+        return f"{name}: {AT_CONFIGURE}" if configured else None
     try:
         node_settings_from({name: value})
     except InputError as exc:

@@ -92,6 +92,19 @@ class FrameStore:
         # (arrival, how far ahead): a query names bad_stamp only while refusals are the news.
         self._accepted_at = {c: -1 for c in self.cameras}
         self._refused: dict[str, tuple[int, int] | None] = {c: None for c in self.cameras}
+        # Frames refused on arrival by their header (too large for images.max_pixels ...): counted,
+        # and the last one's reason (arrival, why) names the camera in a bad_image answer.
+        self.bad_image = {c: 0 for c in self.cameras}
+        self._refused_image: dict[str, tuple[int, str] | None] = {c: None for c in self.cameras}
+
+    def refuse(self, camera: str, why: str, now_ns: int | None = None) -> None:
+        """A frame of `camera` refused before it was stored (`why` names the camera and the
+        defect): a query that then finds no usable frame of that camera is answered bad_image."""
+        now = self.clock_ns() if now_ns is None else now_ns
+        with self._lock:
+            self.received[camera] += 1
+            self.bad_image[camera] += 1
+            self._refused_image[camera] = (now, why)
 
     def add(self, frame: Frame, now_ns: int | None = None) -> None:
         if frame.camera not in self._frames:
@@ -156,6 +169,8 @@ class FrameStore:
         with self._lock:
             held = {c: list(self._frames[c]) for c in self.cameras}
             refused = {c: self._bad_stamp_message(c) for c in self.cameras}
+            refused_images = {c: self._refused_image[c] for c in self.cameras if self._refused_image[c] is not None
+                              and self._refused_image[c][0] >= self._accepted_at[c]}
         # Frames from the future are never matched (the node's clock may have stepped back since).
         usable = {c: [f for f in held[c] if f.stamp_ns - now_ns <= self.max_future_ns] for c in self.cameras}
         fresh = {c: [f for f in usable[c] if now_ns - f.stamp_ns <= self.max_age_ns] for c in self.cameras}
@@ -167,6 +182,9 @@ class FrameStore:
             raise FrameMatchError(
                 "bad_stamp", f"frames stamped ahead of the node's clock by more than max_future "
                              f"{self.max_future_ns / 1e9:.3f} s: {', '.join(bad)}")
+        bad_images = [refused_images[c][1] for c in self.cameras if not fresh[c] and c in refused_images]
+        if bad_images:
+            raise FrameMatchError("bad_image", "; ".join(bad_images))
         missing = [c for c in self.cameras if not usable[c]]
         if missing:
             raise FrameMatchError("no_frames", f"no frame received yet from {', '.join(missing)}")

@@ -234,6 +234,14 @@ class RequestQueue:
             self._closed = True
             self._cond.notify_all()
 
+    def take_expired(self, now_ns: int) -> list[Request]:
+        """Remove and return the queued requests whose deadline has passed."""
+        with self._cond:
+            expired = [r for r in self._items if r.deadline_ns and now_ns > r.deadline_ns]
+            for r in expired:
+                self._items.remove(r)
+            return expired
+
     def drain(self) -> list[Request]:
         with self._cond:
             items = list(self._items)
@@ -339,7 +347,7 @@ class QueryServer:
         if not self.accepting:
             return refuse("shutting_down", "node is shutting down; the query arrived after intake stopped")
         if is_blank(text):
-            return refuse("bad_question", "empty question (only whitespace or invisible characters)")
+            return refuse("bad_question", "empty question (only whitespace, invisible, replacement (U+FFFD) or non-characters)")
         if len(text) > self.settings.max_question_chars:
             return refuse("bad_question", f"question has {len(text)} characters; max_question_chars is "
                                           f"{self.settings.max_question_chars}")
@@ -408,6 +416,23 @@ class QueryServer:
                 self._finish(rec)
                 continue
             self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget, *constraint))
+
+    def expire_deadlines(self, now_ns: int | None = None) -> None:
+        """Answer deadline_passed every queued or frame-waiting query whose deadline has passed, at
+        that moment rather than when the worker reaches it (the node calls this from a short timer)."""
+        now = self.clock_ns() if now_ns is None else now_ns
+        for req in self.queue.take_expired(now):
+            rec = self._record_for(req, "deadline_passed", f"deadline passed after "
+                                   f"{(now - req.received_ns) / 1e6:.1f} ms in the queue")
+            rec.queue_ms = (now - req.received_ns) / 1e6
+            self._answer(req, rec)
+        with self._pending_lock:
+            expired = [item for item in self._pending if item[4] and now > item[4]]
+            self._pending = [item for item in self._pending if not (item[4] and now > item[4])]
+        for _, query_id, text, stamp, deadline, received, _ in expired:
+            self._finish(AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp, status="deadline_passed",
+                                      status_message=f"deadline passed after {(now - received) / 1e6:.1f} ms "
+                                                     "waiting for frames", queue_ms=(now - received) / 1e6))
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
@@ -632,6 +657,7 @@ class QueryServer:
             "frames_dropped": dict(self.frames.dropped),
             "frames_bad_stamp": dict(self.frames.bad_stamp),
             "frames_history_resets": dict(self.frames.history_resets),
+            "frames_bad_image": dict(self.frames.bad_image),     # refused on arrival (too large)
             "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))
                                if len(self.frame_delay_ms) else (0.0, 0.0)) + (len(self.frame_delay_ms),),
         }

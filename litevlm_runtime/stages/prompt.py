@@ -49,12 +49,21 @@ from ..weights.tokenizer import SPECIAL_TOKENS, Tokenizer, read_tokenizer_config
 from . import chat_template
 
 
+def is_noncharacter(ch: str) -> bool:
+    """Unicode's 66 noncharacters (U+FDD0..U+FDEF and the last two code points of every plane):
+    never text, only what a broken encoder or a fuzzer sends."""
+    cp = ord(ch)
+    return 0xFDD0 <= cp <= 0xFDEF or (cp & 0xFFFE) == 0xFFFE
+
+
 def is_blank(text: str) -> bool:
     """The one blank-question rule: nothing a reader could see, only whitespace, control and
     format characters (zero-width space, joiners, soft hyphen U+00AD, BOM, word joiner ... are
-    category Cf, which str.strip() keeps). The query server applies it before frames are matched;
-    the pipeline's check_question applies it for direct callers."""
-    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp") for ch in text)
+    category Cf, which str.strip() keeps), the replacement character U+FFFD (what a decoder writes
+    for bytes it could not read) and noncharacters. The query server applies it before frames are
+    matched; the pipeline's check_question applies it for direct callers."""
+    return all(ch.isspace() or ch == "\ufffd" or is_noncharacter(ch)
+               or unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp") for ch in text)
 
 LAYOUTS = ("internvl", "cameras")
 LAYOUT_FILE = "litevlm.json"

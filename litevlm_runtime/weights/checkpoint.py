@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError, read_json
 from ..models.config import ModelConfig
 from ..models.internvl import InternVL
+from .finite import check_finite
 from .hf_layout import check_image_seq_length, is_hf_layout, rename_in_error, tensor_sources, to_remote_config
 from .integrity import verify_model_folder, write_manifest
 from .tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -62,10 +63,13 @@ def open_safetensors(path: Path):
 
 
 def get_tensor(f, path: Path, name: str) -> torch.Tensor:
+    """One tensor of an open file, refused by name when unreadable or not finite (finite.py)."""
     try:
-        return f.get_tensor(name)
+        t = f.get_tensor(name)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: tensor {name!r} unreadable ({exc})") from None
+    check_finite(path, name, t)
+    return t
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

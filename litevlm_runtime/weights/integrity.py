@@ -198,3 +198,32 @@ def verify_model_folder(folder: str | Path, cache: DigestCache | None = None, us
             raise CheckpointError(f"{path}: sha256 {digest} does not match {entry['sha256']} recorded in "
                                   f"{manifest_path} (modified or corrupt; if intended: litevlm checksum {folder})")
     return True
+
+
+def folders_without_manifest(folder: str | Path) -> list[Path]:
+    """The folders of a model (itself and each module sub-folder) that carry no manifest."""
+    return [f for f in model_folders(folder) if not (f / MANIFEST_FILE).is_file()]
+
+
+def integrity_label(folder: str | Path) -> str:
+    """What the node reports after a load: 'verified (manifest)' when every folder of the model
+    has a manifest (a load verifies what it reads, and refuses a mismatch), else 'unverified (no
+    manifest)', naming the module folders without one when the top folder has its own."""
+    missing = folders_without_manifest(folder)
+    if not missing:
+        return "verified (manifest)"
+    top = Path(folder)
+    if top in missing:
+        return "unverified (no manifest)"
+    return f"unverified (no manifest in {', '.join(f.name + '/' for f in missing)})"
+
+
+def require_manifest_error(folder: str | Path) -> str | None:
+    """Why a node with require_manifest on refuses `folder` (None: every folder has a manifest),
+    with the exact command that writes them (after checking the files are the intended ones)."""
+    missing = folders_without_manifest(folder)
+    if not missing:
+        return None
+    names = ", ".join(str(f) for f in missing)
+    return (f"require_manifest: no {MANIFEST_FILE} in {names}; check that the files are the ones to serve, "
+            f"then write the manifests with: litevlm checksum {folder}")

@@ -1,0 +1,110 @@
+"""Reconfigure through the lifecycle, over real DDS, as a ROS user does it with `ros2 lifecycle
+set` and `ros2 param set`: a pipeline setting changes with deactivate, cleanup, set, configure,
+activate (no relaunch); refused with the project's reason while inactive or active; a wrong
+model_dir that failed configure is fixed in place."""
+
+from __future__ import annotations
+
+from ros_helpers import Rig, RosClient, domain_id, write_params
+from test_ros_node import start_node
+
+from litevlm_runtime.ros.parameters import AT_CONFIGURE
+
+NAME = "/litevlm_drive"
+
+
+def answer_of(client: RosClient, rig: Rig, query_id: str, seed: int) -> dict:
+    """Fresh frames, one question, its Answer (as a dict of the fields the test reads)."""
+    rig.frames(seed)
+    client.spin_for(0.3)
+    rig.ask(query_id, "Is there a car in front?")
+    assert client.spin_until(lambda: any(a.query_id == query_id for a in rig.answers), 60), query_id
+    a = next(a for a in rig.answers if a.query_id == query_id)
+    return {"status": a.status, "message": a.status_message, "pipeline": a.pipeline}
+
+
+def test_pipeline_setting_changes_through_cleanup_and_configure(tmp_path, tiny_model):
+    domain = domain_id(211)
+    params = write_params(tmp_path / "p.yaml", model_dir=str(tmp_path / "no_such_model"), warmup=False,
+                          max_new_tokens=2, **{"tokens.mode": "layer0", "tokens.keep_ratio": 0.8})
+    node = start_node(tmp_path, domain, "/", params)
+    client = RosClient(domain)
+    try:
+        # A wrong model_dir fails configure; set it while unconfigured and configure again.
+        assert not client.lifecycle_set(NAME, "configure")
+        assert client.lifecycle_get(NAME) == "unconfigured" and node.alive()
+        assert "no_such_model" in node.text()
+        r = client.param_set(NAME, "model_dir", str(tiny_model))
+        assert r.successful, r.reason
+        assert client.lifecycle_set(NAME, "configure")
+        assert client.lifecycle_set(NAME, "activate")
+        rig = Rig(client)
+        assert client.spin_until(rig.connected, 30)
+        first = answer_of(client, rig, "before", 1)
+        assert first["status"] == 0 and "tokens@0.8" in first["pipeline"], first
+
+        # Active, then inactive: refused with the reason, the value unchanged.
+        for state in ("active", "inactive"):
+            r = client.param_set(NAME, "tokens.keep_ratio", 0.5)
+            assert not r.successful and r.reason == f"tokens.keep_ratio: {AT_CONFIGURE}", (state, r.reason)
+            if state == "active":
+                assert client.lifecycle_set(NAME, "deactivate")
+        assert client.param_get(NAME, "tokens.keep_ratio") == 0.8
+        assert client.param_set(NAME, "queue_size", 3).successful            # a live one stays live
+
+        assert client.lifecycle_set(NAME, "cleanup")
+        r = client.param_set(NAME, "tokens.keep_ratio", 0.5)
+        assert r.successful, r.reason
+        # Validated at configure, naming the parameter: a bad choice fails it, the node stays up.
+        assert client.param_set(NAME, "overflow_policy", "bogus").successful is False   # live: checked at once
+        assert client.param_set(NAME, "tokens.mode", "bogus").successful           # applies at configure
+        assert not client.lifecycle_set(NAME, "configure")
+        assert "configure failed: bad parameter" in node.text() and "tokens.mode" in node.text().split(
+            "configure failed: bad parameter")[-1]
+        assert client.param_set(NAME, "tokens.mode", "layer0").successful
+        assert client.lifecycle_set(NAME, "configure")
+        assert client.lifecycle_set(NAME, "activate")
+        assert client.spin_until(rig.connected, 30)
+        second = answer_of(client, rig, "after", 2)
+        assert second["status"] == 0 and "tokens@0.5" in second["pipeline"], second
+        assert client.param_get(NAME, "queue_size") == 3
+    finally:
+        client.close()
+        node.stop()
+
+
+def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):
+    """A folder without a manifest: refused under require_manifest with the command that writes
+    one; served once it is off, /diagnostics and the configure log saying unverified."""
+    import shutil
+
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    from litevlm_runtime.weights.integrity import MANIFEST_FILE
+
+    folder = tmp_path / "brought"
+    shutil.copytree(tiny_model, folder)
+    (folder / MANIFEST_FILE).unlink()
+    domain = domain_id(214)
+    params = write_params(tmp_path / "p.yaml", model_dir=str(folder), warmup=False, require_manifest=True)
+    node = start_node(tmp_path, domain, "/", params)
+    client = RosClient(domain)
+    try:
+        diags = []
+        client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+        assert not client.lifecycle_set(NAME, "configure")
+        assert f"then write the manifests with: litevlm checksum {folder}" in node.text()
+        assert client.param_set(NAME, "require_manifest", False).successful
+        assert client.lifecycle_set(NAME, "configure")
+        assert "integrity: unverified (no manifest)" in node.text()
+        diags.clear()
+        assert client.spin_until(lambda: diags, 10)
+        assert {kv.key: kv.value for kv in diags[-1].status[0].values}["integrity"] == "unverified (no manifest)"
+        assert client.lifecycle_set(NAME, "cleanup")
+        assert client.param_set(NAME, "model_dir", str(tiny_model)).successful
+        assert client.param_set(NAME, "require_manifest", True).successful
+        assert client.lifecycle_set(NAME, "configure")
+        assert "integrity: verified (manifest)" in node.text()
+    finally:
+        client.close()
+        node.stop()
