@@ -13,21 +13,14 @@ from pathlib import Path
 import pytest
 from ros_helpers import Proc, domain_id, jpeg, ros_env, write_params
 
+from litevlm_runtime.bag.compare import compare_runs, read_jsonl
+from litevlm_runtime.bag.evaluate import evaluate
 from litevlm_runtime.bag.ids import replay_tag, split, tagged
+from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, raw_frame, write_bag
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
-from litevlm_runtime.ros.bag import (
-    BagContents,
-    BagQuery,
-    CameraFrame,
-    compare_runs,
-    evaluate,
-    load_node_params,
-    raw_frame,
-    read_jsonl,
-    write_bag,
-)
 from litevlm_runtime.ros.bag_types import camera_topics_from_bag, message_type_of, published_name
+from litevlm_runtime.ros.params_file import load_node_params
 
 ROOT = Path(__file__).resolve().parents[1]
 S = 1_000_000_000
