@@ -52,11 +52,11 @@ def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerR
     for t, topic, msgtype, raw, reader in read_bag(bag, [*topics, params["query_topic"], params["question_topic"]]):
         clock[0] = t
         if topic in topics:
-            msg = reader.deserialize(raw, msgtype)
+            msg = decode(bag, topic, t, reader.deserialize, raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             server.frames.add(Frame(topics[topic], stamp, payload_from_msg(msg)))
         elif topic == params["query_topic"]:
-            msg = reader.deserialize(raw, msgtype)
+            msg = decode(bag, topic, t, reader.deserialize, raw, msgtype)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             deadline = msg.deadline.sec * 1_000_000_000 + msg.deadline.nanosec
             # No frames are in flight in a bag: a failed match is final (allow_wait=False). A bag
