@@ -24,6 +24,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from internvl3_fixtures import run_ours_decoder
 
 from litevlm_runtime.bench.hf_reference import (
     build_hf_internvl,
@@ -107,28 +108,6 @@ def real_width(request, tmp_path_factory, tokenizer_file):
     # transformers' full model is built once per family (the vision and pipeline tests share it).
     full_ref = build_hf_internvl(config, state, image_token_id=find_image_token_id(folder, config))
     return request.param, folder, ours, config, state, full_ref
-
-
-def run_ours_decoder(lm, ids: list[int], new_tokens: int):
-    """Prefill + greedy decode through our decoder's static KV cache, as the pipeline drives it.
-    Returns (prefill logits [T, V], logits of each decode step [n, V], greedy ids)."""
-    from litevlm_runtime.engines.torch_engine import TorchDecoder
-
-    cfg = lm.cfg
-    max_len = len(ids) + new_tokens
-    k_cache = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
-    decoder = TorchDecoder(lm, k_cache, torch.zeros_like(k_cache))      # the pipeline's torch engine
-    t = len(ids)
-    hidden = decoder.prefill(lm.embed(torch.tensor(ids)), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril())
-    prefill = lm.head(hidden)
-    out, steps = [int(prefill[-1].argmax())], []
-    for slot in range(t, t + new_tokens - 1):
-        s = torch.tensor([slot])
-        hidden = decoder.step(lm.embed(torch.tensor([out[-1]])), s, s, torch.ones(1, slot, dtype=torch.bool),
-                              torch.ones(1, 1, dtype=torch.bool))
-        steps.append(lm.head(hidden)[0])
-        out.append(int(steps[-1].argmax()))
-    return prefill, torch.stack(steps), out
 
 
 @torch.inference_mode()
