@@ -132,7 +132,7 @@ class RosClient:
 
         req = ChangeState.Request()
         req.transition.id = getattr(Transition, f"TRANSITION_{transition.upper()}")
-        return self.call(ChangeState, f"{node}/change_state", req, timeout=120, resend_s=None).success
+        return self.call(ChangeState, f"{node}/change_state", req, timeout=300, resend_s=None).success
 
     def lifecycle_get(self, node: str) -> str:
         from lifecycle_msgs.srv import GetState
