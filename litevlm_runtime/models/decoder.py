@@ -34,9 +34,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Upstream's order: normalise in float32, back to x's dtype, then the weight (F.rms_norm is
+        # the same normalisation as one operator; its own weight product would round differently
+        # in bf16/fp16).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
