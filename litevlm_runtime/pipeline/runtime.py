@@ -34,7 +34,7 @@ from ..stages.token_selector import load_token_selector
 from ..stages.view_selector import load_view_selector
 from ..weights.checkpoint import load_model, read_config
 from ..weights.draft_head import load_draft_head
-from ..weights.int8 import quantize_decoder
+from ..weights.linear_forms import convert_linears
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
 
@@ -157,8 +157,8 @@ class Runtime:
             rt.token_selector.rope = lm.rope
         if options.fastv.ratio > 0:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
-        if options.backend.weights == "int8":
-            rt.extra["int8"] = quantize_decoder(lm)     # after the selector/draft copied what they need
+        if options.backend.weights != "float":          # after the selector/draft copied what they need
+            rt.extra["weights"] = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft))
         rt.engines = make_engines(rt)
         if arena.feature_cache.shape[0]:
             rt.features = FeatureCache(arena.feature_cache)
