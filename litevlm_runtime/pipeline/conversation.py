@@ -27,7 +27,8 @@ rows), allocated once; the least recently used turn is evicted first, and its id
 "expired". Working regions belong to the batch (graph backends bind them by address, and a
 batched step reads regions [0, B) in place), so a turn's rows are copied out when it finishes
 and back in when a follow-up starts: a copy of its live rows each way. A turn already at
-`serving.max_turns` is not kept (nothing may follow it).
+`serving.max_turns` is not kept (nothing may follow it): only its id is remembered, so that a
+follow-up of it is told the limit rather than "unknown".
 """
 
 from __future__ import annotations
@@ -66,11 +67,16 @@ class Conversations:
         self.k, self.v = k_turns, v_turns        # [slots, layers, kv_heads, max_len, head_dim] arena regions
         self.max_turns = max_turns
         self.turns: OrderedDict[Hashable, Turn] = OrderedDict()     # id -> Turn, least recently used first
+        self.ended: OrderedDict[Hashable, int] = OrderedDict()      # id -> turns, of answers at max_turns (not kept)
         self.lock = threading.Lock()             # follow() also runs on the node's executor thread (submit)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[0]
+
+    def keeps(self, turns: int) -> bool:
+        """Whether an answered turn of a conversation of `turns` turns is kept: a follow-up may come."""
+        return bool(self.capacity) and turns < self.max_turns
 
     def follow(self, turn_id: Hashable, frame_keys: Mapping | None = None) -> Turn:
         """The answered turn `turn_id` that a follow-up continues; InputError (about "follow_up")
@@ -84,12 +90,13 @@ class Conversations:
             turn = self.turns.get(turn_id)
             if turn is not None:
                 self.turns.move_to_end(turn_id)
+            ended = self.ended.get(turn_id)
+        if ended is not None:
+            raise InputError(f"{what}: its conversation has {ended} turns; serving.max_turns is {self.max_turns}",
+                             about="follow_up")
         if turn is None:
             raise InputError(f"{what}: no answered query with that id among the last {self.capacity} kept "
                              f"(serving.conversations): unknown, not answered (ok) yet, or expired", about="follow_up")
-        if len(turn.history) >= self.max_turns:
-            raise InputError(f"{what}: its conversation has {len(turn.history)} turns; serving.max_turns is "
-                             f"{self.max_turns}", about="follow_up")
         if frame_keys is not None and turn.frame_keys is not None:
             other = [c for c in turn.cameras if frame_keys.get(c) != turn.frame_keys.get(c)]
             if other:
@@ -109,16 +116,17 @@ class Conversations:
     def keep(self, turn_id: Hashable, turn: Turn, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Keep an answered turn for follow-ups: its KV rows copied from its region into a slot (the
         least recently used turn's, when every slot is taken). A turn at max_turns is not kept."""
-        if not self.capacity or len(turn.history) >= self.max_turns:
-            return
         with self.lock:
-            old = self.turns.pop(turn_id, None)
-            if old is not None:
-                turn.slot = old.slot
-            elif len(self.turns) < self.capacity:
-                turn.slot = len(self.turns)
-            else:
-                turn.slot = self.turns.popitem(last=False)[1].slot
+            self.turns.pop(turn_id, None)           # (an id used again: its newer answer replaces it)
+            self.ended.pop(turn_id, None)
+            if not self.keeps(len(turn.history)):      # only its id is remembered, to name the limit
+                if self.capacity:
+                    self.ended[turn_id] = len(turn.history)
+                    if len(self.ended) > self.capacity:
+                        self.ended.popitem(last=False)
+                return
+            free = sorted(set(range(self.capacity)) - {t.slot for t in self.turns.values()})
+            turn.slot = free[0] if free else self.turns.popitem(last=False)[1].slot     # else: evict the oldest
             n = len(turn.rows)
             self.k[turn.slot, :, :, :n] = k_cache[:, :, :n]
             self.v[turn.slot, :, :, :n] = v_cache[:, :, :n]
@@ -127,3 +135,4 @@ class Conversations:
     def clear(self) -> None:
         with self.lock:
             self.turns.clear()
+            self.ended.clear()

@@ -19,7 +19,7 @@ from ..decoding.constrain import compile_constraint
 from ..decoding.greedy import Prompt, choose, greedy
 from ..decoding.spec_policy import measure_costs
 from ..decoding.speculative import eagle2, speculates
-from ..errors import InputError
+from ..errors import InputError, LiteVLMError
 from ..options import DecodingMode, PipelineOptions
 from ..stages.budget import Plan
 from ..stages.preprocess import load_image, to_tiles_uint8
@@ -146,7 +146,8 @@ class Pipeline:
                 layout = assemble_prompt(rt, plan.cameras, question, visual, history)
         with timer("prefill"):
             prompt = prefill(rt, layout, keep, turn)
-        rows = prompt_rows(rt, prompt.length) if turn_id is not None else None
+        kept = turn_id is not None and rt.conversations.keeps(len(history) + 1)      # (at max_turns: none may follow)
+        rows = prompt_rows(rt, prompt.length) if kept else None
         ids, _ = prompt_ids(rt, plan.cameras, question, history)
         return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached or c in in_kv], len(todo),
                        prompt, max_new, float(budget), history, keep, frame_keys, prompt_digest(ids), turn_id, rows)
@@ -445,6 +446,9 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
         input_tokens = len(fastv_rows)   # rows the layers >= K see
     elif turn is not None:
         reused = rt.conversations.restore(turn, prompt_rows(rt, n), a.k_cache, a.v_cache)
+        if visual_ranges and reused < sum(visual_ranges[-1]):   # (the follow-up wrote no visual rows)
+            raise LiteVLMError(f"follow-up: only {reused} rows of the turn it follows match its prompt, fewer than "
+                               f"its {sum(visual_ranges[-1])} rows up to the last visual token")
         hidden = extend(rt, embeds[reused:], positions[reused:], reused)
         input_tokens = n - reused
     else:
@@ -484,7 +488,7 @@ def keep_turn(rt: Runtime, started: Started, tokens: list[int], text: str) -> No
     cap did)."""
     plan, prompt = started.plan, started.prompt
     in_cache = tokens if len(tokens) < plan.max_new_tokens else tokens[:-1]
-    rows = started.rows + [(t, prompt.next_pos + i) for i, t in enumerate(in_cache)]
+    rows = [] if started.rows is None else started.rows + [(t, prompt.next_pos + i) for i, t in enumerate(in_cache)]
     turn = Turn(started.history + ((started.question, text),), tuple(plan.cameras), started.keep, plan.keep_ratio,
                 started.frame_keys, rows)
     rt.conversations.keep(started.turn_id, turn, rt.arena.k_cache, rt.arena.v_cache)
