@@ -338,6 +338,16 @@ def test_litevlm_prompt_is_what_the_pipeline_feeds_the_decoder(capsys, tiny_mode
     assert f"{rt.tok.img_context_id} x{n}" in out
 
 
+def test_litevlm_prompt_with_history_is_a_follow_ups_prompt(capsys, tiny_model):
+    """`litevlm prompt --history Q A` prints the conversation's ids and the digest an Answer carries."""
+    pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
+    history = [("What is in front?", "A white truck.")]
+    ans = pipe.answer(random_frames(0), QUESTION, history=history)
+    d = prompt_json(capsys, tiny_model, "--cameras", *ans.cameras, "--history", *history[0])
+    assert d["input_ids"] == prompt_ids(pipe.rt, ans.cameras, QUESTION, history)[0]
+    assert d["sha256"] == ans.prompt_sha256 and "<|im_start|>assistant\nA white truck.<|im_end|>" in d["text"]
+
+
 def test_pipeline_on_an_internlm2_folder_uses_internvl_with_bos(tmp_path):
     """Weights plus an InternLM2-style tokenizer.model: the pipeline's prompt starts with <s>, puts
     `Image-i:` lines before the question, and the token selector's question rows are the question."""
