@@ -111,6 +111,8 @@ class Pipeline:
         runtime whose KV region prefill writes (default: this pipeline's, region 0)."""
         rt = with_sampling(rt or self.rt, temperature, seed)
         check_question(rt, question)
+        if follow_up_of is not None and history:
+            raise InputError("history= and follow_up_of=: a follow-up's history is the turn it follows'", about="question")
         turn = rt.conversations.follow(follow_up_of, frame_keys) if follow_up_of is not None else None
         history = turn.history if turn is not None else check_history(rt, history)
         first = history[0][0] if history else question    # the question the images came with
