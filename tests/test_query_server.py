@@ -534,7 +534,9 @@ def test_a_follow_up_is_served_on_the_frames_of_the_query_it_follows(pipeline):
     expired before it ran is bad_follow_up when it runs."""
     server, records = make_server(pipeline)
     add_frames(server, 1000 * MS)
+    pipeline.rt.conversations.clear()
     first = server.serve(server.submit("What is in front?", query_id="q1", now_ns=1000 * MS), now_ns=1000 * MS)
+    assert server.stats()["conversations"] == 1                 # (on /diagnostics)
     newer = {c: CompressedPayload("jpeg", jpeg(40 + i)) for i, c in enumerate(CAMERAS)}
     add_frames(server, 1500 * MS, newer)
     req = server.submit("Is it moving?", query_id="q2", now_ns=1500 * MS, follow_up_of="q1")

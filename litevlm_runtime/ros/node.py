@@ -456,6 +456,7 @@ class DriveNode(LifecycleNode):
             "dropped_frames": sum(s["frames_dropped"].values()) + sum(self.cameras.lost.values()),
             "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
             "publish_failed": s["publish_failed"],
+            "conversations": s["conversations"],
             "frame_delay_ms.p50": f"{s['frame_delay_ms'][0]:.2f}",
             "frame_delay_ms.p90": f"{s['frame_delay_ms'][1]:.2f}",
         }

@@ -701,6 +701,8 @@ class QueryServer:
             "frames_bad_stamp": dict(self.frames.bad_stamp),
             "frames_history_resets": dict(self.frames.history_resets),
             "frames_bad_image": dict(self.frames.bad_image),     # refused on arrival (too large)
+            # answered queries a follow-up may name now (serving.conversations at most)
+            "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))
                                if len(self.frame_delay_ms) else (0.0, 0.0)) + (len(self.frame_delay_ms),),
         }
