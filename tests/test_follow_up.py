@@ -212,3 +212,15 @@ def test_per_query_temperature_and_seed(frames):
     batch.admit(f, OTHERS[1], tag="y")
     assert {r.tag: a for r, a in batch.run()}["x"].token_ids == sampled
     assert pipe.answer(f, OTHERS[0]).token_ids == greedy             # the configured default is untouched
+
+
+def test_a_budget_can_only_cut_a_follow_ups_answer(pipe, frames):
+    """Under a latency budget a follow-up keeps its conversation's views and tokens (the planner's
+    ladder is that one step): only its answer is cut, to a prefix of the unbudgeted one."""
+    first = pipe.answer(frames[1], Q1, frame_keys=keys(1, frames), turn_id="u1")
+    free = pipe.answer(frames[1], FOLLOW[1], frame_keys=keys(1, frames), follow_up_of="u1")
+    tight = pipe.answer(frames[1], FOLLOW[1], frame_keys=keys(1, frames), follow_up_of="u1", budget_ms=0.5)
+    assert tight.cameras == tight.reused_cameras == first.cameras and tight.kept_tokens == first.kept_tokens
+    assert not any(d.startswith(("views", "tokens")) for d in tight.degraded), tight.degraded
+    assert any("cannot be met" in d for d in tight.degraded)
+    assert tight.token_ids == free.token_ids[:len(tight.token_ids)] and len(tight.token_ids) <= 2
