@@ -148,8 +148,8 @@ class Pipeline:
                 layout = assemble_prompt(rt, plan.cameras, question, visual, history)
         with timer("prefill"):
             prompt = prefill(rt, layout, keep, turn)
-        kept = turn_id is not None and rt.conversations.keeps(len(history) + 1)      # (at max_turns: none may follow)
-        rows = prompt_rows(rt, prompt.length) if kept else None
+        followable = turn_id is not None and rt.conversations.keeps(len(history) + 1)   # (at max_turns: none may follow)
+        rows = prompt_rows(rt, prompt.length) if followable else None
         ids, _ = prompt_ids(rt, plan.cameras, question, history)
         return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached or c in in_kv], len(todo),
                        prompt, max_new, float(budget), history, keep, frame_keys, prompt_digest(ids), turn_id, rows)
