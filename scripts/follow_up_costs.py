@@ -13,7 +13,8 @@ answers must be equal (checked) and the decode stages comparable. Per turn, the 
 repetitions, the two orders alternating. Frames: the DriveLM sample's first key frame when it is
 there, else random. `--memory`: the arena's bytes under serving.max_turns / serving.conversations.
 
-    python scripts/follow_up_costs.py [--model DIR] [--repeats 15] [--max-new 24] [--threads 1] [--memory]
+    python scripts/follow_up_costs.py [--model DIR] [--repeats 15] [--max-new 24] [--threads 1]
+    python scripts/follow_up_costs.py --memory [--preset internvl2_5-2b --dtype float16 --tiles 2]
 """
 
 from __future__ import annotations
@@ -31,8 +32,14 @@ import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.options import options_from_flat
+from litevlm_runtime.pipeline.arena import Arena
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.runtime import DTYPES, arena_limits
 from litevlm_runtime.report import table
+from litevlm_runtime.stages.prompt import resolve_layout
+from litevlm_runtime.weights.checkpoint import read_config
+from litevlm_runtime.weights.presets import preset
+from litevlm_runtime.weights.tokenizer import Tokenizer
 
 TURNS = ["What is in front of the ego vehicle?", "Is it moving?", "What should the ego vehicle do about it?",
          "Why?"]
@@ -47,14 +54,24 @@ def frames() -> tuple[dict, str]:
     return {cam: rng.integers(0, 256, (450, 800, 3), dtype=np.uint8) for cam in CAMERAS}, "random 800x450"
 
 
-def memory(model: str) -> None:
+def memory(model: str, preset_name: str | None, dtype: str, tiles: int) -> None:
+    """The arena's bytes as runtime.arena_limits sizes it, allocated on the meta device (no memory,
+    no weights): `model`'s config and tokenizer, or a preset's config with `model`'s tokenizer
+    standing in for the template's rows."""
+    tok = Tokenizer(model)
+    cfg = preset(preset_name) if preset_name else read_config(Path(model))
+    layout = "internvl" if preset_name else resolve_layout(None, model)[0]
     rows = []
     for turns, conversations in ((1, 0), (2, 4), (4, 4), (4, 8)):
-        opts = options_from_flat({"serving.max_turns": turns, "serving.conversations": conversations})
-        a = Pipeline.from_pretrained(model, opts).rt.arena
-        rows.append([turns, conversations, a.max_len, f"{a.nbytes() / 2**20:.1f}",
-                     f"{(a.k_turns.nbytes + a.v_turns.nbytes) / 2**20:.1f}"])
-    print(table(["max_turns", "conversations", "max_len", "arena MiB", "of which kept turns MiB"], rows))
+        opts = options_from_flat({"serving.max_turns": turns, "serving.conversations": conversations, "dtype": dtype,
+                                  "tiles_per_camera": tiles}).resolved(None)
+        a = Arena(cfg, arena_limits(cfg, tok, opts, layout), DTYPES[dtype], torch.device("meta"))
+        size = {k: t.numel() * t.element_size() for k, t in a.buffers().items() if k not in ("k_cache", "v_cache")}
+        kv = sum(v for k, v in size.items() if k in ("k_regions", "v_regions", "k_turns", "v_turns"))
+        rows.append([turns, conversations, a.max_len, f"{sum(size.values()) / 2**20:.1f}", f"{kv / 2**20:.1f}",
+                     f"{(size['k_turns'] + size['v_turns']) / 2**20:.1f}"])
+    print(f"{preset_name or model}, {dtype}, {tiles} tile(s) per camera, max_batch {opts.serving.max_batch}")
+    print(table(["max_turns", "conversations", "max_len", "arena MiB", "KV MiB", "of which kept turns MiB"], rows))
 
 
 def main() -> None:
@@ -64,9 +81,12 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1, help="backend.threads (0: one per core)")
     ap.add_argument("--memory", action="store_true", help="print the arena's bytes per setting instead")
+    ap.add_argument("--preset", help="--memory of a preset's shapes (e.g. internvl2_5-2b)")
+    ap.add_argument("--dtype", default="float32", help="--memory: the arena's dtype")
+    ap.add_argument("--tiles", type=int, default=1, help="--memory: tiles per camera")
     args = ap.parse_args()
     if args.memory:
-        return memory(args.model)
+        return memory(args.model, args.preset, args.dtype, args.tiles)
 
     pipe = Pipeline.from_pretrained(args.model, options_from_flat({"decoding.mode": "greedy", "max_new_tokens": args.max_new,
                                                                    "backend.threads": args.threads}))
