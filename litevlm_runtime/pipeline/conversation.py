@@ -21,6 +21,9 @@ What a follow-up reuses, and why it is exact:
   answer's first characters differently, a leading space the text dropped), the copy stops at the
   first different row: what is reused is exactly what a full prefill would compute, up to
   floating-point summation order (tests/test_follow_up.py: 1e-5 in float32).
+- Not kept: EAGLE-2's draft cache (one per arena, overwritten by every speculating answer; the
+  follow-up's prefill has features of its new rows only), so a follow-up decodes with plain steps:
+  token for token the greedy answer EAGLE-2 gives (pipeline.py, plan_follow_up).
 
 Memory: `serving.conversations` slots in the arena, each one KV region (the arena's max_len
 rows), allocated once; the least recently used turn is evicted first, and its id then answers
