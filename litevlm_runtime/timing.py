@@ -17,8 +17,8 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, stage: str, idle: bool = False):
-        """Time the block as `stage`; `idle`: the stage has nothing to do this time (its block runs,
-        a few bookkeeping calls) and is reported as 0 ms."""
+        """Time the block as `stage`; `idle`: the stage is skipped by design this time (a follow-up's
+        vision: its block runs a few bookkeeping calls) and is reported as 0 ms."""
         if idle:
             yield
             self._marks.append((stage, None, None))

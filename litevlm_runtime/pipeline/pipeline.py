@@ -134,9 +134,10 @@ class Pipeline:
         in_kv = plan.cameras if turn is not None and rt.fastv is None else []   # their rows come with the turn's KV
         cached = cached_visual(rt, [c for c in plan.cameras if c not in in_kv], frame_keys)  # from earlier queries
         todo = [c for c in plan.cameras if c not in cached and c not in in_kv]
-        with timer("preprocess", idle=not todo):
+        skipped = bool(in_kv) and not todo              # a follow-up: no vision at all (reported 0 ms)
+        with timer("preprocess", idle=skipped):
             pixels = preprocess(rt, images, todo)
-        with timer("vision", idle=not todo):
+        with timer("vision", idle=skipped):
             visual = encode(rt, pixels, todo, cached, plan.cameras, frame_keys)   # per camera [tokens, D] or None
         with timer("token_select"):
             if turn is None:      # the first question's own prompt: what its visual tokens are ranked against
