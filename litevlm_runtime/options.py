@@ -187,6 +187,11 @@ class Serving(_Validated):
     stream_partials: bool = setting(True, "publish the answer as it is decoded (litevlm_msgs/AnswerPartial)", live=True)
     max_batch: int = setting(4, "queries decoded together, one decoder pass per step over all (in-flight batching, "
                                 "torch backend; 1: one query at a time)", lo=1, hi=64)
+    conversations: int = setting(4, "answered queries a follow-up question may name (Query.follow_up_of): their "
+                                    "turns and KV kept in the arena, one KV region each, least recently used "
+                                    "evicted first (0: no follow-ups)", lo=0, hi=64)
+    max_turns: int = setting(4, "turns per conversation, at most (a follow-up past it is answered bad_follow_up); "
+                                "the arena's prompt rows are sized for this many full turns", lo=1, hi=64)
 
 
 @dataclass(frozen=True)

@@ -119,20 +119,18 @@ class BatchDecoder:
     @torch.inference_mode()
     def admit(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
               budget_ms: float = 0.0, on_tokens=None, temperature: float | None = None, seed: int | None = None,
-              tag=None, choices: list[str] | None = None, answer_schema: str = "") -> Running:
+              tag=None, choices: list[str] | None = None, answer_schema: str = "", follow_up_of=None,
+              turn_id=None) -> Running:
         """View selection .. prefill for one query into a free region; it joins the next step.
         Raises what Pipeline.answer raises (InputError ...), the region then stays free. A query
-        whose first token ends it is finished at once (in `finished`, returned by the next step)."""
+        whose first token ends it is finished at once (in `finished`, returned by the next step).
+        `follow_up_of` / `turn_id`: as Pipeline.answer's (conversation.py)."""
         region = self.free.pop(0)
         rt = self.regions[region]
-        if temperature is not None or seed is not None:
-            d = rt.options.decoding
-            d = replace(d, temperature=d.temperature if temperature is None else temperature,
-                        seed=d.seed if seed is None else seed)
-            rt = replace(rt, options=replace(rt.options, decoding=d))
         try:
             started = self.pipe.begin(images, question, max_new_tokens, frame_keys, budget_ms, rt=rt,
-                                      choices=choices, answer_schema=answer_schema)
+                                      choices=choices, answer_schema=answer_schema, temperature=temperature,
+                                      seed=seed, follow_up_of=follow_up_of, turn_id=turn_id)
         except BaseException:
             self.free.insert(0, region)
             self.free.sort()

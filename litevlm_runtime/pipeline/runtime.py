@@ -37,6 +37,7 @@ from ..weights.draft_head import load_draft_head
 from ..weights.linear_forms import convert_linears
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
+from .conversation import Conversations
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _threads_lock = threading.Lock()
@@ -46,20 +47,26 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
     """The arena's maxima: the rig's cameras and tiles, the longest template + question, the
     answer cap and the largest draft tree the options allow."""
 
-    # Everything in the prompt except the visual tokens and the question, for the worst case.
-    template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1)
+    # Everything in the prompt except the visual tokens, the questions and the earlier answers, for
+    # a conversation of serving.max_turns turns (follow-up questions): each turn may bring a whole
+    # question and, after the first, a whole earlier answer (8 rows of slack per turn for how the
+    # tokenizer joins them to the separators).
+    turns = options.serving.max_turns
+    template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1,
+                            history=(("", "x"),) * (turns - 1))
     template_tokens = len(template.input_ids) - len(options.cameras)      # one placeholder per camera
     tree = options.decoding.eagle
     eagle = options.decoding.mode == DecodingMode.EAGLE
     return Limits(
         cameras=len(options.cameras),
         tiles_per_camera=options.tiles_per_camera,
-        text_tokens=template_tokens + 8 + options.max_question_tokens,
+        text_tokens=template_tokens + turns * (8 + options.max_question_tokens) + (turns - 1) * options.max_new_tokens,
         new_tokens=options.max_new_tokens,
         tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
         draft_layers=1 if eagle else 0,
         cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
         batch=batch_capacity(options),
+        conversations=options.serving.conversations if turns > 1 else 0,
     )
 
 
@@ -109,6 +116,7 @@ class Runtime:
     prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
     extra: dict = field(default_factory=dict)
     constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
+    conversations: object = None      # conversation.Conversations: answered turns kept for follow-up questions
 
     @property
     def lm(self):
@@ -162,6 +170,7 @@ class Runtime:
         rt.engines = make_engines(rt)
         if arena.feature_cache.shape[0]:
             rt.features = FeatureCache(arena.feature_cache)
+        rt.conversations = Conversations(arena.k_turns, arena.v_turns, options.serving.max_turns)
         rt.planner = BudgetPlanner(rt)
         if rt.fastv is not None:
             rt.engines.decoder = rt.fastv          # later passes run under FastV's per-layer masks
