@@ -62,7 +62,7 @@ def memory(model: str, preset_name: str | None, dtype: str, tiles: int) -> None:
     cfg = preset(preset_name) if preset_name else read_config(Path(model))
     layout = "internvl" if preset_name else resolve_layout(None, model)[0]
     rows = []
-    for turns, conversations in ((1, 0), (2, 4), (4, 4), (4, 8)):
+    for turns, conversations in ((1, 0), (2, 4), (3, 4), (4, 4), (4, 8)):
         opts = options_from_flat({"serving.max_turns": turns, "serving.conversations": conversations, "dtype": dtype,
                                   "tiles_per_camera": tiles}).resolved(None)
         a = Arena(cfg, arena_limits(cfg, tok, opts, layout), DTYPES[dtype], torch.device("meta"))
