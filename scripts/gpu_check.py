@@ -19,7 +19,7 @@ over the whole masked cache: in bf16 with random weights a near-tied greedy toke
 
 Then in-flight batching at these shapes (pipeline/batching.py, serving.max_batch 4): the same
 queries decoded together on each backend (eager torch's batched step, the static one, the
-batched step captured once per batch bucket 2 and 4, each KV region's step graphs captured);
+batched step captured once per batch bucket 2, 3 and 4, each KV region's step graphs captured);
 pass/fail again: captured == static, token for token; reported: batched == one at a time (greedy
 verification is lossless, so they differ only where bf16 rounding flips a near tie) and == eager
 torch batched; and the per-bucket table: one batched step of 1..4 rows over a 600-column context,

@@ -146,8 +146,8 @@ def test_padding_rows_of_a_partial_bucket_see_only_themselves(exported):
 
 
 def test_batch_bucket_choice():
-    assert default_batch(1) == () and default_batch(2) == (2,) and default_batch(4) == (2, 4)
-    assert default_batch(6) == (2, 4, 6) and default_batch(16) == (2, 4, 8, 16)
+    assert default_batch(1) == () and default_batch(2) == (2,) and default_batch(4) == (2, 3, 4)
+    assert default_batch(6) == (2, 3, 4, 6) and default_batch(16) == (2, 3, 4, 8, 16)
     assert batch_sizes((2, 4), 4, "x") == (2, 4) and batch_sizes((2, 4), 3, "x") == (2, 3)
     assert batch_sizes((2, 4), 1, "x") == () and batch_sizes((), 4, "x") == ()
     with pytest.raises(LiteVLMError, match="serving.max_batch 8: the bundle B decodes at most 4 queries"):

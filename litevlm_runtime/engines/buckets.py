@@ -85,8 +85,8 @@ def default_buckets(arena) -> Buckets:
     """Buckets derived from the arena's maxima: tiles for 1, 2, 3 and 6 cameras (what the view
     selector typically keeps); prompts at a quarter, half and all of the longest prompt and at
     every camera's visual tokens plus 64 or 192 text rows (the common full-rig prompt), rounded
-    to 64 rows; decode steps of 1 row and of the draft tree; batched steps of 2, 4, 8 .. queries
-    below the arena's batch and of the whole batch (the head takes those row counts too)."""
+    to 64 rows; decode steps of 1 row and of the draft tree; batched steps of 2, 3, 4, 8, 16 ..
+    queries below the arena's batch and of the whole batch (the head takes those row counts too)."""
     lim = arena.limits
     tpc = lim.tiles_per_camera
     vision = tuple(sorted({c * tpc for c in (1, 2, 3, lim.cameras) if c <= lim.cameras}))
@@ -99,11 +99,14 @@ def default_buckets(arena) -> Buckets:
 
 
 def default_batch(capacity: int) -> tuple[int, ...]:
-    """Powers of two from 2 below `capacity`, and `capacity` itself: a batch pads at most to
-    twice its queries (none for one query: it decodes in `step`)."""
+    """2, 3 and 4, then powers of two, below `capacity`, and `capacity` itself (none for one
+    query: it decodes in `step`). Up to 4 queries nothing is padded: on the CPU a padding row
+    costs what a real one does (ONNX Runtime, bundled model: 3 rows in a 4-bucket measured
+    1.5x 3 rows in a 3-bucket), and a shipped max_batch of 4 should not pay it."""
     if capacity < 2:
         return ()
-    sizes, b = {capacity}, 2
+    sizes = {capacity} | {b for b in (2, 3, 4) if b < capacity}
+    b = 8
     while b < capacity:
         sizes.add(b)
         b *= 2
