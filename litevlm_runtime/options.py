@@ -186,7 +186,8 @@ class Serving(_Validated):
                                        lo=0.0, hi=600000.0, live=True)
     stream_partials: bool = setting(True, "publish the answer as it is decoded (litevlm_msgs/AnswerPartial)", live=True)
     max_batch: int = setting(4, "queries decoded together, one decoder pass per step over all (in-flight batching, "
-                                "torch backend; 1: one query at a time)", lo=1, hi=64)
+                                "every backend: a bundle's batched step graph for onnxruntime/tensorrt; not with "
+                                "FastV; 1: one query at a time)", lo=1, hi=64)
     conversations: int = setting(4, "answered queries a follow-up question may name (Query.follow_up_of): their "
                                     "turns and KV kept in the arena, one KV region each, least recently used "
                                     "evicted first (0: no follow-ups)", lo=0, hi=64)

@@ -34,7 +34,6 @@ import torch
 
 from ..decoding.greedy import Decoded, Prompt, choose, greedy
 from ..decoding.speculative import eagle2, speculates
-from ..engines.torch_engine import TorchBatchDecoder, TorchDecoder
 from .answer import Answer
 from .pipeline import Pipeline, Started
 from .runtime import Runtime
@@ -48,7 +47,7 @@ def region_runtime(rt: Runtime, region: int) -> Runtime:
         return rt
     a = copy.copy(rt.arena)
     a.k_cache, a.v_cache = rt.arena.k_regions[region], rt.arena.v_regions[region]
-    engines = replace(rt.engines, decoder=TorchDecoder(rt.lm, a.k_cache, a.v_cache))
+    engines = replace(rt.engines, decoder=rt.engines.decoder.on_region(a.k_cache, a.v_cache))
     return replace(rt, arena=a, engines=engines,
                    sampler=torch.Generator(device="cpu").manual_seed(rt.options.decoding.seed))
 
@@ -101,10 +100,9 @@ class BatchDecoder:
     def __init__(self, pipe: Pipeline):
         rt = pipe.rt
         self.pipe, self.rt = pipe, rt
-        self.capacity = rt.arena.limits.batch
+        self.engine = rt.engines.batch            # the backend's batched step (engines/base.py)
+        self.capacity = rt.arena.limits.batch if self.engine is not None else 1
         self.regions = [region_runtime(rt, r) for r in range(self.capacity)]
-        a = rt.arena
-        self.engine = TorchBatchDecoder(rt.lm, a.k_regions, a.v_regions, a.slots) if self.capacity > 1 else None
         self.free = list(range(self.capacity))
         self.running: list[Running] = []
         self.finished: list[tuple[Running, Answer]] = []

@@ -12,6 +12,7 @@ arena's buffers. Nothing here is sized twice.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 
 from .. import threads
 from ..decoding.spec_policy import DeviceCosts, measure_costs
-from ..engines import make_engines
+from ..engines import batch_limit, make_engines
 from ..errors import InputError
 from ..models.config import ModelConfig
 from ..options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
@@ -39,6 +40,8 @@ from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
 from .conversation import Conversations
 
+log = logging.getLogger("litevlm.runtime")
+_said: set[str] = set()
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _threads_lock = threading.Lock()
 
@@ -71,12 +74,13 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
 
 
 def batch_capacity(options: PipelineOptions) -> int:
-    """Queries decoded together (batching.py): serving.max_batch on the torch backend; 1 where
-    the batched step is not built (graph backends bind one static KV region; FastV's per-layer
-    masks are one query's)."""
-    if options.backend.name != BackendName.TORCH or options.fastv.ratio > 0:
-        return 1
-    return options.serving.max_batch
+    """Queries decoded together (batching.py): serving.max_batch where the backend batches
+    (engines.batch_limit), else 1 with a log line saying why."""
+    capacity, why = batch_limit(options)
+    if why and why not in _said:               # arena_limits runs twice per runtime: say it once
+        _said.add(why)
+        log.warning("serving.max_batch %d -> 1 (one query at a time): %s", options.serving.max_batch, why)
+    return capacity
 
 
 def set_threads(n: int) -> None:
