@@ -168,9 +168,11 @@ class Backend(_Validated):
                              choices=ENGINE_PRECISIONS)
     buckets: str = setting("", "torch-cudagraph / torch-compile shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
                                "('': derived from the arena)")
-    weights: str = setting("float", "decoder linear weights: float (the pipeline's dtype) | int8 (per-channel int8, "
-                                    "quantized at load, dequantized in the matmul: weights/int8.py)",
-                           choices=("float", "int8"))
+    weights: str = setting("float", "linear weights: float (the pipeline's dtype) | int8 (the decoder's, per-channel int8, "
+                                    "quantized at load, dequantized in the matmul: weights/int8.py) | bf16 (a float32 "
+                                    "pipeline on the CPU: calls of many rows, vision, prefill, token selection, run "
+                                    "bfloat16 GEMMs on the CPU's matrix units, decode steps stay float32: weights/bf16.py)",
+                           choices=("float", "int8", "bf16"))
     threads: int = setting(0, "CPU threads per stage (0: one per core this process may use; idle threads sleep, "
                                "so that a shared CPU does not collapse them: threads.py)", lo=0, hi=1024)
 
@@ -184,7 +186,13 @@ class Serving(_Validated):
                                        lo=0.0, hi=600000.0, live=True)
     stream_partials: bool = setting(True, "publish the answer as it is decoded (litevlm_msgs/AnswerPartial)", live=True)
     max_batch: int = setting(4, "queries decoded together, one decoder pass per step over all (in-flight batching, "
-                                "torch backend; 1: one query at a time)", lo=1, hi=64)
+                                "every backend: a bundle's batched step graph for onnxruntime/tensorrt; not with "
+                                "FastV; 1: one query at a time)", lo=1, hi=64)
+    conversations: int = setting(4, "answered queries a follow-up question may name (Query.follow_up_of): their "
+                                    "turns and KV kept in the arena, one KV region each, least recently used "
+                                    "evicted first (0: no follow-ups)", lo=0, hi=64)
+    max_turns: int = setting(4, "turns per conversation, at most (a follow-up past it is answered bad_follow_up); "
+                                "the arena's prompt rows are sized for this many full turns", lo=1, hi=64)
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,13 @@ class PipelineOptions(_Validated):
         if self.backend.weights == "int8" and self.backend.name in (BackendName.ONNXRUNTIME, BackendName.TENSORRT):
             raise InputError(f"backend.weights int8 quantizes the PyTorch engines' weights; {self.backend.name.value} runs "
                              f"an exported bundle: build an INT8/FP8 bundle with `litevlm calibrate --precision int8|fp8`")
+        if self.backend.weights == "bf16":
+            if self.dtype != "float32" or str(self.device).startswith("cuda"):
+                raise InputError(f"backend.weights bf16 runs the compute-bound GEMMs of a float32 pipeline on the CPU in "
+                                 f"bfloat16; with dtype {self.dtype} on {self.device} choose dtype bfloat16/float16 instead")
+            if self.backend.name not in (BackendName.TORCH, BackendName.TORCH_COMPILE):
+                raise InputError(f"backend.weights bf16 changes the PyTorch engines' linears; {self.backend.name.value} "
+                                 f"runs an exported bundle's graphs")
 
     # ------------------------------------------------------------------ resolution
     def resolved(self, model_dir: str | Path | None, provided: frozenset[str] = frozenset()) -> "PipelineOptions":

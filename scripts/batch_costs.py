@@ -9,8 +9,11 @@
                    perfectly accepted EAGLE-2 chain gives one query (the batch policy's inputs)
 
 Every row is the median of `--repeats` interleaved repetitions (the machine's load hits all alike).
+`--set NAME=VALUE` chooses another backend (the steps then run its engines; the prefill rows, a
+torch-only comparison, are left out), e.g. ONNX Runtime's batched step graph:
 
     python scripts/batch_costs.py [--model DIR] [--context 300] [--prompt 300] [--repeats 30]
+    python scripts/batch_costs.py --set backend.name=onnxruntime --set backend.bundle=BUNDLE
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.decoding.greedy import step_one
 from litevlm_runtime.decoding.speculative import eagle2
-from litevlm_runtime.options import PipelineOptions, Serving
+from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.pipeline.batching import BatchDecoder, batch_speculates
 from litevlm_runtime.pipeline.pipeline import Pipeline
 
@@ -47,9 +50,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300, help="rows of the prompt being prefilled")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a pipeline setting")
     args = ap.parse_args()
 
-    pipe = Pipeline.from_pretrained(args.model, PipelineOptions(serving=Serving(max_batch=args.max_batch)))
+    settings = dict(s.split("=", 1) for s in args.set)
+    pipe = Pipeline.from_pretrained(args.model, options_from_flat({"serving.max_batch": args.max_batch, **settings}))
     rt, a = pipe.rt, pipe.rt.arena
     batch = BatchDecoder(pipe)
     d, ctx, t = rt.cfg.llm.hidden_size, args.context, args.prompt
@@ -79,9 +84,11 @@ def main() -> None:
     for b in range(1, args.max_batch + 1):
         runs[f"step {b} rows batched"] = batched(b)
         runs[f"step {b} rows as {b} single steps"] = singles(b)
-    runs[f"prefill {t}"] = prefill(t)
-    for b in range(1, args.max_batch + 1):
-        runs[f"prefill {t} + {b} decode rows (mixed, lower bound)"] = prefill(t + b)
+    eager = rt.engines.backend == "torch"
+    if eager:
+        runs[f"prefill {t}"] = prefill(t)
+        for b in range(1, args.max_batch + 1):
+            runs[f"prefill {t} + {b} decode rows (mixed, lower bound)"] = prefill(t + b)
     times = {k: [] for k in runs}
     with torch.inference_mode():
         for f in runs.values():
@@ -99,12 +106,13 @@ def main() -> None:
     for b in range(1, args.max_batch + 1):
         one, many = ms[f"step {b} rows batched"], ms[f"step {b} rows as {b} single steps"]
         print(f"{f'step {b} rows batched (vs {b} single steps)':<52}{one:>9.2f}{one / many:>9.2f}")
-    base = ms[f"prefill {t}"]
-    print(f"{f'prefill {t}':<52}{base:>9.2f}{1.0:>9.2f}")
-    for b in range(1, args.max_batch + 1):
-        mixed = ms[f"prefill {t} + {b} decode rows (mixed, lower bound)"]
-        join = base + ms[f"step {b} rows batched"]
-        print(f"{f'mixed prefill {t} + {b} rows (vs prefill then step)':<52}{mixed:>9.2f}{mixed / join:>9.2f}")
+    if eager:
+        base = ms[f"prefill {t}"]
+        print(f"{f'prefill {t}':<52}{base:>9.2f}{1.0:>9.2f}")
+        for b in range(1, args.max_batch + 1):
+            mixed = ms[f"prefill {t} + {b} decode rows (mixed, lower bound)"]
+            join = base + ms[f"step {b} rows batched"]
+            print(f"{f'mixed prefill {t} + {b} rows (vs prefill then step)':<52}{mixed:>9.2f}{mixed / join:>9.2f}")
     costs = rt.costs
     if costs is not None:
         depth = rt.options.decoding.eagle.depth

@@ -11,8 +11,9 @@ from litevlm_runtime.engines.buckets import Buckets
 
 MAX_NEW_TOKENS = 12
 # Few, small buckets: vision 4 and 6 tiles (3 tiles run padded to 4), one prompt bucket, decode
-# steps of 1 row and of an 8-node tree (5-row trees run padded to 8).
-TEST_BUCKETS = Buckets(vision=(4, 6), prefill=(256,), step=(1, 8), head=(1, 8))
+# steps of 1 row and of an 8-node tree (5-row trees run padded to 8), batched steps of 2 and 4
+# queries (the default serving.max_batch; 3 run padded to 4).
+TEST_BUCKETS = Buckets(vision=(4, 6), prefill=(256,), step=(1, 8), head=(1, 8), batch=(2, 4))
 
 _cache: dict[str, Path] = {}
 

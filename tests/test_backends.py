@@ -135,3 +135,21 @@ def test_backend_needs_a_bundle(tmp_path_factory):
         Pipeline.from_pretrained(model, options(backend__name="tpu"))
     with pytest.raises(LiteVLMError, match="tensorrt runs on a CUDA device"):
         Pipeline.from_pretrained(model, options(backend__name="tensorrt", backend__bundle="b"))
+
+
+def test_follow_up_on_onnxruntime_equals_torch(pipes):
+    """A follow-up's new rows run as decode steps over the restored KV, in calls of at most the
+    bundle's largest step bucket (8 rows here): the same answer as torch's follow-up and as the
+    conversation from scratch (on torch: the whole conversation is past this bundle's one
+    256-row prefill bucket, which a follow-up never uses)."""
+    torch_pipe, ort_pipe = pipes
+    images = random_frames(3)
+    got = {}
+    for name, pipe in (("torch", torch_pipe), ("onnxruntime", ort_pipe)):
+        first = pipe.answer(images, DEFAULT_QUESTIONS[0], turn_id="t1")
+        follow = pipe.answer(images, DEFAULT_QUESTIONS[1], follow_up_of="t1")
+        assert follow.input_tokens > 8 and follow.reused_tokens > 0
+        got[name] = (first.token_ids, follow.token_ids, first.text)
+    assert got["onnxruntime"] == got["torch"]
+    scratch = torch_pipe.answer(images, DEFAULT_QUESTIONS[1], history=[(DEFAULT_QUESTIONS[0], got["torch"][2])])
+    assert scratch.token_ids == got["onnxruntime"][1]

@@ -76,6 +76,8 @@ def test_gpu_check_script_logic_on_cpu():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "cuda graph == static eager (capture changes nothing): 2/2" in r.stdout
+    assert "batched cuda graph == batched static eager (capture changes nothing): 2/2" in r.stdout
+    assert "torch-cudagraph 2/2" in r.stdout and "vs rows x 1-row step" in r.stdout     # both ran batched steps
     assert "PASS" in r.stdout
 
 

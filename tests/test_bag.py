@@ -367,3 +367,44 @@ def test_reuse_summary_compares_first_and_later_questions_per_frame_set():
     s = reuse_summary(rows)
     assert (s["first"], s["first_ms"], s["later"], s["later_ms"], s["answers_reusing"]) == (3, 50.0, 3, 4.0, 3)
     assert reuse_summary([r(1, 40.0), r(2, 30.0)]) is None          # no later question: nothing to say
+
+
+def test_bag_eval_carries_follow_ups_and_sampling(tmp_path, tiny_model):
+    """Query.follow_up_of, temperature and seed written into a bag reach the server in bag eval:
+    the follow-up is answered on its first turn's frames (a newer set came between) and equals its
+    conversation from scratch; the sampled query is the pipeline's at that temperature and seed."""
+    from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame
+    from litevlm_runtime.pipeline.pipeline import Pipeline
+    from litevlm_runtime.ros.parameters import pipeline_options_from
+
+    def frame_set(seed, stamp_ns):
+        rng = np.random.default_rng(seed)
+        out = {}
+        for cam in CAMERAS:
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (36, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+            out[cam] = buf.getvalue()
+        for cam, data in out.items():
+            contents.frames[cam].append(CameraFrame(stamp_ns, data, format="png"))
+        return out
+
+    contents = BagContents()
+    s = 1_000_000_000
+    first = frame_set(1, 10 * s)
+    contents.queries.append(BagQuery(10 * s + s // 10, "What is in front of the ego vehicle?", id="t1"))
+    frame_set(2, 11 * s)
+    contents.queries.append(BagQuery(11 * s + s // 10, "Is it moving?", id="t2", follow_up_of="t1"))
+    contents.queries.append(BagQuery(11 * s + s // 5, "Is it moving?", id="t3", follow_up_of="gone"))
+    contents.queries.append(BagQuery(11 * s + s // 4, "What is behind?", id="t4", temperature=2.0, seed=5))
+    bag = write_bag(contents, tmp_path / "bag")
+    params = tiny_params(tiny_model, max_new_tokens="4")
+    records = {r.query_id: r for r in evaluate(bag, params)}
+    assert [records[i].status for i in ("t1", "t2", "t3", "t4")] == ["ok", "ok", "bad_follow_up", "ok"]
+    assert records["t2"].frame_stamps_ns == records["t1"].frame_stamps_ns == {c: 10 * s for c in CAMERAS}
+    assert records["t2"].turn == 2 and records["t2"].reused_tokens > 0
+    pipe = Pipeline.from_pretrained(tiny_model, pipeline_options_from(params))
+    scratch = pipe.answer(first, "Is it moving?", history=[("What is in front of the ego vehicle?", records["t1"].answer)])
+    assert records["t2"].token_ids == scratch.token_ids
+    newer = {c: contents.frames[c][-1].data for c in CAMERAS}
+    assert records["t4"].token_ids == pipe.answer(newer, "What is behind?", temperature=2.0, seed=5).token_ids
+    assert records["t4"].token_ids != pipe.answer(newer, "What is behind?").token_ids

@@ -85,7 +85,7 @@ def vehicle_mcap(path: Path) -> Path:
                 w.add_message(cams[topic], t + i * 10**6, serialize_message(msg), t + i * 10**6)
             w.add_message(tf, t, empty_tf, t)
             w.add_message(imu, t + 5 * 10**6, serialize_message(stamp(Imu(), t + 5 * 10**6)), t + 5 * 10**6)
-            q = stamp(Query(id=f"q{k}", text=f"Question {k}?"), t + 100_000_000)
+            q = stamp(Query(id=f"q{k}", text=f"Question {k}?", follow_up_of="q1" if k == 2 else ""), t + 100_000_000)
             w.add_message(query, t + 100_000_000, serialize_message(q), t + 100_000_000)
         w.finish()
     return path
@@ -111,7 +111,7 @@ def test_replay_of_a_vehicle_bag(tmp_path, monkeypatch):
         node.create_subscription(CompressedImage, t, lambda m, t=t: got["frames"][t].append(m.format),
                                  qos_profile_sensor_data)
     node.create_subscription(Query, "/litevlm/query", lambda m: got["queries"].append(
-        (m.id, m.header.stamp.sec)), QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        (m.id, m.header.stamp.sec, m.follow_up_of)), QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
     node.create_subscription(Imu, "/imu", lambda m: got.__setitem__("imu", got["imu"] + 1), qos_profile_sensor_data)
     publishers = {}                                   # topic -> QoS of the replayer's writer, from the graph
     executor = SingleThreadedExecutor(context=ctx)
@@ -148,7 +148,8 @@ def test_replay_of_a_vehicle_bag(tmp_path, monkeypatch):
     # Everything else arrived, re-stamped to now, with the recorded QoS.
     assert [split(q[0])[0] for q in got["queries"]] == [f"q{k}" for k in range(5)]     # tagged per replay
     assert len({split(q[0])[1] for q in got["queries"]}) == 1
-    assert all(abs(sec - time.time()) < 120 for _, sec in got["queries"])
+    assert got["queries"][2][2] == got["queries"][1][0]        # a follow-up names its query as this replay does
+    assert all(abs(sec - time.time()) < 120 for _, sec, _ in got["queries"])
     assert all(frames and set(frames) == {"rgb8; jpeg compressed bgr8"} for frames in got["frames"].values()), got
     assert got["imu"] >= 1
     assert publishers[CAMERA_TOPICS[0]].reliability == ReliabilityPolicy.BEST_EFFORT

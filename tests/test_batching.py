@@ -4,6 +4,7 @@ their arrival pattern, are token for token those of the same queries served one 
 query keeps its own cap and sampling seed; the arena is not reallocated."""
 
 import pytest
+from batching_fixtures import serve
 from helpers import options, random_frames
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
@@ -31,33 +32,6 @@ def one_at_a_time(pipe, frames):
     """Every (frame set, question) answered alone by Pipeline.answer (today's path)."""
     return {(i, q): pipe.answer(frames[i], q, frame_keys={c: i for c in frames[i]}).token_ids
             for i in range(len(frames)) for q in QUESTIONS}
-
-
-def serve(pipe, frames, arrivals, max_new=None):
-    """arrivals: (decode pass at which the query arrives, frame set, question); a query waits
-    while the batch is full. The clock is decode passes: batched steps, and the passes of a
-    query decoding alone (each asks `waiting()` once). Returns {(frame set, question): Answer}
-    and the most queries decoded together."""
-    batch = BatchDecoder(pipe)
-    pending = sorted(arrivals, key=lambda a: a[0])
-    answers, clock, widest = {}, [0], 0
-
-    def due():
-        return bool(pending) and pending[0][0] <= clock[0] and batch.has_room
-
-    def waiting():
-        clock[0] += 1
-        return due()
-
-    while pending or len(batch):
-        while due():
-            _, i, q = pending.pop(0)
-            batch.admit(frames[i], q, max_new_tokens=max_new, frame_keys={c: i for c in frames[i]}, tag=(i, q))
-        widest = max(widest, len(batch))
-        for r, ans in batch.step(waiting=waiting):
-            answers[r.tag] = ans
-        clock[0] += 1
-    return answers, widest
 
 
 @pytest.mark.parametrize("pattern", ["together", "staggered", "burst_then_trickle", "more_than_capacity"])
@@ -115,11 +89,12 @@ def test_the_arena_is_sized_once(pipe, frames):
     assert {k: t.untyped_storage().data_ptr() for k, t in a.buffers().items()} == before
 
 
-def test_max_batch_one_is_one_region_and_graph_backends_stay_unbatched():
+def test_max_batch_one_is_one_region_and_fastv_stays_unbatched():
     one = Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__max_batch=1))
     assert one.rt.arena.k_regions.shape[0] == 1 and one.rt.arena.k_cache.shape == one.rt.arena.k_regions.shape[1:]
-    assert batch_capacity(options(serving__max_batch=4)) == 4
-    assert batch_capacity(options(serving__max_batch=4, backend__name="onnxruntime")) == 1
+    for backend in ("torch", "torch-compile", "torch-cudagraph"):
+        assert batch_capacity(options(serving__max_batch=4, backend__name=backend)) == 4
+    assert batch_capacity(options(serving__max_batch=4, backend__name="onnxruntime")) == 1    # no bundle given
     assert batch_capacity(options(serving__max_batch=4, fastv__ratio=0.5)) == 1
 
 

@@ -104,6 +104,50 @@ def test_int8_bundle_runs_in_onnxruntime_close_to_fp32(calibrated):
     assert 0.0 <= report.token_agreement <= 1.0 and report.reference_tokens > 0
 
 
+def test_int8_bundle_batches_with_its_own_answers(calibrated):
+    """The batched step is quantized from single decode steps side by side (calibration traffic
+    has no batches), then given the single step's activation scales: the INT8 bundle batches,
+    and its batched greedy answers are its own one at a time."""
+    from batching_fixtures import serve
+    from helpers import options
+
+    from litevlm_runtime.engines import batch_limit
+    from litevlm_runtime.pipeline.pipeline import Pipeline
+
+    model, _, out, manifest, _ = calibrated
+    (g,) = [g for g in manifest["graphs"] if g["stage"] == "decoder_batch"]
+    assert g["precision"] == "int8" and "per batched call" in g["calibration_source"]
+    assert "activation scales of decoder_1.onnx (10 products)" in g["calibration_source"]     # 2 layers x 5
+    opts = options(max_new_tokens=MAX_NEW_TOKENS, backend__name="onnxruntime", backend__bundle=str(out))
+    assert batch_limit(opts) == (4, "")
+    int8 = Pipeline.from_pretrained(model, opts)
+    frames = [random_frames(40)]
+    alone = {(0, q): int8.answer(frames[0], q, frame_keys={c: 0 for c in frames[0]}).token_ids for q in QUESTIONS[:4]}
+    batched, widest = serve(int8, frames, [(0, 0, q) for q in QUESTIONS[:4]])
+    assert widest == 4 and {k: a.token_ids for k, a in batched.items()} == alone
+
+
+def test_batched_calibration_samples_are_single_steps_side_by_side():
+    from litevlm_runtime.export.calibration import Recorder, batched_samples
+
+    s, layers = 7, 2
+    r = Recorder(per_graph=8)
+    for i in range(5):
+        r.record("decoder_1.onnx", {"embeds": torch.full((1, 3), float(i)), "positions": torch.tensor([10 + i]),
+                                    "mask_cache": torch.arange(s)[None] < i + 1, "mask_new": torch.ones(1, 1).bool(),
+                                    "k_cache": torch.full((layers, 1, s, 2), float(i)),
+                                    "v_cache": torch.full((layers, 1, s, 2), -float(i))})
+    manifest = {"graphs": [{"stage": "decoder", "bucket": 1, "file": "decoder_1.onnx"}]}
+    samples, source = batched_samples({"buckets": [2, 4]}, manifest, r)
+    assert len(samples) == 2 and "4 per batched call" in source
+    first, last = samples
+    assert first["embeds"].shape == (4, 3) and first["k_regions"].shape == (4, layers, 1, s, 2)
+    assert first["positions"].tolist() == [10, 11, 12, 13] and first["mask_cache"].sum(1).tolist() == [1, 2, 3, 4]
+    assert (first["k_regions"][2] == 2).all() and (first["v_regions"][3] == -3).all()
+    assert first["mask_new"].tolist() == np.eye(4, dtype=bool).tolist()
+    assert last["positions"].tolist() == [14, 10, 11, 12]          # cycled to fill the last batch
+
+
 def test_recorder_reservoir_is_bounded_and_deterministic():
     from litevlm_runtime.export.calibration import Recorder
 
@@ -175,3 +219,49 @@ def test_fp8_qdq_graph_for_tensorrt(calibrated, tmp_path):
     zero_points = [t for t in model.graph.initializer if t.name.endswith("zero_point")]
     assert zero_points and all(t.data_type == onnx.TensorProto.FLOAT8E4M3FN for t in zero_points)
     assert [i.name for i in model.graph.input] == ["pixels"] and [o.name for o in model.graph.output] == ["visual"]
+
+
+def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
+    """FP8 (what TensorRT on the car runs): ModelOpt leaves the 1-row step's GEMV-shaped
+    products unquantized, so the batched step stays as exported too; against a step that has
+    FP8 products (the 8-row tree step), the batched step gets exactly those products, with
+    that step's activation scales."""
+    import onnx
+    from onnx import numpy_helper
+
+    from litevlm_runtime.export.calibration import (
+        Recorder,
+        activation_scales,
+        fit_sample,
+        quantize_batched_step,
+        quantize_graph,
+    )
+
+    _, bundle, _, _, _ = calibrated
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    graph = {(g["stage"], g["bucket"]): g for g in manifest["graphs"]}
+    one, tree, batch = graph[("decoder", 1)], graph[("decoder", 8)], graph[("decoder_batch", 4)]
+    shapes = {i["name"]: i["shape"] for i in one["inputs"]}
+    rng, recorder = np.random.default_rng(0), Recorder(per_graph=4)
+    for n in range(4):
+        mask = np.zeros(shapes["mask_cache"], dtype=bool)
+        mask[0, :5 + n] = True
+        recorder.record(one["file"], {"embeds": torch.from_numpy(rng.standard_normal(shapes["embeds"]).astype(np.float32)),
+                                      "positions": torch.tensor([5 + n]), "mask_cache": torch.from_numpy(mask),
+                                      "mask_new": torch.ones(1, 1, dtype=torch.bool),
+                                      "k_cache": torch.randn(shapes["k_cache"]), "v_cache": torch.randn(shapes["v_cache"])})
+    steps = recorder.samples[one["file"]]
+    quantize_graph(bundle / one["file"], tmp_path / one["file"], "fp8", steps, "max")
+    assert activation_scales(onnx.load(str(tmp_path / one["file"]), load_external_data=False).graph) == {}
+    assert quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, "fp8", "max") is None
+
+    quantize_graph(bundle / tree["file"], tmp_path / tree["file"], "fp8", [fit_sample("decoder", s, 8) for s in steps], "max")
+    _, source = quantize_batched_step(bundle, tmp_path, batch, tree, manifest, recorder, "fp8", "max")
+    assert "activation scales of decoder_8.onnx (10 products)" in source           # 2 layers x 5
+    src, dst = (onnx.load(str(tmp_path / g["file"]), load_external_data=False).graph for g in (tree, batch))
+    value = lambda graph, name: numpy_helper.to_array(next(t for t in graph.initializer if t.name == name))  # noqa: E731
+    theirs, ours = activation_scales(src), activation_scales(dst)
+    assert set(ours) == set(theirs)
+    for weight, (scale, zero) in ours.items():
+        assert value(dst, scale) == value(src, theirs[weight][0])
+        assert next(t for t in dst.initializer if t.name == zero).data_type == onnx.TensorProto.FLOAT8E4M3FN

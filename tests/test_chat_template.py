@@ -45,6 +45,48 @@ def test_ids_equal_transformers_rendering_and_tokenization(folder, system, camer
     assert tok.decode(p.input_ids[slice(*p.question_span)]) == "\n" + QUESTION
 
 
+@pytest.mark.parametrize("system", ["", THINKING])
+@pytest.mark.parametrize("turns", [1, 2])
+def test_conversation_equals_transformers_rendering_of_the_messages(folder, system, turns):
+    """A follow-up on an -hf folder: the conversation as a transformers user gives it to
+    apply_chat_template (the images in the first user turn, each answer an assistant turn)."""
+    from transformers import PreTrainedTokenizerFast
+
+    ref_tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), extra_special_tokens=EXTRA_SPECIAL)
+    history = [("Is there a car in front?", "Yes, a white car."), ("What colour is it?", "White.")][:turns]
+
+    def text(t):
+        return [{"type": "text", "text": t}]
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": [{"type": "image"}] * 2 + text(history[0][0])}]
+    for i, (_, answer) in enumerate(history):
+        messages += [{"role": "assistant", "content": text(answer)},
+                     {"role": "user", "content": text(history[i + 1][0] if i + 1 < len(history) else QUESTION)}]
+    rendered = ref_tok.apply_chat_template(messages, chat_template=HF_CHAT_TEMPLATE, add_generation_prompt=True,
+                                           tokenize=False)
+    expected = ref_tok(rendered.replace("<IMG_CONTEXT>", "<img>" + "<IMG_CONTEXT>" * 16 + "</img>"))["input_ids"]
+    tok = Tokenizer(folder)
+    p = Prompt(*build_template_prompt(tok, HF_CHAT_TEMPLATE, system, ["CAM_A", "CAM_B"], QUESTION, 16, history))
+    first = Prompt(*build_template_prompt(tok, HF_CHAT_TEMPLATE, system, ["CAM_A", "CAM_B"], history[0][0], 16))
+    assert list(p.input_ids) == expected
+    assert p.question_span == first.question_span and p.image_spans == first.image_spans
+
+
+def test_a_template_that_rewrites_the_first_turn_cannot_continue(folder):
+    """Follow-ups reuse the first turn's rows: a template whose first turn changes once more turns
+    follow (here: it numbers the user turns from the end) is refused, naming why."""
+    from litevlm_runtime.errors import CheckpointError
+
+    rewriting = HF_CHAT_TEMPLATE.replace("{{'<|im_start|>' + message['role'] + '\\n'}}",
+                                         "{{'<|im_start|>' + message['role'] + (messages|length - loop.index)|string + '\\n'}}")
+    assert rewriting != HF_CHAT_TEMPLATE
+    tok = Tokenizer(folder)
+    build_template_prompt(tok, rewriting, "", ["CAM_A"], QUESTION, 16)
+    with pytest.raises(CheckpointError, match="first turn renders differently"):
+        build_template_prompt(tok, rewriting, "", ["CAM_A"], QUESTION, 16, [("Is it red?", "No.")])
+
+
 def test_reserved_token_in_question_is_refused(folder):
     with pytest.raises(InputError, match="reserved token"):
         build_template_prompt(Tokenizer(folder), HF_CHAT_TEMPLATE, "", ["CAM_FRONT"], "<IMG_CONTEXT> hi", 16)

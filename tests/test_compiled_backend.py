@@ -1,5 +1,6 @@
 """The torch-compile backend against eager torch: stage numerics (fp32, relative error <= 1e-5),
-whole greedy answers token for token, and no recompilation once every bucket is compiled.
+whole greedy answers token for token, alone and in-flight batched, and no recompilation once
+every bucket is compiled (the batched step's, and each KV region's step bindings, included).
 
 Metric: max |compiled - eager| / max |eager| over the whole output tensor. The model is the tiny
 lively checkpoint with a few small buckets (compiling on 2 loaded cores takes most of this
@@ -10,15 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batching_fixtures import serve
 from export_fixtures import MAX_NEW_TOKENS, lively_checkpoint
 from helpers import options, random_frames
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.compiled import compile_counters
+from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
 
 TOLERANCE = 1e-5
-BUCKETS = "vision=6;prefill=256;step=1,8;head=1,8"
+# One batch bucket of 3 (serving.max_batch 3): 2 queries run in it with a padding row.
+BUCKETS = "vision=6;prefill=256;step=1,8;head=1,8;batch=3"
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -28,7 +32,7 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
     model = lively_checkpoint(tmp_path_factory.getbasetemp())
-    common = dict(max_new_tokens=MAX_NEW_TOKENS, backend__threads=1, pipeline="baseline")
+    common = dict(max_new_tokens=MAX_NEW_TOKENS, backend__threads=1, pipeline="baseline", serving__max_batch=3)
     eager = Pipeline.from_pretrained(model, options(**common))
     compiled = Pipeline.from_pretrained(model, options(backend__name="torch-compile", backend__buckets=BUCKETS, **common))
     return eager, compiled
@@ -38,7 +42,9 @@ def test_every_bucket_compiled_at_start_up(pipes):
     _, compiled = pipes
     seconds = compiled.rt.engines.decoder.compile_seconds
     assert compiled.rt.engines.backend == "torch-compile"
-    assert set(seconds) == {"vision", "prefill", "decoder", "head"} and all(s > 0 for s in seconds.values())
+    assert set(seconds) == {"vision", "prefill", "decoder", "head", "decoder_batch"}
+    assert all(s > 0 for s in seconds.values())
+    assert compiled.rt.engines.batch.sizes == (3,) and compiled.rt.engines.batch.backend == "torch-compile"
 
 
 @torch.inference_mode()
@@ -70,6 +76,17 @@ def test_stages_match_eager(pipes):
     assert relative_error(ka.k_cache, kb.k_cache) <= TOLERANCE and relative_error(ka.v_cache, kb.v_cache) <= TOLERANCE
     hidden = outs[0]
     assert relative_error(compiled.rt.engines.head.run(hidden), eager.rt.engines.head.run(hidden)) <= TOLERANCE
+    for p in pipes:                       # the batched step over random regions: rows of other lengths
+        a = p.rt.arena
+        a.k_regions.copy_(torch.randn(a.k_regions.shape, generator=torch.Generator().manual_seed(2)))
+        a.v_regions.copy_(torch.randn(a.v_regions.shape, generator=torch.Generator().manual_seed(4)))
+    for rows in (2, 3):                   # 2: padded in the 3-bucket
+        history = torch.tensor([40, 90, 65][:rows])
+        call = (torch.randn(rows, d, generator=g), history + 7, history,
+                torch.arange(90)[None, :] < history[:, None], torch.eye(rows, dtype=torch.bool))
+        outs = [p.rt.engines.batch.step(*call).clone() for p in pipes]
+        assert relative_error(outs[1], outs[0]) <= TOLERANCE
+    assert relative_error(ka.k_regions, kb.k_regions) <= TOLERANCE and relative_error(ka.v_regions, kb.v_regions) <= TOLERANCE
 
 
 def test_answers_identical_and_no_recompilation(pipes):
@@ -82,4 +99,18 @@ def test_answers_identical_and_no_recompilation(pipes):
         assert got.token_ids == ref.token_ids, question
         answers.append(tuple(ref.token_ids))
     assert len(set(answers)) >= 3             # identical answers mean something only if they vary
+    # In-flight batches (each region's step bound again by BatchDecoder): 3 together in the
+    # 3-bucket; then 2 in it with a padding row, the second carrying on alone in region 1.
+    frames = [random_frames(i) for i in range(2)]
+    batched, widest = serve(compiled, frames, [(0, 0, q) for q in DEFAULT_QUESTIONS[:3]])
+    for (i, q), ans in batched.items():
+        assert ans.token_ids == eager.answer(frames[i], q).token_ids, q
+    assert widest == 3 and all(a.extra.get("batched_steps") for a in batched.values())
+    batch = BatchDecoder(compiled)
+    batch.admit(frames[1], DEFAULT_QUESTIONS[0], max_new_tokens=3, tag="short")
+    batch.admit(frames[1], DEFAULT_QUESTIONS[1], tag="long")
+    got = {r.tag: a for r, a in batch.run()}
+    assert got["short"].token_ids == eager.answer(frames[1], DEFAULT_QUESTIONS[0]).token_ids[:3]
+    assert got["long"].token_ids == eager.answer(frames[1], DEFAULT_QUESTIONS[1]).token_ids
+    assert 0 < got["long"].extra["batched_steps"] < len(got["long"].token_ids) - 1
     assert compile_counters() == before       # steady state: every call hit a compiled bucket

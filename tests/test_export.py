@@ -29,15 +29,20 @@ def test_manifest_describes_every_graph(exported):
     assert m["model"]["checkpoint_sha256"] == checkpoint_hash(model)
     assert m["buckets"] == TEST_BUCKETS.to_dict()
     want = ([("vision", n) for n in TEST_BUCKETS.vision] + [("prefill", t) for t in TEST_BUCKETS.prefill]
-            + [("decoder", t) for t in TEST_BUCKETS.step] + [("head", t) for t in TEST_BUCKETS.head])
+            + [("decoder", t) for t in TEST_BUCKETS.step] + [("decoder_batch", max(TEST_BUCKETS.batch))]
+            + [("head", t) for t in TEST_BUCKETS.head])
     assert [(g["stage"], g["bucket"]) for g in m["graphs"]] == want
     names = {"vision": (["pixels"], ["visual"]), "head": (["hidden"], ["logits"]),
              "prefill": (["embeds", "positions", "mask_new"], ["hidden", "k_new", "v_new"]),
              "decoder": (["embeds", "positions", "mask_cache", "mask_new", "k_cache", "v_cache"],
-                         ["hidden", "k_new", "v_new"])}
+                         ["hidden", "k_new", "v_new"]),
+             "decoder_batch": (["embeds", "positions", "mask_cache", "mask_new", "k_regions", "v_regions"],
+                               ["hidden", "k_new", "v_new"])}
     for g in m["graphs"]:
         assert ([i["name"] for i in g["inputs"]], [o["name"] for o in g["outputs"]]) == names[g["stage"]]
         assert sha256_file(bundle / g["file"]) == g["sha256"]
+        if g["stage"] == "decoder_batch":
+            continue                    # one graph, a dynamic batch dimension (test below)
         rows = g["inputs"][0]["shape"][0]
         assert rows == g["bucket"]
         if g["stage"] in ("decoder", "prefill"):
@@ -65,10 +70,32 @@ def test_every_graph_matches_the_torch_stage(exported):
     model, bundle = exported
     pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS))
     rows = verify_bundle(pipe.rt, bundle)
+    batched = [(r["bucket"], r["rows"]) for r in rows if r["stage"] == "decoder_batch"]
+    # every batch bucket full, and the largest one row short (a padding row): hidden, k and v each
+    assert sorted(set(batched)) == [(2, 2), (4, 3), (4, 4)] and len(batched) == 9
     assert len(rows) == (len(TEST_BUCKETS.vision) + 3 * (len(TEST_BUCKETS.prefill) + len(TEST_BUCKETS.step))
-                         + len(TEST_BUCKETS.head))
+                         + len(TEST_BUCKETS.head) + len(batched))
     worst = max(rows, key=lambda r: r["rel_error"])
     assert worst["rel_error"] <= 1e-4, worst
+
+
+def test_batched_step_is_one_graph_with_a_dynamic_batch(exported):
+    """decoder_batch: one graph over [B, layers, Hkv, S, D] KV regions, B a named dynamic axis,
+    exported for the batch buckets; its weights are the decode step's file (same parameters)."""
+    import onnx
+
+    _, bundle = exported
+    m = read_manifest(bundle)
+    (g,) = [g for g in m["graphs"] if g["stage"] == "decoder_batch"]
+    assert g["buckets"] == list(TEST_BUCKETS.batch) and g["weights"] == "decoder.weights"
+    shapes = {i["name"]: i["shape"] for i in g["inputs"] + g["outputs"]}
+    a = m["arena"]
+    assert shapes["mask_cache"] == ["batch", a["max_len"]] and shapes["mask_new"] == ["batch", "batch"]
+    assert shapes["k_regions"][0] == "batch" and shapes["k_regions"][3] == a["max_len"]
+    assert shapes["hidden"][0] == "batch" and shapes["k_new"][2] == "batch"
+    graph = onnx.load(str(bundle / g["file"]), load_external_data=False).graph
+    first = {i.name: i.type.tensor_type.shape.dim[0] for i in graph.input}
+    assert all(d.dim_param and not d.dim_value for d in first.values()), first     # symbolic in the graph too
 
 
 def test_tampered_or_mismatched_bundle_is_refused(exported, tmp_path):

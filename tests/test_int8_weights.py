@@ -16,13 +16,8 @@ from torch import nn
 
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights.int8 import (
-    FUSED_MAX_ROWS,
-    DecoderWeights,
-    Int8Linear,
-    decoder_linears,
-    quantize_per_channel,
-)
+from litevlm_runtime.weights.int8 import FUSED_MAX_ROWS, Int8Linear, quantize_per_channel
+from litevlm_runtime.weights.linear_forms import LinearForms, decoder_linears
 
 
 def test_per_channel_rounding_is_within_half_a_step():
@@ -80,7 +75,7 @@ def test_switching_back_to_float_restores_the_float_answers(model):
     pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, pipeline="baseline"))
     frames = random_frames(2)
     ref = pipe.answer(frames, "What is ahead?").token_ids
-    weights = DecoderWeights(pipe.rt.lm, keep_float=True)
+    weights = LinearForms(pipe.rt.model, ["int8"])
     weights.use("int8")
     first = pipe.rt.engines.decoder.step(torch.ones(1, pipe.rt.cfg.llm.hidden_size), torch.tensor([3]),
                                          torch.tensor([3]), torch.ones(1, 3, dtype=torch.bool),

@@ -50,6 +50,37 @@ def upstream_query(system: str, question: str, num_patches_list: list[int]) -> s
     return query
 
 
+def upstream_chat_query(system: str, question: str, num_patches_list: list[int], history=()) -> str:
+    """The string InternVL's chat(..., history=) tokenizes (modeling_internvl_chat.py): the image
+    line(s) are prepended to the question only in the first turn (history is None then; the model
+    card writes `Image-i: <image>` lines itself for several images), and history keeps each
+    question as it was asked; conversation.py's template internvl2_5 (MPT) writes
+    system + sep, then per message `role + message + sep`, or the role alone when the message is
+    empty (`if message:`), the last one the generation prompt."""
+    def with_images(q):
+        if len(num_patches_list) == 1:
+            return "<image>\n" + q
+        return "".join(f"Image-{i + 1}: <image>\n" for i in range(len(num_patches_list))) + q
+
+    user, assistant, sep = "<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"
+    turns = [(with_images(history[0][0]), history[0][1]), *history[1:]] if history else []
+    messages = [m for q, a in turns for m in ((user, q), (assistant, a))]
+    messages += [(user, question if history else with_images(question)), (assistant, None)]
+    query = "<|im_start|>system\n" + system + sep
+    for role, message in messages:
+        query += role + message + sep if message else role
+    for n in num_patches_list:
+        query = query.replace("<image>", "<img>" + "<IMG_CONTEXT>" * TOKENS_PER_TILE * n + "</img>", 1)
+    return query
+
+
+HISTORIES = {
+    "one_earlier_turn": [("Is there a car in front?", "Yes, a white car is parked ahead.")],
+    "two_earlier_turns": [("Is there a car in front?", "Yes."), ("What colour is it?", "It is white, 12.5 m away.")],
+    "an_empty_answer": [("Is there a car in front?", ""), ("Anything behind?", "No.")],
+}
+
+
 def write_model_config(folder, vocab_size: int, architecture: str = "internlm2") -> None:
     """config.json of a model whose 448 px tiles give upstream's 256 tokens (no weights needed)."""
     cfg = preset("tiny", vocab_size=vocab_size)
@@ -148,6 +179,33 @@ def test_internlm2_prompt_starts_with_bos_and_equals_upstream(capsys, internlm2_
     assert d["question"]["text"].strip() == QUESTION
 
 
+@pytest.mark.parametrize("history", HISTORIES.values(), ids=HISTORIES.keys())
+@pytest.mark.parametrize("cameras, tiles", [(["CAM_FRONT"], 2), (list(CAMERAS), 1)], ids=["one_image", "six_images"])
+def test_internlm2_conversation_equals_upstream_chat_with_history(internlm2_folder, history, cameras, tiles):
+    """A follow-up's prompt: upstream's chat(history=) string, tokenized whole by the tokenizer's
+    own files; its question span is still the first question's (what the tokens were chosen on)."""
+    tok = Tokenizer(internlm2_folder)
+    p = build_prompt(tok, INTERNVL_SYSTEM_MESSAGE, "internvl", cameras, QUESTION, TOKENS_PER_TILE * tiles, history)
+    ref = internlm2_reference(internlm2_folder, add_bos_token=True)
+    expected = ref(upstream_chat_query(INTERNVL_SYSTEM_MESSAGE, QUESTION, [tiles] * len(cameras), history))["input_ids"]
+    assert list(p.input_ids) == expected
+    first = build_prompt(tok, INTERNVL_SYSTEM_MESSAGE, "internvl", cameras, history[0][0], TOKENS_PER_TILE * tiles)
+    assert p.image_spans == first.image_spans and p.question_span == first.question_span
+    assert tok.decode(p.input_ids[slice(*p.question_span)]).strip() == history[0][0]
+
+
+@pytest.mark.parametrize("history", HISTORIES.values(), ids=HISTORIES.keys())
+def test_qwen_tokenizer_json_conversation_equals_upstream(tmp_path, history):
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    write_bpe_tokenizer(tmp_path, processors.ByteLevel(trim_offsets=False), QWEN_CONFIG)
+    cams = ["CAM_FRONT", "CAM_BACK"]
+    p = build_prompt(Tokenizer(tmp_path), INTERNVL_SYSTEM_MESSAGE, "internvl", cams, QUESTION, TOKENS_PER_TILE, history)
+    ref = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert list(p.input_ids) == ref(upstream_chat_query(INTERNVL_SYSTEM_MESSAGE, QUESTION, [1, 1], history))["input_ids"]
+
+
 def test_internlm2_folder_without_litevlm_json_is_internvl(internlm2_folder):
     layout, source = model_layout(internlm2_folder)
     assert layout == "internvl" and "tokenizer.model" in source
@@ -231,6 +289,29 @@ def test_cameras_layout_equals_whole_string_tokenization_and_bundled_keeps_it():
     assert p.input_ids[q0 - 1] == tok.img_end_id and p.input_ids[q1] == tok.im_end_id
 
 
+def test_cameras_layout_conversation_equals_whole_string_tokenization():
+    """The project's `cameras` layout continues a conversation with the same turns: the bundled
+    model's multi-turn string tokenized whole by its tokenizer.json."""
+    tok = Tokenizer(BUNDLED)
+    system = json.loads(open(f"{BUNDLED}/config.json").read())["system_message"]
+    cams, n = ["CAM_FRONT", "CAM_BACK"], 64
+    for history in HISTORIES.values():
+        user_images = "".join(f"{c}: <img>{'<IMG_CONTEXT>' * n}</img>\n" for c in cams)
+        text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user_images}{history[0][0]}<|im_end|>\n"
+        for i, (_, a) in enumerate(history):
+            text += f"<|im_start|>assistant\n{a}<|im_end|>\n" if a else "<|im_start|>assistant\n"
+            later = history[i + 1][0] if i + 1 < len(history) else QUESTION
+            text += f"<|im_start|>user\n{later}<|im_end|>\n"
+        text += "<|im_start|>assistant\n"
+        assert list(build_prompt(tok, system, "cameras", cams, QUESTION, n, history).input_ids) == tok._tok.encode(text).ids
+
+
+def test_history_with_a_reserved_token_is_named():
+    tok = Tokenizer(BUNDLED)
+    with pytest.raises(InputError, match="history turn 1 contains reserved token '<img>'"):
+        build_prompt(tok, "sys", "cameras", ["CAM_FRONT"], QUESTION, 64, [("Q", "see <img> here")])
+
+
 @pytest.mark.parametrize("template, layout, cameras", [
     ("{camera}: <image>\n", "cameras", list(CAMERAS)),
     ("Image-{index}: <image>\n", "internvl", list(CAMERAS)),
@@ -255,6 +336,16 @@ def test_litevlm_prompt_is_what_the_pipeline_feeds_the_decoder(capsys, tiny_mode
     n = 2 * rt.cfg.tokens_per_tile
     assert f"CAM_BACK: <img><IMG_CONTEXT>*{n}</img>\n{QUESTION}<|im_end|>" in out
     assert f"{rt.tok.img_context_id} x{n}" in out
+
+
+def test_litevlm_prompt_with_history_is_a_follow_ups_prompt(capsys, tiny_model):
+    """`litevlm prompt --history Q A` prints the conversation's ids and the digest an Answer carries."""
+    pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
+    history = [("What is in front?", "A white truck.")]
+    ans = pipe.answer(random_frames(0), QUESTION, history=history)
+    d = prompt_json(capsys, tiny_model, "--cameras", *ans.cameras, "--history", *history[0])
+    assert d["input_ids"] == prompt_ids(pipe.rt, ans.cameras, QUESTION, history)[0]
+    assert d["sha256"] == ans.prompt_sha256 and "<|im_start|>assistant\nA white truck.<|im_end|>" in d["text"]
 
 
 def test_pipeline_on_an_internlm2_folder_uses_internvl_with_bos(tmp_path):

@@ -499,3 +499,57 @@ def test_partials_and_budget_reach_the_pipeline(pipeline, monkeypatch):
         opts, serving=dataclasses.replace(opts.serving, stream_partials=False)))
     rec = server.serve(server.submit("What is in front?", query_id="d", now_ns=1000 * MS), now_ns=1000 * MS)
     assert rec.status == "ok" and rec.token_ids and not partials
+
+
+def test_a_query_waiting_for_frames_is_answered_when_its_deadline_passes(pipeline):
+    """expire_deadlines once unpacked 7 of a waiting query's 8 fields and raised (in the node: from
+    its 10 ms timer, out of the executor) when a query waiting for frames reached its deadline."""
+    server, records = make_server(pipeline, match_wait_s=1.0)
+    assert server.submit("anything behind?", query_id="w", deadline_ns=1020 * MS, now_ns=1000 * MS) is None
+    server.expire_deadlines(now_ns=1010 * MS)
+    assert not records and server.stats()["waiting_for_frames"] == 1
+    server.expire_deadlines(now_ns=1030 * MS)
+    assert [(r.query_id, r.status) for r in records] == [("w", "deadline_passed")]
+    assert "waiting for frames" in records[0].status_message and server.stats()["waiting_for_frames"] == 0
+
+
+def test_a_querys_temperature_and_seed_are_checked_and_reach_the_pipeline(pipeline):
+    server, records = make_server(pipeline)
+    add_frames(server, 1000 * MS)
+    for i, (field, value) in enumerate([("temperature", -0.5), ("temperature", float("nan")),
+                                        ("temperature", 11.0), ("seed", -3)]):
+        assert server.submit("What is in front?", query_id=f"bad{i}", now_ns=1000 * MS, **{field: value}) is None
+        assert records[-1].status == "bad_question" and records[-1].status_message.startswith(f"{field} ")
+    rec = server.serve(server.submit("What is in front?", query_id="s", now_ns=1000 * MS, temperature=2.0, seed=11),
+                       now_ns=1000 * MS)
+    images = {c: jpeg(CAMERAS.index(c)) for c in CAMERAS}
+    assert rec.status == "ok"
+    assert rec.token_ids == pipeline.answer(images, "What is in front?", temperature=2.0, seed=11).token_ids
+    assert rec.token_ids != pipeline.answer(images, "What is in front?").token_ids     # (greedy: the node's default)
+
+
+def test_a_follow_up_is_served_on_the_frames_of_the_query_it_follows(pipeline):
+    """Its frames are the earlier query's, whatever arrived since; its answer is the conversation's
+    from scratch; an unknown id is bad_follow_up at once, naming it, and one whose conversation
+    expired before it ran is bad_follow_up when it runs."""
+    server, records = make_server(pipeline)
+    add_frames(server, 1000 * MS)
+    pipeline.rt.conversations.clear()
+    first = server.serve(server.submit("What is in front?", query_id="q1", now_ns=1000 * MS), now_ns=1000 * MS)
+    assert server.stats()["conversations"] == 1                 # (on /diagnostics)
+    newer = {c: CompressedPayload("jpeg", jpeg(40 + i)) for i, c in enumerate(CAMERAS)}
+    add_frames(server, 1500 * MS, newer)
+    req = server.submit("Is it moving?", query_id="q2", now_ns=1500 * MS, follow_up_of="q1")
+    assert {c: f.stamp_ns for c, f in req.frames.frames.items()} == {c: 1000 * MS for c in CAMERAS}
+    rec = server.serve(req, now_ns=1500 * MS)
+    images = {c: jpeg(CAMERAS.index(c)) for c in CAMERAS}
+    scratch = pipeline.answer(images, "Is it moving?", history=[("What is in front?", first.answer)])
+    assert rec.status == "ok" and (rec.turn, rec.follow_up_of) == (2, "q1") and rec.reused_tokens > 0
+    assert rec.token_ids == scratch.token_ids and rec.prompt_sha256 == scratch.prompt_sha256
+    assert rec.to_json()["turn"] == 2 and rec.frame_stamps_ns == {c: 1000 * MS for c in CAMERAS}
+
+    assert server.submit("And behind?", query_id="q3", now_ns=1500 * MS, follow_up_of="nope") is None
+    assert records[-1].status == "bad_follow_up" and "'nope'" in records[-1].status_message
+    late = server.submit("And behind?", query_id="q4", now_ns=1500 * MS, follow_up_of="q2")
+    pipeline.rt.conversations.clear()          # (as if four later answers had taken every slot)
+    assert server.serve(late, now_ns=1500 * MS).status == "bad_follow_up"

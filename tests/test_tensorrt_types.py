@@ -90,6 +90,14 @@ MUTATIONS = [
     (ENGINE, "DataType.HALF", "DataType.FP16", "FP16"),
     (ENGINE, ".set_tensor_address(", ".set_tensor_adress(", "set_tensor_adress"),
     (ENGINE, ".execute_async_v3(", ".execute_async_v2(", "execute_async_v2"),       # removed in 10.0
+    # optimization profiles of the batched step engine, and a context selecting one
+    (ENGINE, ".create_optimization_profile(", ".create_profile(", "create_profile"),
+    (ENGINE, ".set_shape(", ".set_shapes(", "set_shapes"),
+    (ENGINE, "trt.Dims(lo)", "trt.Dim(lo)", "Dim"),
+    (ENGINE, ".extra_memory_target", ".extra_memory", "extra_memory"),
+    (ENGINE, ".add_optimization_profile(", ".add_profile(", "add_profile"),
+    (ENGINE, ".set_optimization_profile_async(", ".set_optimization_profile(", "set_optimization_profile"),
+    (ENGINE, ".set_input_shape(", ".set_binding_shape(", "set_binding_shape"),       # removed in 10.0
     (COMMAND, "progress=", "progres=", "progres"),             # the command's call into build_engines
 ]
 

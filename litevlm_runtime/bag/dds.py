@@ -173,6 +173,8 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
                 msg = deserialize_message(raw, types[topic])
             if msgtype == "litevlm_msgs/msg/Query":
                 msg.id = tagged(msg.id, tag)          # unique per replay (ids.py)
+                if getattr(msg, "follow_up_of", ""):
+                    msg.follow_up_of = tagged(msg.follow_up_of, tag)      # the earlier query, as this replay named it
             if restamp:
                 shift = lambda ns: start_clock + int((ns - first_t) / rate)  # noqa: E731
                 if hasattr(msg, "header"):
@@ -207,6 +209,8 @@ def answer_row(msg, received_ns: int) -> dict:
         input_tokens=msg.input_tokens, decode_steps=msg.decode_steps, accepted_length=float(msg.accepted_length),
         pipeline=msg.pipeline, reused_cameras=list(msg.reused_cameras), degraded=list(msg.degraded),
         budget_ms=float(msg.budget_ms), budget_met=bool(msg.budget_met), query_stamp_ns=stamp,
+        follow_up_of=split(getattr(msg, "follow_up_of", ""))[0], turn=int(getattr(msg, "turn", 0)),
+        reused_tokens=int(getattr(msg, "reused_tokens", 0)), prompt_sha256=getattr(msg, "prompt_sha256", ""),
         frame_stamps_ns={c: s.sec * 1_000_000_000 + s.nanosec for c, s in zip(msg.frame_cameras, msg.frame_stamps)},
     )
     row = rec.to_json()

@@ -60,10 +60,12 @@ def evaluate(bag: Path, params: dict, on_record=None, load=None) -> list[AnswerR
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
             deadline = msg.deadline.sec * 1_000_000_000 + msg.deadline.nanosec
             # No frames are in flight in a bag: a failed match is final (allow_wait=False). A bag
-            # recorded before Query had budget_ms carries its old type: no budget.
+            # recorded before Query had a field carries its old type: the field's default.
             req = server.submit(msg.text, query_id=msg.id, stamp_ns=stamp, deadline_ns=deadline, now_ns=t,
                                 allow_wait=False, budget_ms=float(getattr(msg, "budget_ms", 0.0)),
-                                choices=list(getattr(msg, "choices", ())), answer_schema=getattr(msg, "answer_schema", ""))
+                                choices=list(getattr(msg, "choices", ())), answer_schema=getattr(msg, "answer_schema", ""),
+                                temperature=float(getattr(msg, "temperature", 0.0)), seed=int(getattr(msg, "seed", 0)),
+                                follow_up_of=getattr(msg, "follow_up_of", ""))
             if req is not None:
                 server.queue.drain()        # no DDS, no waiting: serve it now
                 server.serve(req, now_ns=t)

@@ -68,6 +68,9 @@ class BagQuery:
     id: str = ""
     deadline_ns: int = 0
     budget_ms: float = 0.0         # the Query's latency budget (0: the node's default)
+    temperature: float = 0.0       # the Query's sampling (0: the node's decoding.temperature) ...
+    seed: int = 0                  # ... and seed (0: the node's decoding.seed)
+    follow_up_of: str = ""         # the id of the earlier query it continues
 
 
 @dataclass
@@ -143,7 +146,8 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
                 writer.write(conns[key], t, store.serialize_cdr(msg, CompressedImage.__msgtype__))
             else:
                 msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns),
-                            budget_ms=float(item.budget_ms), choices=[], answer_schema="")
+                            budget_ms=float(item.budget_ms), choices=[], answer_schema="",
+                            temperature=float(item.temperature), seed=int(item.seed), follow_up_of=item.follow_up_of)
                 writer.write(qconn, t, store.serialize_cdr(msg, Query.__msgtype__))
     return out
 

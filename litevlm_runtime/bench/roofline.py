@@ -29,7 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from ..report import table
 from ..timing import median_ms
-from ..weights.int8 import DecoderWeights, weight_bytes
+from ..weights.bf16 import BF16_MIN_ROWS
+from ..weights.linear_forms import LinearForms, weight_bytes
 
 CAP_BYTES = 2 << 30
 MIN_BYTES = 8 << 20
@@ -72,9 +73,10 @@ def measure_bandwidth(working_set_bytes: int, repeats: int = 5) -> Bandwidth:
 
 
 @torch.inference_mode()
-def measure_peak_flops(repeats: int = 5, n: int = 1024) -> float:
-    """FLOP/s of an n x n x n float32 matmul (best of repeats)."""
-    x, y = torch.randn(n, n), torch.randn(n, n)
+def measure_peak_flops(repeats: int = 5, n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (best of repeats): float32, or bfloat16 for the
+    stages `backend.weights bf16` runs on the matrix units."""
+    x, y = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n ** 3 / _best_seconds(lambda: x @ y, repeats)
 
 
@@ -84,6 +86,7 @@ class StageCost:
     ms: float
     bytes: int
     flops: int
+    rows: int = 1             # rows per weight (a decode step 1; prefill and vision many: compute-bound)
 
     def floor_ms(self, bw: Bandwidth, peak_flops: float) -> float:
         return max(self.memory_ms(bw), self.compute_ms(peak_flops))
@@ -163,9 +166,9 @@ def stage_costs(rt, stages: tuple[str, ...], context: int, prompt_rows: int, til
 
             def run():
                 e.decoder.prefill(emb, a.positions[:t], a.causal_mask(t))
-            nbytes = weight_bytes(list(lm.layers) + [lm.norm]) + kv_bytes(rt, 0, t)
+            nbytes = weight_bytes(list(lm.layers) + [lm.norm], many_rows=True) + kv_bytes(rt, 0, t)
             out.append(StageCost(f"prefill ({t} rows)", median_ms(run, repeats, dev), nbytes,
-                                 count_flops(lambda: lm(emb, a.positions[:t], a.causal_mask(t)))))
+                                 count_flops(lambda: lm(emb, a.positions[:t], a.causal_mask(t))), rows=t))
         elif stage == "vision":
             n = min(tiles, a.pixels.shape[0])
             pixels = a.pixels[:n]
@@ -173,20 +176,22 @@ def stage_costs(rt, stages: tuple[str, ...], context: int, prompt_rows: int, til
             def run():
                 e.vision.run(pixels)
             vision_modules = [rt.model.vision_model, rt.model.mlp1]
-            out.append(StageCost(f"vision ({n} tiles)", median_ms(run, repeats, dev), weight_bytes(vision_modules),
-                                 count_flops(lambda: rt.model.encode_images(pixels, rt.pos_embed))))
+            out.append(StageCost(f"vision ({n} tiles)", median_ms(run, repeats, dev), weight_bytes(vision_modules, many_rows=True),
+                                 count_flops(lambda: rt.model.encode_images(pixels, rt.pos_embed)),
+                                 rows=n * rt.cfg.patches_per_side ** 2))
         else:
             raise ValueError(f"roofline stage {stage!r}: one of step, head, prefill, vision")
     return out
 
 
-def roofline_rows(costs: list[StageCost], bw_of, peak_flops: float, label: str = "") -> list[list]:
+def roofline_rows(costs: list[StageCost], bw_of, peak_of, label: str = "") -> list[list]:
     """Table rows: stage, ms, MB, GFLOP, memory floor, compute floor, floor, bound, fraction.
-    `bw_of(bytes)` gives the bandwidth measured at that working-set size."""
+    `bw_of(bytes)` gives the bandwidth measured at that working-set size, `peak_of(cost)` the
+    FLOP/s roof of the GEMMs that stage runs."""
     rows = []
     for c in costs:
         bw = bw_of(c.bytes)
-        mem, comp = c.memory_ms(bw), c.compute_ms(peak_flops)
+        mem, comp = c.memory_ms(bw), c.compute_ms(peak_of(c))
         floor = max(mem, comp)
         rows.append(([label] if label else []) + [c.name, c.ms, c.bytes / 1e6, c.flops / 1e9, mem, comp, floor,
                                                   "memory" if mem >= comp else "compute", f"{floor / c.ms:.2f}"])
@@ -198,11 +203,21 @@ ROOFLINE_HEADERS = ["stage", "ms", "MB moved", "GFLOP", "memory floor ms", "comp
 
 
 class Machine:
-    """Bandwidth measured once per working-set size class (rounded to a power of two), peak FLOP/s once."""
+    """Bandwidth measured once per working-set size class (rounded to a power of two), peak FLOP/s
+    once per matmul dtype (float32; bfloat16 when bf16 weights are measured)."""
 
     def __init__(self):
         self.peak_flops = measure_peak_flops()
         self._bw: dict[int, Bandwidth] = {}
+        self.bf16_peak_flops: float | None = None
+
+    def peak_for(self, weights: str, cost: StageCost) -> float:
+        """The compute roof of the GEMMs a stage runs with `weights` (bf16: calls of many rows)."""
+        if weights != "bf16" or cost.rows < BF16_MIN_ROWS:
+            return self.peak_flops
+        if self.bf16_peak_flops is None:
+            self.bf16_peak_flops = measure_peak_flops(dtype=torch.bfloat16)
+        return self.bf16_peak_flops
 
     def bandwidth(self, nbytes: int) -> Bandwidth:
         key = 1 << max(0, int(min(max(nbytes, MIN_BYTES), CAP_BYTES) - 1).bit_length())
@@ -225,16 +240,17 @@ def median(values: list[float]) -> float:
 # ---------------------------------------------------------------------- the benchmark
 def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int, prompt_rows: int, tiles: int,
                  rounds: int = 3, repeats: int = 5, progress=print) -> dict:
-    """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8) they
-    alternate round by round in this process, in reversed order every other round (the float and int8 decoder linears both kept:
-    DecoderWeights), so a loaded machine hits them alike. Returns the figures for roofline_table."""
+    """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8, bf16)
+    they alternate round by round in this process, in reversed order every other round (every
+    form of the linears kept: LinearForms), so a loaded machine hits them alike. Returns the
+    figures for roofline_table."""
     rt = pipe.rt
     swap = None
     if len(weights) > 1 or weights[0] != rt.options.backend.weights:
         if rt.engines.backend != "torch":
             raise ValueError(f"--weights {','.join(weights)}: alternating weights in one process needs backend torch "
                              f"(a compiled backend would recompile per switch); run one --backend.weights per process")
-        swap = DecoderWeights(rt.lm, keep_float=True)
+        swap = LinearForms(rt.model, weights, extra=(rt.token_selector, rt.draft))
     machine = Machine()
     load_before = os.getloadavg()[0]
     times: dict[str, dict[str, list[float]]] = {w: {} for w in weights}
@@ -255,7 +271,7 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
         swap.use(rt.options.backend.weights)
     rows = []
     for w in weights:
-        rows += roofline_rows(costs[w], machine.bandwidth, machine.peak_flops, label=w)
+        rows += roofline_rows(costs[w], machine.bandwidth, lambda c, w=w: machine.peak_for(w, c), label=w)
     ratios = []
     if len(weights) > 1:
         base = costs[weights[0]]
@@ -263,7 +279,8 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
             ratios += [[f"{w} vs {weights[0]}", b.name, b.ms / c.ms] for b, c in zip(base, costs[w])]
     return {"model": rt.name, "backend": rt.engines.backend, "threads": torch.get_num_threads(),
             "dtype": rt.options.dtype, "rounds": rounds, "load": (load_before, os.getloadavg()[0]),
-            "peak_gflops": machine.peak_flops / 1e9, "bandwidth": machine.rows(), "rows": rows, "ratios": ratios}
+            "peak_gflops": machine.peak_flops / 1e9, "bf16_peak_gflops": (machine.bf16_peak_flops or 0) / 1e9,
+            "bandwidth": machine.rows(), "rows": rows, "ratios": ratios}
 
 
 def roofline_table(result: dict) -> str:
@@ -271,7 +288,9 @@ def roofline_table(result: dict) -> str:
     out = [f"model {result['model']}  backend {result['backend']}  {result['dtype']}  {result['threads']} thread(s)  "
            f"median of {result['rounds']} alternating rounds  1-min load average {result['load'][0]:.2f} before, "
            f"{result['load'][1]:.2f} after",
-           "", f"machine: peak {result['peak_gflops']:.1f} GFLOP/s (1024^3 float32 matmul); bandwidth at each working set:",
+           "", f"machine: peak {result['peak_gflops']:.1f} GFLOP/s (1024^3 float32 matmul)"
+           + (f", {result['bf16_peak_gflops']:.1f} GFLOP/s bfloat16 (the bf16 rows' compute roof)"
+              if result.get("bf16_peak_gflops") else "") + "; bandwidth at each working set:",
            table(BANDWIDTH_HEADERS, result["bandwidth"]), "",
            table(["weights"] + ROOFLINE_HEADERS, result["rows"])]
     if result["ratios"]:

@@ -19,16 +19,7 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-
-
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise InputError(f"--set {item!r}: expected NAME=VALUE")
-        out[name] = value
-    return out
+from .node_params import add_node_param_flags, overrides, parse_sets
 
 
 def cmd_make(args) -> int:
@@ -74,9 +65,7 @@ def cmd_eval(args) -> int:
     from ..bag.evaluate import evaluate
     from ..ros.params_file import load_node_params
 
-    params = load_node_params(args.params, _overrides(args.set))
-    if args.model:
-        params["model_dir"] = str(args.model)
+    params = load_node_params(args.params, overrides(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -146,8 +135,8 @@ def _harness(args, extra: dict | None = None):
     params_file = args.params or config_dir() / "drive.yaml"
     extra = dict(extra or {})
     nice = int(extra.pop("nice", args.nice))          # a process setting, not a node parameter
-    overrides = _overrides(args.set) | extra
-    params = load_node_params(params_file, overrides)
+    node_overrides = overrides(args) | extra
+    params = load_node_params(params_file, node_overrides)
     work = workload_from_bag(args.bag, params)
     env = dict(os.environ)
     if args.domain_id is not None:
@@ -156,7 +145,7 @@ def _harness(args, extra: dict | None = None):
     print(f"{args.bag_command}: {len(work.frame_sets)} frame sets, {len(work.questions)} questions from {args.bag}; "
           f"starting the node{' with ' + ', '.join(f'{k}={v}' for k, v in extra.items()) if extra else ''}"
           f"{f' at nice {nice}' if nice else ''} (log {log})")
-    node = NodeProcess(params_file, log, overrides, env, nice=nice)
+    node = NodeProcess(params_file, log, node_overrides, env, nice=nice)
     try:
         node.wait_for("ready (", timeout=args.start_timeout)
         client = DDSClient(params, domain_id=args.domain_id)
@@ -178,7 +167,7 @@ def _versus(items: list[str]) -> dict[str, dict]:
         label, sep, rest = item.partition("=")
         if not sep or not label or not rest:
             raise InputError(f"--versus {item!r}: expected LABEL=NAME=VALUE[,NAME=VALUE...]")
-        configs[label] = _overrides(rest.split(","))
+        configs[label] = parse_sets(rest.split(","), "--versus")
     return configs
 
 
@@ -249,8 +238,7 @@ def cmd_peak(args) -> int:
 
 def _harness_args(p) -> None:
     p.add_argument("bag", type=Path, help="a bag with the six camera topics and questions (litevlm bag make)")
-    p.add_argument("--params", type=Path, help="the node's parameters YAML (default: config/drive.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one node parameter")
+    add_node_param_flags(p)
     p.add_argument("--frame-rate", type=float, default=2.0, help="frame sets published per second (re-stamped to now)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds without a new answer before the rest count as lost")
     p.add_argument("--domain-id", type=int, help="ROS_DOMAIN_ID for the node and the harness (default: the environment's)")
@@ -313,9 +301,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("eval", help="run the bag through the node's query server + pipeline without DDS")
     p.add_argument("bag", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--params", type=Path, help="node parameters YAML (default: config/drive.yaml)")
-    p.add_argument("--model", type=Path, help="shorthand for --set model_dir=DIR")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    add_node_param_flags(p, model=True)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("summary", help="each answer with its per-stage latency, then median/p90 per stage")

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--roofline", action="store_true",
                    help="each stage's time against the floor the measured memory bandwidth and peak FLOP/s allow "
                         "(bench/roofline.py); --weights float,int8 alternates the decoder's weights in one process")
-    p.add_argument("--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8)")
+    p.add_argument("--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8,bf16)")
     p.add_argument("--context", type=int, help="--roofline: cached rows a decode step attends to (default: a real "
                                                "query's prompt; 256 with --preset)")
     p.add_argument("--stages", help="--roofline: comma list of step, head, prefill, vision (default all; "

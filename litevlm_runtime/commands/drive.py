@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 from ..errors import InputError
+from .node_params import add_node_param_flags
+from .node_params import overrides as node_overrides
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "fatal")
 
@@ -25,12 +27,7 @@ def run(args) -> int:
     params = args.params or config_dir() / "drive.yaml"
     if not Path(params).is_file():
         raise InputError(f"--params {params}: no such file")
-    overrides = {}
-    for item in args.set:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise InputError(f"--set {item!r}: expected NAME=VALUE")
-        overrides[name] = value
+    overrides = node_overrides(args)
     for rule in args.remap:
         if ":=" not in rule or rule.startswith(":=") or rule.endswith(":="):
             raise InputError(f"--remap {rule!r}: expected FROM:=TO, e.g. query:=/car1/ask")
@@ -52,9 +49,7 @@ def run(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("drive", help="run the ROS 2 node (camera topics + queries -> answers)")
-    p.add_argument("--params", type=Path, help="node parameters YAML (default: config/drive.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one parameter (YAML value syntax), e.g. --set model_dir=runs/models/tiny")
+    add_node_param_flags(p)
     p.add_argument("--namespace", default="", help="the node's namespace, e.g. /car1 (every relative topic moves with it)")
     p.add_argument("--remap", action="append", default=[], metavar="FROM:=TO",
                    help="a ROS remapping rule, before the shipped ones (query:=litevlm/query ...), e.g. "

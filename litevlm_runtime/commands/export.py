@@ -12,8 +12,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="export every stage as ONNX graphs per shape bucket (a bundle)")
     add_pipeline_args(p)
     p.add_argument("--out", type=Path, required=True, help="bundle folder to write")
-    p.add_argument("--buckets", help="shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
-                                     "(default: derived from the arena limits)")
+    p.add_argument("--buckets", help="shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64;batch=2,4' "
+                                     "(batch: queries per batched decode step, at most serving.max_batch; `batch=`: "
+                                     "none; default: derived from the arena limits)")
     p.add_argument("--verify", action="store_true", help="then run every graph in ONNX Runtime against the "
                                                          "PyTorch stage and print the relative errors")
     p.set_defaults(func=run)
@@ -42,7 +43,8 @@ def run(args) -> int:
         rows = verify_bundle(rt, args.out)
         print()
         print(table(["stage", "bucket", "output", "rel error"],
-                    [[r["stage"], r["bucket"], r["output"], f"{r['rel_error']:.2e}"] for r in rows]))
+                    [[r["stage"], f"{r['bucket']} ({r['rows']} rows)" if r.get("rows", r["bucket"]) != r["bucket"]
+                      else r["bucket"], r["output"], f"{r['rel_error']:.2e}"] for r in rows]))
         print("\nrel error = max |onnxruntime - torch| / max |torch| on random inputs (fp32 target: <= 1e-4)")
         if max(r["rel_error"] for r in rows) > (1e-4 if rt.options.dtype == "float32" else 1e-2):
             print("verify: FAILED", file=sys.stderr)

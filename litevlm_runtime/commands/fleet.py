@@ -15,16 +15,13 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
-from .bag import _overrides
+from .node_params import add_node_param_flags, overrides
 
 
 def _params(args) -> dict:
     from ..ros.params_file import load_node_params
 
-    params = load_node_params(args.params, _overrides(args.set))
-    if args.model:
-        params["model_dir"] = str(args.model)
-    return params
+    return load_node_params(args.params, overrides(args))
 
 
 def _config(args, out: Path, **kw):
@@ -32,8 +29,7 @@ def _config(args, out: Path, **kw):
     from ..fleet.sources import expand_bags
 
     return FleetConfig(bags=expand_bags(args.bags), out=out, params=_params(args),
-                       params_file=str(args.params or ""), overrides=_overrides(args.set) | (
-                           {"model_dir": str(args.model)} if args.model else {}),
+                       params_file=str(args.params or ""), overrides=overrides(args),
                        ground_truth=[str(g) for g in args.ground_truth], ray_address=args.ray,
                        threads=args.threads, gpus_per_worker=args.gpus_per_worker,
                        max_attempts=args.max_attempts, **kw)
@@ -88,9 +84,7 @@ def _common(p, bags: bool = True) -> None:
     if bags:
         p.add_argument("bags", nargs="+", metavar="BAGS",
                        help="bag folders, .mcap/.db3 files, or text files listing them (one per line)")
-    p.add_argument("--params", type=Path, help="the node's parameters YAML (default: config/drive.yaml)")
-    p.add_argument("--model", type=Path, help="shorthand for --set model_dir=DIR")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one node parameter")
+    add_node_param_flags(p, model=True)
     p.add_argument("--ground-truth", action="append", default=[], type=Path, metavar="DIR",
                    help="a DriveLM-layout folder (QA json + samples/) the bags were made from: answers get its "
                         "reference (repeatable)")

@@ -2,7 +2,12 @@
 the ids (`<IMG_CONTEXT>` placeholders included), the text with each image span collapsed, and each
 camera's span. Compare it with what a training pipeline fed the model.
 
-    litevlm prompt --model DIR --question Q [--cameras CAM ...] [--tiles-per-camera N] [--layout NAME] [--json]
+    litevlm prompt --model DIR --question Q [--cameras CAM ...] [--tiles-per-camera N] [--layout NAME]
+                   [--history QUESTION ANSWER ...] [--json]
+
+With --history (earlier turns, oldest first), the prompt of a follow-up question: the conversation
+as upstream's chat(history=) builds it. `sha256` is the digest every Answer carries
+(`prompt_sha256`): equal digests, the same prompt.
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ def register(subparsers) -> None:
     p.add_argument("--layout", help="internvl | cameras | a template with one <image>, {camera}, {index} "
                                     "(a literal \\n in it is a newline); default: the model folder's "
                                     "(litevlm.json, else guessed from its tokenizer)")
+    p.add_argument("--history", nargs=2, action="append", default=[], metavar=("QUESTION", "ANSWER"),
+                   help="an earlier turn of the conversation (repeat, oldest first): the prompt of a follow-up")
     p.add_argument("--json", action="store_true", help="print one JSON object (input_ids, text, spans)")
     p.set_defaults(func=run)
 
 
 def describe(model: Path, question: str, cameras: list[str], tiles_per_camera: int,
-             layout: str | None = None) -> dict:
-    """The prompt of `question` over `cameras` as the pipeline builds it for the model in `model`."""
-    from ..stages.prompt import build_prompt, render, resolve_layout
+             layout: str | None = None, history=()) -> dict:
+    """The prompt of `question` over `cameras` (after the earlier turns `history`) as the pipeline
+    builds it for the model in `model`."""
+    from ..stages.prompt import build_prompt, prompt_digest, render, resolve_layout
     from ..weights.checkpoint import read_config
     from ..weights.tokenizer import Tokenizer
 
@@ -45,7 +53,8 @@ def describe(model: Path, question: str, cameras: list[str], tiles_per_camera: i
     cfg = read_config(model)
     tok = Tokenizer(model)
     layout, source = resolve_layout(layout, model)
-    prompt = build_prompt(tok, cfg.system_message, layout, cameras, question, tiles_per_camera * cfg.tokens_per_tile)
+    prompt = build_prompt(tok, cfg.system_message, layout, cameras, question, tiles_per_camera * cfg.tokens_per_tile,
+                          tuple(tuple(turn) for turn in history))
     q0, q1 = prompt.question_span
     return {
         "model": str(model),
@@ -55,6 +64,7 @@ def describe(model: Path, question: str, cameras: list[str], tiles_per_camera: i
                                "after": [tok.id_to_token(i) for i in tok.added_around_text[1]]},
         "tokens_per_camera": tiles_per_camera * cfg.tokens_per_tile,
         "length": len(prompt.input_ids),
+        "sha256": prompt_digest(prompt.input_ids),
         "input_ids": list(prompt.input_ids),
         "text": render(tok, prompt.input_ids),
         "cameras": [{"camera": cam, "start": start, "count": count}
@@ -77,13 +87,14 @@ def collapsed_ids(ids: list[int]) -> str:
 
 def run(args) -> int:
     layout = args.layout.replace("\\n", "\n") if args.layout is not None else None
-    d = describe(args.model, args.question, args.cameras, args.tiles_per_camera, layout)
+    d = describe(args.model, args.question, args.cameras, args.tiles_per_camera, layout, args.history)
     if args.json:
         print(json.dumps(d, ensure_ascii=False))
         return 0
     added = d["added_by_tokenizer"]
     print(f"layout: {d['layout']!r} ({d['layout_from']}); tokenizer adds {added['before'] or 'nothing'} before, "
-          f"{added['after'] or 'nothing'} after; {d['length']} tokens, {d['tokens_per_camera']} per camera\n")
+          f"{added['after'] or 'nothing'} after; {d['length']} tokens, {d['tokens_per_camera']} per camera; "
+          f"sha256 {d['sha256']}\n")
     print(d["text"])
     print("\ncamera spans (index of the first <IMG_CONTEXT>, count):")
     for c in d["cameras"]:

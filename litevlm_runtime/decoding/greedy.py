@@ -22,9 +22,10 @@ class Prompt:
     length: int
     next_pos: int
     first: int
-    hidden: torch.Tensor          # [length, D] final-norm features (EAGLE-2's first draft input)
+    hidden: torch.Tensor | None   # [length, D] final-norm features (EAGLE-2's first draft input; None: not every row's)
     input_tokens: int             # rows prefill ran over
     kept_tokens: int              # visual tokens among them
+    reused: int = 0               # rows [0, reused) whose KV came from the conversation it continues (pipeline/conversation.py)
 
 
 @dataclass

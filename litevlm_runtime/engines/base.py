@@ -10,6 +10,16 @@ n = tiles, S = the arena's max_len):
              decode steps and tree verification over the arena's KV cache: columns < L of the
              old cache under mask_cache, this call's rows under mask_new; the rows are stored at
              `slots` (>= L: a step never sees the columns it writes)
+           on_region(k_cache, v_cache [layers, Hkv, S, D])                -> DecoderEngine
+             the same engine over another KV region of the arena (k_regions[r]: batching.py
+             runs each query of a batch in its own region); it shares the graphs/modules
+  batch    step(embeds [B, D], positions [B], slots [B],
+                mask_cache [B, L], mask_new [B, B])                      -> hidden [B, D]
+             one batched decode step over the arena's KV regions k_regions, v_regions
+             [batch, layers, Hkv, S, D]: row b is region b's next token; it sees the first L
+             columns of region b under mask_cache[b] and its own new row (mask_new is the
+             identity: rows never see each other); its K/V row is stored at slots[b] of region
+             b. A row of a free region (mask_cache row all False) sees only itself
   head     run(hidden [T, D])                                            -> logits [T, V]
   draft    step(token_embeds [T, D], features [T, D], positions [T], slots [T],
                 mask_cache [T, L], mask_new [T, T])                      -> features [T, D]
@@ -25,6 +35,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import LiteVLMError
 
 
 class StageEngine(ABC):
@@ -44,6 +56,21 @@ class DecoderEngine(StageEngine):
 
     @abstractmethod
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor: ...
+
+    def on_region(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "DecoderEngine":
+        raise LiteVLMError(f"{type(self).__name__} ({self.backend}) runs over one KV region only: no batching")
+
+
+class BatchDecoderEngine(StageEngine):
+    """The batched decode step (shapes above); `sizes`: the batch buckets it runs (rows are
+    padded up to one; eager torch: every row count up to the arena's batch)."""
+
+    stage = "decoder_batch"
+    sizes: tuple[int, ...] = ()
 
     @abstractmethod
     def step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -71,6 +98,7 @@ class Engines:
     decoder: DecoderEngine
     head: HeadEngine
     draft: DraftEngine | None = None
+    batch: BatchDecoderEngine | None = None     # None: one query at a time (arena batch 1)
 
     @property
     def backend(self) -> str:

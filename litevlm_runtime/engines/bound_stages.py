@@ -9,6 +9,11 @@ Binding (see export.py for the graphs' tensors):
            masks are copied into engine buffers; the new K/V rows come out into engine buffers
            and are stored at their slots after the run. `prefill` runs the prefill graph, which
            has no cache input; `step` runs the step graph over the whole static cache.
+           `on_region(k, v)`: the same graphs with the step bound again over another KV region
+           (each query of a batch prefills and, when alone, steps in its own region)
+  decoder_batch  k_regions, v_regions -> the arena's first B KV regions [B, layers, Hkv, S, D]
+           (read in place); the rows of the regions past the running span are padding that
+           sees only itself; row b's new K/V row is stored at its slot in region b
   draft    the same as a step, over the arena's one-layer draft cache (when the bundle has
            eagle_draft graphs)
   head     logits -> the arena's logits rows where the bucket fits, else an engine buffer
@@ -20,13 +25,14 @@ Outputs are views of bound buffers: valid until the same engine runs again.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Protocol
 
 import torch
 
-from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
+from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 from .buckets import pick
-from .torch_engine import TorchDraft
+from .torch_engine import TorchDraft, store_batched
 
 
 class Runner(Protocol):
@@ -101,24 +107,42 @@ class BoundRows:
 class BoundDecoder(DecoderEngine):
     def __init__(self, rt, step_sizes, bind: Bind, backend: str, prefill_sizes):
         a = rt.arena
-        self.arena, self.backend = a, backend
+        self.arena, self.backend, self.bind = a, backend, bind
+        self.k_cache, self.v_cache = a.k_cache, a.v_cache
         self.sizes, self.prefill_sizes = tuple(sorted(step_sizes)), tuple(sorted(prefill_sizes))
         every = sorted(set(self.sizes) | set(self.prefill_sizes))
         self.rows = r = BoundRows(rt, every, rt.cfg.llm.num_hidden_layers, a.max_len)
         self.prefill_runners = {
             t: bind("prefill", t, {"embeds": r.embeds[t], "positions": r.positions[t], "mask_new": r.mask_new[t]},
                     {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.prefill_sizes}
-        self.step_runners = {
-            t: bind("decoder", t, {"embeds": r.embeds[t], "positions": r.positions[t], "mask_cache": r.mask_cache[t],
-                                   "mask_new": r.mask_new[t], "k_cache": a.k_cache, "v_cache": a.v_cache},
-                    {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.sizes}
+        self.step_runners = self.bind_steps()
+        self.regions: dict[int, BoundDecoder] = {self.k_cache.data_ptr(): self}    # shared by every region's copy
+
+    def bind_steps(self) -> dict:
+        r = self.rows
+        return {t: self.bind("decoder", t, {"embeds": r.embeds[t], "positions": r.positions[t],
+                                            "mask_cache": r.mask_cache[t], "mask_new": r.mask_new[t],
+                                            "k_cache": self.k_cache, "v_cache": self.v_cache},
+                             {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.sizes}
+
+    def on_region(self, k_cache, v_cache):
+        """The prefill graphs and row buffers shared (a prompt has no cache input: only where its
+        rows are stored changes), the step graphs bound again over this region's cache, once per
+        region for the engine's life (a CUDA graph is captured once, not per BatchDecoder)."""
+        key = k_cache.data_ptr()
+        if key not in self.regions:
+            other = copy.copy(self)
+            other.k_cache, other.v_cache = k_cache, v_cache
+            other.step_runners = other.bind_steps()
+            self.regions[key] = other
+        return self.regions[key]
 
     def prefill(self, embeds, positions, mask):
         t = embeds.shape[0]
         b = pick(self.prefill_sizes, t, "prefill")
         self.rows.load(b, embeds, positions, mask)
         self.prefill_runners[b].run()
-        self.rows.store(b, t, self.arena.slots[:t], self.arena.k_cache, self.arena.v_cache)
+        self.rows.store(b, t, self.arena.slots[:t], self.k_cache, self.v_cache)
         return self.rows.hidden[b][:t]
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
@@ -126,7 +150,33 @@ class BoundDecoder(DecoderEngine):
         b = pick(self.sizes, t, "decoder")
         self.rows.load(b, embeds, positions, mask_new, mask_cache)
         self.step_runners[b].run()
-        self.rows.store(b, t, slots, self.arena.k_cache, self.arena.v_cache)
+        self.rows.store(b, t, slots, self.k_cache, self.v_cache)
+        return self.rows.hidden[b][:t]
+
+
+class BoundBatchDecoder(BatchDecoderEngine):
+    """The batched step's graph per batch bucket, bound to the arena's first `bucket` KV
+    regions; B rows run in the smallest bucket >= B, the rows past B as padding (positions 0,
+    cache mask all False, their own new row only: BoundRows.load)."""
+
+    def __init__(self, rt, sizes, bind: Bind, backend: str):
+        a = rt.arena
+        self.arena, self.backend, self.sizes = a, backend, tuple(sorted(sizes))
+        self.rows = r = BoundRows(rt, list(self.sizes), rt.cfg.llm.num_hidden_layers, a.max_len)
+        self.runners = {
+            b: bind("decoder_batch", b, {"embeds": r.embeds[b], "positions": r.positions[b],
+                                         "mask_cache": r.mask_cache[b], "mask_new": r.mask_new[b],
+                                         "k_regions": a.k_regions[:b], "v_regions": a.v_regions[:b]},
+                    {"hidden": r.hidden[b], "k_new": r.k_new[b], "v_new": r.v_new[b]}) for b in self.sizes}
+
+    def step(self, embeds, positions, slots, mask_cache, mask_new):
+        t = embeds.shape[0]
+        b = pick(self.sizes, t, "decoder_batch")
+        self.rows.load(b, embeds, positions, mask_new, mask_cache)
+        self.runners[b].run()
+        a = self.arena
+        store_batched(a.k_regions, a.v_regions, a.slots[:t], slots, self.rows.k_new[b][:, :, :t],
+                      self.rows.v_new[b][:, :, :t])
         return self.rows.hidden[b][:t]
 
 
@@ -171,14 +221,20 @@ class BoundHead(HeadEngine):
 
 
 def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
-    """sizes: graph stage (vision, prefill, decoder, head, and eagle_draft when bound) -> its buckets.
-    Without eagle_draft graphs the draft head runs in eager PyTorch beside the bound stages."""
+    """sizes: graph stage (vision, prefill, decoder, head, and eagle_draft / decoder_batch when
+    bound) -> its buckets. Without eagle_draft graphs the draft head runs in eager PyTorch beside
+    the bound stages; without decoder_batch buckets there is no batched step."""
 
+    a = rt.arena
     draft = None
     if rt.draft is not None:
         draft = (BoundDraft(rt, sizes["eagle_draft"], bind, backend) if sizes.get("eagle_draft")
-                 else TorchDraft(rt.draft, rt.arena.draft_k, rt.arena.draft_v))
-    return Engines(vision=BoundVision(rt, sizes["vision"], bind, backend),
-                   decoder=BoundDecoder(rt, sizes["decoder"], bind, backend, sizes.get("prefill", ())),
-                   head=BoundHead(rt, sizes["head"], bind, backend),
-                   draft=draft)
+                 else TorchDraft(rt.draft, a.draft_k, a.draft_v))
+    decoder = BoundDecoder(rt, sizes["decoder"], bind, backend, sizes.get("prefill", ()))
+    batch = None
+    if sizes.get("decoder_batch"):
+        batch = BoundBatchDecoder(rt, sizes["decoder_batch"], bind, backend)
+        for r in range(1, a.limits.batch):      # every region's step bound now: nothing is captured later
+            decoder.on_region(a.k_regions[r], a.v_regions[r])
+    return Engines(vision=BoundVision(rt, sizes["vision"], bind, backend), decoder=decoder,
+                   head=BoundHead(rt, sizes["head"], bind, backend), draft=draft, batch=batch)

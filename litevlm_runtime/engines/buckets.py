@@ -8,6 +8,9 @@ bucket that holds it; the engine pads the rest and the padding is masked or igno
   prefill  rows     the prompt (no earlier cache rows): padded rows attend only to themselves
   decoder  rows     decode / tree-verify steps over the cache: padded rows likewise
   head     rows     padded rows are independent, their logits are dropped
+  batch    queries  a batched decode step over the arena's KV regions (batching.py): a row of
+                    a free region sees only itself (its cache mask all False), its K/V row is
+                    dropped; rows never see each other
 
 The decoder step graph always attends over the whole static KV cache (max_len columns); the mask
 says which columns are live, so the cache length is not a bucket dimension. The prefill graph
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass
 from ..errors import LiteVLMError
 
 STAGE_KEYS = ("vision", "prefill", "step", "head")
+BATCH_KEY = "batch"               # may be empty: no batched step (an arena of one region)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -32,7 +36,8 @@ class Buckets:
     vision: tuple[int, ...]    # tile counts
     prefill: tuple[int, ...]   # decoder rows for the prompt (template + kept visual tokens + question)
     step: tuple[int, ...]      # decoder rows per decode step: 1 (plain greedy) and the draft-tree size
-    head: tuple[int, ...]      # LM-head rows: 1 (last prompt row / decode) and the draft-tree size
+    head: tuple[int, ...]      # LM-head rows: 1 (last prompt row / decode), the draft-tree size, the batch sizes
+    batch: tuple[int, ...] = ()   # queries per batched decode step (>= 2; a query alone takes `step`)
 
     def __post_init__(self):
         for key in STAGE_KEYS:
@@ -40,6 +45,10 @@ class Buckets:
             if not values or any(int(v) < 1 for v in values):
                 raise LiteVLMError(f"buckets: {key} needs positive sizes, got {values!r}")
             object.__setattr__(self, key, tuple(sorted({int(v) for v in values})))
+        if any(int(v) < 2 for v in self.batch):
+            raise LiteVLMError(f"buckets: batch sizes are 2 or more queries (one query decodes in `step`), "
+                               f"got {self.batch!r}")
+        object.__setattr__(self, BATCH_KEY, tuple(sorted({int(v) for v in self.batch})))
 
     def decoder(self) -> tuple[int, ...]:
         """Every row count of a decoder call (prefill and step sizes together)."""
@@ -47,8 +56,9 @@ class Buckets:
 
     def for_stage(self, stage: str) -> tuple[int, ...]:
         """Graph stage -> its buckets: `prefill` (the prompt, no history), `decoder` (steps over the
-        cache), `vision`, `head`."""
-        return self.step if stage == "decoder" else getattr(self, stage)
+        cache), `decoder_batch` (batched steps), `vision`, `head`."""
+        named = {"decoder": self.step, "decoder_batch": self.batch}
+        return named[stage] if stage in named else getattr(self, stage)
 
     def to_dict(self) -> dict:
         return {k: list(v) for k, v in asdict(self).items()}
@@ -56,7 +66,7 @@ class Buckets:
     @classmethod
     def from_dict(cls, d: dict) -> "Buckets":
         try:
-            return cls(**{k: tuple(d[k]) for k in STAGE_KEYS})
+            return cls(**{k: tuple(d[k]) for k in STAGE_KEYS}, batch=tuple(d.get(BATCH_KEY, ())))
         except KeyError as exc:
             raise LiteVLMError(f"buckets: missing {exc.args[0]!r}") from None
 
@@ -66,7 +76,7 @@ def pick(sizes: tuple[int, ...], n: int, stage: str) -> int:
     for size in sizes:
         if size >= n:
             return size
-    keys = "step=..." if stage == "decoder" else f"{stage}=..."
+    keys = {"decoder": "step=...", "decoder_batch": "batch=..."}.get(stage, f"{stage}=...")
     raise LiteVLMError(f"{stage}: {n} exceeds the largest shape bucket {max(sizes)}; "
                        f"re-export with a larger bucket (litevlm export --buckets '{keys}')")
 
@@ -75,7 +85,8 @@ def default_buckets(arena) -> Buckets:
     """Buckets derived from the arena's maxima: tiles for 1, 2, 3 and 6 cameras (what the view
     selector typically keeps); prompts at a quarter, half and all of the longest prompt and at
     every camera's visual tokens plus 64 or 192 text rows (the common full-rig prompt), rounded
-    to 64 rows; decode steps of 1 row and of the draft tree."""
+    to 64 rows; decode steps of 1 row and of the draft tree; batched steps of 2, 3, 4, 8, 16 ..
+    queries below the arena's batch and of the whole batch (the head takes those row counts too)."""
     lim = arena.limits
     tpc = lim.tiles_per_camera
     vision = tuple(sorted({c * tpc for c in (1, 2, 3, lim.cameras) if c <= lim.cameras}))
@@ -83,11 +94,43 @@ def default_buckets(arena) -> Buckets:
     sizes = [longest * f // 4 for f in (1, 2, 4)] + [arena.max_visual + 64, arena.max_visual + 192]
     prefill = tuple(sorted({min(round_up(n, 64), longest) for n in sizes}))
     step = tuple(sorted({1, lim.tree_tokens}))
-    return Buckets(vision=vision, prefill=prefill, step=step, head=step)
+    batch = default_batch(lim.batch)
+    return Buckets(vision=vision, prefill=prefill, step=step, head=tuple(sorted(set(step) | set(batch))), batch=batch)
+
+
+def default_batch(capacity: int) -> tuple[int, ...]:
+    """2, 3 and 4, then powers of two, below `capacity`, and `capacity` itself (none for one
+    query: it decodes in `step`). Up to 4 queries nothing is padded: on the CPU a padding row
+    costs what a real one does (ONNX Runtime, bundled model: 3 rows in a 4-bucket measured
+    1.5x 3 rows in a 3-bucket), and a shipped max_batch of 4 should not pay it."""
+    if capacity < 2:
+        return ()
+    sizes = {capacity} | {b for b in (2, 3, 4) if b < capacity}
+    b = 8
+    while b < capacity:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
+
+
+def batch_sizes(exported: tuple[int, ...], capacity: int, where: str) -> tuple[int, ...]:
+    """The batch buckets a runtime with `capacity` KV regions binds, from the buckets a batched
+    step was built for (`exported`; the graph's batch dimension is dynamic up to the largest,
+    so a runtime may run fewer regions than it was built for: its own capacity is then its
+    largest bucket). () when the runtime has one region or no batched step was built (`batch=`:
+    then batching.py decodes one query at a time)."""
+    if capacity < 2 or not exported:
+        return ()
+    if capacity > max(exported):
+        most = max(exported)
+        raise LiteVLMError(f"serving.max_batch {capacity}: {where} decodes at most {most} queries per batched step; "
+                           f"set serving.max_batch <= {most} or rebuild with --buckets 'batch=...,{capacity}'")
+    return tuple(sorted({b for b in exported if b < capacity} | {capacity}))
 
 
 def parse_buckets(spec: str | None, defaults: Buckets) -> Buckets:
-    """`vision=2,6;prefill=256,512;step=1,64;head=1,64` (any subset; others keep defaults)."""
+    """`vision=2,6;prefill=256,512;step=1,64;head=1,64;batch=2,4` (any subset; others keep
+    defaults; `batch=` alone: no batched step)."""
     if not spec:
         return defaults
     values = defaults.to_dict()
@@ -95,8 +138,9 @@ def parse_buckets(spec: str | None, defaults: Buckets) -> Buckets:
         if not part:
             continue
         key, sep, sizes = part.partition("=")
-        if not sep or key not in STAGE_KEYS:
-            raise LiteVLMError(f"--buckets {part!r}: expected KEY=N[,N...] with KEY one of {', '.join(STAGE_KEYS)}")
+        if not sep or key not in STAGE_KEYS + (BATCH_KEY,):
+            raise LiteVLMError(f"--buckets {part!r}: expected KEY=N[,N...] with KEY one of "
+                               f"{', '.join(STAGE_KEYS + (BATCH_KEY,))}")
         try:
             values[key] = [int(s) for s in sizes.split(",") if s]
         except ValueError:
@@ -108,8 +152,9 @@ def check_fits(buckets: Buckets, arena) -> None:
     """Every bucket must fit the arena the graphs will be bound to."""
     lim = arena.limits
     limits = {"vision": lim.max_tiles(), "prefill": arena.max_query, "step": arena.max_query,
-              "head": arena.max_query}
+              "head": arena.max_query, BATCH_KEY: lim.batch}
     for key, most in limits.items():
         too_big = [v for v in getattr(buckets, key) if v > most]
         if too_big:
-            raise LiteVLMError(f"buckets: {key} sizes {too_big} exceed the arena's maximum {most}")
+            also = " (its KV regions: serving.max_batch)" if key == BATCH_KEY else ""
+            raise LiteVLMError(f"buckets: {key} sizes {too_big} exceed the arena's maximum {most}{also}")

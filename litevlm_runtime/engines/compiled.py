@@ -28,8 +28,8 @@ import torch
 
 from ..errors import LiteVLMError
 from .bound_stages import bound_engines
-from .buckets import Buckets, check_fits, default_buckets, parse_buckets
-from .stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from .buckets import Buckets, batch_sizes, check_fits, default_buckets, parse_buckets
+from .stages import BatchDecoderStage, DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
 BACKEND = "torch-compile"
 PREFILL_STEP = 64
@@ -88,11 +88,12 @@ def compiled_defaults(arena, coarse: Buckets) -> Buckets:
     prompt of 121 rows to 192: 1.6x the work of a compute-bound stage)."""
     longest = arena.max_prompt
     prefill = tuple(range(PREFILL_STEP, longest, PREFILL_STEP)) + (longest,)
-    return Buckets(vision=coarse.vision, prefill=prefill, step=coarse.step, head=coarse.head)
+    return Buckets(vision=coarse.vision, prefill=prefill, step=coarse.step, head=coarse.head, batch=coarse.batch)
 
 
 def compiled_engines(rt, buckets=None):
-    """Every stage (the EAGLE-2 draft head too, when the runtime has one) compiled per bucket."""
+    """Every stage (the EAGLE-2 draft head too, when the runtime has one, and the batched step
+    when the arena has several KV regions) compiled per bucket."""
     if rt.device.type == "cuda" and not torch.cuda.is_available():
         raise LiteVLMError("backend torch-compile on cuda: torch.cuda.is_available() is False")
     coarse = default_buckets(rt.arena)
@@ -106,6 +107,9 @@ def compiled_engines(rt, buckets=None):
     if rt.draft is not None:
         # the draft's pending rows reach prompt sizes: the coarse buckets (only its catch-up pays the padding)
         sizes["eagle_draft"] = tuple(sorted(set(coarse.prefill) | set(buckets.step)))
+    sizes["decoder_batch"] = batch_sizes(buckets.batch, rt.arena.limits.batch, "backend torch-compile's buckets")
+    if sizes["decoder_batch"]:
+        modules["decoder_batch"] = BatchDecoderStage(rt.lm)
     allow_recompiles(sum(len(s) for s in sizes.values()) + 1)
     compiled = {stage: torch.compile(WriteOutputs(m.eval()), dynamic=False, fullgraph=True)
                 for stage, m in modules.items()}

@@ -18,8 +18,8 @@ import torch
 
 from ..errors import LiteVLMError
 from .bound_stages import bound_engines
-from .buckets import check_fits, default_buckets, parse_buckets
-from .stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from .buckets import batch_sizes, check_fits, default_buckets, parse_buckets
+from .stages import BatchDecoderStage, DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
 WARMUP_RUNS = 2   # cuBLAS/cuDNN handles and autotuning happen outside the capture
 
@@ -67,8 +67,9 @@ def require_cuda(rt) -> None:
 
 
 def cuda_graph_engines(rt, capture: bool = True, buckets=None):
-    """Every stage (the EAGLE-2 draft head too, when the runtime has one) captured per bucket;
-    capture=False runs the same bound modules eagerly (the CPU form of this backend)."""
+    """Every stage (the EAGLE-2 draft head too, when the runtime has one, and the batched step per
+    batch bucket when the arena has several KV regions) captured per bucket; capture=False runs
+    the same bound modules eagerly (the CPU form of this backend)."""
     if capture:
         require_cuda(rt)
     defaults = default_buckets(rt.arena)
@@ -89,4 +90,7 @@ def cuda_graph_engines(rt, capture: bool = True, buckets=None):
     sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "prefill", "decoder", "head")}
     if rt.draft is not None:
         sizes["eagle_draft"] = buckets.decoder()        # the draft's pending rows reach prompt sizes
+    sizes["decoder_batch"] = batch_sizes(buckets.batch, rt.arena.limits.batch, "backend torch-cudagraph's buckets")
+    if sizes["decoder_batch"]:
+        modules["decoder_batch"] = BatchDecoderStage(rt.lm).eval()
     return bound_engines(rt, sizes, bind, "torch-cudagraph" if capture else "torch-static")

@@ -1,10 +1,13 @@
-"""ONNX Runtime engines: the exported stage graphs (see export.py), one session per bucket, with
+"""ONNX Runtime engines: the exported stage graphs (see export.py), one session per graph file, with
 every input and output bound once, at start-up, to fixed torch buffers through io_binding.
 
 Which tensor is bound to which arena buffer is shared with TensorRT and CUDA graphs (see
-bound_stages.py); here each bucket's runner is an InferenceSession plus its IOBinding over the
-torch tensors' memory, so ORT reads and writes the same addresses on every call and a run
-allocates nothing in torch.
+bound_stages.py); here each bucket's runner is an IOBinding over the torch tensors' memory on
+its graph's InferenceSession, so ORT reads and writes the same addresses on every call and a run
+allocates nothing in torch. A session is opened once per graph file and shared by its bindings:
+the step graphs bound again over each KV region of a batch (BoundDecoder.on_region), and the
+batched step's one graph (a dynamic batch dimension) bound once per batch bucket, hold their
+weights once.
 
 Execution providers: CPU here; on a CUDA device the CUDA provider (TensorRT's provider first
 when ONNX Runtime has it), binding device memory the same way.
@@ -19,6 +22,7 @@ import torch
 from ..errors import LiteVLMError
 from .base import Engines
 from .bound_stages import bound_engines
+from .buckets import batch_sizes
 from .bundle import check_bundle_matches, graphs_of, read_manifest, verify_files
 
 ELEMENT_TYPES = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64", torch.bool: "bool"}
@@ -45,38 +49,42 @@ def providers_for(device: torch.device) -> list:
     return ["CPUExecutionProvider"]
 
 
-class BoundGraph:
-    """One bucket's session with its inputs/outputs bound to fixed tensors."""
+def open_session(path: Path, device: torch.device, threads: int | None = None):
+    ort = import_onnxruntime()
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    # ORT's worker threads spin after each run by default; between graph runs the pipeline
+    # does its own work on the same cores (preprocessing, embedding lookups, sampling).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), opts, providers=providers_for(device))
 
-    def __init__(self, path: Path, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-                 device: torch.device, threads: int | None = None):
+
+class BoundGraph:
+    """One bucket of a graph: its session with the inputs/outputs bound to fixed tensors."""
+
+    def __init__(self, session, name: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+                 device: torch.device):
         import numpy as np
 
-        ort = import_onnxruntime()
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-        # ORT's worker threads spin after each run by default; between graph runs the pipeline
-        # does its own work on the same cores (preprocessing, embedding lookups, sampling).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), opts, providers=providers_for(device))
+        self.session = session
         self.binding = self.session.io_binding()
         device_type = "cuda" if device.type == "cuda" else "cpu"
         names_in = [i.name for i in self.session.get_inputs()]
         names_out = [o.name for o in self.session.get_outputs()]
         if sorted(names_in) != sorted(inputs) or sorted(names_out) != sorted(outputs):
-            raise LiteVLMError(f"{path.name}: graph has {names_in} -> {names_out}, engine binds "
+            raise LiteVLMError(f"{name}: graph has {names_in} -> {names_out}, engine binds "
                                f"{list(inputs)} -> {list(outputs)}")
         self.tensors = {**inputs, **outputs}   # keep the bound memory alive with the binding
         for kind, tensors in (("input", inputs), ("output", outputs)):
-            for name, t in tensors.items():
+            for tensor_name, t in tensors.items():
                 if not t.is_contiguous():
-                    raise LiteVLMError(f"{path.name}: {name} must be bound to contiguous memory")
+                    raise LiteVLMError(f"{name}: {tensor_name} must be bound to contiguous memory")
                 if t.dtype not in ELEMENT_TYPES:
                     raise LiteVLMError(f"backend onnxruntime: {t.dtype} is not supported (float32 or float16)")
                 bind = self.binding.bind_input if kind == "input" else self.binding.bind_output
-                bind(name, device_type, device.index or 0, np.dtype(ELEMENT_TYPES[t.dtype]), tuple(t.shape),
+                bind(tensor_name, device_type, device.index or 0, np.dtype(ELEMENT_TYPES[t.dtype]), tuple(t.shape),
                      t.data_ptr())
 
     def run(self) -> None:
@@ -103,6 +111,24 @@ class Bundle:
         sizes["eagle_draft"] = tuple(sorted(graphs_of(self.manifest, "eagle_draft")))
         return sizes
 
+    def batch_graph(self) -> dict | None:
+        """The batched decode step's graph (one, with a dynamic batch dimension; its `buckets`
+        are the batch sizes it was exported and checked for), or None in a bundle without it."""
+        return next(iter(graphs_of(self.manifest, "decoder_batch").values()), None)
+
+    def batch_sizes(self, capacity: int) -> tuple[int, ...]:
+        """The batch buckets a runtime of `capacity` KV regions binds the batched graph at; () in
+        a bundle without one (runtime.batch_capacity gives such a runtime one region)."""
+        g = self.batch_graph()
+        return batch_sizes(tuple(g["buckets"]) if g else (), capacity, f"the bundle {self.dir}")
+
+    def graph_file(self, stage: str, bucket: int) -> str:
+        if stage == "decoder_batch":
+            g = self.batch_graph()
+            assert g is not None and bucket <= max(g["buckets"])
+            return g["file"]
+        return self.graphs(stage)[bucket]["file"]
+
 
 def bundle_path(rt) -> Path:
     bundle = rt.options.backend.bundle
@@ -118,8 +144,14 @@ def onnxruntime_engines(rt) -> Engines:
         raise LiteVLMError(f"backend onnxruntime: dtype {rt.options.dtype} is not supported (float32 or float16)")
     bundle = Bundle(rt, bundle_path(rt))
     threads = rt.options.threads()
+    sessions: dict[str, object] = {}
 
     def bind(stage, bucket, inputs, outputs):
-        return BoundGraph(bundle.dir / bundle.graphs(stage)[bucket]["file"], inputs, outputs, rt.device, threads)
+        file = bundle.graph_file(stage, bucket)
+        if file not in sessions:
+            sessions[file] = open_session(bundle.dir / file, rt.device, threads)
+        return BoundGraph(sessions[file], file, inputs, outputs, rt.device)
 
-    return bound_engines(rt, bundle.sizes(), bind, "onnxruntime")
+    sizes = bundle.sizes()
+    sizes["decoder_batch"] = bundle.batch_sizes(rt.arena.limits.batch)
+    return bound_engines(rt, sizes, bind, "onnxruntime")

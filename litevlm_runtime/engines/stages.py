@@ -7,6 +7,11 @@ outputs, the form every bound backend runs (ONNX export, TensorRT, CUDA graphs, 
   decoder     embeds [T, D], positions [T], mask_cache [T, S],
               mask_new [T, T], k_cache, v_cache [layers, kv, S, hd] -> hidden [T, D],
                                                                       k_new, v_new [layers, kv, T, hd]
+  decoder_batch embeds [B, D], positions [B], mask_cache [B, S],
+              mask_new [B, B], k_regions, v_regions [B, layers, kv, S, hd] -> hidden [B, D],
+                                                                      k_new, v_new [layers, kv, B, hd]
+              one batched decode step: row b over region b only (B is the graph's dynamic
+              batch dimension in the export; each backend runs it at fixed batch buckets)
   head        hidden [T, D]                                        -> logits [T, V]
   eagle_draft token_embeds, features [T, D], positions, the two masks,
               k_cache, v_cache [1, kv, S, hd]                      -> features_out [T, D], k_new, v_new
@@ -43,6 +48,20 @@ class DecoderStage(nn.Module):
 
     def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
         return self.lm(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
+
+
+class BatchDecoderStage(nn.Module):
+    """The batched decode step over the arena's KV regions (the decoder's own forward: each
+    layer reads its [B, Hkv, S, D] slice of the regions, models/decoder.py attend_batched)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, embeds, positions, mask_cache, mask_new, k_regions, v_regions):
+        # unbind(1): layer i's [B, Hkv, S, D], one split of the regions (a transpose to
+        # [layers, B, ...] would copy the whole cache in the exported graph first)
+        return self.lm(embeds, positions, mask_new, k_regions.unbind(1), v_regions.unbind(1), mask_cache)
 
 
 class PrefillStage(nn.Module):

@@ -14,7 +14,17 @@ TensorRT version and GPU it was built with). That check is plain Python (`check_
 Run: each bucket's execution context has its tensor addresses set once to the bound buffers
 (arena buffers where possible, see bound_stages.py), is launched with execute_async_v3 on the
 current CUDA stream once to initialise, then captured once in a CUDA graph; every later run is a
-graph replay.
+graph replay. An engine file is deserialized once and shared by its contexts (the step engines
+bound again over each KV region of a batch, the batched step's per-bucket contexts).
+
+The batched decode step (one ONNX graph with a dynamic batch dimension, exporter.py) becomes one
+engine with one optimization profile per batch bucket b_i: min = b_(i-1) + 1 (2 for the first),
+opt = max = b_i. The engine always runs padded to a bucket (bound_stages.py), so opt is exactly
+the shape it runs and its tactics are tuned for that; min below it lets a runtime with fewer KV
+regions than the bucket (serving.max_batch 3 against buckets 2, 4) run 3 in the 4-profile without
+a rebuild. Each bucket's context selects its profile and sets its input shapes once, before the
+capture. Additional profiles get `extra_memory_target = 0`: every profile reads the same weights,
+and a per-profile weight copy would hold a 2B decoder's weights once per bucket in GPU memory.
 
 TensorRT is imported lazily: nothing here needs it until an engine is built or loaded. Every
 TensorRT call is type-checked against the `tensorrt-stubs` package in CI
@@ -71,7 +81,38 @@ def engine_file(graph_file: str, precision: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- build
-def build_engine(onnx_path: Path, precision: str, logger: trt.ILogger) -> bytes:
+def batch_profiles(buckets: list[int]) -> list[tuple[int, int, int]]:
+    """(min, opt, max) batch sizes of the batched step engine's profile per bucket."""
+    sizes = sorted(buckets)
+    return [(prev + 1 if i else 2, b, b) for i, (prev, b) in enumerate(zip([1] + sizes, sizes))]
+
+
+def profile_of(buckets: list[int], size: int) -> int:
+    """The profile (index) a batch bucket of `size` rows runs in: the first whose range holds it."""
+    for i, (lo, _, hi) in enumerate(batch_profiles(buckets)):
+        if lo <= size <= hi:
+            return i
+    raise LiteVLMError(f"batched step: {size} rows is outside every profile {batch_profiles(buckets)}")
+
+
+def profile_shapes(graph: dict[str, Any]) -> list[dict[str, tuple[list[int], list[int], list[int]]]]:
+    """Per profile, each dynamic input's (min, opt, max) shape: the manifest's shape with the
+    `batch` axis set to the profile's sizes. [] for a graph with static shapes."""
+    if "buckets" not in graph:
+        return []
+    profiles = []
+    for sizes in batch_profiles(graph["buckets"]):
+        shapes = {}
+        for i in graph["inputs"]:
+            if "batch" in i["shape"]:
+                lo, opt, hi = ([n if d == "batch" else d for d in i["shape"]] for n in sizes)
+                shapes[i["name"]] = (lo, opt, hi)
+        profiles.append(shapes)
+    return profiles
+
+
+def build_engine(onnx_path: Path, precision: str, logger: trt.ILogger,
+                 profiles: list[dict[str, tuple[list[int], list[int], list[int]]]] | None = None) -> bytes:
     trt = import_tensorrt()
     builder = trt.Builder(logger)
     # Strongly typed: TensorRT 10.12 deprecated the weakly typed precision flags
@@ -84,6 +125,14 @@ def build_engine(onnx_path: Path, precision: str, logger: trt.ILogger) -> bytes:
         raise LiteVLMError(f"{onnx_path.name}: TensorRT could not parse the graph: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+    for i, shapes in enumerate(profiles or []):
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, trt.Dims(lo), trt.Dims(opt), trt.Dims(hi))
+        if i:
+            profile.extra_memory_target = 0.0          # the weights once, whatever the profile
+        if config.add_optimization_profile(profile) < 0:
+            raise LiteVLMError(f"{onnx_path.name}: TensorRT refused optimization profile {i} ({shapes})")
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise LiteVLMError(f"{onnx_path.name}: TensorRT failed to build a {precision} engine (see its log above)")
@@ -106,12 +155,15 @@ def build_engines(bundle: Path, precision: str, progress: Callable[[str], None] 
     gpu = gpu_identity()
     logger = trt.Logger(trt.Logger.WARNING)
     files = {}
-    graphs = [g for g in manifest["graphs"] if g["stage"] in ("vision", "prefill", "decoder", "head", "eagle_draft")]
+    graphs = [g for g in manifest["graphs"]
+              if g["stage"] in ("vision", "prefill", "decoder", "head", "eagle_draft", "decoder_batch")]
     for i, g in enumerate(graphs):
         t0 = time.perf_counter()
         name = engine_file(g["file"], precision)
-        (bundle / name).write_bytes(build_engine(bundle / g["file"], precision, logger))
+        (bundle / name).write_bytes(build_engine(bundle / g["file"], precision, logger, profile_shapes(g)))
         files[g["file"]] = {"engine": name, "sha256": sha256_file(bundle / name)}
+        if "buckets" in g:
+            files[g["file"]]["profiles"] = [list(p) for p in batch_profiles(g["buckets"])]
         progress(f"[{i + 1}/{len(graphs)}] {name:<28} {time.perf_counter() - t0:6.1f} s")
     manifest.setdefault("engines", {})[precision] = {
         "tensorrt": trt.__version__, "gpu": gpu, "precision": precision, "files": files,
@@ -156,32 +208,38 @@ def torch_dtypes() -> dict[trt.DataType, torch.dtype]:
 
 
 class CapturedEngine:
-    """One bucket's engine: addresses bound once, launched once, then captured and replayed."""
+    """One bucket's context: addresses bound once, launched once, then captured and replayed.
+    `profile`: the optimization profile of a dynamic engine (the batched step), whose input
+    shapes are set to the bound tensors' before anything runs."""
 
-    def __init__(self, runtime: trt.Runtime, path: Path, inputs: dict[str, torch.Tensor],
-                 outputs: dict[str, torch.Tensor], pool: _POOL_HANDLE):
-        engine = runtime.deserialize_cuda_engine(path.read_bytes())
-        if engine is None:
-            raise LiteVLMError(f"{path.name}: TensorRT could not deserialize the engine")
+    def __init__(self, engine: trt.ICudaEngine, name: str, inputs: dict[str, torch.Tensor],
+                 outputs: dict[str, torch.Tensor], pool: _POOL_HANDLE, profile: int | None = None):
         self.engine = engine
         self.context = engine.create_execution_context()
         self.tensors = {**inputs, **outputs}
         names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
         if names != set(self.tensors):
-            raise LiteVLMError(f"{path.name}: engine tensors {sorted(names)}, bound {sorted(self.tensors)}")
-        dtypes = torch_dtypes()
-        for name, t in self.tensors.items():
-            dims = engine.get_tensor_shape(name)     # Dims: indexable, not iterable
-            shape = tuple(dims[i] for i in range(len(dims)))
-            dtype = dtypes.get(engine.get_tensor_dtype(name))
-            if shape != tuple(t.shape) or dtype != t.dtype:
-                raise LiteVLMError(f"{path.name}: {name} is {shape} {dtype} in the engine, bound {tuple(t.shape)} {t.dtype}")
-            if not self.context.set_tensor_address(name, t.data_ptr()):
-                raise LiteVLMError(f"{path.name}: TensorRT refused the address of {name} (see its log above)")
+            raise LiteVLMError(f"{name}: engine tensors {sorted(names)}, bound {sorted(self.tensors)}")
         stream = torch.cuda.current_stream()
+        if profile is not None:
+            if not self.context.set_optimization_profile_async(profile, stream.cuda_stream):
+                raise LiteVLMError(f"{name}: TensorRT refused optimization profile {profile}")
+            for tensor_name, t in inputs.items():
+                if not self.context.set_input_shape(tensor_name, tuple(t.shape)):
+                    raise LiteVLMError(f"{name}: {tensor_name} {tuple(t.shape)} is outside profile {profile}")
+        dtypes = torch_dtypes()
+        for tensor_name, t in self.tensors.items():
+            dims = self.context.get_tensor_shape(tensor_name)     # Dims: indexable, not iterable; resolved
+            shape = tuple(dims[i] for i in range(len(dims)))
+            dtype = dtypes.get(engine.get_tensor_dtype(tensor_name))
+            if shape != tuple(t.shape) or dtype != t.dtype:
+                raise LiteVLMError(f"{name}: {tensor_name} is {shape} {dtype} in the engine, bound "
+                                   f"{tuple(t.shape)} {t.dtype}")
+            if not self.context.set_tensor_address(tensor_name, t.data_ptr()):
+                raise LiteVLMError(f"{name}: TensorRT refused the address of {tensor_name} (see its log above)")
         # The first launch does TensorRT's lazy initialisation, which must not happen under capture.
         if not self.context.execute_async_v3(stream.cuda_stream):
-            raise LiteVLMError(f"{path.name}: execute_async_v3 failed")
+            raise LiteVLMError(f"{name}: execute_async_v3 failed")
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
@@ -203,13 +261,24 @@ def tensorrt_engines(rt: Any) -> Engines:
     record = check_engines(bundle.manifest, bundle.dir, precision, trt.__version__, gpu_identity())
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     pool = torch.cuda.graph_pool_handle()
+    engines: dict[str, trt.ICudaEngine] = {}       # one deserialized engine per file, shared by its contexts
 
     def bind(stage: str, bucket: int, inputs: dict[str, torch.Tensor],
              outputs: dict[str, torch.Tensor]) -> CapturedEngine:
-        graph = bundle.graphs(stage)[bucket]["file"]
-        return CapturedEngine(runtime, bundle.dir / record["files"][graph]["engine"], inputs, outputs, pool)
+        graph = bundle.graph_file(stage, bucket)
+        path = bundle.dir / record["files"][graph]["engine"]
+        if graph not in engines:
+            engine = runtime.deserialize_cuda_engine(path.read_bytes())
+            if engine is None:
+                raise LiteVLMError(f"{path.name}: TensorRT could not deserialize the engine")
+            engines[graph] = engine
+        batch = bundle.batch_graph() if stage == "decoder_batch" else None
+        profile = profile_of(batch["buckets"], bucket) if batch is not None else None
+        return CapturedEngine(engines[graph], path.name, inputs, outputs, pool, profile)
 
     sizes = bundle.sizes()
     sizes["eagle_draft"] = tuple(t for t in sizes["eagle_draft"] if any(
         g == bundle.graphs("eagle_draft")[t]["file"] for g in record["files"]))   # only draft graphs with engines
+    batch = bundle.batch_graph()
+    sizes["decoder_batch"] = bundle.batch_sizes(rt.arena.limits.batch) if batch and batch["file"] in record["files"] else ()
     return bound_engines(rt, sizes, bind, "tensorrt")

@@ -7,7 +7,7 @@ after their graph has run: bound_stages.py).
 
 from __future__ import annotations
 
-from .base import DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
+from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 
 
 class TorchVision(VisionEngine):
@@ -40,16 +40,20 @@ class TorchDecoder(DecoderEngine):
         self.v_cache.index_copy_(2, slots, v)
         return hidden
 
+    def on_region(self, k_cache, v_cache):
+        return TorchDecoder(self.lm, k_cache, v_cache)
 
-class TorchBatchDecoder:
+
+class TorchBatchDecoder(BatchDecoderEngine):
     """The batched decode step (batching.py) over the arena's KV regions [batch, layers, Hkv, S,
     D]: row b is region b's next token; each row reads the first L columns of its own region
-    and its K/V row is stored at its own slot there."""
+    and its K/V row is stored at its own slot there. Any row count up to the arena's batch."""
 
     backend = "torch"
 
     def __init__(self, lm, k_regions, v_regions, region_ids):
         self.lm, self.k_regions, self.v_regions, self.region_ids = lm, k_regions, v_regions, region_ids
+        self.sizes = tuple(range(2, k_regions.shape[0] + 1))
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
         """embeds [B, D], positions [B], slots [B] (within each region), mask_cache [B, L],
@@ -58,10 +62,15 @@ class TorchBatchDecoder:
         k_view = self.k_regions[:b, :, :, :live].transpose(0, 1)          # [layers, B, Hkv, L, D]
         v_view = self.v_regions[:b, :, :, :live].transpose(0, 1)
         hidden, k, v = self.lm(embeds, positions, mask_new, k_view, v_view, mask_cache)
-        regions = self.region_ids[:b]
-        self.k_regions[regions, :, :, slots] = k.permute(2, 0, 1, 3)       # [B, layers, Hkv, D]
-        self.v_regions[regions, :, :, slots] = v.permute(2, 0, 1, 3)
+        store_batched(self.k_regions, self.v_regions, self.region_ids[:b], slots, k, v)
         return hidden
+
+
+def store_batched(k_regions, v_regions, regions, slots, k, v) -> None:
+    """A batched step's new rows k, v [layers, Hkv, B, D] into k_regions, v_regions [batch,
+    layers, Hkv, S, D]: row b at slot slots[b] of region regions[b]."""
+    k_regions[regions, :, :, slots] = k.permute(2, 0, 1, 3)                  # [B, layers, Hkv, D]
+    v_regions[regions, :, :, slots] = v.permute(2, 0, 1, 3)
 
 
 class TorchHead(HeadEngine):
@@ -96,4 +105,5 @@ def torch_engines(rt) -> Engines:
         decoder=TorchDecoder(rt.lm, a.k_cache, a.v_cache),
         head=TorchHead(rt.lm),
         draft=TorchDraft(rt.draft, a.draft_k, a.draft_v) if rt.draft is not None else None,
+        batch=TorchBatchDecoder(rt.lm, a.k_regions, a.v_regions, a.slots) if a.limits.batch > 1 else None,
     )

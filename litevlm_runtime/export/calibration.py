@@ -50,7 +50,7 @@ METHODS = ("entropy", "max")
 # ModelOpt's LLM PTQ configurations leave `lm_head` unquantized (greedy decoding reads its argmax
 # directly); graphs of stages the PyTorch pipeline runs itself (EAGLE draft, view selector) are
 # carried over unchanged.
-QUANTIZED_STAGES = ("vision", "prefill", "decoder")
+QUANTIZED_STAGES = ("vision", "prefill", "decoder", "decoder_batch")
 MAX_SAMPLE_BYTES = 1 << 30          # per graph: a decoder sample carries the whole KV cache
 
 
@@ -202,8 +202,9 @@ class SamplesReader:
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
 
 
-def weight_nodes(path: Path) -> list[str]:
-    """MatMul/Gemm/Conv nodes with a weight (initializer) operand, as anchored name patterns.
+def weight_nodes(path: Path, only: set[str] | None = None) -> list[str]:
+    """MatMul/Gemm/Conv nodes with a weight (initializer) operand, as anchored name patterns
+    (`only`: those whose weight is one of these initializers).
 
     Only these are quantized: activation x activation products (attention scores over the KV
     cache, probabilities x values) are left in full precision, because their calibrated ranges
@@ -217,16 +218,19 @@ def weight_nodes(path: Path) -> list[str]:
     model = onnx.load(str(path), load_external_data=False)
     weights = {t.name for t in model.graph.initializer}
     # Weights may also reach a MatMul through a Transpose/Cast of an initializer or a Constant.
-    constants = set(weights) | {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    origin = {w: w for w in weights} | {o: o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     for n in model.graph.node:
-        if n.op_type in ("Transpose", "Cast", "Identity", "Reshape") and n.input and n.input[0] in constants:
-            constants.update(n.output)
+        if n.op_type in ("Transpose", "Cast", "Identity", "Reshape") and n.input and n.input[0] in origin:
+            origin.update({o: origin[n.input[0]] for o in n.output})
     return [f"^{re.escape(n.name)}$" for n in model.graph.node
-            if n.op_type in QUANTIZED_OPS and any(i in constants for i in n.input)]
+            if n.op_type in QUANTIZED_OPS and any(i in origin and (only is None or origin[i] in only) for i in n.input)]
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str, np.ndarray]],
-                   method: str = "entropy", export_dtype: str = "float32", weights_file: str | None = None) -> None:
+                   method: str = "entropy", export_dtype: str = "float32", weights_file: str | None = None,
+                   only: set[str] | None = None) -> None:
+    """`only`: quantize just the products of these weights (the batched step: those quantized in
+    the single decode step), whatever their shape."""
     try:
         from modelopt.onnx.quantization import quantize
     except ImportError as exc:
@@ -251,22 +255,22 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
             shutil.copy2(src, work)
             for weights in own:
                 shutil.copy2(weights, Path(scratch) / weights.name)
-            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype)
+            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype, only)
     except Exception as exc:
         raise LiteVLMError(f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}") from exc
     if not dst.is_file():
         raise LiteVLMError(f"{src.name}: ModelOpt wrote no quantized graph")
 
 
-def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype):
+def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype, only=None):
     quantize(str(src), quantize_mode=precision, calibration_data_reader=SamplesReader(samples),
-             nodes_to_quantize=weight_nodes(src),
+             nodes_to_quantize=weight_nodes(src, only),
              calibration_method=method, calibration_eps=["cpu"],
              high_precision_dtype={"float16": "fp16", "bfloat16": "bf16"}.get(export_dtype, "fp32"), output_path=str(dst), log_level="ERROR",
              use_external_data_format=model_bytes > (1 << 31) - (1 << 28),
              # ModelOpt skips GEMV-shaped products (a decode step's T=1 rows) because TensorRT
              # runs them no faster in INT8; on the CPU they are the memory-bound part INT8 helps.
-             enable_gemv_detection_for_trt=(precision == "fp8"))
+             enable_gemv_detection_for_trt=(precision == "fp8" and only is None))
 
 
 ROW_INPUTS = {"vision": ("pixels",), "decoder": ("embeds", "positions", "mask_cache", "mask_new"),
@@ -300,9 +304,35 @@ def fit_sample(stage: str, sample: dict[str, np.ndarray], rows: int) -> dict[str
     return out
 
 
+def batched_samples(graph: dict, manifest: dict, recorder: Recorder) -> tuple[list, str]:
+    """Calls of the batched step (calibration answers one query at a time, so none are
+    recorded) made of recorded single-row decode steps, as in-flight batching presents them:
+    B of them side by side, each row with its own history in its own KV region, the identity
+    as mask_new. B: the graph's largest bucket; every recorded step is used once (cycled to
+    fill the last batch)."""
+    ones = [g for g in manifest["graphs"] if g["stage"] == "decoder" and g["bucket"] == 1]
+    steps = recorder.samples.get(ones[0]["file"]) if ones else None
+    if not steps:
+        raise LiteVLMError("calibration traffic never reached a single-row decode step: answer longer questions")
+    b = max(graph["buckets"])
+    samples = []
+    for start in range(0, len(steps), b):
+        rows = [steps[(start + i) % len(steps)] for i in range(b)]
+        samples.append({"embeds": np.concatenate([r["embeds"] for r in rows]),
+                        "positions": np.concatenate([r["positions"] for r in rows]),
+                        "mask_cache": np.concatenate([r["mask_cache"] for r in rows]),
+                        "mask_new": np.eye(b, dtype=bool),
+                        "k_regions": np.stack([r["k_cache"] for r in rows]),
+                        "v_regions": np.stack([r["v_cache"] for r in rows])})
+    return samples, f"calls of {ones[0]['file']}, {b} per batched call"
+
+
 def samples_for(graph: dict, manifest: dict, recorder: Recorder) -> tuple[list, str]:
     """The graph's own recorded calls; for a bucket the traffic never reached, the calls of the
-    same stage's nearest bucket (largest first), fitted to this one."""
+    same stage's nearest bucket (largest first), fitted to this one; for the batched step,
+    single-row decode steps side by side."""
+    if graph["stage"] == "decoder_batch":
+        return batched_samples(graph, manifest, recorder)
     own = recorder.samples.get(graph["file"])
     if own:
         return own, "own calls"
@@ -313,6 +343,74 @@ def samples_for(graph: dict, manifest: dict, recorder: Recorder) -> tuple[list, 
     src = siblings[0]
     return ([fit_sample(graph["stage"], s, graph["bucket"]) for s in recorder.samples[src["file"]]],
             f"calls of {src['file']} fitted to {graph['bucket']}")
+
+
+def onnx_graph(path: Path):
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def activation_scales(graph) -> dict[str, list[str]]:
+    """Per quantized weight product of a Q/DQ graph: weight initializer -> the (scale, zero point)
+    initializers of the QuantizeLinear on its activation input."""
+    made_by = {o: n for n in graph.node for o in n.output}
+    weights = {t.name for t in graph.initializer}
+    found = {}
+    for n in graph.node:
+        if n.op_type not in QUANTIZED_OPS:
+            continue
+        # QuantizeLinear / DequantizeLinear, or TensorRT's FP8 forms (TRT_FP8QuantizeLinear ...)
+        quantized = [made_by.get(made_by[i].input[0]) if i in made_by and made_by[i].op_type.endswith("DequantizeLinear")
+                     else None for i in n.input[:2]]
+        if any(q is None or not q.op_type.endswith("QuantizeLinear") for q in quantized):
+            continue
+        weight = [q for q in quantized if q.input[0] in weights]
+        activation = [q for q in quantized if q.input[0] not in weights]
+        if len(weight) == 1 and len(activation) == 1:
+            found[weight[0].input[0]] = list(activation[0].input[1:3])
+    return found
+
+
+def share_activation_scales(source: Path, target: Path) -> int:
+    """The batched step quantized with the single decode step's activation scales, product by
+    product (matched by weight): each row of a batch is then quantized exactly as the same
+    query's step alone, so batching changes no rounding (its own calibration on the same rows
+    gave other scales, and greedy answers that differed from the one-at-a-time ones). Weight
+    scales are per channel from the weights, the same in both already. Returns how many."""
+    import onnx
+    from onnx import numpy_helper
+
+    src = onnx_graph(source)
+    dst = onnx.load(str(target), load_external_data=False)
+    values = {t.name: t for t in src.initializer}
+    theirs, ours = activation_scales(src), activation_scales(dst.graph)
+    if set(theirs) != set(ours):
+        raise LiteVLMError(f"{target.name}: quantized products differ from {source.name}'s "
+                           f"({sorted(set(theirs) ^ set(ours))[:4]})")
+    by_name = {t.name: t for t in dst.graph.initializer}
+    for weight, names in ours.items():
+        for name, src_name in zip(names, theirs[weight]):
+            by_name[name].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(values[src_name]), name))
+    onnx.save(dst, str(target))
+    return len(ours)
+
+
+def quantize_batched_step(src_bundle: Path, out: Path, graph: dict, step: dict, manifest: dict, recorder: Recorder,
+                          precision: str, method: str) -> tuple[list, str] | None:
+    """The batched step quantized as the single decode step `step` (already quantized in `out`)
+    is: the same products (by weight), then the same activation scales, so that each row of a
+    batch rounds as the same query's step alone. Returns (samples, source), or None when the
+    step has no quantized product (the batched step then stays as exported: what the step
+    computes)."""
+    only = set(activation_scales(onnx_graph(out / step["file"])))
+    if not only:
+        return None
+    samples, source = batched_samples(graph, manifest, recorder)
+    quantize_graph(src_bundle / graph["file"], out / graph["file"], precision, samples, method, manifest["dtype"],
+                   graph.get("weights"), only)
+    shared = share_activation_scales(out / step["file"], out / graph["file"])
+    return samples, f"{source}; activation scales of {step['file']} ({shared} products)"
 
 
 def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recorder, calibration_info: dict,
@@ -326,16 +424,29 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
     weights = {}
     for i, g in enumerate(manifest["graphs"]):
         t0 = time.perf_counter()
-        if g["stage"] not in QUANTIZED_STAGES:
+
+        def keep(why: str = "", label: str = manifest["dtype"]) -> None:
             shutil.copy2(src_bundle / g["file"], out / g["file"])
             shutil.copy2(src_bundle / g["weights"], out / g["weights"])
             weights[g["weights"]] = sha256_file(out / g["weights"])
-            graphs.append(dict(g, precision=manifest["dtype"]))
-            progress(f"[quantize {i + 1}/{len(manifest['graphs'])}] {g['file']:<18} kept in {manifest['dtype']}")
+            graphs.append(dict(g, precision=label))
+            progress(f"[quantize {i + 1}/{len(manifest['graphs'])}] {g['file']:<18} kept in {manifest['dtype']}{why}")
+
+        if g["stage"] not in QUANTIZED_STAGES:
+            keep()
             continue
-        samples, source = samples_for(g, manifest, recorder)
-        quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
-                       manifest["dtype"], g.get("weights"))
+        if g["stage"] == "decoder_batch":
+            step = next(s for s in graphs if s["stage"] == "decoder" and s["bucket"] == 1)
+            done = quantize_batched_step(src_bundle, out, g, step, manifest, recorder, precision,
+                                         calibration_info["method"])
+            if done is None:          # FP8: ModelOpt leaves a 1-row step's GEMV-shaped products to TensorRT
+                keep(f" (as {step['file']}: no product quantized there)", precision)
+                continue
+            samples, source = done
+        else:
+            samples, source = samples_for(g, manifest, recorder)
+            quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
+                           manifest["dtype"], g.get("weights"))
         entry = dict(g, sha256=sha256_file(out / g["file"]), calibration_samples=len(samples), precision=precision,
                      calibration_source=source, calibration_calls=recorder.calls.get(g["file"], 0))
         entry.pop("weights", None)

@@ -7,6 +7,14 @@ model folder has one, the view selector: ids, pad_mask [1, L] -> logits [1, came
 over the old cache and the new rows is one softmax written as grouped matmuls (no `enable_gqa`,
 which does not export).
 
+The batched decode step (`decoder_batch`, when the buckets have batch sizes) is one graph with a
+dynamic batch dimension B in [2, largest batch bucket], not one graph per bucket: ONNX Runtime
+then opens one session (its weights loaded once) bound at each batch bucket, and TensorRT builds
+one engine (weights once) with an optimization profile per bucket (tensorrt_engine.py), where
+per-bucket graphs would hold a 2B decoder's weights once per bucket in memory. Every backend
+still runs it at fixed bucket shapes on bound buffers; the manifest lists the buckets it was
+exported and verified for, and a runtime with fewer KV regions binds it at its own size.
+
 Weights are stored once per stage (`<stage>.weights`, ONNX external data) and shared by the
 stage's bucket graphs, so more buckets cost graph bytes, not weight bytes.
 """
@@ -25,7 +33,7 @@ from torch import nn
 from ..engines.buckets import Buckets, check_fits, default_buckets
 from ..engines.bundle import FORMAT_VERSION, MANIFEST, checkpoint_hash, write_manifest
 from ..engines.onnxruntime_engine import onnxruntime_engines
-from ..engines.stages import DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
+from ..engines.stages import BatchDecoderStage, DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from ..engines.torch_engine import torch_engines
 from ..errors import LiteVLMError
 from ..options import BackendName
@@ -45,6 +53,10 @@ class GraphSpec:
     module: nn.Module
     inputs: dict[str, torch.Tensor]
     outputs: list[str]
+    # input name -> {axis: name} of its dynamic axes (the batched step's B), with the sizes the
+    # graph is exported for (`buckets`); None: every shape static, the one bucket
+    dynamic: dict[str, dict[int, str]] | None = None
+    buckets: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -79,9 +91,29 @@ def stage_specs(rt, buckets: Buckets) -> list[GraphSpec]:
             "k_cache": torch.randn_like(a.k_cache),
             "v_cache": torch.randn_like(a.v_cache),
         }, ["hidden", "k_new", "v_new"]))
+    if buckets.batch:
+        specs.append(batch_spec(rt, buckets.batch))
     for t in buckets.head:
         specs.append(GraphSpec("head", t, head, {"hidden": torch.randn(t, d, dtype=dtype, device=dev)}, ["logits"]))
     return specs
+
+
+def batch_spec(rt, sizes: tuple[int, ...]) -> GraphSpec:
+    """The batched decode step, traced at its largest bucket with B dynamic; example rows of
+    different lengths (row b sees the first 4 + b columns of region b)."""
+    a, dev, dt = rt.arena, rt.device, rt.dtype
+    b, d = max(sizes), rt.cfg.llm.hidden_size
+    regions = (b, *a.k_regions.shape[1:])
+    mask_cache = torch.zeros(b, a.max_len, dtype=torch.bool, device=dev)
+    for row in range(b):
+        mask_cache[row, :4 + row] = True
+    inputs = {"embeds": torch.randn(b, d, dtype=dt, device=dev), "positions": torch.arange(b, device=dev) + 4,
+              "mask_cache": mask_cache, "mask_new": torch.eye(b, dtype=torch.bool, device=dev),
+              "k_regions": torch.randn(regions, dtype=dt, device=dev), "v_regions": torch.randn(regions, dtype=dt, device=dev)}
+    dynamic = {name: {0: "batch"} for name in inputs}
+    dynamic["mask_new"] = {0: "batch", 1: "batch"}
+    return GraphSpec("decoder_batch", b, BatchDecoderStage(rt.lm).eval(), inputs, ["hidden", "k_new", "v_new"],
+                     dynamic=dynamic, buckets=tuple(sizes))
 
 
 def example_mask_cache(rows: int, columns: int, device) -> torch.Tensor:
@@ -167,12 +199,16 @@ def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
 
     tmp = path.with_suffix(".tmp.onnx")
     names = list(spec.inputs)
+    dynamic_shapes = None
+    if spec.dynamic:
+        dim = torch.export.Dim("batch", min=2, max=max(spec.buckets))
+        dynamic_shapes = tuple({axis: dim for axis in spec.dynamic.get(n, {})} or None for n in names)
     with torch.no_grad():
         # optimize=False: onnxscript's graph optimizer (0.7.2) miscompiles the prefill graph
         # (hidden states off by 80% relative; measured, see tests/test_export.py). ONNX Runtime and
         # TensorRT optimize the graph themselves when they load it.
         program = torch.onnx.export(spec.module, tuple(spec.inputs.values()), dynamo=True,
-                                    input_names=names, output_names=spec.outputs,
+                                    input_names=names, output_names=spec.outputs, dynamic_shapes=dynamic_shapes,
                                     optimize=False, verbose=False, external_data=False)
         if program is None:
             raise LiteVLMError(f"{spec.name}: torch.onnx.export returned nothing")
@@ -189,13 +225,26 @@ def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
     if graph_inputs != names or graph_outputs != spec.outputs:
         raise LiteVLMError(f"{spec.name}: exported names {graph_inputs} -> {graph_outputs}, "
                            f"expected {names} -> {spec.outputs}")
-    return {
+    entry = {
         "stage": spec.stage, "bucket": spec.bucket, "file": path.name, "weights": weights.location,
-        "inputs": [{"name": n, "shape": list(t.shape), "dtype": TORCH_TO_ONNX_DTYPE[t.dtype]}
-                   for n, t in spec.inputs.items()],
-        "outputs": [{"name": n, "shape": list(t.shape), "dtype": TORCH_TO_ONNX_DTYPE[t.dtype]}
-                    for n, t in zip(spec.outputs, outputs)],
+        "inputs": [{"name": n, "shape": graph_shape(t.shape, spec.dynamic and spec.dynamic.get(n)),
+                    "dtype": TORCH_TO_ONNX_DTYPE[t.dtype]} for n, t in spec.inputs.items()],
+        "outputs": [{"name": n, "shape": graph_shape(t.shape, spec.dynamic and BATCH_OUTPUT_AXES.get(n)),
+                     "dtype": TORCH_TO_ONNX_DTYPE[t.dtype]} for n, t in zip(spec.outputs, outputs)],
     }
+    if spec.dynamic:
+        entry["buckets"] = list(spec.buckets)
+    return entry
+
+
+# The batched step's outputs: hidden [B, D], k_new / v_new [layers, Hkv, B, hd].
+BATCH_OUTPUT_AXES = {"hidden": {0: "batch"}, "k_new": {2: "batch"}, "v_new": {2: "batch"}}
+
+
+def graph_shape(shape, axes: dict[int, str] | None) -> list:
+    """A tensor's shape in the manifest: its dynamic axes by name ("batch"), the rest as sizes."""
+    axes = axes or {}
+    return [axes.get(i, size) for i, size in enumerate(shape)]
 
 
 OPTIONAL_STAGES = {
@@ -213,6 +262,10 @@ def optional_stage_status() -> dict[str, str]:
         status[stage] = (f"not exported: {module} exists but has no static-shape export form yet (runs in PyTorch)"
                          if found else f"not present ({module} does not exist in this checkout)")
     return status
+
+
+# The batched step has the decode step's parameters under the same names: one weights file.
+WEIGHT_GROUPS = {"decoder_batch": "decoder"}
 
 
 def export_bundle(rt, out: Path, buckets: Buckets | None = None,
@@ -242,9 +295,10 @@ def export_bundle(rt, out: Path, buckets: Buckets | None = None,
     t_all = time.perf_counter()
     for i, spec in enumerate(specs):
         t0 = time.perf_counter()
-        if spec.stage not in weights:
-            weights[spec.stage] = SharedWeights(out, spec.stage)
-        entry = export_graph(spec, out / f"{spec.name}.onnx", weights[spec.stage])
+        group = WEIGHT_GROUPS.get(spec.stage, spec.stage)
+        if group not in weights:
+            weights[group] = SharedWeights(out, group)
+        entry = export_graph(spec, out / f"{spec.name}.onnx", weights[group])
         graphs.append(entry)
         progress(f"[{i + 1}/{len(specs)}] {spec.name:<18} {time.perf_counter() - t0:6.1f} s")
     for entry in graphs:
@@ -280,7 +334,8 @@ def export_bundle(rt, out: Path, buckets: Buckets | None = None,
 def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
     """Every bucket of every stage through the bundle's graphs (ONNX Runtime) and through the
     PyTorch stage, on the same random inputs; returns the relative errors
-    max |onnx - torch| / max |torch| of each output (decoder: hidden states and the stored K/V)."""
+    max |onnx - torch| / max |torch| of each output (decoder: hidden states and the stored K/V;
+    the batched step at each batch bucket the runtime binds, and once with a padding row)."""
     from dataclasses import replace
 
 
@@ -316,8 +371,38 @@ def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
             out[name] = (hidden, a.k_cache[:, :, slots].clone(), a.v_cache[:, :, slots].clone())
         for i, output in enumerate(("hidden", "k rows", "v rows")):
             rows.append({"stage": stage, "bucket": t, "output": output, "rel_error": rel(out["onnx"][i], out["torch"][i])})
+    rows += verify_batched(rt, ref, ort, rand, rel)
     for t in ort.head.sizes:
         hidden = rand(t, d)
         want = ref.head.run(hidden=hidden).clone()
         rows.append({"stage": "head", "bucket": t, "output": "logits", "rel_error": rel(ort.head.run(hidden=hidden), want)})
+    return rows
+
+
+def verify_batched(rt, ref, ort, rand, rel) -> list[dict]:
+    """The batched step (ONNX Runtime) against eager torch's (TorchBatchDecoder) over random KV
+    regions: rows of different histories, each over its own region; at every batch bucket, and
+    one row short of the largest (a padding row that must see only itself and store nothing)."""
+    if ort.batch is None or ref.batch is None:
+        return []
+    a, d = rt.arena, rt.cfg.llm.hidden_size
+    sizes = ort.batch.sizes
+    calls = [(b, b) for b in sizes] + ([(max(sizes), max(sizes) - 1)] if max(sizes) > 2 else [])
+    rows = []
+    for bucket, t in calls:
+        history = torch.tensor([16 + 5 * r for r in range(t)])
+        live = int(history.max())
+        mask_cache = torch.arange(live)[None, :] < history[:, None]           # row r sees its own history only
+        embeds, positions, slots = rand(t, d), history + 3, history
+        mask_new = torch.eye(t, dtype=torch.bool)
+        regions = (rand(*a.k_regions.shape), rand(*a.v_regions.shape))
+        out = {}
+        for name, engines in (("torch", ref), ("onnx", ort)):
+            a.k_regions.copy_(regions[0])
+            a.v_regions.copy_(regions[1])
+            hidden = engines.batch.step(embeds, positions, slots, mask_cache, mask_new).clone()
+            out[name] = (hidden, a.k_regions.clone(), a.v_regions.clone())
+        for i, output in enumerate(("hidden", "k regions", "v regions")):
+            rows.append({"stage": "decoder_batch", "bucket": bucket, "rows": t, "output": output,
+                         "rel_error": rel(out["onnx"][i], out["torch"][i])})
     return rows

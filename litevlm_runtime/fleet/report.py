@@ -75,23 +75,32 @@ def _plots(cmp: Comparison, out: Path) -> dict[str, str]:
 
     made = {}
     colors = {"A": "#1a73e8", "B": "#e8710a"}
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+        made[name] = f"{name}.png"
+
+    def side_by_side(ax, labels: list[str], values: dict[str, list[float]], ylabel: str, title: str, **ticks) -> None:
+        """A's and B's bars side by side for each label."""
+        x = np.arange(len(labels))
+        for off, name in ((-0.2, "A"), (0.2, "B")):
+            ax.bar(x + off, values[name], 0.4, label=name, color=colors[name])
+        ax.set_xticks(x, labels, **ticks)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+
     # per-stage p50 / p99
     stages = [r for r in cmp.latency if r["A_p50"] is not None and r["B_p50"] is not None]
     if stages:
         fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
-        x = np.arange(len(stages))
         for ax, q in zip(axes, ("p50", "p99")):
-            ax.bar(x - 0.2, [r[f"A_{q}"] for r in stages], 0.4, label="A", color=colors["A"])
-            ax.bar(x + 0.2, [r[f"B_{q}"] for r in stages], 0.4, label="B", color=colors["B"])
-            ax.set_xticks(x, [r["stage"] for r in stages], rotation=20)
-            ax.set_ylabel("ms")
-            ax.set_title(f"latency {q} per stage (ok answers)")
-            ax.legend()
-            ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "latency_stages.png", dpi=100)
-        plt.close(fig)
-        made["latency_stages"] = "latency_stages.png"
+            side_by_side(ax, [r["stage"] for r in stages], {n: [r[f"{n}_{q}"] for r in stages] for n in colors},
+                         "ms", f"latency {q} per stage (ok answers)", rotation=20)
+        save(fig, "latency_stages")
     # total latency distribution
     totals = {s.name: sorted(r["total_ms"] for r in s.rows.values() if r["status"] == "ok") for s in (cmp.a, cmp.b)}
     if all(totals.values()):
@@ -103,28 +112,16 @@ def _plots(cmp: Comparison, out: Path) -> dict[str, str]:
         ax.set_title("total latency, cumulative")
         ax.grid(alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "latency_cdf.png", dpi=100)
-        plt.close(fig)
-        made["latency_cdf"] = "latency_cdf.png"
+        save(fig, "latency_cdf")
     # accuracy per category
     cats = [c for c in cmp.categories if c.get("A", {}).get("accuracy") is not None
             or c.get("B", {}).get("accuracy") is not None]
     if cats:
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        x = np.arange(len(cats))
-        for off, name in ((-0.2, "A"), (0.2, "B")):
-            ax.bar(x + off, [c.get(name, {}).get("accuracy") or 0 for c in cats], 0.4, label=name, color=colors[name])
-        ax.set_xticks(x, [c["category"] for c in cats])
+        side_by_side(ax, [c["category"] for c in cats], {n: [c.get(n, {}).get("accuracy") or 0 for c in cats] for n in colors},
+                     "accuracy", f"accuracy per question type ({cmp.rules} rules)")
         ax.set_ylim(0, 1)
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"accuracy per question type ({cmp.rules} rules)")
-        ax.legend()
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "accuracy_categories.png", dpi=100)
-        plt.close(fig)
-        made["accuracy_categories"] = "accuracy_categories.png"
+        save(fig, "accuracy_categories")
     # drives: p99 ratio
     drives = [d for d in cmp.drives if d["p99_ratio"] is not None][:30]
     if drives:
@@ -136,10 +133,7 @@ def _plots(cmp: Comparison, out: Path) -> dict[str, str]:
         ax.set_yticks(y, [d["bag"] for d in drives], fontsize=8)
         ax.set_xlabel("p99 total, B / A")
         ax.set_title("drives by latency regression")
-        fig.tight_layout()
-        fig.savefig(out / "drives.png", dpi=100)
-        plt.close(fig)
-        made["drives"] = "drives.png"
+        save(fig, "drives")
     return made
 
 

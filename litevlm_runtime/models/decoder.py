@@ -34,9 +34,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Upstream's order: normalise in float32, back to x's dtype, then the weight (F.rms_norm is
+        # the same normalisation as one operator; its own weight product would round differently
+        # in bf16/fp16).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -92,13 +93,34 @@ def attend_batched(q, k, v, mask_new, k_cache, v_cache, mask_cache) -> torch.Ten
     [B, Hkv, D], over its own KV region k_cache[b], v_cache[b] [Hkv, L, D] under mask_cache[b]
     [L] and its own new row (mask_new [B, B] is the identity: queries never see each other).
     Returns [B, Hq*D]. The same attention `attend` computes for one query, B of them in one
-    kernel, each over L columns (a packed [B, B*L] mask would cost B times more)."""
+    kernel, each over L columns (a packed [B, B*L] mask would cost B times more). As in
+    `attend`, eager PyTorch runs SDPA and an export or torch.compile the grouped matmuls
+    (`attend_batched_grouped`), which never copy the region into a concatenation."""
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        return attend_batched_grouped(q, k, v, mask_new, k_cache, v_cache, mask_cache)
     b = q.shape[0]
     keys = torch.cat([k_cache, k[:, :, None]], 2)                              # [B, Hkv, L + 1, D]
     values = torch.cat([v_cache, v[:, :, None]], 2)
     allowed = torch.cat([mask_cache, mask_new.diagonal()[:, None]], -1)[:, None, None, :]   # [B, 1, 1, L + 1]
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed, enable_gqa=True)
     return out.reshape(b, -1)
+
+
+def attend_batched_grouped(q, k, v, mask_new, k_cache, v_cache, mask_cache) -> torch.Tensor:
+    """`attend_batched` written as grouped matmuls and one explicit softmax (the exported and
+    compiled batched step): q [B, Hq, D], k, v [B, Hkv, D], k_cache, v_cache [B, Hkv, L, D],
+    mask_cache [B, L], mask_new [B, B] (its diagonal: each row's own new key) -> [B, Hq*D].
+    Query head h reads KV head h // group, as `grouped` lays them out."""
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k_cache.shape[2]
+    qg = (q * (1.0 / math.sqrt(d))).view(b, hkv, hq // hkv, d)                 # [B, Hkv, group, D]
+    own = (qg * k[:, :, None]).sum(-1, keepdim=True)                            # [B, Hkv, group, 1]
+    scores = torch.cat([qg @ k_cache.transpose(-1, -2), own], dim=-1)          # [B, Hkv, group, L + 1]
+    allowed = torch.cat([mask_cache, mask_new.diagonal()[:, None]], -1)[:, None, None, :]
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+    out = probs[..., :s] @ v_cache + probs[..., s:] * v[:, :, None]            # [B, Hkv, group, D]
+    return out.reshape(b, hq * d)
 
 
 def attend_grouped(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> torch.Tensor:

@@ -41,6 +41,11 @@ class RotaryTable(nn.Module):
     Kept in float32 whatever dtype the model is moved to (`.to(dtype)` moves the tables to the
     device only). One table serves the decoder, the token selector and the EAGLE-2 head of a
     pipeline: it is built once, at the arena's max_len, and shared.
+
+    `forward(positions)` gives the factors `apply_rope` multiplies by, [T, 1, D] (one row per
+    position, broadcast over heads): cos, and sin with rotate-half's sign folded in ([-sin, +sin]
+    over the two halves), so that a layer applies RoPE with no cat, neg or unsqueeze of its own
+    (a decode step runs it twice per layer: fewer operators, the same numbers to the bit).
     """
 
     def __init__(self, cfg: LLMConfig, max_len: int):
@@ -59,10 +64,12 @@ class RotaryTable(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        half = dim // 2
+        self.register_buffer("sin_signed", torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1), persistent=False)
 
     def _apply(self, fn, recurse=True):
         device = fn(torch.empty(0)).device          # where the module goes; the tables stay float32
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self.cos, self.sin, self.sin_signed = self.cos.to(device), self.sin.to(device), self.sin_signed.to(device)
         return self
 
     @property
@@ -70,11 +77,12 @@ class RotaryTable(nn.Module):
         return self.cos.shape[0]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        """positions [T] -> (cos, signed sin) [T, 1, D] in `dtype`: apply_rope's factors."""
+        return self.cos[positions, None].to(dtype), self.sin_signed[positions, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """x [T, H, D]; cos, sin [T, 1, D] from RotaryTable (sin signed): x*cos + rotate_half(x)*sin,
+    rotate_half(x) = [-x2, x1], written as the halves swapped ([x2, x1]) times the signed sin."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin

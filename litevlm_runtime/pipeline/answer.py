@@ -24,6 +24,9 @@ class Answer:
     reused_cameras: list[str] = field(default_factory=list)   # visual features from an earlier query's frames
     degraded: list[str] = field(default_factory=list)         # what a latency budget cut ("views 3->1", ...)
     budget_ms: float = 0.0              # the latency budget planned for (0: none)
+    turn: int = 1                       # its turn in a conversation (1: a first question; follow-ups 2, 3, ...)
+    reused_tokens: int = 0              # prompt rows whose KV came from the turn it follows (prefill ran input_tokens after them)
+    prompt_sha256: str = ""             # of its prompt's ids (stages/prompt.py prompt_digest; `litevlm prompt` prints it)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -24,6 +24,7 @@ class Limits:
     draft_layers: int = 0         # EAGLE-2 draft head's own KV cache (0: no draft)
     cached_cameras: int = 0       # visual features kept for later queries (feature_cache.py)
     batch: int = 1                # queries decoded together (serving.max_batch): one KV region each
+    conversations: int = 0        # answered turns kept for follow-up questions: one KV region each (conversation.py)
 
     def max_tiles(self) -> int:
         return self.cameras * self.tiles_per_camera
@@ -69,6 +70,10 @@ class Arena:
         self.v_regions = torch.zeros(limits.batch, *kv_shape, dtype=dtype, **alloc)
         self.k_cache = self.k_regions[0]
         self.v_cache = self.v_regions[0]
+        # Follow-up questions (conversation.py): the KV rows of recently answered turns, copied out of
+        # the region that decoded them, and back into the region of the follow-up that continues one.
+        self.k_turns = torch.zeros(limits.conversations, *kv_shape, dtype=dtype, **alloc)
+        self.v_turns = torch.zeros(limits.conversations, *kv_shape, dtype=dtype, **alloc)
         # A batched decode step's rows (one per region): token, position, slot in its region, the
         # region columns it sees, and the identity mask of its own new row.
         self.batch_tokens = torch.zeros(limits.batch, dtype=torch.long, **alloc)

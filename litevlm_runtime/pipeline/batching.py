@@ -34,7 +34,6 @@ import torch
 
 from ..decoding.greedy import Decoded, Prompt, choose, greedy
 from ..decoding.speculative import eagle2, speculates
-from ..engines.torch_engine import TorchBatchDecoder, TorchDecoder
 from .answer import Answer
 from .pipeline import Pipeline, Started
 from .runtime import Runtime
@@ -48,7 +47,7 @@ def region_runtime(rt: Runtime, region: int) -> Runtime:
         return rt
     a = copy.copy(rt.arena)
     a.k_cache, a.v_cache = rt.arena.k_regions[region], rt.arena.v_regions[region]
-    engines = replace(rt.engines, decoder=TorchDecoder(rt.lm, a.k_cache, a.v_cache))
+    engines = replace(rt.engines, decoder=rt.engines.decoder.on_region(a.k_cache, a.v_cache))
     return replace(rt, arena=a, engines=engines,
                    sampler=torch.Generator(device="cpu").manual_seed(rt.options.decoding.seed))
 
@@ -101,10 +100,9 @@ class BatchDecoder:
     def __init__(self, pipe: Pipeline):
         rt = pipe.rt
         self.pipe, self.rt = pipe, rt
-        self.capacity = rt.arena.limits.batch
+        self.engine = rt.engines.batch            # the backend's batched step (engines/base.py)
+        self.capacity = rt.arena.limits.batch if self.engine is not None else 1
         self.regions = [region_runtime(rt, r) for r in range(self.capacity)]
-        a = rt.arena
-        self.engine = TorchBatchDecoder(rt.lm, a.k_regions, a.v_regions, a.slots) if self.capacity > 1 else None
         self.free = list(range(self.capacity))
         self.running: list[Running] = []
         self.finished: list[tuple[Running, Answer]] = []
@@ -119,20 +117,18 @@ class BatchDecoder:
     @torch.inference_mode()
     def admit(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
               budget_ms: float = 0.0, on_tokens=None, temperature: float | None = None, seed: int | None = None,
-              tag=None, choices: list[str] | None = None, answer_schema: str = "") -> Running:
+              tag=None, choices: list[str] | None = None, answer_schema: str = "", follow_up_of=None,
+              turn_id=None) -> Running:
         """View selection .. prefill for one query into a free region; it joins the next step.
         Raises what Pipeline.answer raises (InputError ...), the region then stays free. A query
-        whose first token ends it is finished at once (in `finished`, returned by the next step)."""
+        whose first token ends it is finished at once (in `finished`, returned by the next step).
+        `follow_up_of` / `turn_id`: as Pipeline.answer's (conversation.py)."""
         region = self.free.pop(0)
         rt = self.regions[region]
-        if temperature is not None or seed is not None:
-            d = rt.options.decoding
-            d = replace(d, temperature=d.temperature if temperature is None else temperature,
-                        seed=d.seed if seed is None else seed)
-            rt = replace(rt, options=replace(rt.options, decoding=d))
         try:
             started = self.pipe.begin(images, question, max_new_tokens, frame_keys, budget_ms, rt=rt,
-                                      choices=choices, answer_schema=answer_schema)
+                                      choices=choices, answer_schema=answer_schema, temperature=temperature,
+                                      seed=seed, follow_up_of=follow_up_of, turn_id=turn_id)
         except BaseException:
             self.free.insert(0, region)
             self.free.sort()

@@ -19,16 +19,17 @@ from ..decoding.constrain import compile_constraint
 from ..decoding.greedy import Prompt, choose, greedy
 from ..decoding.spec_policy import measure_costs
 from ..decoding.speculative import eagle2, speculates
-from ..errors import InputError
+from ..errors import InputError, LiteVLMError
 from ..options import DecodingMode, PipelineOptions
 from ..stages.budget import Plan
 from ..stages.preprocess import load_image, to_tiles_uint8
-from ..stages.prompt import build_prompt, is_blank
+from ..stages.prompt import build_prompt, is_blank, prompt_digest
 from ..stages.token_selector import PromptLayout
 from ..stages.view_selector import keyword_map
 from ..timing import StageTimer
 from ..weights.tokenizer import SPECIAL_TOKENS
 from .answer import Answer
+from .conversation import Turn
 from .runtime import Runtime, build_runtime
 
 
@@ -44,6 +45,12 @@ class Started:
     prompt: Prompt
     max_new: int                  # the answer cap before any budget cut
     budget_ms: float
+    history: tuple = ()           # the earlier turns of its conversation, (question, answer) oldest first
+    keep: list | None = None      # per camera, the visual tokens kept (its conversation's first question chose them)
+    frame_keys: object = None
+    prompt_sha256: str = ""       # of the full prompt's ids (stages/prompt.py prompt_digest)
+    turn_id: object = None        # kept under this id for follow-ups when answered (None: not kept)
+    rows: list | None = None      # (token id, position) of its prefill rows, when it is to be kept
 
 
 class Pipeline:
@@ -70,15 +77,24 @@ class Pipeline:
     @torch.inference_mode()
     def answer(self, images: dict, question: str, max_new_tokens: int | None = None, on_tokens=None,
                decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0,
-               choices: list[str] | None = None, answer_schema: str = "") -> Answer:
+               choices: list[str] | None = None, answer_schema: str = "", temperature: float | None = None,
+               seed: int | None = None, history=(), follow_up_of=None, turn_id=None) -> Answer:
         """One query. `frame_keys` (camera -> what identifies its image, e.g. the frame's stamp)
         lets later questions about the same frames reuse their visual features; `budget_ms` (0:
         the configured default, none) makes the plan fit a latency budget; `on_tokens(ids so far)`
         sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
         overrides the configured decoding for this call. `choices` / `answer_schema` (a JSON
-        schema): the answer is exactly one choice / valid JSON for it (constrain.py)."""
-        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms,
-                             choices=choices, answer_schema=answer_schema)
+        schema): the answer is exactly one choice / valid JSON for it (constrain.py).
+        `temperature` / `seed`: this query's sampling (None: the configured ones).
+
+        Conversations (conversation.py): `history`, the (question, answer) turns asked earlier
+        about these images, oldest first, makes the query their next turn, computed from scratch;
+        `turn_id` keeps the answered query under that id, and a later `follow_up_of=turn_id` (with
+        the same images and frame keys) continues that conversation, reusing its KV and its first
+        question's views and visual tokens. Both give the prompt upstream's `chat(history=)` builds."""
+        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms, choices=choices,
+                             answer_schema=answer_schema, temperature=temperature, seed=seed, history=history,
+                             follow_up_of=follow_up_of, turn_id=turn_id)
         rt, plan = started.rt, started.plan
         with started.timer("decode"):
             speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
@@ -88,12 +104,18 @@ class Pipeline:
 
     def begin(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
               budget_ms: float = 0.0, rt: Runtime | None = None, choices: list[str] | None = None,
-              answer_schema: str = "") -> "Started":
+              answer_schema: str = "", temperature: float | None = None, seed: int | None = None, history=(),
+              follow_up_of=None, turn_id=None) -> "Started":
         """Every stage of one query up to and including prefill (the first answer token chosen):
         what `answer` decodes from, and what the batch scheduler (batching.py) admits. `rt`: the
         runtime whose KV region prefill writes (default: this pipeline's, region 0)."""
-        rt = rt or self.rt
+        rt = with_sampling(rt or self.rt, temperature, seed)
         check_question(rt, question)
+        if follow_up_of is not None and history:
+            raise InputError("history= and follow_up_of=: a follow-up's history is the turn it follows'", about="question")
+        turn = rt.conversations.follow(follow_up_of, frame_keys) if follow_up_of is not None else None
+        history = turn.history if turn is not None else check_history(rt, history)
+        first = history[0][0] if history else question    # the question the images came with
         constraint = compile_constraint(rt, choices, answer_schema)
         if constraint is not None:
             rt = replace(rt, constraint=constraint)       # this query's runtime: its decoding is masked
@@ -103,22 +125,35 @@ class Pipeline:
         timer = StageTimer(rt.device)
 
         with timer("view_select"):
-            cameras = select_views(rt, question)
-            plan = plan_query(rt, question, cameras, frame_keys, budget, max_new)   # fewer/less if over budget
+            if turn is None:
+                cameras = select_views(rt, first)
+                plan = plan_query(rt, first, cameras, frame_keys, budget, max_new)   # fewer/less if over budget
+            else:
+                plan = plan_follow_up(rt, turn, question, budget, max_new)   # its conversation's views and tokens
         check_images(images, plan.cameras)
-        cached = cached_visual(rt, plan.cameras, frame_keys)  # camera -> visual tokens from earlier queries
-        todo = [c for c in plan.cameras if c not in cached]
-        with timer("preprocess"):
+        in_kv = plan.cameras if turn is not None and rt.fastv is None else []   # their rows come with the turn's KV
+        cached = cached_visual(rt, [c for c in plan.cameras if c not in in_kv], frame_keys)  # from earlier queries
+        todo = [c for c in plan.cameras if c not in cached and c not in in_kv]
+        skipped = bool(in_kv) and not todo              # a follow-up: no vision at all (reported 0 ms)
+        with timer("preprocess", idle=skipped):
             pixels = preprocess(rt, images, todo)
-        with timer("vision"):
-            visual = encode(rt, pixels, todo, cached, plan.cameras, frame_keys)   # per camera [tokens, D]
+        with timer("vision", idle=skipped):
+            visual = encode(rt, pixels, todo, cached, plan.cameras, frame_keys)   # per camera [tokens, D] or None
         with timer("token_select"):
-            layout = assemble_prompt(rt, plan.cameras, question, visual)   # full prompt, in the arena
-            keep = select_tokens(rt, layout, plan.keep_ratio)  # per camera: kept token indices
+            if turn is None:      # the first question's own prompt: what its visual tokens are ranked against
+                layout = assemble_prompt(rt, plan.cameras, first, visual)
+                keep = select_tokens(rt, layout, plan.keep_ratio)   # per camera: kept token indices
+            else:
+                keep = turn.keep  # the conversation's (its first question chose them)
+            if history:           # the whole conversation, as upstream builds it
+                layout = assemble_prompt(rt, plan.cameras, question, visual, history)
         with timer("prefill"):
-            prompt = prefill(rt, layout, keep)
-        return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached], len(todo), prompt,
-                       max_new, float(budget))
+            prompt = prefill(rt, layout, keep, turn)
+        followable = turn_id is not None and rt.conversations.keeps(len(history) + 1)   # (at max_turns: none may follow)
+        rows = prompt_rows(rt, prompt.length) if followable else None
+        ids, _ = prompt_ids(rt, plan.cameras, question, history)
+        return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached or c in in_kv], len(todo),
+                       prompt, max_new, float(budget), history, keep, frame_keys, prompt_digest(ids), turn_id, rows)
 
     def finish(self, started: "Started", out, decoded_as: str | None, learn_costs: bool = True) -> Answer:
         """The Answer of a decoded query; `decoded_as` (greedy | eagle, None: a decoder the caller
@@ -150,10 +185,15 @@ class Pipeline:
             reused_cameras=list(started.reused),
             degraded=list(plan.degraded),
             budget_ms=started.budget_ms,
+            turn=len(started.history) + 1,
+            reused_tokens=prompt.reused,
+            prompt_sha256=started.prompt_sha256,
             extra={"rounds": out.rounds} if out.rounds else {},
         )
-        if learn_costs:
+        if learn_costs and not prompt.reused:          # (a follow-up's prefill is not the planner's model of one)
             rt.planner.costs.observe(ans, started.encoded, plan.decoding)
+        if started.turn_id is not None:
+            keep_turn(rt, started, out.tokens, ans.text)
         return ans
 
     def warm_up(self, images: dict | None = None) -> Answer:
@@ -218,6 +258,30 @@ def check_question(rt: Runtime, question: str) -> list[int]:
     return ids
 
 
+def with_sampling(rt: Runtime, temperature: float | None = None, seed: int | None = None) -> Runtime:
+    """The runtime of a query with its own temperature and seed (None: the configured ones)."""
+    if temperature is None and seed is None:
+        return rt
+    d = rt.options.decoding
+    d = replace(d, temperature=d.temperature if temperature is None else temperature,
+                seed=d.seed if seed is None else seed)
+    return replace(rt, options=replace(rt.options, decoding=d))
+
+
+def check_history(rt: Runtime, history) -> tuple[tuple[str, str], ...]:
+    """Earlier turns given in one go ((question, answer), oldest first), checked as questions are;
+    at most serving.max_turns turns with the new question."""
+    history = tuple((q, a) for q, a in history)
+    if len(history) + 1 > rt.options.serving.max_turns:
+        raise InputError(f"a conversation of {len(history) + 1} turns; serving.max_turns is "
+                         f"{rt.options.serving.max_turns}", about="question")
+    for q, a in history:
+        check_question(rt, q)
+        if not isinstance(a, str):
+            raise InputError(f"history answer {a!r} is not text", about="question")
+    return history
+
+
 def check_images(images, cameras: list[str]) -> None:
     missing = [c for c in cameras if c not in images]
     if missing:
@@ -257,6 +321,22 @@ def plan_query(rt: Runtime, question: str, cameras: list[str], frame_keys: dict 
     return plan
 
 
+def plan_follow_up(rt: Runtime, turn: Turn, question: str, budget_ms: float, max_new: int) -> Plan:
+    """A follow-up's plan: its conversation's views and kept tokens (its first question chose
+    them), decoded with plain steps (EAGLE-2's draft cache is not kept with a conversation, and
+    greedy EAGLE-2 answers are these token for token). A latency budget can only cut the answer:
+    prefill is predicted over the rows that follow the turn's KV."""
+    plan = Plan(list(turn.cameras), turn.keep_ratio, "greedy", max_new, 0.0)
+    if budget_ms:
+        ids, spans = prompt_ids(rt, plan.cameras, question, turn.history)
+        rows = len(ids) - sum(count - len(k) for (_, count), k in zip(spans, turn.keep)) - len(turn.rows)
+        plan = rt.planner.plan(budget_ms, plan.cameras, set(plan.cameras), plan.keep_ratio, "greedy", max_new,
+                               max(1, rows), fixed_views=True)
+        if not plan.fits:
+            plan.degraded.append(f"budget {budget_ms:g} ms cannot be met (coarsest plan: {plan.predicted_ms:.0f} ms)")
+    return plan
+
+
 def cached_visual(rt: Runtime, cameras: list[str], frame_keys: dict | None) -> dict:
     if rt.features is None or not frame_keys:
         return {}
@@ -277,10 +357,11 @@ def preprocess(rt: Runtime, images: dict, cameras: list[str]) -> torch.Tensor:
 
 
 def encode(rt: Runtime, pixels: torch.Tensor, todo: list[str] | None = None, cached: dict | None = None,
-           cameras: list[str] | None = None, frame_keys: dict | None = None) -> list[torch.Tensor]:
+           cameras: list[str] | None = None, frame_keys: dict | None = None) -> list[torch.Tensor | None]:
     """Visual tokens per camera of `cameras` [tokens_per_camera, D]: the cameras in `todo` through
     the vision engine (their tiles in `pixels`, and into the feature cache when it has a key for
-    them), the others from `cached`."""
+    them), the others from `cached`; None for a camera in neither (a follow-up's: its rows are in
+    the KV it continues)."""
     todo = list(todo) if todo is not None else list(rt.options.cameras)[:pixels.shape[0] // rt.options.tiles_per_camera]
     cameras, cached = cameras or todo, cached or {}
     out = rt.arena.visual[:pixels.shape[0]]
@@ -289,27 +370,34 @@ def encode(rt: Runtime, pixels: torch.Tensor, todo: list[str] | None = None, cac
     fresh = dict(zip(todo, out.view(len(todo), rt.tokens_per_camera, rt.cfg.llm.hidden_size)))
     if rt.features is not None and frame_keys:
         fresh = {c: rt.features.put(c, frame_keys[c], v) if c in frame_keys else v for c, v in fresh.items()}
-    return [cached[c] if c in cached else fresh[c] for c in cameras]
+    return [cached[c] if c in cached else fresh.get(c) for c in cameras]
 
 
-def prompt_ids(rt: Runtime, cameras: list[str], question: str) -> tuple[list[int], list[tuple[int, int]]]:
+def prompt_ids(rt: Runtime, cameras: list[str], question: str, history=()) -> tuple[list[int], list[tuple[int, int]]]:
     """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each camera's (start, count)."""
-    prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera)
+    prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera,
+                          history)
     return list(prompt.input_ids), list(prompt.image_spans)
 
 
-def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual: torch.Tensor) -> PromptLayout:
-    """Write the full prompt, [template, <img> every visual token </img> per camera, question],
-    as ids + embeddings into the arena once: the token selector reads it, prefill gathers the
-    kept rows from it. Row index = original position id."""
+def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual, history=()) -> PromptLayout:
+    """Write the full prompt, [template, <img> every visual token </img> per camera, question]
+    (with `history`: the conversation it continues), as ids + embeddings into the arena once: the
+    token selector reads it, prefill gathers the kept rows from it. Row index = original position
+    id. A camera whose `visual` is None keeps its rows unwritten (a follow-up's: they are in the KV)."""
     a = rt.arena
-    prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera)
+    prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera,
+                          history)
     n = len(prompt.input_ids)
+    if n > a.max_prompt:      # (only a conversation can be: the arena holds serving.max_turns whole turns)
+        raise InputError(f"the conversation's prompt has {n} rows; the arena holds {a.max_prompt} (sized by "
+                         "max_question_tokens, max_new_tokens and serving.max_turns)", about="question")
     a.prompt_ids[:n].copy_(torch.tensor(prompt.input_ids, dtype=torch.long, device=rt.device))
     embeds = a.prompt_embeds[:n]
     torch.index_select(rt.lm.embed.weight, 0, a.prompt_ids[:n], out=embeds)
     for cam_index, (start, count) in enumerate(prompt.image_spans):
-        embeds[start:start + count] = visual[cam_index]
+        if visual[cam_index] is not None:
+            embeds[start:start + count] = visual[cam_index]
     return PromptLayout(n, list(prompt.image_spans), prompt.question_span)
 
 
@@ -323,9 +411,11 @@ def select_tokens(rt: Runtime, layout: PromptLayout, keep_ratio: float | None = 
     return rt.token_selector.select(a.prompt_embeds[:n], a.slots[:n], layout, keep_ratio, rt.options.tokens.scope)
 
 
-def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor]) -> Prompt:
+def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: Turn | None = None) -> Prompt:
     """Gather [template, <img> kept visual </img> per camera, question] from the assembled full
-    prompt into the arena, run the decoder over it, and choose the first answer token.
+    prompt into the arena, run the decoder over it, and choose the first answer token. A
+    follow-up (`turn`: the answered turn it continues) takes the KV of the rows it begins with
+    from that turn's slot and runs the decoder over the rest only (conversation.py).
 
     Kept visual tokens keep their original position ids: a row's position is its index in the
     full prompt, as if every visual token were present.
@@ -352,12 +442,56 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor]) -> Prom
     embeds, positions, mask = a.embeds[:n], a.positions[:n], a.causal_mask(n)
     kept = sum(c for _, c in visual_ranges)
     input_tokens = n
-    if rt.fastv is not None:
+    reused = 0
+    if rt.fastv is not None:              # (FastV's per-layer pruning is one prompt's: no KV is reused)
         visual_rows = torch.cat([a.slots[s:s + c] for s, c in visual_ranges])
         hidden, fastv_rows, kept = rt.fastv.prune(embeds, positions, mask, visual_rows)
         input_tokens = len(fastv_rows)   # rows the layers >= K see
+    elif turn is not None:
+        reused = rt.conversations.restore(turn, prompt_rows(rt, n), a.k_cache, a.v_cache)
+        if visual_ranges and reused < sum(visual_ranges[-1]):   # (the follow-up wrote no visual rows)
+            raise LiteVLMError(f"follow-up: only {reused} rows of the turn it follows match its prompt, fewer than "
+                               f"its {sum(visual_ranges[-1])} rows up to the last visual token")
+        hidden = extend(rt, embeds[reused:], positions[reused:], reused)
+        input_tokens = n - reused
     else:
         hidden = rt.engines.decoder.prefill(embeds, positions, mask)
     first = choose(rt, rt.engines.head.run(hidden[-1:]))
-    return Prompt(length=n, next_pos=layout.length, first=first, hidden=hidden, input_tokens=input_tokens,
-                  kept_tokens=kept)
+    return Prompt(length=n, next_pos=layout.length, first=first, hidden=None if reused else hidden,
+                  input_tokens=input_tokens, kept_tokens=kept, reused=reused)
+
+
+def prompt_rows(rt: Runtime, n: int) -> list[tuple[int, int]]:
+    """(token id, position) of the n prefill rows in the arena: what a kept turn's KV rows are."""
+    a = rt.arena
+    return list(zip(a.token_ids[:n].tolist(), a.positions[:n].tolist()))
+
+
+def extend(rt: Runtime, embeds: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+    """The decoder over prompt rows [start, start + T) (embeds [T, D], positions [T]) after a
+    cache that holds rows [0, start): decode steps of many rows, each attending to every cached
+    row and causally among its own, in calls of at most the decoder engine's largest step bucket
+    (a graph backend's). Returns the last call's final-norm features (the last row's is what the
+    first answer token is chosen from)."""
+    a = rt.arena
+    t = embeds.shape[0]
+    most = max(getattr(rt.engines.decoder, "sizes", None) or (t,))
+    for i in range(0, t, most):
+        rows = min(most, t - i)
+        s = start + i
+        hidden = rt.engines.decoder.step(embeds[i:i + rows], positions[i:i + rows], a.slots[s:s + rows],
+                                         a.all_visible(rows, s), a.causal_mask(rows))
+    return hidden
+
+
+def keep_turn(rt: Runtime, started: Started, tokens: list[int], text: str) -> None:
+    """Keep an answered query for follow-ups: its conversation so far and the rows its KV holds,
+    the prompt's, then the answer tokens that entered the cache (each token is fed to the decoder
+    to choose the next: all of them when the end token ended the answer, all but the last when the
+    cap did)."""
+    plan, prompt = started.plan, started.prompt
+    in_cache = tokens if len(tokens) < plan.max_new_tokens else tokens[:-1]
+    rows = [] if started.rows is None else started.rows + [(t, prompt.next_pos + i) for i, t in enumerate(in_cache)]
+    turn = Turn(started.history + ((started.question, text),), tuple(plan.cameras), started.keep, plan.keep_ratio,
+                started.frame_keys, rows)
+    rt.conversations.keep(started.turn_id, turn, rt.arena.k_cache, rt.arena.v_cache)

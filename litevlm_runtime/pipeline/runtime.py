@@ -12,6 +12,7 @@ arena's buffers. Nothing here is sized twice.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 
 from .. import threads
 from ..decoding.spec_policy import DeviceCosts, measure_costs
-from ..engines import make_engines
+from ..engines import batch_limit, make_engines
 from ..errors import InputError
 from ..models.config import ModelConfig
 from ..options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
@@ -34,10 +35,13 @@ from ..stages.token_selector import load_token_selector
 from ..stages.view_selector import load_view_selector
 from ..weights.checkpoint import load_model, read_config
 from ..weights.draft_head import load_draft_head
-from ..weights.int8 import quantize_decoder
+from ..weights.linear_forms import convert_linears
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
+from .conversation import Conversations
 
+log = logging.getLogger("litevlm.runtime")
+_said: set[str] = set()
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _threads_lock = threading.Lock()
 
@@ -46,30 +50,37 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
     """The arena's maxima: the rig's cameras and tiles, the longest template + question, the
     answer cap and the largest draft tree the options allow."""
 
-    # Everything in the prompt except the visual tokens and the question, for the worst case.
-    template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1)
+    # Everything in the prompt except the visual tokens, the questions and the earlier answers, for
+    # a conversation of serving.max_turns turns (follow-up questions): each turn may bring a whole
+    # question and, after the first, a whole earlier answer (8 rows of slack per turn for how the
+    # tokenizer joins them to the separators).
+    turns = options.serving.max_turns
+    template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1,
+                            history=(("", "x"),) * (turns - 1))
     template_tokens = len(template.input_ids) - len(options.cameras)      # one placeholder per camera
     tree = options.decoding.eagle
     eagle = options.decoding.mode == DecodingMode.EAGLE
     return Limits(
         cameras=len(options.cameras),
         tiles_per_camera=options.tiles_per_camera,
-        text_tokens=template_tokens + 8 + options.max_question_tokens,
+        text_tokens=template_tokens + turns * (8 + options.max_question_tokens) + (turns - 1) * options.max_new_tokens,
         new_tokens=options.max_new_tokens,
         tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
         draft_layers=1 if eagle else 0,
         cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
         batch=batch_capacity(options),
+        conversations=options.serving.conversations if turns > 1 else 0,
     )
 
 
 def batch_capacity(options: PipelineOptions) -> int:
-    """Queries decoded together (batching.py): serving.max_batch on the torch backend; 1 where
-    the batched step is not built (graph backends bind one static KV region; FastV's per-layer
-    masks are one query's)."""
-    if options.backend.name != BackendName.TORCH or options.fastv.ratio > 0:
-        return 1
-    return options.serving.max_batch
+    """Queries decoded together (batching.py): serving.max_batch where the backend batches
+    (engines.batch_limit), else 1 with a log line saying why."""
+    capacity, why = batch_limit(options)
+    if why and why not in _said:               # arena_limits runs twice per runtime: say it once
+        _said.add(why)
+        log.warning("serving.max_batch %d -> 1 (one query at a time): %s", options.serving.max_batch, why)
+    return capacity
 
 
 def set_threads(n: int) -> None:
@@ -109,6 +120,7 @@ class Runtime:
     prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
     extra: dict = field(default_factory=dict)
     constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
+    conversations: object = None      # conversation.Conversations: answered turns kept for follow-up questions
 
     @property
     def lm(self):
@@ -157,11 +169,12 @@ class Runtime:
             rt.token_selector.rope = lm.rope
         if options.fastv.ratio > 0:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
-        if options.backend.weights == "int8":
-            rt.extra["int8"] = quantize_decoder(lm)     # after the selector/draft copied what they need
+        if options.backend.weights != "float":          # after the selector/draft copied what they need
+            rt.extra["weights"] = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft))
         rt.engines = make_engines(rt)
         if arena.feature_cache.shape[0]:
             rt.features = FeatureCache(arena.feature_cache)
+        rt.conversations = Conversations(arena.k_turns, arena.v_turns, options.serving.max_turns)
         rt.planner = BudgetPlanner(rt)
         if rt.fastv is not None:
             rt.engines.decoder = rt.fastv          # later passes run under FastV's per-layer masks

@@ -147,6 +147,8 @@ def record_to_msg(rec: AnswerRecord) -> Answer:
     msg.budget_ms, msg.budget_met = float(rec.budget_ms), bool(rec.budget_met)
     msg.frame_cameras = list(rec.frame_stamps_ns)
     msg.frame_stamps = [time_of(s) for s in rec.frame_stamps_ns.values()]
+    msg.follow_up_of, msg.turn, msg.reused_tokens = rec.follow_up_of, rec.turn, rec.reused_tokens
+    msg.prompt_sha256 = rec.prompt_sha256
     return msg
 
 
@@ -391,7 +393,8 @@ class DriveNode(LifecycleNode):
     def _on_query(self, msg: Query) -> None:
         self.server.submit(msg.text, query_id=msg.id, stamp_ns=ns_of(msg.header.stamp), deadline_ns=ns_of(msg.deadline),
                            budget_ms=float(msg.budget_ms), choices=list(msg.choices),
-                           answer_schema=str(msg.answer_schema))
+                           answer_schema=str(msg.answer_schema), temperature=float(msg.temperature),
+                           seed=int(msg.seed), follow_up_of=str(msg.follow_up_of))
 
     def _on_question(self, msg: String) -> None:
         self.server.submit(msg.data)
@@ -481,6 +484,7 @@ class DriveNode(LifecycleNode):
             "frame_memory_mb": f"{self.server.settings.frame_memory_mb:g}",
             "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
             "publish_failed": s["publish_failed"],
+            "conversations": s["conversations"],
             "frame_delay_ms.p50": f"{s['frame_delay_ms'][0]:.2f}",
             "frame_delay_ms.p90": f"{s['frame_delay_ms'][1]:.2f}",
         }

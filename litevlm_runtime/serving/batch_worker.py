@@ -18,7 +18,6 @@ import time
 import traceback
 
 from ..pipeline.batching import BatchDecoder
-from .images import FrameKeys
 
 log = logging.getLogger("litevlm.server")
 
@@ -37,9 +36,8 @@ def work_batched(server, gc_clock) -> None:
         started[id(req)] = (time.thread_time_ns(), gc_clock.total_ns)
         server._batch_running.append(req)           # running from here on (a drain may give up on it)
         try:
-            batch.admit(server._images(req), req.text, frame_keys=FrameKeys(req.frames.frames), budget_ms=req.budget_ms,
-                        on_tokens=server._partials_of(req), tag=(req, rec), choices=list(req.choices),
-                        answer_schema=req.answer_schema)
+            batch.admit(server._images(req), req.text, on_tokens=server._partials_of(req), tag=(req, rec),
+                        **req.pipeline_arguments())
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             started.pop(id(req), None)
             server._batch_running.remove(req)

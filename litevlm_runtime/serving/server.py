@@ -90,9 +90,12 @@ STATUS_CODES = {
     "shutting_down": 10,
     "bad_stamp": 11,
     "duplicate_id": 12,
+    "bad_follow_up": 13,
 }
 # How many query ids are remembered for duplicate detection (about 100 bytes each).
 ID_MEMORY = 65536
+# A query's own sampling temperature, at most (the range of the decoding.temperature setting).
+MAX_TEMPERATURE = 10.0
 @dataclass
 class Request:
     query_id: str
@@ -100,12 +103,22 @@ class Request:
     stamp_ns: int           # when the question was asked (query header stamp, or receipt time)
     deadline_ns: int        # 0: none
     received_ns: int
-    frames: FrameSet
+    frames: FrameSet | None  # None while it waits for frames (match_wait_s)
     budget_ms: float = 0.0  # the Query's latency budget (0: the pipeline's serving.latency_budget_ms)
     choices: tuple = ()     # constrained answer (constrain.py): one of these ...
     answer_schema: str = ""  # ... or JSON valid for this schema
+    temperature: float = 0.0  # sampling (0: the pipeline's decoding.temperature) ...
+    seed: int = 0           # ... and its seed (0: the pipeline's decoding.seed)
+    follow_up_of: str = ""  # the answered query it continues (its frames are that query's)
     answered: bool = False  # set once, under QueryServer._answer_lock
     streamed: bool = False  # a partial answer was published: the last partial (final) must follow
+
+    def pipeline_arguments(self) -> dict:
+        """What Pipeline.answer and BatchDecoder.admit take from the query, besides images and text:
+        the query is kept for follow-ups under its id (conversation.py)."""
+        return dict(frame_keys=FrameKeys(self.frames.frames), budget_ms=self.budget_ms, choices=list(self.choices),
+                    answer_schema=self.answer_schema, temperature=self.temperature or None, seed=self.seed or None,
+                    follow_up_of=self.follow_up_of or None, turn_id=self.query_id)
 
 
 @dataclass
@@ -140,6 +153,10 @@ class AnswerRecord:
     budget_ms: float = 0.0
     budget_met: bool = True
     batched_steps: int = 0              # decode steps taken together with other queries (in-flight batching)
+    follow_up_of: str = ""              # the query it continues ("" for a first question)
+    turn: int = 0                       # its turn in the conversation (1: a first question; 0: not answered)
+    reused_tokens: int = 0              # prompt rows whose KV came from the turn it follows
+    prompt_sha256: str = ""             # of its prompt's ids (Answer.prompt_sha256)
     # Where the pipeline's wall time went (diagnostics; the JSON form only): CPU time of the
     # serving thread (torch's intra-op threads beyond it are not counted), and garbage
     # collection. Wall minus CPU is time the thread was not running: other processes or threads.
@@ -182,6 +199,10 @@ class AnswerRecord:
             "budget_ms": self.budget_ms,
             "budget_met": self.budget_met,
             "batched_steps": self.batched_steps,
+            "follow_up_of": self.follow_up_of,
+            "turn": self.turn,
+            "reused_tokens": self.reused_tokens,
+            "prompt_sha256": self.prompt_sha256,
             "cpu_ms": self.cpu_ms,
             "gc_ms": self.gc_ms,
             "query_stamp_ns": self.query_stamp_ns,
@@ -277,7 +298,7 @@ class QueryServer:
         self.last_error = ""
         # Camera stamp -> arrival at the node: DDS transport (plus the camera's own delay on a live rig).
         self.frame_delay_ms: deque = deque(maxlen=1000)
-        self._pending: list[tuple] = []       # queries waiting for frames (match_wait_s)
+        self._pending: list[tuple[int, Request]] = []   # (until, query) waiting for frames (match_wait_s)
         self._pending_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._running: Request | None = None
@@ -330,13 +351,17 @@ class QueryServer:
     # ---- queries ----
     def submit(self, text: str, query_id: str = "", stamp_ns: int = 0, deadline_ns: int = 0,
                now_ns: int | None = None, allow_wait: bool = True, budget_ms: float = 0.0,
-               choices: Sequence[str] = (), answer_schema: str = "") -> Request | None:
+               choices: Sequence[str] = (), answer_schema: str = "", temperature: float = 0.0, seed: int = 0,
+               follow_up_of: str = "") -> Request | None:
         """Accept one query. Returns the queued Request, or None when it was answered at once
         or is waiting for frames (see match_wait_s and retry_pending). `budget_ms`: the query's
-        latency budget (0: the pipeline's default); a negative or non-finite one is bad_question."""
+        latency budget (0: the pipeline's default); a negative or non-finite one is bad_question;
+        `temperature` / `seed` likewise (0: the pipeline's). `follow_up_of`: an answered query's
+        id whose conversation this one continues, on that query's frames (no frame match); an
+        unknown or expired id, or one at serving.max_turns, is bad_follow_up."""
         now = self.clock_ns() if now_ns is None else now_ns
         query_id, new_id = self._take_id(query_id)
-        rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp_ns or now)
+        rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp_ns or now, follow_up_of=follow_up_of)
 
         def refuse(status: str, message: str) -> None:
             rec.status, rec.status_message = status, message
@@ -366,21 +391,36 @@ class QueryServer:
                 compile_constraint(self.pipeline.rt, list(choices), answer_schema)
         except InputError as exc:
             return refuse("bad_question", str(exc))
-        constraint = (tuple(choices), answer_schema)
         if not math.isfinite(budget_ms) or budget_ms < 0:
             return refuse("bad_question", f"budget_ms {budget_ms!r}: must be a finite number >= 0 (0: the node's default)")
+        if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            return refuse("bad_question", f"temperature {temperature!r}: must be a finite number from 0 to "
+                                          f"{MAX_TEMPERATURE:g} (0: the node's decoding.temperature)")
+        if seed < 0:
+            return refuse("bad_question", f"seed {seed!r}: must be >= 0 (0: the node's decoding.seed)")
         if deadline_ns and now > deadline_ns:
             return refuse("deadline_passed", f"deadline passed {(now - deadline_ns) / 1e6:.1f} ms before the query arrived")
+        req = Request(query_id, text, stamp_ns or now, deadline_ns, now, None, budget_ms, tuple(choices), answer_schema,
+                      temperature, seed, follow_up_of)
+        if follow_up_of:
+            try:     # the frames are the earlier turn's, whatever has arrived since
+                turn = self.pipeline.rt.conversations.follow(follow_up_of)
+            except InputError as exc:
+                return refuse("bad_follow_up", str(exc))
+            frames = getattr(turn.frame_keys, "source", None)     # (FrameKeys of the frames this server matched)
+            if frames is None:
+                return refuse("bad_follow_up", f"follow_up_of {follow_up_of!r}: not a query this server answered")
+            req.frames = FrameSet(dict(frames))
+            return self._enqueue(req)
         try:
-            frames = self.frames.match(now)
+            req.frames = self.frames.match(now)
         except FrameMatchError as exc:
             if allow_wait and self.settings.match_wait_s > 0:
                 with self._pending_lock:
-                    self._pending.append((now + int(self.settings.match_wait_s * 1e9), query_id, text,
-                                          stamp_ns or now, deadline_ns, now, budget_ms, constraint))
+                    self._pending.append((now + int(self.settings.match_wait_s * 1e9), req))
                 return None
             return refuse(exc.status, str(exc))
-        return self._enqueue(Request(query_id, text, stamp_ns or now, deadline_ns, now, frames, budget_ms, *constraint))
+        return self._enqueue(req)
 
     def _enqueue(self, req: Request) -> Request | None:
         queue = self.queue
@@ -403,20 +443,20 @@ class QueryServer:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for item in pending:
-            until, query_id, text, stamp, deadline, received, budget, constraint = item
+            until, req = item
             try:
-                frames = self.frames.match(now)
+                req.frames = self.frames.match(now)
             except FrameMatchError as exc:
                 if now < until:
                     with self._pending_lock:
                         self._pending.append(item)
                     continue
-                rec = AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp, status=exc.status,
-                                   status_message=f"{exc} (after waiting {self.settings.match_wait_s:.2f} s for frames)")
-                rec.queue_ms = (now - received) / 1e6
+                rec = self._record_for(req, exc.status, f"{exc} (after waiting {self.settings.match_wait_s:.2f} s "
+                                                        "for frames)")
+                rec.queue_ms = (now - req.received_ns) / 1e6
                 self._finish(rec)
                 continue
-            self._enqueue(Request(query_id, text, stamp, deadline, received, frames, budget, *constraint))
+            self._enqueue(req)
 
     def expire_deadlines(self, now_ns: int | None = None) -> None:
         """Answer deadline_passed every queued or frame-waiting query whose deadline has passed, at
@@ -428,12 +468,15 @@ class QueryServer:
             rec.queue_ms = (now - req.received_ns) / 1e6
             self._answer(req, rec)
         with self._pending_lock:
-            expired = [item for item in self._pending if item[4] and now > item[4]]
-            self._pending = [item for item in self._pending if not (item[4] and now > item[4])]
-        for _, query_id, text, stamp, deadline, received, _ in expired:
-            self._finish(AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp, status="deadline_passed",
-                                      status_message=f"deadline passed after {(now - received) / 1e6:.1f} ms "
-                                                     "waiting for frames", queue_ms=(now - received) / 1e6))
+            waiting, expired = [], []
+            for item in self._pending:
+                (expired if item[1].deadline_ns and now > item[1].deadline_ns else waiting).append(item)
+            self._pending = waiting
+        for _, req in expired:
+            rec = self._record_for(req, "deadline_passed", f"deadline passed after {(now - req.received_ns) / 1e6:.1f} "
+                                                           "ms waiting for frames")
+            rec.queue_ms = (now - req.received_ns) / 1e6
+            self._finish(rec)
 
     def serve(self, req: Request, now_ns: int | None = None) -> AnswerRecord:
         """Run one queued request through the pipeline; never raises."""
@@ -443,9 +486,8 @@ class QueryServer:
         try:
             # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
             cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
-            ans = self.pipeline.answer(self._images(req), req.text, frame_keys=FrameKeys(req.frames.frames),
-                                       budget_ms=req.budget_ms, on_tokens=self._partials_of(req),
-                                       choices=list(req.choices), answer_schema=req.answer_schema)
+            ans = self.pipeline.answer(self._images(req), req.text, on_tokens=self._partials_of(req),
+                                       **req.pipeline_arguments())
             rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             return self._answer(req, self._failed(req, rec, exc))
@@ -469,9 +511,10 @@ class QueryServer:
         if isinstance(exc, ImageError):
             rec.status, rec.status_message = "bad_image", str(exc)
         elif isinstance(exc, InputError):
-            # The error says what it is about: a camera's image, or the question (reserved token,
-            # too many tokens).
-            rec.status, rec.status_message = ("bad_image" if exc.about == "image" else "bad_question"), str(exc)
+            # The error says what it is about: a camera's image, the follow-up (its conversation
+            # expired since the query arrived), or the question (reserved token, too many tokens).
+            status = {"image": "bad_image", "follow_up": "bad_follow_up"}.get(exc.about, "bad_question")
+            rec.status, rec.status_message = status, str(exc)
         else:
             log.error("pipeline failed on %s: %s", req.query_id,
                       "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
@@ -491,13 +534,14 @@ class QueryServer:
         rec.reused_cameras, rec.degraded = list(ans.reused_cameras), list(ans.degraded)
         rec.budget_ms, rec.budget_met = float(ans.budget_ms), bool(ans.budget_met)
         rec.batched_steps = int(ans.extra.get("batched_steps", 0))
+        rec.turn, rec.reused_tokens, rec.prompt_sha256 = int(ans.turn), int(ans.reused_tokens), ans.prompt_sha256
         return rec
 
     def _record_for(self, req: Request, status: str, message: str) -> AnswerRecord:
         return AnswerRecord(
             query_id=req.query_id, question=req.text, status=status, status_message=message,
-            query_stamp_ns=req.stamp_ns,
-            frame_stamps_ns={c: f.stamp_ns for c, f in req.frames.frames.items()},
+            query_stamp_ns=req.stamp_ns, follow_up_of=req.follow_up_of,
+            frame_stamps_ns={c: f.stamp_ns for c, f in req.frames.frames.items()} if req.frames is not None else {},
         )
 
     def _answer(self, req: Request, rec: AnswerRecord) -> AnswerRecord:
@@ -568,9 +612,8 @@ class QueryServer:
             self._answer(req, self._record_for(req, status, reason))
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        for _, query_id, text, stamp, *_ in pending:
-            self._finish(AnswerRecord(query_id=query_id, question=text, query_stamp_ns=stamp,
-                                      status=status, status_message=reason))
+        for _, req in pending:
+            self._finish(self._record_for(req, status, reason))
 
     def stop_worker(self, reason: str = "node deactivated") -> None:
         """Deactivate: the running query finishes; queued ones are answered not_active."""
@@ -661,6 +704,8 @@ class QueryServer:
             "frames_bad_image": dict(self.frames.bad_image),     # refused on arrival (too large)
             "frames_held_bytes": self.frames.held_bytes(),         # bounded by frame_memory_mb per camera
             "frames_memory_evictions": dict(self.frames.memory_evictions),
+            # answered queries a follow-up may name now (serving.conversations at most)
+            "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))
                                if len(self.frame_delay_ms) else (0.0, 0.0)) + (len(self.frame_delay_ms),),
         }

@@ -126,19 +126,23 @@ class BudgetPlanner:
                 + per_token * cap)
 
     def plan(self, budget_ms: float, ranked: list[str], cached: set[str], keep_ratio: float, decoding: str,
-             max_new: int, text_rows: int) -> Plan:
+             max_new: int, text_rows: int, fixed_views: bool = False) -> Plan:
         """The least degraded plan predicted to fit `budget_ms`. `ranked`: the selected cameras,
         the view selector's highest score first; `text_rows`: prompt rows besides visual tokens.
 
         Each step down the ladder (one view fewer, ..., then a lower keep ratio) buys decode time;
         the first step that affords a typical answer (this runtime's recent answer lengths, 75th
         percentile) under the cap is taken, with the cap at what the budget affords; where none
-        does, the coarsest step with the cap cut to fit."""
+        does, the coarsest step with the cap cut to fit. `fixed_views` (a follow-up question: its
+        conversation's views and visual tokens, no selection run): the ladder is that one step,
+        and `text_rows` are all the rows its prefill runs; only the answer cap can give."""
 
         tpc = self.rt.tokens_per_camera
         target = min(max_new, self.typical_answer_tokens())
 
         def fixed(cams, r, mode):
+            if fixed_views:
+                return self.predict(len(cams), 0, text_rows, 1.0, mode, 0)
             rows = text_rows + len(cams) * (kept_count(tpc, r) if r < 1.0 else tpc)
             return self.predict(len(cams), len([c for c in cams if c not in cached]), rows, r, mode, 0)
 
@@ -147,6 +151,8 @@ class BudgetPlanner:
 
         steps = [(ranked[:n], keep_ratio) for n in range(len(ranked), 0, -1)]
         steps += [(ranked[:1], r) for r in KEEP_LADDER if r < keep_ratio]
+        if fixed_views:
+            steps = steps[:1]
         for cams, r in steps:
             mode = min({decoding, "greedy"}, key=per_token)          # greedy when it is the faster here
             affordable = math.floor((budget_ms - fixed(cams, r, mode)) / per_token(mode))

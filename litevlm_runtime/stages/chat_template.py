@@ -8,7 +8,9 @@ placeholder it finds (the tokenizer's context image token, `<IMG_CONTEXT>`) by `
 `<IMG_CONTEXT>` x (image_seq_length x tiles) + `</img>` and tokenizes the text. The messages here
 are one user turn, an `{"type": "image"}` entry per camera then the question as `{"type": "text"}`,
 after a system turn only when the folder's config sets a system message (the -hf templates have no
-default one: upstream's -hf prompt has no system turn).
+default one: upstream's -hf prompt has no system turn). A conversation (follow-up questions) is the
+same first user turn, then each earlier answer as an assistant turn and each later question as a
+user turn, both `[{"type": "text", "text": ...}]`, as a transformers user writes the messages.
 
 Ids are written as prompt.py writes them (the text between special tokens tokenized piece by piece,
 the visual runs as ids), which equals tokenizing the expanded string whole: a tokenizer cuts a text
@@ -67,22 +69,36 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
-def render_text(template: str, system: str, n_images: int, question: str) -> str:
-    """The rendered chat template (image placeholders not yet expanded)."""
+def messages_of(system: str, n_images: int, question: str, history=()) -> list[dict]:
+    """The chat messages of a query: the images in the first user turn, earlier turns as text."""
+    def text(t):
+        return [{"type": "text", "text": t}]
+
     messages = [{"role": "system", "content": system}] if system else []
-    content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": question}]
-    messages.append({"role": "user", "content": content})
+    first = history[0][0] if history else question
+    messages.append({"role": "user", "content": [{"type": "image"} for _ in range(n_images)] + text(first)})
+    for index, (_, answer) in enumerate(history):
+        messages.append({"role": "assistant", "content": text(answer)})
+        later = history[index + 1][0] if index + 1 < len(history) else question
+        messages.append({"role": "user", "content": text(later)})
+    return messages
+
+
+def render_text(template: str, system: str, n_images: int, question: str, history=()) -> str:
+    """The rendered chat template (image placeholders not yet expanded)."""
     try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=True)
+        return _compiled(template).render(messages=messages_of(system, n_images, question, history),
+                                          add_generation_prompt=True)
     except TemplateError as exc:
-        raise CheckpointError(f"chat template failed to render one user turn with {n_images} image(s): {exc}") from None
+        raise CheckpointError(f"chat template failed to render {len(history) + 1} user turn(s) with {n_images} "
+                              f"image(s): {exc}") from None
 
 
 @lru_cache(maxsize=64)
-def template_pieces(tok: Tokenizer, template: str, system: str, n_images: int) -> tuple[list[str], str]:
+def template_pieces(tok: Tokenizer, template: str, system: str, n_images: int, history=()) -> tuple[list[str], str]:
     """The rendered text around the images: n_images + 1 pieces (the last holds QUESTION_MARK),
     checked to hold exactly one placeholder per image and the question once."""
-    text = render_text(template, system, n_images, QUESTION_MARK)
+    text = render_text(template, system, n_images, QUESTION_MARK, history)
     pieces = text.split(IMG_CONTEXT)
     if len(pieces) != n_images + 1 or text.count(QUESTION_MARK) != 1 or QUESTION_MARK not in pieces[-1]:
         raise CheckpointError(f"chat template: {n_images} image(s) and a question render with "
@@ -92,15 +108,33 @@ def template_pieces(tok: Tokenizer, template: str, system: str, n_images: int) -
 
 
 def build_template_prompt(tok: Tokenizer, template: str, system: str, cameras, question: str,
-                          tokens_per_camera: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
+                          tokens_per_camera: int, history=()) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
     """The fields of prompt.Prompt (input_ids, image_spans, question_span) for `cameras` (one image
     each) and `question`, by the folder's chat template; prompt.py builds the Prompt from them
-    (returned as a tuple because prompt.py imports this module, not the other way round)."""
+    (returned as a tuple because prompt.py imports this module, not the other way round). With
+    `history` ((question, answer) of earlier turns), the conversation; its question_span is the
+    first question's, and the first turn must render as a prefix of it (checked: a template that
+    rewrote the first turn once others follow could not continue a conversation's cache)."""
     if not cameras:
         raise InputError("a prompt needs at least one camera", about="image")
-    if IMG_CONTEXT in question or QUESTION_MARK in question:
+    if any(IMG_CONTEXT in t or QUESTION_MARK in t for t in (question, *(t for turn in history for t in turn))):
         raise InputError(f"question contains reserved token {IMG_CONTEXT!r}", about="question")
-    pieces, _ = template_pieces(tok, template, system, len(cameras))
+    ids, spans, question_span = _template_ids(tok, template, system, cameras, question, tokens_per_camera,
+                                              tuple(history))
+    if not history:
+        return ids, spans, question_span
+    first_ids, first_spans, first_question = _template_ids(tok, template, system, cameras, history[0][0],
+                                                           tokens_per_camera, ())
+    if spans != first_spans or ids[:first_question[1] + 1] != first_ids[:first_question[1] + 1]:
+        raise CheckpointError("chat template: the first turn renders differently once later turns follow it; "
+                              "follow-up questions are not supported with this template")
+    return ids, spans, first_question
+
+
+def _template_ids(tok: Tokenizer, template: str, system: str, cameras, question: str, tokens_per_camera: int,
+                  history: tuple) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
+    """Ids, image spans and the span of the last question (the one QUESTION_MARK stands for)."""
+    pieces, _ = template_pieces(tok, template, system, len(cameras), history)
     ids = list(tok.added_around_text[0])
     spans = []
     for piece in pieces[:-1]:
@@ -114,7 +148,7 @@ def build_template_prompt(tok: Tokenizer, template: str, system: str, cameras, q
     # the last </img> up to <|im_end|> in the -hf templates), as prompt.py's question_span.
     specials = [tok.id_to_token(i) for i in tok.special_ids]
     cut = max((before.rfind(t) + len(t) for t in specials if t in before), default=0)
-    ids.extend(tok.encode_cached(before[:cut]))
+    ids.extend(tok.encode_cached(before[:cut]) if not history else tok.encode(before[:cut]))
     tail = tok.encode(before[cut:] + question + after)
     start = len(ids)
     question_end = next((i for i, t in enumerate(tail) if t in tok.special_ids), len(tail))

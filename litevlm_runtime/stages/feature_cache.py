@@ -13,7 +13,9 @@ Why not the prompt prefix's KV as well: with token selection on (the deployed co
 visual tokens kept depend on the question (its attention to them), so two questions about the same
 cameras prefill different rows at different positions; the KV of "the same prefix" is exact only
 when every token is kept, i.e. for the baseline pipeline, and it would then only save the prefix's
-part of prefill. The visual features are exact for every configuration.
+part of prefill. The visual features are exact for every configuration. (A follow-up question
+continues one conversation, whose visual tokens its first question chose: that one does reuse
+the conversation's KV, pipeline/conversation.py.)
 """
 
 from __future__ import annotations

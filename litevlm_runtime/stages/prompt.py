@@ -36,9 +36,12 @@ there to `<|im_end|>`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import sys
 import unicodedata
+from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -159,23 +162,47 @@ def image_line(layout: str, n_cameras: int) -> str:
 
 
 def build_prompt(tok: Tokenizer, system: str, layout: str, cameras: list[str] | tuple[str, ...], question: str,
-                 tokens_per_camera: int) -> Prompt:
-    """The full prompt for `cameras` (each `tokens_per_camera` visual tokens) and `question`."""
+                 tokens_per_camera: int, history: tuple[tuple[str, str], ...] = ()) -> Prompt:
+    """The full prompt for `cameras` (each `tokens_per_camera` visual tokens) and `question`;
+    with `history` ((question, answer) of the earlier turns, oldest first), the conversation that
+    `question` continues, as upstream's `chat(..., history=)` builds it: the images in the first
+    user turn, each earlier answer an assistant turn (`later_turns`). `question_span` is always
+    the first question's (the one the images came with: the token selector ranks against it)."""
+    for text, what in [(question, "question"), *((t, f"history turn {i}") for i, turn in enumerate(history, 1)
+                                                 for t in turn)]:
+        reserved = [t for t in SPECIAL_TOKENS if t in text]
+        if reserved:
+            raise InputError(f"{what} contains reserved token {reserved[0]!r}", about="question")
     if layout == chat_template.LAYOUT:
         found = chat_template.folder_template(tok.folder)
         if found is None:
             raise CheckpointError(f"{tok.folder}: prompt layout {layout!r} but no "
                                   f"{' or '.join(chat_template.TEMPLATE_FILES)}")
-        return Prompt(*chat_template.build_template_prompt(tok, found[0], system, cameras, question, tokens_per_camera))
+        return Prompt(*chat_template.build_template_prompt(tok, found[0], system, cameras, question, tokens_per_camera,
+                                                           tuple(history)))
     if not cameras:
         raise InputError("a prompt needs at least one camera", about="image")
-    reserved = [t for t in SPECIAL_TOKENS if t in question]
-    if reserved:
-        raise InputError(f"question contains reserved token {reserved[0]!r}", about="question")
     head, spans, text_after_images = _head(tok, system, layout, tuple(cameras), tokens_per_camera)
-    question_ids = tok.encode_cached(text_after_images + question)
-    ids = head + question_ids + _tail(tok)
+    first = history[0][0] if history else question
+    question_ids = tok.encode_cached(text_after_images + first)
+    rest = tuple(tok.encode(later_turns(history, question))) + tok.added_around_text[1] if history else _tail(tok)
+    ids = head + question_ids + rest
     return Prompt(ids, spans, (len(head), len(head) + len(question_ids)))
+
+
+def later_turns(history, question: str) -> str:
+    """The conversation after the first question, as upstream's `conversation.py` writes it
+    (template internvl2_5, separator style MPT: every message is role + message + `<|im_end|>\n`,
+    and a message that is empty is its role alone, upstream's `if message:`), ending with the
+    generation prompt. Tokenized whole: a tokenizer cuts it at its special tokens first, so its ids
+    are those of the same text inside the whole conversation string."""
+    user, assistant, sep = "<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"
+    text = sep
+    for index, (earlier_question, answer) in enumerate(history):
+        if index:
+            text += user + earlier_question + sep
+        text += assistant + answer + sep if answer else assistant
+    return text + user + question + sep + assistant
 
 
 class _IdWriter:
@@ -229,6 +256,15 @@ def _tail(tok: Tokenizer) -> tuple[int, ...]:
     w.text += "assistant\n"
     w.flush()
     return tuple(w.ids) + tok.added_around_text[1]
+
+
+def prompt_digest(ids) -> str:
+    """sha256 of prompt ids as little-endian int32 (`<IMG_CONTEXT>` placeholders included): equal
+    digests, equal prompts. Every Answer carries its prompt's; `litevlm prompt` prints it."""
+    values = array("i", [int(i) for i in ids])
+    if sys.byteorder == "big":
+        values.byteswap()
+    return hashlib.sha256(values.tobytes()).hexdigest()
 
 
 def render(tok: Tokenizer, ids) -> str:

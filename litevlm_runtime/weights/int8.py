@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WEIGHT_KINDS = ("float", "int8")
 FUSED_MAX_ROWS = 16     # rows up to which the int8 kernel beats dequantize + float GEMM (measured: 8 rows 2.2x, 64 rows 0.67x)
 
 
@@ -68,58 +67,3 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
-
-
-class DecoderWeights:
-    """The decoder's linear layers in both forms, float and int8, switchable in place (the float
-    modules are kept only when asked: a benchmark alternating the two in one process)."""
-
-    def __init__(self, lm: nn.Module, keep_float: bool = False):
-        self.slots: list[tuple[nn.Module, str, nn.Linear | None, Int8Linear]] = []
-        for parent, name, linear in decoder_linears(lm):
-            self.slots.append((parent, name, linear if keep_float else None, Int8Linear(linear)))
-        self.kind = "float"
-
-    def use(self, kind: str) -> None:
-        if kind not in WEIGHT_KINDS:
-            raise ValueError(f"weights {kind!r}: one of {', '.join(WEIGHT_KINDS)}")
-        for parent, name, linear, int8 in self.slots:
-            module = int8 if kind == "int8" else linear
-            if module is None:
-                raise ValueError("float weights were not kept (DecoderWeights(keep_float=True))")
-            setattr(parent, name, module)
-        self.kind = kind
-
-
-def decoder_linears(lm: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, nn.Linear) of every linear layer a decode step reads: the layers'
-    projections and the LM head (a head tied to the embedding is a matmul, not a Linear: kept)."""
-    found = []
-    for layer in lm.layers:
-        for parent in layer.modules():
-            for name, child in parent.named_children():
-                if isinstance(child, nn.Linear):
-                    found.append((parent, name, child))
-    for name in ("output", "lm_head"):
-        child = getattr(lm, name, None)
-        if isinstance(child, nn.Linear):
-            found.append((lm, name, child))
-    return found
-
-
-def quantize_decoder(lm: nn.Module) -> DecoderWeights:
-    """Replace the decoder's linear layers by Int8Linear, in place (the float weights are freed)."""
-    weights = DecoderWeights(lm)
-    weights.use("int8")
-    return weights
-
-
-def weight_bytes(modules) -> int:
-    """Bytes of the parameters and buffers of `modules` (each tensor counted once)."""
-    seen, total = set(), 0
-    for m in modules:
-        for t in list(m.parameters()) + list(m.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total

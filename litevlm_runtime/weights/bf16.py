@@ -1,0 +1,51 @@
+"""bfloat16 matmuls for the compute-bound calls of a float32 pipeline (`backend.weights: bf16`).
+
+Vision, prefill, token selection and the EAGLE-2 draft's catch-up push hundreds of rows through
+each weight: they are compute-bound, and on a CPU with bfloat16 matrix units (AMX, AVX512-BF16)
+oneDNN runs a bfloat16 GEMM several times faster than the float32 one (measured at 400 rows:
+3.9x at InternVL2.5-2B's 2048 x 8192, 1.9x at the bundled model's 256 x 512;
+docs/performance.md). Each linear layer keeps its float weight and gains a bfloat16 copy; a call
+of at least BF16_MIN_ROWS rows rounds its input to bfloat16 and runs the bfloat16 GEMM
+(products exact, float32 accumulation, the output rounded to bfloat16 once and handed back in
+float32); a smaller call (a decode step, a small tree: memory-bound, where oneDNN's bfloat16
+path is slower than the float32 GEMV) runs the float weight unchanged. Norms, softmax, RoPE,
+residuals and the KV cache stay float32.
+
+Numerics: the input's rounding (2^-9 relative) and the output's; a checkpoint stored in bfloat16
+(the bundled model, InternVL2.5's own release) loses nothing in its weights. Answers agree with
+float32's on most questions, not all: docs/performance.md has the agreement and accuracy on a
+fresh SynthDrive seed. Costs memory: the bfloat16 copy is half the float weights again.
+
+Where it applies: float32 pipelines on the CPU with the PyTorch engines (torch, torch-compile).
+A bfloat16/float16 pipeline already runs these GEMMs in half precision, a GPU has its own (the
+engines' dtype, TensorRT FP16/FP8), and ONNX Runtime/TensorRT run the bundle's graphs (refused
+in options.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BF16_MIN_ROWS = 32     # rows from which the bfloat16 GEMM wins at the bundled model's widths (measured: 16 rows 0.96x, 32 1.3x)
+
+
+class Bf16Linear(nn.Module):
+    """nn.Linear that runs calls of >= BF16_MIN_ROWS rows as a bfloat16 GEMM; x [..., K] -> [..., N]."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight                  # the float weight, shared with the float module
+        self.bias = linear.bias
+        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.numel() < BF16_MIN_ROWS * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 GEMM from {BF16_MIN_ROWS} rows"

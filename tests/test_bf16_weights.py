@@ -1,0 +1,106 @@
+"""bfloat16 GEMMs for the compute-bound calls (backend.weights bf16): the matmul against a float64
+recomputation, the row threshold, and the pipeline wiring (which linears, switching back).
+
+Tolerances: a call of >= BF16_MIN_ROWS rows equals float64 x_bf16 @ w_bf16.T rounded to bfloat16
+within 2^-8 relative per element (the output's one rounding) + 1e-5 of the largest (float32
+accumulation over K terms); a smaller call is the float layer's own result, exactly. What the
+rounding costs a whole prefill against float32 is stated (2e-2 of the largest hidden value), not a
+kernel tolerance; the accuracy and answer agreement on a fresh seed are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import options, random_frames
+from torch import nn
+
+from litevlm_runtime.bundled import DEFAULT_MODEL
+from litevlm_runtime.errors import InputError
+from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.weights.bf16 import BF16_MIN_ROWS, Bf16Linear
+from litevlm_runtime.weights.linear_forms import LinearForms, child_linears, weight_bytes
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, BF16_MIN_ROWS - 1, BF16_MIN_ROWS, 200])
+def test_bf16_matmul_matches_float64_recomputation(rows):
+    g = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(96, 256, generator=g) * 0.05)
+        linear.bias.copy_(torch.randn(96, generator=g))
+    layer = Bf16Linear(linear)
+    x = torch.randn(rows, 1, 256, generator=g)
+    got = layer(x)
+    assert got.shape == (rows, 1, 96) and got.dtype == torch.float32
+    if rows < BF16_MIN_ROWS:
+        assert torch.equal(got, linear(x))                  # memory-bound calls: the float layer, unchanged
+        return
+    products = x.bfloat16().double() @ linear.weight.bfloat16().double().T
+    ref = products.bfloat16().double() + linear.bias.double()
+    bound = 2 ** -8 * products.abs() + 1e-5 * products.abs().max()
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    assert not torch.equal(got, linear(x))                  # the bfloat16 GEMM really ran
+
+
+@pytest.fixture(scope="module")
+def bundled_float():
+    return Pipeline.from_pretrained(DEFAULT_MODEL, options(max_new_tokens=8))
+
+
+def test_pipeline_converts_the_compute_bound_linears():
+    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options(max_new_tokens=8, backend__weights="bf16"))
+    rt = pipe.rt
+    assert rt.token_selector is not None and rt.draft is not None
+    for part in (rt.model.vision_model, rt.model.mlp1, rt.lm.layers, rt.token_selector, rt.draft):
+        assert child_linears([part]) == [], part.__class__.__name__        # none left in float
+        assert any(isinstance(m, Bf16Linear) for m in part.modules())
+    assert isinstance(rt.lm.head, nn.Linear)                 # the head sees one row: float
+    ans = pipe.answer(random_frames(0), "What is in front of the ego car?")
+    assert 1 <= len(ans.token_ids) <= 8
+    # a decode step reads the float weights, a prefill the bfloat16 copies (the roofline's bytes)
+    layers = list(rt.lm.layers)
+    assert weight_bytes(layers, many_rows=True) * 2 == pytest.approx(weight_bytes(layers), rel=0.01)
+
+
+@torch.inference_mode()
+def test_bf16_changes_many_row_calls_only_and_switches_back(bundled_float):
+    pipe = bundled_float
+    rt, a = pipe.rt, pipe.rt.arena
+    emb = torch.randn(120, rt.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5
+
+    def prefill():
+        return rt.engines.decoder.prefill(emb, a.positions[:120].copy_(torch.arange(120)), a.causal_mask(120)).clone()
+
+    def step():                                             # one row over the prompt prefill left in the cache
+        return rt.engines.decoder.step(emb[:1], torch.tensor([120]), torch.tensor([120]), a.all_visible(1, 120),
+                                       a.causal_mask(1)).clone()
+
+    frames = random_frames(2)
+    ref_answer = pipe.answer(frames, "What is ahead?").token_ids
+    float_prefill, float_step = prefill(), step()
+    forms = LinearForms(rt.model, ["bf16"], extra=(rt.token_selector, rt.draft))
+    try:
+        forms.use("bf16")
+        bf16_prefill = prefill()
+        prefill_then_float = None
+        forms.use("float")
+        prefill()                                           # the float prompt in the cache again
+        forms.use("bf16")
+        prefill_then_float = step()                         # a one-row call under bf16 weights
+    finally:
+        forms.use("float")
+    assert not torch.equal(bf16_prefill, float_prefill)                  # the bfloat16 GEMMs ran
+    assert float((bf16_prefill - float_prefill).abs().max() / float_prefill.abs().max()) <= 2e-2
+    assert torch.equal(prefill_then_float, float_step)                   # a decode step keeps the float weights
+    assert pipe.answer(frames, "What is ahead?").token_ids == ref_answer  # float again
+
+
+def test_bf16_is_refused_where_it_does_not_apply():
+    with pytest.raises(InputError, match="backend.weights bf16"):
+        options(backend__weights="bf16", dtype="bfloat16")
+    with pytest.raises(InputError, match="backend.weights bf16"):
+        options(backend__weights="bf16", device="cuda")
+    with pytest.raises(InputError, match="exported bundle"):
+        options(backend__weights="bf16", backend__name="onnxruntime")
