@@ -1,6 +1,7 @@
 """What the DDS tests share: an own ROS_DOMAIN_ID per test, the environment for child processes,
 a child process with its log, and a client node that does what `ros2 lifecycle`, `ros2 param`
-and `ros2 topic` do (the same services and topics; the ros2 CLI is not installable here)."""
+and `ros2 topic` do (the same services and topics; the real ros2 CLI, which is not a wheel, drives
+the node in test_ros_launch_real.py when built)."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ class RosClient:
 
         req = ChangeState.Request()
         req.transition.id = getattr(Transition, f"TRANSITION_{transition.upper()}")
-        return self.call(ChangeState, f"{node}/change_state", req, timeout=120, resend_s=None).success
+        return self.call(ChangeState, f"{node}/change_state", req, timeout=300, resend_s=None).success
 
     def lifecycle_get(self, node: str) -> str:
         from lifecycle_msgs.srv import GetState

@@ -27,6 +27,10 @@ def test_raw_size_from_the_header_before_the_data():
     huge = SimpleNamespace(width=2, height=2, encoding="mono8", data=bytes(1000))
     assert "frame data of 0.0 MB, above images.max_pixels x 8 bytes" in too_large("CAM_BACK", huge, 100)
     assert "above images.max_pixels x 8" in too_large("CAM_BACK", SimpleNamespace(format="jpeg", data=bytes(801)), 100)
+    # and by the frame store's per-camera bound (frame_memory_mb), which could never hold it
+    why = too_large("CAM_BACK", SimpleNamespace(format="jpeg", data=bytes(2_000_001)), 4096 * 4096, 2_000_000)
+    assert why.startswith("CAM_BACK: frame data of 2.0 MB, above frame_memory_mb (2 MB held per camera at most)")
+    assert too_large("CAM_BACK", SimpleNamespace(format="jpeg", data=bytes(2_000_000)), 4096 * 4096, 2_000_000) is None
 
 
 @pytest.mark.parametrize("payload, why", [

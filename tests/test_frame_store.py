@@ -180,3 +180,33 @@ def test_camera_clock_stepping_back_restarts_its_history_but_a_straggler_does_no
     assert store.match(10_090 * MS).frames["A"].payload == "stepped+1"
     store.add(Frame("A", 9_466 * MS, "stepped+2"))             # and carries on from there
     assert [f.payload for f in store._frames["A"]][-1] == "stepped+2"
+
+
+def test_memory_bound_per_camera_drops_the_oldest_and_refuses_a_frame_too_large_alone():
+    """frame_memory_mb: each camera's frames take at most max_bytes by their payloads' sizes."""
+    clock = Clock(10_000 * MS)
+    store = FrameStore(["A", "B"], SKEW, AGE, history=8, clock_ns=clock, max_bytes=250)
+    for k, t in enumerate((9_700, 9_800, 9_900)):
+        store.add(Frame("A", t * MS, bytes([k]) * 100))
+    assert store.depth()["A"] == 2 and store.held_bytes() == {"A": 200, "B": 0}
+    assert store.memory_evictions["A"] == 1 and [f.payload[0] for f in store._frames["A"]] == [1, 2]
+    store.add(Frame("A", 9_950 * MS, bytes(251)))               # larger than the bound alone: never stored
+    assert store.bad_image["A"] == 1 and store.depth()["A"] == 2 and store.held_bytes()["A"] == 200
+    # A camera whose only frames were too large: the query is bad_image naming the setting.
+    store.add(Frame("B", 9_950 * MS, bytes(300)))
+    with pytest.raises(FrameMatchError) as e:
+        store.match(10_000 * MS)
+    assert e.value.status == "bad_image" and str(e.value) == (
+        "B: frame data of 0.0 MB, above frame_memory_mb (0.00025 MB held per camera at most); "
+        "refused on arrival, not stored")
+    # A late straggler held aside (the clock-step detection) counts too, and goes first.
+    store.add(Frame("A", 9_000 * MS, bytes(100)))
+    assert store.held_bytes()["A"] == 200 and store.memory_evictions["A"] == 2
+
+
+def test_memory_bound_comes_from_the_setting():
+    from litevlm_runtime.serving.server import QueryServer, ServerSettings
+
+    server = QueryServer(ServerSettings(frame_memory_mb=1.5), lambda rec: None)
+    assert server.frames.max_bytes == 1_500_000
+    assert QueryServer(ServerSettings(), lambda rec: None).frames.max_bytes == 256_000_000

@@ -177,6 +177,7 @@ class CameraMonitor:
         self.lost = {c: 0 for c in CAMERAS}
         self.undecodable = {c: 0 for c in CAMERAS}     # stored frames whose header says bad_image if selected
         self.last_defect = {c: "" for c in CAMERAS}    # the newest frame's defect ("": it was fine)
+        self.renewals = {c: 0 for c in CAMERAS}        # readers renewed after a publisher left (DDS memory)
 
     def frame(self, camera: str, stamp_ns: int) -> None:
         self.arrivals[camera].append(time.monotonic())
@@ -210,6 +211,7 @@ class DriveNode(LifecycleNode):
         self.add_on_set_parameters_callback(self._check_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
         self._camera_subs = []
+        self._renew_cameras: set[str] = set()     # cameras whose reader a departed publisher left holding memory
         self._state = "unconfigured"
         self.max_pixels = int(self.get_parameter("images.max_pixels").value)   # configure sets the validated one
         self.integrity = "not loaded"        # integrity_label of the loaded model folder
@@ -217,6 +219,8 @@ class DriveNode(LifecycleNode):
     def _every_10ms(self) -> None:
         self.server.retry_pending()          # queries waiting for frames in flight
         self.server.expire_deadlines()       # queued queries answered deadline_passed on time
+        if self._renew_cameras:
+            self._renew_readers()
 
     def values(self) -> dict:
         return {name: self.get_parameter(name).value for name in all_settings()}
@@ -294,13 +298,33 @@ class DriveNode(LifecycleNode):
         self._publish_diagnostics()
         return TransitionCallbackReturn.FAILURE
 
+    def _subscribe_camera(self, cam: str, topic: str):
+        msg_type = message_type_of(self.resolve_topic_name(topic))   # after namespace and remaps
+        events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info),
+                                            matched=lambda info, c=cam: self._on_matched(c, info))
+        return self.create_subscription(msg_type, topic, lambda m, c=cam: self._on_image(c, m),
+                                        qos_profile_sensor_data, event_callbacks=events)
+
+    def _on_matched(self, camera: str, info) -> None:
+        """A publisher of this camera left: renew the camera's DDS reader (at the next 10 ms tick).
+        Fast DDS 3.2 keeps a best-effort sample whose fragments were lost (a 192 MB frame on a
+        loaded machine) in the reader until that writer's next fragmented sample, and for good once
+        the writer is gone; deleting the reader frees it (docs/ros.md, "DDS reassembly memory")."""
+        if info.current_count_change < 0:
+            self._renew_cameras.add(camera)
+
+    def _renew_readers(self) -> None:
+        for cam in sorted(self._renew_cameras):
+            i = CAMERAS.index(cam)
+            if self._state == "active" and i < len(self._camera_subs):
+                self.destroy_subscription(self._camera_subs[i])
+                self._camera_subs[i] = self._subscribe_camera(cam, self.settings.camera_topics[i])
+                self.cameras.renewals[cam] += 1
+                self.get_logger().info(f"{cam}: a publisher left; reader renewed (frees DDS reassembly buffers)")
+        self._renew_cameras.clear()
+
     def on_activate(self, state: State) -> TransitionCallbackReturn:
-        for cam, topic in zip(CAMERAS, self.settings.camera_topics):
-            msg_type = message_type_of(self.resolve_topic_name(topic))   # after namespace and remaps
-            events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info))
-            self._camera_subs.append(self.create_subscription(
-                msg_type, topic, lambda m, c=cam: self._on_image(c, m), qos_profile_sensor_data,
-                event_callbacks=events))
+        self._camera_subs = [self._subscribe_camera(cam, topic) for cam, topic in zip(CAMERAS, self.settings.camera_topics)]
         self.server.active = True
         self.server.start_worker()
         self._state = "active"
@@ -336,7 +360,7 @@ class DriveNode(LifecycleNode):
         frame above images.max_pixels is refused from its header before it is copied or stored;
         every frame's header is checked (frame_health) so that a camera sending undecodable
         frames shows on /diagnostics whether or not a query selects it."""
-        refused = too_large(camera, msg, self.max_pixels)
+        refused = too_large(camera, msg, self.max_pixels, self.server.frames.max_bytes)
         if refused:
             self.server.frames.refuse(camera, refused)
             return
@@ -407,6 +431,9 @@ class DriveNode(LifecycleNode):
             values[f"camera.{cam}.bad_stamp"] = s["frames_bad_stamp"][cam]
             values[f"camera.{cam}.history_resets"] = s["frames_history_resets"][cam]
             values[f"camera.{cam}.too_large"] = s["frames_bad_image"][cam]
+            values[f"camera.{cam}.held_mb"] = f"{s['frames_held_bytes'][cam] / 1e6:.2f}"
+            values[f"camera.{cam}.memory_evictions"] = s["frames_memory_evictions"][cam]
+            values[f"camera.{cam}.reader_renewals"] = self.cameras.renewals[cam]
             values[f"camera.{cam}.undecodable"] = self.cameras.undecodable[cam]
             if age is None or age > self.settings.max_frame_age_s:
                 stale.append(cam)
@@ -454,6 +481,7 @@ class DriveNode(LifecycleNode):
             "errors": s["errors"],
             "last_error": s["last_error"],
             "dropped_frames": sum(s["frames_dropped"].values()) + sum(self.cameras.lost.values()),
+            "frame_memory_mb": f"{self.server.settings.frame_memory_mb:g}",
             "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
             "publish_failed": s["publish_failed"],
             "conversations": s["conversations"],

@@ -1,11 +1,10 @@
 """What the node checks of every camera frame on arrival, whether or not a query will select it:
 cheap header checks only (nothing is decoded on the executor thread).
 
-  too_large(camera, msg, max_pixels)   a raw sensor_msgs/Image's width x height from its header,
-                                       against images.max_pixels, and any frame's data length,
-                                       before its data is copied or stored: the frame store would
-                                       otherwise hold a 192 MB 8000x8000 rgb8 frame for each of
-                                       `frame_history` slots
+  too_large(camera, msg, max_pixels,   a raw sensor_msgs/Image's width x height from its header,
+            max_bytes)                 against images.max_pixels, and any frame's data length
+                                       against the frame store's bound (frame_memory_mb), before
+                                       its data is copied or stored
   header_defect(camera, payload, ...)  why a stored frame could not be decoded if selected: a
                                        CompressedImage that is neither JPEG nor PNG by its magic,
                                        or whose header dimensions are out of bounds; a raw Image
@@ -18,18 +17,19 @@ from __future__ import annotations
 
 from ..errors import InputError
 from ..stages.preprocess import check_image_size, open_image
+from .frame_store import over_memory
 from .images import JPEG_MAGIC, PNG_MAGIC, RAW_ENCODINGS, CompressedPayload, RawPayload
 
 # The most bytes a pixel takes in any accepted encoding (rgba16/bgra16): a frame's data above
-# images.max_pixels x this is refused whatever its header says, so one camera never holds more
-# than frame_history x max_pixels x 8 bytes (a per-camera bound from the parameters).
+# images.max_pixels x this is refused whatever its header says (a small header over a huge buffer).
 MAX_BYTES_PER_PIXEL = 8
 
 
-def too_large(camera: str, msg, max_pixels: int) -> str | None:
+def too_large(camera: str, msg, max_pixels: int, max_bytes: int | None = None) -> str | None:
     """Why an Image or CompressedImage message is refused before its payload is made (None: it
-    fits): its data above max_pixels x MAX_BYTES_PER_PIXEL bytes (a small header over a huge
-    buffer), or a raw Image's width x height above max_pixels."""
+    fits): a raw Image's width x height above max_pixels, or its data above max_pixels x
+    MAX_BYTES_PER_PIXEL bytes or above max_bytes (the frame store's per-camera bound,
+    frame_memory_mb), which it could never hold."""
     if not hasattr(msg, "format"):                    # raw Image (a CompressedImage's size is in its data)
         width, height = int(msg.width), int(msg.height)
         if width * height > max_pixels:
@@ -40,7 +40,7 @@ def too_large(camera: str, msg, max_pixels: int) -> str | None:
     if size > limit:
         return (f"{camera}: frame data of {size / 1e6:.1f} MB, above images.max_pixels x {MAX_BYTES_PER_PIXEL} "
                 f"bytes ({limit / 1e6:.1f} MB); refused on arrival, not stored")
-    return None
+    return over_memory(camera, size, max_bytes)
 
 
 def header_defect(camera: str, payload, max_pixels: int) -> str | None:

@@ -24,6 +24,12 @@ Clock faults. Stamps are the camera's clock, ages are the node's (`clock_ns`):
     is dropped), the history restarts from them. Both count in `history_resets`;
   - a held frame that is ahead of the node's clock by more than the tolerance when a query
     arrives (the node's clock stepped back) is not matched.
+
+Memory: each camera's held frames take at most `max_bytes` (the frame_memory_mb setting) by their
+payloads' sizes (payload_bytes), whatever the cameras send: a new frame makes room by dropping
+the camera's oldest frames (counted in `memory_evictions`), and a frame larger than `max_bytes`
+alone is refused (`refuse`: the query gets bad_image naming the camera and the setting). Without
+it the bound was implicit: images.max_pixels x 8 bytes x frame_history (1 GB per camera by default).
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ class FrameSet:
         return max(stamps) - min(stamps)
 
 
+def payload_bytes(payload) -> int:
+    """The memory a frame's payload holds: its image bytes (serving/images.py's payloads carry them
+    in .data; a bare bytes payload is its own length; anything else counts as nothing)."""
+    data = getattr(payload, "data", payload)
+    return len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+
+
+def over_memory(camera: str, size: int, max_bytes: int | None) -> str | None:
+    """Why a frame of `size` bytes can never be held within the per-camera bound (None: it can)."""
+    if max_bytes is None or size <= max_bytes:
+        return None
+    return (f"{camera}: frame data of {size / 1e6:.1f} MB, above frame_memory_mb ({max_bytes / 1e6:g} MB held per "
+            f"camera at most); refused on arrival, not stored")
+
+
 class FrameMatchError(Exception):
     def __init__(self, status: str, message: str):
         super().__init__(message)
@@ -71,10 +92,13 @@ class FrameStore:
     """Thread-safe: cameras are added from executor callbacks, matched from query callbacks."""
 
     def __init__(self, cameras: Sequence[str], max_skew_ns: int, max_age_ns: int, history: int = 8,
-                 max_future_ns: int = 500_000_000, clock_ns: Callable[[], int] = time.time_ns):
-        if max_skew_ns < 0 or max_age_ns <= 0 or history < 1 or max_future_ns < 0:
-            raise ValueError("max_skew_ns >= 0, max_age_ns > 0, history >= 1 and max_future_ns >= 0 are required")
+                 max_future_ns: int = 500_000_000, clock_ns: Callable[[], int] = time.time_ns,
+                 max_bytes: int | None = None):
+        if max_skew_ns < 0 or max_age_ns <= 0 or history < 1 or max_future_ns < 0 or (max_bytes or 1) < 1:
+            raise ValueError("max_skew_ns >= 0, max_age_ns > 0, history >= 1, max_future_ns >= 0 and max_bytes "
+                             ">= 1 (or None) are required")
         self.cameras = tuple(cameras)
+        self.max_bytes = max_bytes             # per camera; None: only `history` bounds it
         self.max_skew_ns = int(max_skew_ns)
         self.max_age_ns = int(max_age_ns)
         self.max_future_ns = int(max_future_ns)
@@ -96,6 +120,7 @@ class FrameStore:
         # and the last one's reason (arrival, why) names the camera in a bad_image answer.
         self.bad_image = {c: 0 for c in self.cameras}
         self._refused_image: dict[str, tuple[int, str] | None] = {c: None for c in self.cameras}
+        self.memory_evictions = {c: 0 for c in self.cameras}   # held frames dropped to stay within max_bytes
 
     def refuse(self, camera: str, why: str, now_ns: int | None = None) -> None:
         """A frame of `camera` refused before it was stored (`why` names the camera and the
@@ -111,52 +136,88 @@ class FrameStore:
             raise KeyError(f"unknown camera {frame.camera!r}; known: {', '.join(self.cameras)}")
         now = self.clock_ns() if now_ns is None else now_ns
         cam = frame.camera
+        refused = over_memory(cam, payload_bytes(frame.payload), self.max_bytes)
+        if refused:
+            self.refuse(cam, refused, now)
+            return
         with self._lock:
-            frames = self._frames[cam]
-            self.received[cam] += 1
-            ahead = frame.stamp_ns - now
-            if ahead > self.max_future_ns:
-                self.bad_stamp[cam] += 1
-                self._refused[cam] = (now, ahead)
-                return
-            self._accepted_at[cam] = now
-            if not frames or frame.stamp_ns > frames[-1].stamp_ns:
-                self._behind[cam].clear()
-                frames.append(frame)
-            elif frame.stamp_ns == frames[-1].stamp_ns:
-                self._behind[cam].clear()
-                self.dropped[cam] += 1
-                frames[-1] = frame   # same stamp again: the newer message wins
-            elif frames[-1].stamp_ns - now > self.max_future_ns:
-                # Held frames are now too far ahead of the node's clock (it stepped back since
-                # they came): they can never be matched; start again from this one.
+            self._insert(frame, now)
+            self._fit(cam)
+
+    def _aside(self, cam: str) -> list[Frame]:
+        """Late stragglers held in _behind only (one, at most), not in the history."""
+        return [f for f in self._behind[cam] if all(f is not g for g in self._frames[cam])]
+
+    def _held(self, cam: str) -> int:
+        """The bytes `cam`'s frames take: its history plus a straggler held aside."""
+        return sum(payload_bytes(f.payload) for f in (*self._frames[cam], *self._aside(cam)))
+
+    def _fit(self, cam: str) -> None:
+        """Drop `cam`'s oldest frames (a straggler held aside first) until they take at most
+        max_bytes; any one frame fits alone (add refused it otherwise)."""
+        if self.max_bytes is None:
+            return
+        frames, held = self._frames[cam], self._held(cam)
+        while held > self.max_bytes and (self._aside(cam) or len(frames) > 1):
+            aside = self._aside(cam)
+            dropped = aside[0] if aside else frames.popleft()
+            self._behind[cam] = [f for f in self._behind[cam] if f is not dropped]
+            held -= payload_bytes(dropped.payload)
+            self.memory_evictions[cam] += 1
+
+    def held_bytes(self) -> dict[str, int]:
+        """Per camera, the bytes its frames take now (what max_bytes bounds)."""
+        with self._lock:
+            return {c: self._held(c) for c in self.cameras}
+
+    def _insert(self, frame: Frame, now: int) -> None:
+        """`add`'s clock and order rules (the module's docstring), under the lock."""
+        cam = frame.camera
+        frames = self._frames[cam]
+        self.received[cam] += 1
+        ahead = frame.stamp_ns - now
+        if ahead > self.max_future_ns:
+            self.bad_stamp[cam] += 1
+            self._refused[cam] = (now, ahead)
+            return
+        self._accepted_at[cam] = now
+        if not frames or frame.stamp_ns > frames[-1].stamp_ns:
+            self._behind[cam].clear()
+            frames.append(frame)
+        elif frame.stamp_ns == frames[-1].stamp_ns:
+            self._behind[cam].clear()
+            self.dropped[cam] += 1
+            frames[-1] = frame   # same stamp again: the newer message wins
+        elif frames[-1].stamp_ns - now > self.max_future_ns:
+            # Held frames are now too far ahead of the node's clock (it stepped back since
+            # they came): they can never be matched; start again from this one.
+            self.history_resets[cam] += 1
+            self._behind[cam].clear()
+            kept = [f for f in frames if f.stamp_ns - now <= self.max_future_ns and f.stamp_ns < frame.stamp_ns]
+            frames.clear()
+            frames.extend([*kept, frame])
+        elif frame.stamp_ns < frames[0].stamp_ns:
+            behind = self._behind[cam]
+            behind.append(frame)
+            if len(behind) >= STEPS_BACK_TO_RESET:
+                # Frames keep coming from before the history: the camera's clock stepped back.
                 self.history_resets[cam] += 1
-                self._behind[cam].clear()
-                kept = [f for f in frames if f.stamp_ns - now <= self.max_future_ns and f.stamp_ns < frame.stamp_ns]
                 frames.clear()
-                frames.extend([*kept, frame])
-            elif frame.stamp_ns < frames[0].stamp_ns:
-                behind = self._behind[cam]
-                behind.append(frame)
-                if len(behind) >= STEPS_BACK_TO_RESET:
-                    # Frames keep coming from before the history: the camera's clock stepped back.
-                    self.history_resets[cam] += 1
-                    frames.clear()
-                    frames.extend(sorted(behind, key=lambda f: f.stamp_ns))
-                    behind.clear()
-                elif len(frames) < frames.maxlen:
-                    self.out_of_order[cam] += 1
-                    frames.appendleft(frame)
-                else:
-                    self.out_of_order[cam] += 1
-                    self.dropped[cam] += 1     # a late straggler older than the whole history: useless
-            else:
-                # Late delivery within the history: insert in stamp order so matching sees it.
-                self._behind[cam].clear()
+                frames.extend(sorted(behind, key=lambda f: f.stamp_ns))
+                behind.clear()
+            elif len(frames) < frames.maxlen:
                 self.out_of_order[cam] += 1
-                items = sorted([*frames, frame], key=lambda f: f.stamp_ns)
-                frames.clear()
-                frames.extend(items[-frames.maxlen:])
+                frames.appendleft(frame)
+            else:
+                self.out_of_order[cam] += 1
+                self.dropped[cam] += 1     # a late straggler older than the whole history: useless
+        else:
+            # Late delivery within the history: insert in stamp order so matching sees it.
+            self._behind[cam].clear()
+            self.out_of_order[cam] += 1
+            items = sorted([*frames, frame], key=lambda f: f.stamp_ns)
+            frames.clear()
+            frames.extend(items[-frames.maxlen:])
 
     def _bad_stamp_message(self, cam: str) -> str | None:
         """Why `cam` has nothing usable, when the reason is that its frames are refused."""

@@ -310,7 +310,8 @@ class QueryServer:
         Queries already queued move to the new queue; those beyond its size are answered queue_full."""
         self.settings = settings
         self.frames = FrameStore(settings.cameras, int(settings.max_skew_s * 1e9), int(settings.max_frame_age_s * 1e9),
-                                 settings.frame_history, int(settings.max_future_s * 1e9), clock_ns=self.clock_ns)
+                                 settings.frame_history, int(settings.max_future_s * 1e9), clock_ns=self.clock_ns,
+                                 max_bytes=int(settings.frame_memory_mb * 1e6))
         old, self.queue = self.queue, RequestQueue(settings.queue_size, settings.overflow_policy)
         for req in old.drain() if old is not None else ():
             self._enqueue(req)
@@ -701,6 +702,8 @@ class QueryServer:
             "frames_bad_stamp": dict(self.frames.bad_stamp),
             "frames_history_resets": dict(self.frames.history_resets),
             "frames_bad_image": dict(self.frames.bad_image),     # refused on arrival (too large)
+            "frames_held_bytes": self.frames.held_bytes(),         # bounded by frame_memory_mb per camera
+            "frames_memory_evictions": dict(self.frames.memory_evictions),
             # answered queries a follow-up may name now (serving.conversations at most)
             "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))

@@ -21,6 +21,11 @@ class ServerSettings(_Validated):
     max_frame_age_s: float = setting(1.0, "every frame of the set younger than this when the query arrives (s)",
                                      lo=0.001, hi=3600.0, live=True)
     frame_history: int = setting(8, "frames kept per camera", lo=1, hi=1000)
+    # The frame store's memory, bounded per camera whatever the cameras send (frame_store.py).
+    frame_memory_mb: float = setting(256.0, "the frames held per camera take at most this much memory (MB, 10^6 "
+                                            "bytes): the oldest are dropped to make room (counted per camera on "
+                                            "/diagnostics), and a frame larger than this alone is refused on arrival "
+                                            "(bad_image)", lo=0.001, hi=1e6)
     # The frames a query needs may still be in flight (a large frame published before the
     # question can arrive after it): a failed match is retried this long before it is refused.
     match_wait_s: float = setting(0.2, "a query whose frames are missing, stale or out of sync is retried this long "
