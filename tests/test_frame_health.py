@@ -50,7 +50,8 @@ def test_header_defects(payload, why):
 
 def server(published):
     s = QueryServer(ServerSettings(queue_size=4), published.append, clock_ns=lambda: 10 ** 9)
-    s.pipeline, s.active = SimpleNamespace(rt=None), True       # submit's question check is skipped below
+    # submit's question check is skipped below; stats() counts the runtime's kept conversations
+    s.pipeline, s.active = SimpleNamespace(rt=SimpleNamespace(conversations=SimpleNamespace(turns={}))), True
     return s
 
 
