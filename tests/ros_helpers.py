@@ -54,6 +54,26 @@ class Proc(LoggedProcess):
         return super().stop(signal.SIGINT, timeout=15)
 
 
+def shm_segments() -> set[str]:
+    """The names in /dev/shm (Fast DDS's shared-memory transport segments, port queues and
+    data-sharing pools live there; the lock files and semaphores beside them are left out)."""
+    root = Path("/dev/shm")
+    return {p.name for p in root.iterdir() if not p.name.endswith("_el") and not p.name.startswith("sem.")} \
+        if root.is_dir() else set()
+
+
+def unmapped(names: set[str]) -> set[str]:
+    """Those of `names` that no running process maps: what an exited process left behind."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped |= {line.rsplit("/dev/shm/", 1)[1].strip() for line in maps.read_text().splitlines()
+                       if "/dev/shm/" in line}
+        except OSError:                     # a process that ended while we read
+            continue
+    return {n for n in names if n not in mapped and (Path("/dev/shm") / n).exists()}
+
+
 def write_params(path: Path, **values) -> Path:
     """A params file for the node in any namespace (`/**/litevlm_drive`, as config/drive.yaml)."""
     lines = ["/**/litevlm_drive:", "  ros__parameters:"]
