@@ -23,9 +23,14 @@ PROFILE = ROOT / "config" / "fastdds_large_data.xml"
 
 
 def domain_id(k: int) -> int:
-    """Own DDS domain per test and per test run (several suites may share a machine). k: 1..3
-    test_ros_replay, 4 test_bag_replay, 5..9 the node tests."""
-    return 1 + (os.getpid() * 5 + k) % 200
+    """Own DDS domain per test and per test run. k: 1..49, one per test, never shared: 1..3
+    test_ros_replay, 4 test_bag_replay, 5..9 the node tests, 10..14 test_ros_reliability, 22
+    batching, 23 follow-ups, 24..31 reconfigure, memory, bags as they come, shutdown, the real
+    launch, 32 partials, 40..44 the soak/peak harness. Concurrent suites on one machine (the
+    pid's residue picks one of four blocks of 50) collide only if their pids do mod 4."""
+    if not 1 <= k < 50:
+        raise ValueError(f"domain_id({k}): k is 1..49 (one per test)")
+    return 1 + (os.getpid() % 4) * 50 + k
 
 
 def ros_env(domain: int, **extra) -> dict:

@@ -107,7 +107,7 @@ def test_damaged_bags_end_with_one_line_naming_the_bag(tmp_path, tiny_model):
             commands.append(["bag", "replay", str(bag), "--params", str(params), "--no-wait"])
         for cmd in commands:
             r = subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", *cmd], capture_output=True, text=True,
-                               cwd=ROOT, timeout=120, env=ros_env(domain_id(215)))
+                               cwd=ROOT, timeout=120, env=ros_env(domain_id(28)))
             err = r.stderr.strip().splitlines()
             assert r.returncode == 2, (kind, cmd[1], r.returncode, r.stderr[-2000:])
             assert len(err) == 1 and err[0].startswith(f"litevlm bag: error: {bag}"), (kind, cmd[1], r.stderr)
@@ -118,7 +118,7 @@ def test_a_bag_replayed_twice_into_one_namespaced_node_is_answered_twice(tmp_pat
     bag = write_bag(contents(n_sets=2), tmp_path / "bag")
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=2,
                           queue_size=8)
-    env = ros_env(domain_id(216))
+    env = ros_env(domain_id(29))
     out = tmp_path / "recorded.jsonl"
     node = Proc(["drive", "--params", str(params), "--namespace", "/car7"], env, tmp_path / "node.log")
     recorder = Proc(["bag", "record", "--out", str(out), "--topic", "/car7/litevlm/answer", "--count", "4",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from helpers import ros2_msgdef
+from ros_helpers import domain_id
 
 from litevlm_runtime.bag.ids import split
 from litevlm_runtime.bag.io import camera_topic, msg_definitions_dir
@@ -99,7 +100,7 @@ def test_replay_of_a_vehicle_bag(tmp_path, monkeypatch):
     from sensor_msgs.msg import CompressedImage, Imu
 
     bag = vehicle_mcap(tmp_path / "vehicle.mcap")
-    domain = 1 + (os.getpid() * 5 + 4) % 200        # not the domains of test_ros_replay (k = 1..3)
+    domain = domain_id(4)
     env = dict(os.environ, ROS_DOMAIN_ID=str(domain), FASTDDS_DEFAULT_PROFILES_FILE=str(PROFILE), PYTHONUNBUFFERED="1")
     env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)
     monkeypatch.setenv("FASTDDS_DEFAULT_PROFILES_FILE", str(PROFILE))

@@ -73,7 +73,7 @@ def test_ros2_launch_lifecycle_param_and_ctrl_c(tmp_path, tiny_model):
         f"{launch_file} is not this checkout's: rebuild litevlm with colcon --symlink-install (docs/ros.md)")
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=16,
                           queue_size=16, **{"tokens.mode": "layer0", "tokens.keep_ratio": 0.8})
-    domain = domain_id(219)
+    domain = domain_id(31)
     env = ros_env(domain)
     cli = Cli(env)
     log_path = tmp_path / "launch.log"

@@ -91,7 +91,7 @@ def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model):
     from diagnostic_msgs.msg import DiagnosticArray
     from std_msgs.msg import String
 
-    domain = domain_id(212)
+    domain = domain_id(25)
     profile = big_sample_profile(tmp_path / "big_samples.xml")
     topics = ["cam_front/image_raw", *(f"{c}/image_raw/compressed" for c in
                                        ("cam_front_left", "cam_front_right", "cam_back", "cam_back_left", "cam_back_right"))]
@@ -190,7 +190,7 @@ def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model):
 def test_lifecycle_cycles_keep_memory_flat(tmp_path, tiny_model, model):
     """20 deactivate/cleanup/configure/activate cycles, each answering a query: RSS within +5%
     of the RSS after the first (the tiny model in CI; the bundled one, 4 minutes, outside)."""
-    domain = domain_id(213)
+    domain = domain_id(26)
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model) if model == "tiny" else "", warmup=True,
                           max_new_tokens=2 if model == "tiny" else 16)
     node = start_node(tmp_path, domain, "/", params)

@@ -35,7 +35,7 @@ def test_partials_then_the_final_answer_equal_to_the_unstreamed_one(tmp_path):
 
     values = params_with(tmp_path / "p.yaml", **{"decoding.eagle.policy": "fixed"})
     assert values["serving.stream_partials"] is True and values["model_dir"] == ""     # shipped: on, bundled model
-    domain = domain_id(11)
+    domain = domain_id(32)
     node = Proc(["drive", "--params", str(tmp_path / "p.yaml")], ros_env(domain), tmp_path / "node.log")
     client = RosClient(domain)
     try:

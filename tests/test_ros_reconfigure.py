@@ -24,7 +24,7 @@ def answer_of(client: RosClient, rig: Rig, query_id: str, seed: int) -> dict:
 
 
 def test_pipeline_setting_changes_through_cleanup_and_configure(tmp_path, tiny_model):
-    domain = domain_id(211)
+    domain = domain_id(24)
     params = write_params(tmp_path / "p.yaml", model_dir=str(tmp_path / "no_such_model"), warmup=False,
                           max_new_tokens=2, **{"tokens.mode": "layer0", "tokens.keep_ratio": 0.8})
     node = start_node(tmp_path, domain, "/", params)
@@ -85,7 +85,7 @@ def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):
     folder = tmp_path / "brought"
     shutil.copytree(tiny_model, folder)
     (folder / MANIFEST_FILE).unlink()
-    domain = domain_id(214)
+    domain = domain_id(27)
     params = write_params(tmp_path / "p.yaml", model_dir=str(folder), warmup=False, require_manifest=True)
     node = start_node(tmp_path, domain, "/", params)
     client = RosClient(domain)

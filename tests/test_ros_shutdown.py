@@ -16,7 +16,7 @@ from test_ros_reliability import answered_once, frame_set, graph  # noqa: F401 -
 
 def test_double_sigint_during_a_burst_is_one_clean_exit(graph):  # noqa: F811
     shm_before = shm_segments()
-    node, client = graph(217, max_new_tokens=32, queue_size=16)
+    node, client = graph(30, max_new_tokens=32, queue_size=16)
     client.publish_frames(frame_set(), client.now_ns())
     time.sleep(0.3)
     ids = [f"d{i}" for i in range(16)]

@@ -70,7 +70,7 @@ def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=4, queue_size=4)
     out = tmp_path / "answers.jsonl"
     run = harness(["soak", str(small_bag), "--params", str(params), "--count", "40", "--rate", "8", "--warmup", "5",
-                   "--frame-rate", "4", "--out", str(out)], tmp_path, 21)
+                   "--frame-rate", "4", "--out", str(out)], tmp_path, 40)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = run.stdout
     assert "answers: 40 sent, 40 answered, 0 lost, 0 duplicated; statuses: ok 40" in text, text
@@ -87,7 +87,7 @@ def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
 def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=8, queue_size=2)
     run = harness(["peak", str(small_bag), "--params", str(params), "--min-rate", "2", "--max-rate", "2000",
-                   "--steps", "3", "--trial-count", "30"], tmp_path, 22)
+                   "--steps", "3", "--trial-count", "30"], tmp_path, 41)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     trials = re.findall(r"^\s+([\d.]+)\s+30\s+(\d+)\s+(\d+)\s+([\d.]+)\s+\d+\s+0  (pass|fail)$", run.stdout, re.M)
     assert len(trials) == 5, run.stdout                     # max, min, then 3 bisection steps
@@ -106,11 +106,11 @@ def test_soak_1500_queries_on_the_bundled_model(tmp_path, drivelm_dir):
     over the DriveLM sample's frames and questions, then the peak rate. About 15 minutes."""
     bag = write_bag(drivelm_contents(drivelm_dir, questions_per_frame=4), tmp_path / "drive_bag")
     run = harness(["soak", str(bag), "--count", "1500", "--rate", "2", "--out", str(tmp_path / "soak.jsonl")],
-                  tmp_path, 23, timeout=1800)
+                  tmp_path, 42, timeout=1800)
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "1500 sent, 1500 answered, 0 lost, 0 duplicated" in run.stdout
-    run = harness(["peak", str(bag), "--max-rate", "32"], tmp_path, 24, timeout=1800)
+    run = harness(["peak", str(bag), "--max-rate", "32"], tmp_path, 43, timeout=1800)
     print(run.stdout)
     assert run.returncode == 0 and "peak rate:" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -118,7 +118,7 @@ def test_soak_1500_queries_on_the_bundled_model(tmp_path, drivelm_dir):
 def test_soak_versus_compares_configurations_in_one_table(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=4, queue_size=4)
     run = harness(["soak", str(small_bag), "--params", str(params), "--count", "20", "--rate", "10", "--warmup", "2",
-                   "--versus", "short=max_new_tokens=1"], tmp_path, 25)
+                   "--versus", "short=max_new_tokens=1"], tmp_path, 44)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     table = run.stdout[run.stdout.index("soak comparison"):]
     # One row per configuration, the baseline's ratio 1.00; n is the answers that were ok (a loaded
