@@ -87,7 +87,8 @@ def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
 def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=8, queue_size=2)
     run = harness(["peak", str(small_bag), "--params", str(params), "--min-rate", "2", "--max-rate", "2000",
-                   "--steps", "3", "--trial-count", "30"], tmp_path, 41)
+                   "--steps", "3", "--trial-count", "30", "--lone", "4", "--json", str(tmp_path / "peak.json")],
+                  tmp_path, 41)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     trials = re.findall(r"^\s+([\d.]+)\s+30\s+(\d+)\s+(\d+)\s+([\d.]+)\s+\d+\s+0  (pass|fail)$", run.stdout, re.M)
     assert len(trials) == 5, run.stdout                     # max, min, then 3 bisection steps
@@ -98,6 +99,13 @@ def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     peak = float(re.search(r"peak rate: ([\d.]+) queries/s \(passes; ([\d.]+)/s fails\)", run.stdout).group(1))
     passing = [float(r) for r, *_, v in trials if v == "pass"]
     assert peak == max(passing) and all(float(r) > peak for r, *_, v in trials if v == "fail")
+    # Lone query i asks question i on frame set i (the same pairs in every configuration of a run).
+    sets = int(re.search(r"peak: (\d+) frame sets", run.stdout).group(1))
+    answers = {r["query_id"]: r for r in json.loads((tmp_path / "peak.json").read_text())["configs"]["baseline"]["answers"]}
+    for i in range(4):
+        lone = answers[f"lone_{i}"]
+        assert lone["status"] == "ok" and lone["frame_set"] == i % sets, lone
+        assert lone["question"] == answers[f"peak1_{i}"]["question"]
 
 
 @pytest.mark.slow

@@ -633,6 +633,9 @@ class PeakResult:
         return [r for r in self.rows if r["status"] == "ok" and r["query_id"].startswith(prefix)]
 
 
+LONE_SETTLE_S = 0.3        # a lone query's frames are in the node before the query (DDS orders no topics)
+
+
 def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, steps: int = 6,
          trial_count: int = 60, max_queue_full: float = 0.05, frame_rate: float = 2.0,
          grace_s: float = 30.0, progress=print, concurrency: int = 1, lone: int = 0) -> PeakResult:
@@ -678,8 +681,15 @@ def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, s
             else:
                 hi = mid
         result.peak, result.bracket = lo, (lo, hi)
-        for i in range(lone):              # one at a time: each waits for the last answer
+        # One at a time, each after the last was answered, on frames published for it: lone query
+        # i asks question i on frame set i in every configuration, so their p50s compare the same
+        # work (on the playback's running sets, the pairs differed from run to run, and a query's
+        # cost varies 4x with its cameras and answer).
+        play.stop()
+        for i in range(lone):
             qid = f"lone_{i}"
+            play.publish_set(i)
+            time.sleep(LONE_SETTLE_S)
             client.publish_query(qid, work.questions[i % len(work.questions)])
             client.wait_for_answers([qid], timeout=grace_s)
         result.lone_rows = [r for r in client.answers() if r["query_id"].startswith("lone_")]
