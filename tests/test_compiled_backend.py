@@ -21,8 +21,9 @@ from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
 
 TOLERANCE = 1e-5
-# One batch bucket of 3 (serving.max_batch 3): 2 queries run in it with a padding row.
-BUCKETS = "vision=6;prefill=256;step=1,8;head=1,8;batch=3"
+# One batch bucket of 3 (serving.max_batch 3): 2 queries run in it with a padding row. Step
+# graphs over the first 64 and 160 cache columns and over the whole cache.
+BUCKETS = "vision=6;prefill=256;step=1,8;head=1,8;batch=3;cache=64,160"
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -45,6 +46,9 @@ def test_every_bucket_compiled_at_start_up(pipes):
     assert set(seconds) == {"vision", "prefill", "decoder", "head", "decoder_batch"}
     assert all(s > 0 for s in seconds.values())
     assert compiled.rt.engines.batch.sizes == (3,) and compiled.rt.engines.batch.backend == "torch-compile"
+    decoder = compiled.rt.engines.decoder
+    assert decoder.cache_sizes == (64, 160, compiled.rt.arena.max_len) > (64, 160, 161)
+    assert set(decoder.step_runners) == {(t, n) for t in (1, 8) for n in decoder.cache_sizes}
 
 
 @torch.inference_mode()
@@ -68,7 +72,10 @@ def test_stages_match_eager(pipes):
                                                                                                   [1, 0, 1, 0, 0]]).bool())
     outs = [p.rt.engines.decoder.prefill(*prefill).clone() for p in pipes]
     assert relative_error(outs[1], outs[0]) <= TOLERANCE
-    for call in (step, tree):
+    # The step over 100 live columns runs in the 160-column graph, 50 in the 64, 200 in the whole cache's.
+    short = (step[0], step[1], torch.tensor([50]), torch.ones(1, 50, dtype=torch.bool), step[4])
+    long = (step[0], torch.tensor([400]), torch.tensor([200]), torch.rand(1, 200, generator=g) < 0.7, step[4])
+    for call in (step, tree, short, long):
         outs = [p.rt.engines.decoder.step(*call).clone() for p in pipes]
         assert outs[1].shape == outs[0].shape == (call[0].shape[0], d)
         assert relative_error(outs[1], outs[0]) <= TOLERANCE

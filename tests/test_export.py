@@ -131,6 +131,8 @@ def test_bucket_parsing_and_picking(exported):
     assert pick((4, 6), 3, "vision") == 4 and pick((4, 6), 6, "vision") == 6
     with pytest.raises(LiteVLMError, match="--buckets 'step=...'"):
         pick((1, 8), 9, "decoder")
+    assert d.cache == () and parse_buckets("cache=512,256", d).cache == (256, 512)
+    assert Buckets.from_dict(d.to_dict()) == d and Buckets.from_dict({**d.to_dict(), "cache": [64]}).cache == (64,)
 
 
 def test_export_refuses_buckets_larger_than_the_arena(exported, tmp_path):
@@ -141,6 +143,12 @@ def test_export_refuses_buckets_larger_than_the_arena(exported, tmp_path):
     too_big = Buckets(vision=(7,), prefill=(8,), step=(1,), head=(1,))
     with pytest.raises(LiteVLMError, match="exceed the arena's maximum 6"):
         export_bundle(pipe.rt, tmp_path / "b", too_big, progress=lambda m: None)
+    with pytest.raises(LiteVLMError, match="exceed the arena's maximum"):
+        export_bundle(pipe.rt, tmp_path / "b", Buckets(vision=(6,), prefill=(8,), step=(1,), head=(1,),
+                                                       cache=(pipe.rt.arena.max_len + 1,)), progress=lambda m: None)
+    with pytest.raises(LiteVLMError, match="cache-column buckets are torch-compile's"):
+        export_bundle(pipe.rt, tmp_path / "b", Buckets(vision=(6,), prefill=(8,), step=(1,), head=(1,), cache=(64,)),
+                      progress=lambda m: None)
     assert not list((tmp_path / "b").glob("*.onnx"))       # refused before exporting anything
 
 

@@ -8,7 +8,8 @@ Binding (see export.py for the graphs' tensors):
   decoder  k_cache, v_cache -> the arena's KV cache (read in place); embeds, positions and the two
            masks are copied into engine buffers; the new K/V rows come out into engine buffers
            and are stored at their slots after the run. `prefill` runs the prefill graph, which
-           has no cache input; `step` runs the step graph over the whole static cache.
+           has no cache input; `step` runs the step graph over the whole static cache, or over
+           the smallest bound prefix of its columns that holds the live ones (torch-compile)
            `on_region(k, v)`: the same graphs with the step bound again over another KV region
            (each query of a batch prefills and, when alone, steps in its own region)
   decoder_batch  k_regions, v_regions -> the arena's first B KV regions [B, layers, Hkv, S, D]
@@ -105,11 +106,16 @@ class BoundRows:
 
 
 class BoundDecoder(DecoderEngine):
-    def __init__(self, rt, step_sizes, bind: Bind, backend: str, prefill_sizes):
+    """`cache_sizes`: the cache columns a step graph reads, per bucket (a step over L live columns
+    runs in the smallest >= L), the whole static cache always among them; () = that one only
+    (ONNX Runtime and TensorRT bind contiguous buffers: a column prefix of the cache is not)."""
+
+    def __init__(self, rt, step_sizes, bind: Bind, backend: str, prefill_sizes, cache_sizes=()):
         a = rt.arena
         self.arena, self.backend, self.bind = a, backend, bind
         self.k_cache, self.v_cache = a.k_cache, a.v_cache
         self.sizes, self.prefill_sizes = tuple(sorted(step_sizes)), tuple(sorted(prefill_sizes))
+        self.cache_sizes = tuple(sorted(set(cache_sizes) | {a.max_len}))     # the whole cache: any step fits
         every = sorted(set(self.sizes) | set(self.prefill_sizes))
         self.rows = r = BoundRows(rt, every, rt.cfg.llm.num_hidden_layers, a.max_len)
         self.prefill_runners = {
@@ -119,11 +125,13 @@ class BoundDecoder(DecoderEngine):
         self.regions: dict[int, BoundDecoder] = {self.k_cache.data_ptr(): self}    # shared by every region's copy
 
     def bind_steps(self) -> dict:
+        """(rows, cache columns) -> the step graph bound to the first columns of the cache and mask."""
         r = self.rows
-        return {t: self.bind("decoder", t, {"embeds": r.embeds[t], "positions": r.positions[t],
-                                            "mask_cache": r.mask_cache[t], "mask_new": r.mask_new[t],
-                                            "k_cache": self.k_cache, "v_cache": self.v_cache},
-                             {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.sizes}
+        return {(t, n): self.bind("decoder", t, {"embeds": r.embeds[t], "positions": r.positions[t],
+                                                 "mask_cache": r.mask_cache[t][:, :n], "mask_new": r.mask_new[t],
+                                                 "k_cache": self.k_cache[:, :, :n], "v_cache": self.v_cache[:, :, :n]},
+                                  {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]})
+                for t in self.sizes for n in self.cache_sizes}
 
     def on_region(self, k_cache, v_cache):
         """The prefill graphs and row buffers shared (a prompt has no cache input: only where its
@@ -148,8 +156,9 @@ class BoundDecoder(DecoderEngine):
     def step(self, embeds, positions, slots, mask_cache, mask_new):
         t = embeds.shape[0]
         b = pick(self.sizes, t, "decoder")
+        n = pick(self.cache_sizes, mask_cache.shape[1], "decoder cache")
         self.rows.load(b, embeds, positions, mask_new, mask_cache)
-        self.step_runners[b].run()
+        self.step_runners[b, n].run()
         self.rows.store(b, t, slots, self.k_cache, self.v_cache)
         return self.rows.hidden[b][:t]
 
@@ -222,7 +231,7 @@ class BoundHead(HeadEngine):
 
 def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
     """sizes: graph stage (vision, prefill, decoder, head, and eagle_draft / decoder_batch when
-    bound) -> its buckets. Without eagle_draft graphs the draft head runs in eager PyTorch beside
+    bound) -> its buckets; `decoder_cache`: the step graphs' cache-column buckets (BoundDecoder). Without eagle_draft graphs the draft head runs in eager PyTorch beside
     the bound stages; without decoder_batch buckets there is no batched step."""
 
     a = rt.arena
@@ -230,7 +239,7 @@ def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: st
     if rt.draft is not None:
         draft = (BoundDraft(rt, sizes["eagle_draft"], bind, backend) if sizes.get("eagle_draft")
                  else TorchDraft(rt.draft, a.draft_k, a.draft_v))
-    decoder = BoundDecoder(rt, sizes["decoder"], bind, backend, sizes.get("prefill", ()))
+    decoder = BoundDecoder(rt, sizes["decoder"], bind, backend, sizes.get("prefill", ()), sizes.get("decoder_cache", ()))
     batch = None
     if sizes.get("decoder_batch"):
         batch = BoundBatchDecoder(rt, sizes["decoder_batch"], bind, backend)

@@ -12,9 +12,10 @@ bucket that holds it; the engine pads the rest and the padding is masked or igno
                     a free region sees only itself (its cache mask all False), its K/V row is
                     dropped; rows never see each other
 
-The decoder step graph always attends over the whole static KV cache (max_len columns); the mask
-says which columns are live, so the cache length is not a bucket dimension. The prefill graph
-has no cache input at all: a prompt attends only to itself.
+An exported decoder step graph attends over the whole static KV cache (max_len columns) and the
+mask says which columns are live: the cache length is not a bucket dimension of a bundle.
+torch-compile binds its step graphs to column prefixes of the cache as well (compiled.py,
+cache_buckets). The prefill graph has no cache input at all: a prompt attends only to itself.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..errors import LiteVLMError
 
 STAGE_KEYS = ("vision", "prefill", "step", "head")
 BATCH_KEY = "batch"               # may be empty: no batched step (an arena of one region)
+CACHE_KEY = "cache"               # may be empty: step graphs over the whole static cache
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -38,6 +40,7 @@ class Buckets:
     step: tuple[int, ...]      # decoder rows per decode step: 1 (plain greedy) and the draft-tree size
     head: tuple[int, ...]      # LM-head rows: 1 (last prompt row / decode), the draft-tree size, the batch sizes
     batch: tuple[int, ...] = ()   # queries per batched decode step (>= 2; a query alone takes `step`)
+    cache: tuple[int, ...] = ()   # cache columns a step graph reads (torch-compile; () = all max_len)
 
     def __post_init__(self):
         for key in STAGE_KEYS:
@@ -49,6 +52,9 @@ class Buckets:
             raise LiteVLMError(f"buckets: batch sizes are 2 or more queries (one query decodes in `step`), "
                                f"got {self.batch!r}")
         object.__setattr__(self, BATCH_KEY, tuple(sorted({int(v) for v in self.batch})))
+        if any(int(v) < 1 for v in self.cache):
+            raise LiteVLMError(f"buckets: cache needs positive column counts, got {self.cache!r}")
+        object.__setattr__(self, CACHE_KEY, tuple(sorted({int(v) for v in self.cache})))
 
     def decoder(self) -> tuple[int, ...]:
         """Every row count of a decoder call (prefill and step sizes together)."""
@@ -66,7 +72,8 @@ class Buckets:
     @classmethod
     def from_dict(cls, d: dict) -> "Buckets":
         try:
-            return cls(**{k: tuple(d[k]) for k in STAGE_KEYS}, batch=tuple(d.get(BATCH_KEY, ())))
+            return cls(**{k: tuple(d[k]) for k in STAGE_KEYS}, batch=tuple(d.get(BATCH_KEY, ())),
+                       cache=tuple(d.get(CACHE_KEY, ())))
         except KeyError as exc:
             raise LiteVLMError(f"buckets: missing {exc.args[0]!r}") from None
 
@@ -129,8 +136,8 @@ def batch_sizes(exported: tuple[int, ...], capacity: int, where: str) -> tuple[i
 
 
 def parse_buckets(spec: str | None, defaults: Buckets) -> Buckets:
-    """`vision=2,6;prefill=256,512;step=1,64;head=1,64;batch=2,4` (any subset; others keep
-    defaults; `batch=` alone: no batched step)."""
+    """`vision=2,6;prefill=256,512;step=1,64;head=1,64;batch=2,4;cache=256,1024` (any subset;
+    others keep defaults; `batch=` alone: no batched step)."""
     if not spec:
         return defaults
     values = defaults.to_dict()
@@ -138,9 +145,9 @@ def parse_buckets(spec: str | None, defaults: Buckets) -> Buckets:
         if not part:
             continue
         key, sep, sizes = part.partition("=")
-        if not sep or key not in STAGE_KEYS + (BATCH_KEY,):
+        if not sep or key not in STAGE_KEYS + (BATCH_KEY, CACHE_KEY):
             raise LiteVLMError(f"--buckets {part!r}: expected KEY=N[,N...] with KEY one of "
-                               f"{', '.join(STAGE_KEYS + (BATCH_KEY,))}")
+                               f"{', '.join(STAGE_KEYS + (BATCH_KEY, CACHE_KEY))}")
         try:
             values[key] = [int(s) for s in sizes.split(",") if s]
         except ValueError:
@@ -152,7 +159,7 @@ def check_fits(buckets: Buckets, arena) -> None:
     """Every bucket must fit the arena the graphs will be bound to."""
     lim = arena.limits
     limits = {"vision": lim.max_tiles(), "prefill": arena.max_query, "step": arena.max_query,
-              "head": arena.max_query, BATCH_KEY: lim.batch}
+              "head": arena.max_query, BATCH_KEY: lim.batch, CACHE_KEY: arena.max_len}
     for key, most in limits.items():
         too_big = [v for v in getattr(buckets, key) if v > most]
         if too_big:

@@ -9,8 +9,9 @@ operators. That per-operator overhead is most of a decode step's time for the bu
 
 Why bound buffers: every call of a bucket sees the same shapes, strides and dtypes, so dynamo's
 guards hold and nothing recompiles in steady state (`dynamic=False`: a new bucket is a new static
-graph, never a symbolic one). The step graph attends over the whole static cache under its mask,
-as the exported graphs do; the outputs are written into the bound buffers inside the graph
+graph, never a symbolic one). A decode-step graph attends over a prefix of the static cache under
+its mask, one graph per (rows, cache columns) bucket (`cache_buckets`; the exported graphs read the
+whole cache); the outputs are written into the bound buffers inside the graph
 (`out.copy_(value)` compiles to the kernels writing there).
 
 Compile time: every bucket is compiled at start-up (`CompiledStage.__init__` runs it once) and the
@@ -33,6 +34,7 @@ from .stages import BatchDecoderStage, DecoderStage, DraftStage, HeadStage, Pref
 
 BACKEND = "torch-compile"
 PREFILL_STEP = 64
+FIRST_CACHE_BUCKET = 256            # cache columns of the smallest step graph (a one-camera prompt is ~120 rows)
 
 
 class WriteOutputs(torch.nn.Module):
@@ -88,7 +90,21 @@ def compiled_defaults(arena, coarse: Buckets) -> Buckets:
     prompt of 121 rows to 192: 1.6x the work of a compute-bound stage)."""
     longest = arena.max_prompt
     prefill = tuple(range(PREFILL_STEP, longest, PREFILL_STEP)) + (longest,)
-    return Buckets(vision=coarse.vision, prefill=prefill, step=coarse.step, head=coarse.head, batch=coarse.batch)
+    return Buckets(vision=coarse.vision, prefill=prefill, step=coarse.step, head=coarse.head, batch=coarse.batch,
+                   cache=cache_buckets(arena.max_len))
+
+
+def cache_buckets(max_len: int) -> tuple[int, ...]:
+    """The cache columns the decode-step graphs read: 256, 512, 1024 ... below the arena's max_len,
+    and max_len. A compiled step attends over every column it is given (masked or not), and the
+    arena is sized for the longest conversation (follow-ups: 1911 columns for the bundled model)
+    while a first question's prompt is 120-400 rows: a step over the smallest prefix that holds the
+    live columns does that much less attention work."""
+    sizes, n = [], FIRST_CACHE_BUCKET
+    while n < max_len:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes) + (max_len,)
 
 
 def compiled_engines(rt, buckets=None):
@@ -107,10 +123,13 @@ def compiled_engines(rt, buckets=None):
     if rt.draft is not None:
         # the draft's pending rows reach prompt sizes: the coarse buckets (only its catch-up pays the padding)
         sizes["eagle_draft"] = tuple(sorted(set(coarse.prefill) | set(buckets.step)))
+    sizes["decoder_cache"] = buckets.cache or cache_buckets(rt.arena.max_len)
     sizes["decoder_batch"] = batch_sizes(buckets.batch, rt.arena.limits.batch, "backend torch-compile's buckets")
     if sizes["decoder_batch"]:
         modules["decoder_batch"] = BatchDecoderStage(rt.lm)
-    allow_recompiles(sum(len(s) for s in sizes.values()) + 1)
+    graphs = {stage: len(s) for stage, s in sizes.items() if stage != "decoder_cache"}
+    graphs["decoder"] *= len(set(sizes["decoder_cache"]) | {rt.arena.max_len})
+    allow_recompiles(sum(graphs.values()) + 1)
     compiled = {stage: torch.compile(WriteOutputs(m.eval()), dynamic=False, fullgraph=True)
                 for stage, m in modules.items()}
     seconds: dict[str, float] = {}

@@ -88,6 +88,7 @@ def cuda_graph_engines(rt, capture: bool = True, buckets=None):
             return StaticStage(modules[stage], inputs, outputs)
 
     sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "prefill", "decoder", "head")}
+    sizes["decoder_cache"] = buckets.cache          # () unless backend.buckets sets cache=: the whole cache
     if rt.draft is not None:
         sizes["eagle_draft"] = buckets.decoder()        # the draft's pending rows reach prompt sizes
     sizes["decoder_batch"] = batch_sizes(buckets.batch, rt.arena.limits.batch, "backend torch-cudagraph's buckets")

@@ -275,6 +275,9 @@ def export_bundle(rt, out: Path, buckets: Buckets | None = None,
     out.mkdir(parents=True, exist_ok=True)
     buckets = buckets or default_buckets(rt.arena)
     check_fits(buckets, rt.arena)
+    if buckets.cache:
+        raise LiteVLMError(f"--buckets cache={','.join(map(str, buckets.cache))}: cache-column buckets are "
+                           "torch-compile's (backend.buckets); an exported step graph reads the whole static cache")
     model_dir = rt.model_dir
     specs = stage_specs(rt, buckets)
     not_present = optional_stage_status()
