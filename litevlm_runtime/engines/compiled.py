@@ -23,9 +23,11 @@ generated code: only dynamo's tracing runs again.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from ..errors import LiteVLMError
 from .bound_stages import bound_engines
@@ -133,13 +135,21 @@ def compiled_engines(rt, buckets=None):
     compiled = {stage: torch.compile(WriteOutputs(m.eval()), dynamic=False, fullgraph=True)
                 for stage, m in modules.items()}
     seconds: dict[str, float] = {}
+    # Minutes on a cold cache: a bar on stderr. Each further KV region binds the step graphs again
+    # (cache hits, no compilation).
+    regions = rt.arena.limits.batch if sizes["decoder_batch"] else 1
+    bar = tqdm(total=sum(graphs.values()) + graphs["decoder"] * (regions - 1), desc="torch-compile", unit="graph",
+               file=sys.stderr, dynamic_ncols=True)
 
     def bind(stage, bucket, inputs, outputs):
+        bar.set_postfix_str(f"{stage} {bucket}")
         with torch.inference_mode():
             runner = CompiledStage(compiled[stage], inputs, outputs)
         seconds[stage] = seconds.get(stage, 0.0) + runner.compile_seconds
+        bar.update()
         return runner
 
-    engines = bound_engines(rt, sizes, bind, BACKEND)
+    with bar:
+        engines = bound_engines(rt, sizes, bind, BACKEND)
     engines.decoder.compile_seconds = seconds         # per stage, all its buckets (read by `litevlm bench`)
     return engines
