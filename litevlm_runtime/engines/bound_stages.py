@@ -8,7 +8,8 @@ Binding (see export.py for the graphs' tensors):
   decoder  k_cache, v_cache -> the arena's KV cache (read in place); embeds, positions and the two
            masks are copied into engine buffers; the new K/V rows come out into engine buffers
            and are stored at their slots after the run. `prefill` runs the prefill graph, which
-           has no cache input; `step` runs the step graph over the whole static cache, or over
+           has no cache input (without prefill sizes the prompt runs the model's eager forward:
+           torch-compile on the CPU); `step` runs the step graph over the whole static cache, or over
            the smallest bound prefix of its columns that holds the live ones (torch-compile)
            `on_region(k, v)`: the same graphs with the step bound again over another KV region
            (each query of a batch prefills and, when alone, steps in its own region)
@@ -116,6 +117,7 @@ class BoundDecoder(DecoderEngine):
         self.k_cache, self.v_cache = a.k_cache, a.v_cache
         self.sizes, self.prefill_sizes = tuple(sorted(step_sizes)), tuple(sorted(prefill_sizes))
         self.cache_sizes = tuple(sorted(set(cache_sizes) | {a.max_len}))     # the whole cache: any step fits
+        self.lm = rt.lm                   # prefill without graphs (no prefill sizes): the model's own forward
         every = sorted(set(self.sizes) | set(self.prefill_sizes))
         self.rows = r = BoundRows(rt, every, rt.cfg.llm.num_hidden_layers, a.max_len)
         self.prefill_runners = {
@@ -147,6 +149,11 @@ class BoundDecoder(DecoderEngine):
 
     def prefill(self, embeds, positions, mask):
         t = embeds.shape[0]
+        if not self.prefill_sizes:
+            hidden, k, v = self.lm(embeds, positions, mask)
+            self.k_cache[:, :, :t] = k
+            self.v_cache[:, :, :t] = v
+            return hidden
         b = pick(self.prefill_sizes, t, "prefill")
         self.rows.load(b, embeds, positions, mask)
         self.prefill_runners[b].run()
