@@ -71,3 +71,19 @@ def test_every_bench_table_prints_the_decode_step_against_its_floor(capsys, extr
     assert rc == 0
     line = next(l for l in out.splitlines() if l.startswith("decode step ("))
     assert "floor" in line and "GB/s" in line and "fraction of the floor reached" in line
+
+
+def test_columns_a_step_reads_follow_the_backend():
+    """Eager torch reads the live columns; a graph backend its cache bucket (the whole cache unless
+    torch-compile's buckets): what the step's floor counts."""
+    from types import SimpleNamespace
+
+    from litevlm_runtime.bench.roofline import columns_read
+
+    def rt(backend, **decoder):
+        return SimpleNamespace(engines=SimpleNamespace(backend=backend, decoder=SimpleNamespace(**decoder)),
+                               arena=SimpleNamespace(max_len=1911))
+    assert columns_read(rt("torch"), 208) == 208
+    assert columns_read(rt("onnxruntime"), 208) == 1911
+    assert columns_read(rt("torch-compile", cache_sizes=(256, 512, 1024, 1911)), 208) == 256
+    assert columns_read(rt("torch-compile", cache_sizes=(256, 512, 1024, 1911)), 1025) == 1911

@@ -7,7 +7,8 @@ step's line in every `litevlm bench` and `--costs` table).
               and each floor is against the bandwidth its own size gets); peak FLOP/s: a
               1024 x 1024 float32 matmul (torch's GEMM, the kernel the stages use)
     stage     bytes it must move (every weight it reads, plus the KV cache columns attention
-              reads: the live ones for eager torch, the whole static cache for the graph
+              reads: the live ones for eager torch, the whole static cache (or torch-compile's
+              cache bucket) for the graph
               backends) and FLOPs (torch.utils.flop_counter over the stage's own modules at the
               same shapes)
     floor     max(bytes / bandwidth, FLOPs / peak); fraction = floor / measured time (1.0 = at the
@@ -117,9 +118,14 @@ def kv_bytes(rt, columns: int, rows: int) -> int:
     return per_column * (columns + rows)
 
 
-def static_cache(rt) -> bool:
-    """Graph backends (bound_stages.py) attend over the whole static cache; eager torch over the live columns."""
-    return rt.engines.backend != "torch"
+def columns_read(rt, live: int) -> int:
+    """Cache columns a decode step over `live` columns reads: eager torch the live ones, a graph
+    backend (bound_stages.py) the smallest of its step graphs' cache buckets that holds them (the
+    whole static cache unless torch-compile's cache buckets)."""
+    if rt.engines.backend == "torch":
+        return live
+    sizes = getattr(rt.engines.decoder, "cache_sizes", (rt.arena.max_len,))
+    return min(n for n in sizes if n >= live)
 
 
 def decoder_modules(rt) -> list:
@@ -151,7 +157,7 @@ def stage_costs(rt, stages: tuple[str, ...], context: int, prompt_rows: int, til
                 hidden, _, _ = lm(x, a.positions[context:context + 1], a.causal_mask(1),
                                   a.k_cache[:, :, :context], a.v_cache[:, :, :context], a.all_visible(1, context))
                 lm.head(hidden)
-            columns = a.max_len if static_cache(rt) else context
+            columns = columns_read(rt, context)
             nbytes = weight_bytes(decoder_modules(rt)) + kv_bytes(rt, columns, 1)
             out.append(StageCost(f"decode step (1 row, {context} cached)", median_ms(run, repeats, dev), nbytes,
                                  count_flops(eager)))
