@@ -367,6 +367,10 @@ def test_reuse_summary_compares_first_and_later_questions_per_frame_set():
     s = reuse_summary(rows)
     assert (s["first"], s["first_ms"], s["later"], s["later_ms"], s["answers_reusing"]) == (3, 50.0, 3, 4.0, 3)
     assert reuse_summary([r(1, 40.0), r(2, 30.0)]) is None          # no later question: nothing to say
+    # Batched answers come out as they finish: the first question is the earliest asked, not answered.
+    asked = [dict(r(1, 2.0, reused=["CAM_FRONT"]), query_stamp_ns=20), dict(r(1, 70.0), query_stamp_ns=10)]
+    s = reuse_summary(asked)
+    assert (s["first_ms"], s["later_ms"]) == (70.0, 2.0)
 
 
 def test_bag_eval_carries_follow_ups_and_sampling(tmp_path, tiny_model):

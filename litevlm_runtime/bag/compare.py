@@ -84,11 +84,13 @@ def compare_runs(a_rows: list[dict], b_rows: list[dict]) -> Comparison:
 
 
 def reuse_summary(rows: list[dict]) -> dict | None:
-    """Visual reuse over ok answers: the vision stage of the first question answered on each frame
-    set (its stamps) against the later ones on the same set; None without a later question."""
+    """Visual reuse over ok answers: the vision stage of the first question asked on each frame
+    set (its stamps; questions in the order of their stamps, since batched answers are published
+    as they finish, a short later answer before a long first one) against the later ones on the
+    same set; None without a later question."""
     first, later, seen = [], [], set()
     reused = 0
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r.get("query_stamp_ns", 0)):
         if r.get("status") != "ok" or "vision" not in r.get("stage_ms", {}):
             continue
         key = tuple(sorted(r.get("frame_stamps_ns", {}).items()))
