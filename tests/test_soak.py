@@ -102,10 +102,10 @@ def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     # Lone query i asks question i on frame set i (the same pairs in every configuration of a run).
     sets = int(re.search(r"peak: (\d+) frame sets", run.stdout).group(1))
     answers = {r["query_id"]: r for r in json.loads((tmp_path / "peak.json").read_text())["configs"]["baseline"]["answers"]}
-    for i in range(4):
-        lone = answers[f"lone_{i}"]
-        assert lone["status"] == "ok" and lone["frame_set"] == i % sets, lone
-        assert lone["question"] == answers[f"peak1_{i}"]["question"]
+    for i in range(4):      # (asked again as lone_i_againK when the query overtook its frames)
+        tries = [r for q, r in answers.items() if q == f"lone_{i}" or q.startswith(f"lone_{i}_again")]
+        assert any(r["status"] == "ok" and r["frame_set"] == i % sets for r in tries), tries
+        assert all(r["question"] == answers[f"peak1_{i}"]["question"] for r in tries)
 
 
 @pytest.mark.slow
