@@ -101,7 +101,7 @@ def cmd_summary(args) -> int:
     if reuse:
         print(f"\nvisual reuse: vision median {reuse['first_ms']:.2f} ms for the first question on a frame set "
               f"({reuse['first']}), {reuse['later_ms']:.2f} ms for the later ones ({reuse['later']}): "
-              f"{reuse['later_ms'] / max(reuse['first_ms'], 1e-9):.2f}x of the first's; "
+              f"{reuse['later_ms'] / max(reuse['first_ms'], 1e-9):.2g}x of the first's; "
               f"{reuse['answers_reusing']} answers reused cameras")
     return 0
 
