@@ -123,8 +123,9 @@ def compiled_engines(rt, buckets=None):
         modules["eagle_draft"] = DraftStage(rt.draft)
     sizes = {stage: buckets.for_stage(stage) for stage in ("vision", "prefill", "decoder", "head")}
     if rt.device.type == "cpu":
-        # A compiled prefill measured 1.1-1.2x slower than the eager forward on the CPU (oneDNN
-        # GEMMs either way, plus the bucket's padding; docs/performance.md): the prompt runs eager.
+        # A compiled prefill measured no faster than the eager forward on the CPU (the same oneDNN
+        # GEMMs; 256 rows: 63-68 against 62-64 ms), and it adds the bucket's padding and ~30 graphs
+        # to compile (docs/performance.md): the prompt runs eager.
         sizes["prefill"] = ()
         del modules["prefill"]
     if rt.draft is not None:
