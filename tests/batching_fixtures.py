@@ -1,7 +1,24 @@
 """The in-process batching driver the batching tests share (test_batching.py on the torch
-backend, test_batching_backends.py on the bound ones)."""
+backend, test_batching_backends.py on the bound ones), and the bundled pipeline with four KV
+regions and two frame sets that test_batching.py and test_follow_up.py serve (module fixtures:
+`from batching_fixtures import frames, pipe`)."""
 
+import pytest
+from helpers import options, random_frames
+
+from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.pipeline.batching import BatchDecoder
+from litevlm_runtime.pipeline.pipeline import Pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__max_batch=4))
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return [random_frames(s, 270, 480) for s in (1, 2)]
 
 
 def serve(pipe, frames, arrivals, max_new=None):

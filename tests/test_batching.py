@@ -3,28 +3,21 @@
 their arrival pattern, are token for token those of the same queries served one at a time; each
 query keeps its own cap and sampling seed; the arena is not reallocated."""
 
+import batching_fixtures
 import pytest
 from batching_fixtures import serve
-from helpers import options, random_frames
+from helpers import options
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.pipeline.batching import BatchDecoder, batch_speculates
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.pipeline.runtime import batch_capacity
 
+pipe, frames = batching_fixtures.pipe, batching_fixtures.frames      # the module fixtures both files serve
+
 QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behind the ego car?",
              "What should the ego vehicle do next?", "Are there cars on the front left?",
              "What is the status of the truck?", "Describe the traffic behind the ego car."]
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    return Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__max_batch=4))
-
-
-@pytest.fixture(scope="module")
-def frames():
-    return [random_frames(s, 270, 480) for s in (1, 2)]
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ is skipped and its first rows' KV come from the turn it follows, also inside a b
 prefix gives the logits of a full prefill within 1e-5 (float32); the bounds and errors name what
 they are about; per-query temperature and seed."""
 
+import batching_fixtures
 import pytest
 import torch
-from helpers import options, random_frames
+from helpers import options
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.decoding.greedy import Decoded, step_one
@@ -25,20 +26,12 @@ from litevlm_runtime.pipeline.pipeline import (
 )
 from litevlm_runtime.stages.prompt import prompt_digest
 
+pipe, frames = batching_fixtures.pipe, batching_fixtures.frames      # the module fixtures both files serve
+
 Q1 = "What is in front of the ego vehicle?"
 FOLLOW = ["Is it moving?", "What should the ego vehicle do then?", "Why?"]
 OTHERS = ["Is there a pedestrian behind the ego car?", "Are there cars on the front left?",
           "What is the status of the truck?"]
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    return Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__max_batch=4))
-
-
-@pytest.fixture(scope="module")
-def frames():
-    return [random_frames(s, 270, 480) for s in (1, 2)]
 
 
 def keys(i, frames):
