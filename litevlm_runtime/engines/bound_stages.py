@@ -33,8 +33,8 @@ from typing import Callable, Protocol
 import torch
 
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
-from .buckets import pick
-from .torch_engine import TorchDraft, store_batched
+from .buckets import pick, step_cache_sizes
+from .torch_engine import TorchDraft, prefill_eager, store_batched
 
 
 class Runner(Protocol):
@@ -116,7 +116,7 @@ class BoundDecoder(DecoderEngine):
         self.arena, self.backend, self.bind = a, backend, bind
         self.k_cache, self.v_cache = a.k_cache, a.v_cache
         self.sizes, self.prefill_sizes = tuple(sorted(step_sizes)), tuple(sorted(prefill_sizes))
-        self.cache_sizes = tuple(sorted(set(cache_sizes) | {a.max_len}))     # the whole cache: any step fits
+        self.cache_sizes = step_cache_sizes(cache_sizes, a.max_len)
         self.lm = rt.lm                   # prefill without graphs (no prefill sizes): the model's own forward
         every = sorted(set(self.sizes) | set(self.prefill_sizes))
         self.rows = r = BoundRows(rt, every, rt.cfg.llm.num_hidden_layers, a.max_len)
@@ -150,10 +150,7 @@ class BoundDecoder(DecoderEngine):
     def prefill(self, embeds, positions, mask):
         t = embeds.shape[0]
         if not self.prefill_sizes:
-            hidden, k, v = self.lm(embeds, positions, mask)
-            self.k_cache[:, :, :t] = k
-            self.v_cache[:, :, :t] = v
-            return hidden
+            return prefill_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, mask)
         b = pick(self.prefill_sizes, t, "prefill")
         self.rows.load(b, embeds, positions, mask)
         self.prefill_runners[b].run()

@@ -88,6 +88,12 @@ def pick(sizes: tuple[int, ...], n: int, stage: str) -> int:
                        f"re-export with a larger bucket (litevlm export --buckets '{keys}')")
 
 
+def step_cache_sizes(cache: tuple[int, ...], max_len: int) -> tuple[int, ...]:
+    """The cache columns the step graphs are bound to: the `cache` buckets and always the whole
+    static cache (max_len), so that any step fits one."""
+    return tuple(sorted(set(cache) | {max_len}))
+
+
 def default_buckets(arena) -> Buckets:
     """Buckets derived from the arena's maxima: tiles for 1, 2, 3 and 6 cameras (what the view
     selector typically keeps); prompts at a quarter, half and all of the longest prompt and at

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from ..errors import LiteVLMError
 from .bound_stages import bound_engines
-from .buckets import Buckets, batch_sizes, check_fits, default_buckets, parse_buckets
+from .buckets import Buckets, batch_sizes, check_fits, default_buckets, parse_buckets, step_cache_sizes
 from .stages import BatchDecoderStage, DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 
 BACKEND = "torch-compile"
@@ -131,12 +131,12 @@ def compiled_engines(rt, buckets=None):
     if rt.draft is not None:
         # the draft's pending rows reach prompt sizes: the coarse buckets (only its catch-up pays the padding)
         sizes["eagle_draft"] = tuple(sorted(set(coarse.prefill) | set(buckets.step)))
-    sizes["decoder_cache"] = buckets.cache or cache_buckets(rt.arena.max_len)
+    sizes["decoder_cache"] = step_cache_sizes(buckets.cache or cache_buckets(rt.arena.max_len), rt.arena.max_len)
     sizes["decoder_batch"] = batch_sizes(buckets.batch, rt.arena.limits.batch, "backend torch-compile's buckets")
     if sizes["decoder_batch"]:
         modules["decoder_batch"] = BatchDecoderStage(rt.lm)
     graphs = {stage: len(s) for stage, s in sizes.items() if stage != "decoder_cache"}
-    graphs["decoder"] *= len(set(sizes["decoder_cache"]) | {rt.arena.max_len})
+    graphs["decoder"] *= len(sizes["decoder_cache"])
     allow_recompiles(sum(graphs.values()) + 1)
     compiled = {stage: torch.compile(WriteOutputs(m.eval()), dynamic=False, fullgraph=True)
                 for stage, m in modules.items()}

@@ -20,6 +20,15 @@ class TorchVision(VisionEngine):
         return self.model.encode_images(pixels, self.pos_embed)
 
 
+def prefill_eager(lm, k_cache, v_cache, embeds, positions, mask):
+    """The prompt through the model's own forward, its K/V rows stored at the cache's first slots
+    (also what torch-compile runs on the CPU: bound_stages.py)."""
+    hidden, k, v = lm(embeds, positions, mask)
+    k_cache[:, :, :k.shape[2]] = k
+    v_cache[:, :, :v.shape[2]] = v
+    return hidden
+
+
 class TorchDecoder(DecoderEngine):
     backend = "torch"
 
@@ -27,10 +36,7 @@ class TorchDecoder(DecoderEngine):
         self.lm, self.k_cache, self.v_cache = lm, k_cache, v_cache
 
     def prefill(self, embeds, positions, mask):
-        hidden, k, v = self.lm(embeds, positions, mask)
-        self.k_cache[:, :, :k.shape[2]] = k
-        self.v_cache[:, :, :v.shape[2]] = v
-        return hidden
+        return prefill_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, mask)
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
         live = mask_cache.shape[1]
