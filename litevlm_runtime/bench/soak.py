@@ -335,7 +335,7 @@ class SoakResult:
         for r in self.rows:
             if r["status"] != "ok":
                 continue
-            key = (r["question"], self.set_of_stamp.get(r["frame_stamps_ns"].get("CAM_FRONT", -1), -1))
+            key = (r["question"], frame_set_of(r, self.set_of_stamp))
             answers[key].add(tuple(r["token_ids"]))
             counts[key] += 1
         repeated = [k for k, n in counts.items() if n > 1]
@@ -467,6 +467,12 @@ def identical_work_tail(rows: list[dict], min_group: int = 5) -> tuple[int, int,
     return len(groups), sum(len(g) for g in groups.values()), tail("total_ms"), tail("cpu_ms")
 
 
+def frame_set_of(row: dict, set_of_stamp: dict[int, int]) -> int:
+    """The workload frame set an answer was given on (by its CAM_FRONT stamp as published), -1 if
+    none the harness published."""
+    return set_of_stamp.get(row["frame_stamps_ns"].get("CAM_FRONT", -1), -1)
+
+
 class Playback:
     """Frames at `frame_rate` from a background thread, re-stamped to now; queries from the
     caller. RSS is sampled with every frame set."""
@@ -587,7 +593,7 @@ class PeakResult:
         out = defaultdict(list)
         for r in self.rows + self.lone_rows:
             if r["status"] == "ok":
-                key = (r["question"], self.set_of_stamp.get(r["frame_stamps_ns"].get("CAM_FRONT", -1), -1))
+                key = (r["question"], frame_set_of(r, self.set_of_stamp))
                 out[key].append(tuple(r["token_ids"]))
         return out
 
@@ -600,8 +606,7 @@ class PeakResult:
         out = {}
         for r in self.lone_rows:
             i = int(r["query_id"].split("_")[1])
-            stamp = r["frame_stamps_ns"].get("CAM_FRONT", -1)
-            if r["status"] == "ok" and self.set_of_stamp.get(stamp) == i % max(1, self.frame_sets):
+            if r["status"] == "ok" and frame_set_of(r, self.set_of_stamp) == i % max(1, self.frame_sets):
                 out[f"lone_{i}"] = r["total_ms"]
         return out
 
@@ -611,7 +616,7 @@ class PeakResult:
                 "trials": [vars(t) | {"queue_full_fraction": t.queue_full_fraction} for t in self.trials],
                 "lone_pipeline_p50_ms": self.lone_p50(),
                 "answers": [{"query_id": r["query_id"], "question": r["question"], "status": r["status"],
-                             "frame_set": self.set_of_stamp.get(r["frame_stamps_ns"].get("CAM_FRONT", -1), -1),
+                             "frame_set": frame_set_of(r, self.set_of_stamp),
                              "answer": r.get("answer", ""), "token_ids": list(r["token_ids"]),
                              "total_ms": r["total_ms"], "queue_ms": r["queue_ms"]}
                             for r in self.rows + self.lone_rows]}
@@ -708,7 +713,7 @@ def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, s
                 time.sleep(settle)
                 client.publish_query(qid, work.questions[i % len(work.questions)])
                 row = {r["query_id"]: r for r in client.wait_for_answers([qid], timeout=grace_s)}.get(qid)
-                if row is None or play.set_of_stamp.get(row["frame_stamps_ns"].get("CAM_FRONT", -1)) == i % n_sets:
+                if row is None or frame_set_of(row, play.set_of_stamp) == i % n_sets:
                     break
         result.lone_rows = [r for r in client.answers() if r["query_id"].startswith("lone_")]
         return result
