@@ -151,9 +151,9 @@ class Pipeline:
             prompt = prefill(rt, layout, keep, turn)
         followable = turn_id is not None and rt.conversations.keeps(len(history) + 1)   # (at max_turns: none may follow)
         rows = prompt_rows(rt, prompt.length) if followable else None
-        ids, _ = prompt_ids(rt, plan.cameras, question, history)
+        digest = prompt_digest(rt.arena.prompt_ids[:layout.length].tolist())    # the full prompt assemble_prompt wrote
         return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached or c in in_kv], len(todo),
-                       prompt, max_new, float(budget), history, keep, frame_keys, prompt_digest(ids), turn_id, rows)
+                       prompt, max_new, float(budget), history, keep, frame_keys, digest, turn_id, rows)
 
     def finish(self, started: "Started", out, decoded_as: str | None, learn_costs: bool = True) -> Answer:
         """The Answer of a decoded query; `decoded_as` (greedy | eagle, None: a decoder the caller
