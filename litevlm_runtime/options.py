@@ -182,6 +182,9 @@ class Serving(_Validated):
     feature_cache: bool = setting(True, "reuse each camera's visual features for later questions about the same frame")
     feature_cache_cameras: int = setting(12, "camera features kept (oldest evicted first; 12 = two six-camera frame sets)",
                                          lo=0, hi=1024)
+    prefix_cache: bool = setting(True, "keep the KV of the prompt prefix every query shares (system message, user "
+                                       "turn's opening) and prefill only the rest (engines whose prompt runs the "
+                                       "model's own forward: torch, torch-compile on the CPU; pipeline/prefix.py)")
     latency_budget_ms: float = setting(0.0, "a query's default latency budget (0: none; a Query's budget_ms wins)",
                                        lo=0.0, hi=600000.0, live=True)
     stream_partials: bool = setting(True, "publish the answer as it is decoded (litevlm_msgs/AnswerPartial)", live=True)

@@ -2,8 +2,8 @@
 recomputation, the row threshold, and the pipeline wiring (which linears, switching back).
 
 Tolerances: a call of >= BF16_MIN_ROWS rows equals float64 x_bf16 @ w_bf16.T rounded to bfloat16
-within 2^-8 relative per element (the output's one rounding) + 1e-5 of the largest (float32
-accumulation over K terms); a smaller call is the float layer's own result, exactly. What the
+within 2^-7 relative per element (one bfloat16 ulp: the output's rounding of a float32 sum) + 1e-5
+of the largest (float32 accumulation over K terms); a smaller call is the float layer's own result, exactly. What the
 rounding costs a whole prefill against float32 is stated (2e-2 of the largest hidden value), not a
 kernel tolerance; the accuracy and answer agreement on a fresh seed are in docs/performance.md.
 """
@@ -39,7 +39,10 @@ def test_bf16_matmul_matches_float64_recomputation(rows):
         return
     products = x.bfloat16().double() @ linear.weight.bfloat16().double().T
     ref = products.bfloat16().double() + linear.bias.double()
-    bound = 2 ** -8 * products.abs() + 1e-5 * products.abs().max()
+    # One bfloat16 ulp (2^-7 relative): the output's rounding of a float32 sum whose own rounding
+    # can put it across a rounding boundary (seen once in 19200 elements on an AVX2 CPU, where
+    # oneDNN emulates bfloat16), + float32 accumulation over K terms.
+    bound = 2 ** -7 * products.abs() + 1e-5 * products.abs().max()
     assert bool(((got.double() - ref).abs() <= bound).all())
     assert not torch.equal(got, linear(x))                  # the bfloat16 GEMM really ran
 
@@ -104,3 +107,15 @@ def test_bf16_is_refused_where_it_does_not_apply():
         options(backend__weights="bf16", device="cuda")
     with pytest.raises(InputError, match="exported bundle"):
         options(backend__weights="bf16", backend__name="onnxruntime")
+
+
+def test_bf16_units_read_from_cpuinfo(tmp_path):
+    from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
+
+    amd = tmp_path / "amd"
+    amd.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    sapphire = tmp_path / "intel"
+    sapphire.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_has_bf16_units(str(amd)) is False
+    assert cpu_has_bf16_units(str(sapphire)) is True
+    assert cpu_has_bf16_units(str(tmp_path / "absent")) is None

@@ -26,6 +26,7 @@ class Prompt:
     input_tokens: int             # rows prefill ran over
     kept_tokens: int              # visual tokens among them
     reused: int = 0               # rows [0, reused) whose KV came from the conversation it continues (pipeline/conversation.py)
+    shared: int = 0               # rows [0, shared) whose KV came from the prompt prefix every query shares (pipeline/prefix.py)
 
 
 @dataclass

@@ -64,6 +64,17 @@ class DecoderEngine(StageEngine):
     def on_region(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "DecoderEngine":
         raise LiteVLMError(f"{type(self).__name__} ({self.backend}) runs over one KV region only: no batching")
 
+    # Whether `prefill_after` runs the rest of a prompt after a cached prefix (pipeline/prefix.py) in
+    # one call of the model's own forward; an engine whose prompt runs as fixed-row graphs would run
+    # it as chunks of its step graphs instead, slower than its prefill graph: it prefills whole.
+    extends_prompt: bool = False
+
+    def prefill_after(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor:
+        """Prompt rows embeds [T, D] at `slots` after the cache columns mask_cache [T, L] sees (the
+        shared prefix), causal among themselves (mask_new [T, T]) -> hidden [T, D]."""
+        raise LiteVLMError(f"{type(self).__name__} ({self.backend}) prefills whole prompts only")
+
 
 class BatchDecoderEngine(StageEngine):
     """The batched decode step (shapes above); `sizes`: the batch buckets it runs (rows are

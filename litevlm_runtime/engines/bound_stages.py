@@ -34,7 +34,7 @@ import torch
 
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 from .buckets import pick, step_cache_sizes
-from .torch_engine import TorchDraft, prefill_eager, store_batched
+from .torch_engine import TorchDraft, prefill_eager, step_eager, store_batched
 
 
 class Runner(Protocol):
@@ -156,6 +156,15 @@ class BoundDecoder(DecoderEngine):
         self.prefill_runners[b].run()
         self.rows.store(b, t, self.arena.slots[:t], self.k_cache, self.v_cache)
         return self.rows.hidden[b][:t]
+
+    @property
+    def extends_prompt(self) -> bool:
+        return not self.prefill_sizes         # the prompt runs the model's own forward (the CPU's torch-compile)
+
+    def prefill_after(self, embeds, positions, slots, mask_cache, mask_new):
+        if self.prefill_sizes:
+            return super().prefill_after(embeds, positions, slots, mask_cache, mask_new)
+        return step_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, slots, mask_cache, mask_new)
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
         t = embeds.shape[0]

@@ -29,6 +29,16 @@ def prefill_eager(lm, k_cache, v_cache, embeds, positions, mask):
     return hidden
 
 
+def step_eager(lm, k_cache, v_cache, embeds, positions, slots, mask_cache, mask_new):
+    """Rows after the cache's first L columns (mask_cache [T, L]) through the model's own forward,
+    their K/V rows stored at `slots` (also torch-compile's prompt after a cached prefix on the CPU)."""
+    live = mask_cache.shape[1]
+    hidden, k, v = lm(embeds, positions, mask_new, k_cache[:, :, :live], v_cache[:, :, :live], mask_cache)
+    k_cache.index_copy_(2, slots, k)
+    v_cache.index_copy_(2, slots, v)
+    return hidden
+
+
 class TorchDecoder(DecoderEngine):
     backend = "torch"
 
@@ -38,13 +48,12 @@ class TorchDecoder(DecoderEngine):
     def prefill(self, embeds, positions, mask):
         return prefill_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, mask)
 
+    extends_prompt = True
+
     def step(self, embeds, positions, slots, mask_cache, mask_new):
-        live = mask_cache.shape[1]
-        hidden, k, v = self.lm(embeds, positions, mask_new, self.k_cache[:, :, :live], self.v_cache[:, :, :live],
-                               mask_cache)
-        self.k_cache.index_copy_(2, slots, k)
-        self.v_cache.index_copy_(2, slots, v)
-        return hidden
+        return step_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, slots, mask_cache, mask_new)
+
+    prefill_after = step          # the rest of a prompt is a step of many rows
 
     def on_region(self, k_cache, v_cache):
         return TorchDecoder(self.lm, k_cache, v_cache)

@@ -25,6 +25,7 @@ class Limits:
     cached_cameras: int = 0       # visual features kept for later queries (feature_cache.py)
     batch: int = 1                # queries decoded together (serving.max_batch): one KV region each
     conversations: int = 0        # answered turns kept for follow-up questions: one KV region each (conversation.py)
+    prefix_rows: int = 0          # the prompt prefix every query shares, its KV kept (prefix.py; 0: not kept)
 
     def max_tiles(self) -> int:
         return self.cameras * self.tiles_per_camera
@@ -85,6 +86,11 @@ class Arena:
         # Visual reuse: one camera's visual tokens per slot (tiles per camera x tokens per tile).
         self.feature_cache = torch.zeros(limits.cached_cameras, limits.tiles_per_camera * cfg.tokens_per_tile, d,
                                          dtype=dtype, **alloc)
+        # The shared prompt prefix (prefix.py): its KV rows and final-norm features, computed once.
+        prefix_shape = (llm.num_hidden_layers, llm.num_key_value_heads, limits.prefix_rows, llm.head_dim)
+        self.prefix_k = torch.zeros(prefix_shape, dtype=dtype, **alloc)
+        self.prefix_v = torch.zeros(prefix_shape, dtype=dtype, **alloc)
+        self.prefix_hidden = torch.zeros(limits.prefix_rows, d, dtype=dtype, **alloc)
         draft_shape = (limits.draft_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
         self.draft_k = torch.zeros(draft_shape, dtype=dtype, **alloc)
         self.draft_v = torch.zeros(draft_shape, dtype=dtype, **alloc)

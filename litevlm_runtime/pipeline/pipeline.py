@@ -415,7 +415,9 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
     """Gather [template, <img> kept visual </img> per camera, question] from the assembled full
     prompt into the arena, run the decoder over it, and choose the first answer token. A
     follow-up (`turn`: the answered turn it continues) takes the KV of the rows it begins with
-    from that turn's slot and runs the decoder over the rest only (conversation.py).
+    from that turn's slot and runs the decoder over the rest only (conversation.py); any other
+    query takes the KV of the prompt prefix every query shares, where the engine can run the rest
+    in one call (prefix.py).
 
     Kept visual tokens keep their original position ids: a row's position is its index in the
     full prompt, as if every visual token were present.
@@ -442,7 +444,7 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
     embeds, positions, mask = a.embeds[:n], a.positions[:n], a.causal_mask(n)
     kept = sum(c for _, c in visual_ranges)
     input_tokens = n
-    reused = 0
+    reused = shared = 0
     if rt.fastv is not None:              # (FastV's per-layer pruning is one prompt's: no KV is reused)
         visual_rows = torch.cat([a.slots[s:s + c] for s, c in visual_ranges])
         hidden, fastv_rows, kept = rt.fastv.prune(embeds, positions, mask, visual_rows)
@@ -454,11 +456,16 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
                                f"its {sum(visual_ranges[-1])} rows up to the last visual token")
         hidden = extend(rt, embeds[reused:], positions[reused:], reused)
         input_tokens = n - reused
+    elif rt.prefix is not None and (shared := rt.prefix.restore(a.token_ids[:n], visual_ranges[0][0] if visual_ranges
+                                                                 else n, a.k_cache, a.v_cache)):
+        rest = rt.engines.decoder.prefill_after(embeds[shared:], positions[shared:], a.slots[shared:n],
+                                                a.all_visible(n - shared, shared), a.causal_mask(n - shared))
+        hidden = torch.cat([rt.prefix.hidden[:shared], rest])       # every row's: EAGLE-2's draft reads them
     else:
         hidden = rt.engines.decoder.prefill(embeds, positions, mask)
     first = choose(rt, rt.engines.head.run(hidden[-1:]))
     return Prompt(length=n, next_pos=layout.length, first=first, hidden=None if reused else hidden,
-                  input_tokens=input_tokens, kept_tokens=kept, reused=reused)
+                  input_tokens=input_tokens, kept_tokens=kept, reused=reused, shared=shared)
 
 
 def prompt_rows(rt: Runtime, n: int) -> list[tuple[int, int]]:

@@ -39,6 +39,7 @@ from ..weights.linear_forms import convert_linears
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
 from .conversation import Conversations
+from .prefix import PromptPrefix, prefix_ids
 
 log = logging.getLogger("litevlm.runtime")
 _said: set[str] = set()
@@ -70,6 +71,9 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
         cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
         batch=batch_capacity(options),
         conversations=options.serving.conversations if turns > 1 else 0,
+        prefix_rows=len(prefix_ids(tok, cfg.system_message, layout, options.cameras,
+                                   options.tiles_per_camera * cfg.tokens_per_tile))
+        if options.serving.prefix_cache and options.fastv.ratio == 0 else 0,
     )
 
 
@@ -121,6 +125,7 @@ class Runtime:
     extra: dict = field(default_factory=dict)
     constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
     conversations: object = None      # conversation.Conversations: answered turns kept for follow-up questions
+    prefix: object = None             # prefix.PromptPrefix: the KV of the prompt prefix every query shares, or None
 
     @property
     def lm(self):
@@ -178,6 +183,8 @@ class Runtime:
         rt.planner = BudgetPlanner(rt)
         if rt.fastv is not None:
             rt.engines.decoder = rt.fastv          # later passes run under FastV's per-layer masks
+        elif arena.prefix_k.shape[2] and rt.engines.decoder.extends_prompt:
+            rt.prefix = PromptPrefix.build(rt)
         if options.decoding.mode == DecodingMode.EAGLE:
             # The speculation cost table (spec_policy.py), at half the longest prompt; a server's
             # warm-up re-measures it at a real prompt's length (Pipeline.warm_up).

@@ -28,6 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16")   # /proc/cpuinfo flags of CPUs that multiply bfloat16 natively
+
+
+def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU multiplies bfloat16 in hardware (None: cannot tell, not Linux). Without
+    those units oneDNN converts and runs its float32 kernels: measured on an AMD EPYC (AVX2), the
+    bundled model's vision stage took 139.7 ms against float32's 21.2 ms. Read from /proc/cpuinfo
+    because torch exposes no query for it (torch.backends.cpu.get_cpu_capability stops at AVX512)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return any(flag in flags for flag in BF16_UNIT_FLAGS)
+
+
 BF16_MIN_ROWS = 32     # rows from which the bfloat16 GEMM wins at the bundled model's widths (measured: 16 rows 0.96x, 32 1.3x)
 
 

@@ -12,12 +12,15 @@ A pipeline converts once at load (`convert_linears`, runtime.py); `litevlm bench
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
-from .bf16 import Bf16Linear
+from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
 from .int8 import Int8Linear
 
 WEIGHT_KINDS = ("float", "int8", "bf16")
+log = logging.getLogger("litevlm.weights")
 CONVERT = {"int8": Int8Linear, "bf16": Bf16Linear}
 
 
@@ -87,6 +90,10 @@ class LinearForms:
 
 def convert_linears(model: nn.Module, kind: str, extra=()) -> LinearForms:
     """Replace the linears `kind` names by their `kind` form, in place, at load."""
+    if kind == "bf16" and cpu_has_bf16_units() is False:
+        log.warning("backend.weights bf16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
+                    "emulates them, several times slower than float32 here; use backend.weights float",
+                    " or ".join(BF16_UNIT_FLAGS))
     forms = LinearForms(model, [kind], extra, keep_float=False)
     forms.use(kind)
     return forms
