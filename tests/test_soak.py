@@ -106,6 +106,11 @@ def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
         tries = [r for q, r in answers.items() if q == f"lone_{i}" or q.startswith(f"lone_{i}_again")]
         assert any(r["status"] == "ok" and r["frame_set"] == i % sets for r in tries), tries
         assert all(r["question"] == answers[f"peak1_{i}"]["question"] for r in tries)
+    # Where a lone query's time goes, per stage, in the table and in the JSON of every answer.
+    assert re.search(r"^lone queries \(\d+ ok on their frames\), p50 ms: view_select [\d.]+, .*prefill [\d.]+",
+                     run.stdout, re.M), run.stdout
+    ok = [r for r in answers.values() if r["status"] == "ok"]
+    assert ok and all(r["stage_ms"]["prefill"] > 0 for r in ok)
 
 
 @pytest.mark.slow

@@ -600,15 +600,19 @@ class PeakResult:
     def lone_p50(self) -> float:
         return percentiles(list(self.lone_ms().values()), (50,))[0]
 
-    def lone_ms(self) -> dict[str, float]:
-        """lone_i -> pipeline ms of lone query i (question i on frame set i) answered ok on its frames
-        (`lone_i_againK`: the same query asked again after its frames came late)."""
+    def lone_answered(self) -> dict[str, dict]:
+        """lone_i -> the row of lone query i (question i on frame set i) answered ok on its frames
+        (`lone_i_againK`: the same query asked again after its frames came late; the last one counts)."""
         out = {}
         for r in self.lone_rows:
             i = int(r["query_id"].split("_")[1])
             if r["status"] == "ok" and frame_set_of(r, self.set_of_stamp) == i % max(1, self.frame_sets):
-                out[f"lone_{i}"] = r["total_ms"]
+                out[f"lone_{i}"] = r
         return out
+
+    def lone_ms(self) -> dict[str, float]:
+        """lone_i -> pipeline ms of lone query i (lone_answered)."""
+        return {k: r["total_ms"] for k, r in self.lone_answered().items()}
 
     def to_json(self) -> dict:
         return {"peak_rate": self.peak, "bracket": list(self.bracket), "concurrency": self.concurrency,
@@ -618,7 +622,7 @@ class PeakResult:
                 "answers": [{"query_id": r["query_id"], "question": r["question"], "status": r["status"],
                              "frame_set": frame_set_of(r, self.set_of_stamp),
                              "answer": r.get("answer", ""), "token_ids": list(r["token_ids"]),
-                             "total_ms": r["total_ms"], "queue_ms": r["queue_ms"]}
+                             "total_ms": r["total_ms"], "queue_ms": r["queue_ms"], "stage_ms": r.get("stage_ms", {})}
                             for r in self.rows + self.lone_rows]}
 
     def table(self) -> str:
@@ -640,6 +644,11 @@ class PeakResult:
                      else r["stage_ms"].get(name, 0.0) for r in at_peak]
                 p50, p99 = percentiles(v, (50, 99))
                 lines.append(f"{'pipeline' if name == 'total' else name:<14}{p50:>10.1f}{p99:>10.1f}")
+        lone = list(self.lone_answered().values())
+        if lone:            # where a lone query's time goes (the lone-p50 comparison's stages)
+            lines.append(f"lone queries ({len(lone)} ok on their frames), p50 ms: " + ", ".join(
+                f"{name} {percentiles([r['stage_ms'].get(name, 0.0) for r in lone], (50,))[0]:.1f}"
+                for name in STAGES))
         return "\n".join(lines)
 
     def at_peak(self) -> list[dict]:

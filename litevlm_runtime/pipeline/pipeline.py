@@ -456,8 +456,9 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
                                f"its {sum(visual_ranges[-1])} rows up to the last visual token")
         hidden = extend(rt, embeds[reused:], positions[reused:], reused)
         input_tokens = n - reused
-    elif rt.prefix is not None and (shared := rt.prefix.restore(a.token_ids[:n], visual_ranges[0][0] if visual_ranges
-                                                                 else n, a.k_cache, a.v_cache)):
+    elif rt.prefix is not None and rt.engines.decoder.extends_prompt and (     # (engines may be rebound: calibration)
+            shared := rt.prefix.restore(a.token_ids[:n], visual_ranges[0][0] if visual_ranges else n, a.k_cache,
+                                        a.v_cache)):
         rest = rt.engines.decoder.prefill_after(embeds[shared:], positions[shared:], a.slots[shared:n],
                                                 a.all_visible(n - shared, shared), a.causal_mask(n - shared))
         hidden = torch.cat([rt.prefix.hidden[:shared], rest])       # every row's: EAGLE-2's draft reads them
