@@ -101,3 +101,17 @@ def test_batch_policy_from_measured_costs(pipe):
     assert batch_speculates(costs, 4, 6) == (chain > 4 / costs.verify(4))
     costs.rounds, costs.speed = 10, 1.3          # realised: 1.3 plain steps' worth of tokens per step
     assert batch_speculates(costs, 4, 6) == (1.3 / costs.step_ms > 4 / costs.verify(4))
+
+
+def test_a_query_stopped_for_a_join_teaches_the_speculation_policy(frames):
+    """A query decoding alone stops when another arrives and ends in batched steps: its whole
+    answer cannot teach the answer-level policy (spec_policy.py), but what it decoded alone does,
+    so that a batching node's policy settles as a max_batch 1 node's does (docs/serving.md)."""
+    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__max_batch=4, decoding__mode="eagle",
+                                                           max_new_tokens=24))
+    costs = pipe.rt.costs
+    first = "What are the important objects in the current scene?"           # a long answer
+    taught = sum(costs.answers.values())
+    answers, widest = serve(pipe, frames, [(0, 0, first), (3, 1, QUESTIONS[1])])
+    assert widest == 2 and "batched_steps" in answers[(0, first)].extra       # stopped alone, then batched
+    assert sum(costs.answers.values()) == taught + 1 + ("batched_steps" not in answers[(1, QUESTIONS[1])].extra)

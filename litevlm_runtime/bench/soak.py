@@ -622,7 +622,8 @@ class PeakResult:
                 "answers": [{"query_id": r["query_id"], "question": r["question"], "status": r["status"],
                              "frame_set": frame_set_of(r, self.set_of_stamp),
                              "answer": r.get("answer", ""), "token_ids": list(r["token_ids"]),
-                             "total_ms": r["total_ms"], "queue_ms": r["queue_ms"], "stage_ms": r.get("stage_ms", {})}
+                             "total_ms": r["total_ms"], "queue_ms": r["queue_ms"], "stage_ms": r.get("stage_ms", {}),
+                             "decode_steps": r.get("decode_steps", 0), "accepted_length": r.get("accepted_length", 0.0)}
                             for r in self.rows + self.lone_rows]}
 
     def table(self) -> str:
@@ -648,7 +649,9 @@ class PeakResult:
         if lone:            # where a lone query's time goes (the lone-p50 comparison's stages)
             lines.append(f"lone queries ({len(lone)} ok on their frames), p50 ms: " + ", ".join(
                 f"{name} {percentiles([r['stage_ms'].get(name, 0.0) for r in lone], (50,))[0]:.1f}"
-                for name in STAGES))
+                for name in STAGES) + f"; decode steps {percentiles([r.get('decode_steps', 0) for r in lone], (50,))[0]:.0f}, "
+                f"answers with more than one token per pass (EAGLE-2 accepted) "
+                f"{sum(r.get('accepted_length', 0.0) > 1.0 for r in lone)}/{len(lone)}")
         return "\n".join(lines)
 
     def at_peak(self) -> list[dict]:

@@ -28,6 +28,7 @@ query's speculation does.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -180,12 +181,21 @@ class BatchDecoder:
             r.tokens = prefix + list(ids)
             self._emit(r)
 
-        if r.decoded_as == "eagle" and r.fresh and not r.steps:
+        t0 = time.perf_counter()
+        kind = "eagle" if r.decoded_as == "eagle" and r.fresh and not r.steps else "greedy"
+        if kind == "eagle":
             out = eagle2(rt, r.started.prompt, r.max_new, on_tokens, stop=waiting)
         else:
             prompt = Prompt(length=r.slot, next_pos=r.position, first=r.tokens[-1], hidden=None,
                             input_tokens=0, kept_tokens=0)
             out = greedy(rt, prompt, r.max_new - len(prefix), on_tokens, stop=waiting)
+        if out.resume is not None and r.started.plan.decoding == "eagle" and rt.costs is not None:
+            # Stopped for a query that joins: what it decoded alone teaches the speculation policy
+            # as a whole answer of that kind would (an answer that ends alone teaches at finish).
+            # Under load most answers end batched, and without this a batching node's policy kept
+            # learning (speculating on every other lone answer) long after a max_batch 1 node's had
+            # settled: lone answers 1.3x slower where EAGLE-2 loses (docs/serving.md).
+            rt.costs.observe_answer(kind, len(out.tokens), (time.perf_counter() - t0) * 1000)
         r.fresh = False
         r.tokens = prefix + out.tokens
         r.accepted = out.accepted
