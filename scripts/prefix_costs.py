@@ -43,7 +43,7 @@ def main() -> None:
     if pipes["prefix"].rt.prefix is None:
         raise SystemExit(f"no prompt prefix kept with {settings} (FastV, or an engine whose prompt runs as graphs)")
     frame_sets = load_frame_sets(args.frames, args.frame_sets)
-    for name, pipe in pipes.items():            # warm-up, both
+    for pipe in pipes.values():                 # warm-up, both
         pipe.answer(frame_sets[0], DEFAULT_QUESTIONS[0])
     prefill = {k: [] for k in pipes}
     total = {k: [] for k in pipes}

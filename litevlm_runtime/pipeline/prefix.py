@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..stages.prompt import build_prompt
+from .conversation import common_rows
 
 
 def prefix_ids(tok, system: str, layout: str, cameras, tokens_per_camera: int) -> tuple[int, ...]:
@@ -65,8 +66,7 @@ class PromptPrefix:
         (rows before it sit at their own positions). Returns how many (at most n - 1: prefill runs
         at least one row, for the first answer token's logits)."""
         bound = min(len(self.ids), first_visual, token_ids.shape[0] - 1)
-        ids = token_ids[:bound].tolist()
-        n = next((i for i in range(bound) if ids[i] != self.ids[i]), bound)
+        n = common_rows(self.ids[:bound], token_ids[:bound].tolist())
         k_cache[:, :, :n] = self.k[:, :, :n]
         v_cache[:, :, :n] = self.v[:, :, :n]
         return n
