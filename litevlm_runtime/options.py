@@ -173,6 +173,10 @@ class Backend(_Validated):
                                     "pipeline on the CPU: calls of many rows, vision, prefill, token selection, run "
                                     "bfloat16 GEMMs on the CPU's matrix units, decode steps stay float32: weights/bf16.py)",
                            choices=("float", "int8", "bf16"))
+    gemm: str = setting("auto", "float32 GEMM kernel of the CPU linears: torch (F.linear: MKL on x86 wheels) | onednn "
+                                "(oneDNN's float32 matmul for calls of 4+ rows) | auto (onednn on a non-Intel CPU with "
+                                "AVX-512, where MKL runs its AVX2 path; torch elsewhere): weights/gemm.py",
+                        choices=("auto", "torch", "onednn"))
     threads: int = setting(0, "CPU threads per stage (0: one per core this process may use; idle threads sleep, "
                                "so that a shared CPU does not collapse them: threads.py)", lo=0, hi=1024)
 

@@ -35,6 +35,7 @@ from ..stages.token_selector import load_token_selector
 from ..stages.view_selector import load_view_selector
 from ..weights.checkpoint import load_model, read_config
 from ..weights.draft_head import load_draft_head
+from ..weights.gemm import resolve_gemm, use_onednn
 from ..weights.linear_forms import convert_linears
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
@@ -126,6 +127,7 @@ class Runtime:
     constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
     conversations: object = None      # conversation.Conversations: answered turns kept for follow-up questions
     prefix: object = None             # prefix.PromptPrefix: the KV of the prompt prefix every query shares, or None
+    gemm: str = "torch"               # the float32 GEMM kernel its linears run: torch | onednn (weights/gemm.py)
 
     @property
     def lm(self):
@@ -176,6 +178,9 @@ class Runtime:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
         if options.backend.weights != "float":          # after the selector/draft copied what they need
             rt.extra["weights"] = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft))
+        rt.gemm = resolve_gemm(options.backend.gemm, device, dtype)
+        if rt.gemm == "onednn":                         # the linears no weight form took (weights/gemm.py)
+            use_onednn([model, rt.token_selector, rt.draft])
         rt.engines = make_engines(rt)
         if arena.feature_cache.shape[0]:
             rt.features = FeatureCache(arena.feature_cache)
