@@ -61,6 +61,9 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> 
     return torch.softmax(scores, dim=-1)
 
 
+CAUSAL_CHUNK_ROWS = 64     # rows per attention call of a causal prompt on the CPU (measured: 64 rows 1.28x, 128 rows 1.21x at 450 rows)
+
+
 def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> torch.Tensor:
     """q [T, Hq, D] over this call's rows k, v [T, Hkv, D] (mask_new [T, T]) and, when given, this
     layer's old cache [Hkv, L, D] (mask_cache [T, L]): one softmax over both. Returns [T, Hq*D].
@@ -77,15 +80,29 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None) -> to
     torch, 1e-4; torch-compile against torch, 1e-5)."""
     if k_cache is not None and k_cache.dim() == 4:
         return attend_batched(q, k, v, mask_new, k_cache, v_cache, mask_cache)
-    if not (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
-        keys, values, allowed = k.transpose(0, 1), v.transpose(0, 1), mask_new
-        if k_cache is not None:
-            keys, values = torch.cat([k_cache, keys], 1), torch.cat([v_cache, values], 1)
-            allowed = torch.cat([mask_cache, mask_new], -1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=allowed,
-                                             enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
-    return attend_grouped(q, k, v, mask_new, k_cache, v_cache, mask_cache)
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        return attend_grouped(q, k, v, mask_new, k_cache, v_cache, mask_cache)
+    keys, values, allowed = k.transpose(0, 1), v.transpose(0, 1), mask_new
+    if k_cache is not None:
+        keys, values = torch.cat([k_cache, keys], 1), torch.cat([v_cache, values], 1)
+        allowed = torch.cat([mask_cache, mask_new], -1)
+    queries = q.transpose(0, 1)[None]                                           # [1, Hq, T, D]
+    t = q.shape[0]
+    if q.device.type == "cpu" and t > CAUSAL_CHUNK_ROWS and allowed.dim() == 2 and not bool(mask_new.triu(1).any()):
+        # A prompt's rows see only earlier rows: CAUSAL_CHUNK_ROWS rows at a time, each over the
+        # old cache and the new rows up to its own last, so the columns every row of a chunk has
+        # masked are never computed (the CPU's flash kernel computes every column it is given and
+        # masks after: a 450-row prompt's attention took 4.6 ms a layer whole, 3.3 ms in chunks).
+        old = allowed.shape[1] - t
+        out = queries.new_empty(queries.shape)
+        for start in range(0, t, CAUSAL_CHUNK_ROWS):
+            end = min(t, start + CAUSAL_CHUNK_ROWS)
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                queries[:, :, start:end], keys[None, :, :old + end], values[None, :, :old + end],
+                attn_mask=allowed[start:end, :old + end], enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys[None], values[None], attn_mask=allowed, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(t, -1)
 
 
 def attend_batched(q, k, v, mask_new, k_cache, v_cache, mask_cache) -> torch.Tensor:
