@@ -34,7 +34,7 @@ import torch
 
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 from .buckets import pick, step_cache_sizes
-from .torch_engine import TorchDraft, prefill_eager, step_eager, store_batched
+from .torch_engine import TorchDraft, TorchVision, prefill_eager, step_eager, store_batched
 
 
 class Runner(Protocol):
@@ -258,5 +258,6 @@ def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: st
         batch = BoundBatchDecoder(rt, sizes["decoder_batch"], bind, backend)
         for r in range(1, a.limits.batch):      # every region's step bound now: nothing is captured later
             decoder.on_region(a.k_regions[r], a.v_regions[r])
-    return Engines(vision=BoundVision(rt, sizes["vision"], bind, backend), decoder=decoder,
+    vision = BoundVision(rt, sizes["vision"], bind, backend) if sizes["vision"] else TorchVision(rt.model, rt.pos_embed)
+    return Engines(vision=vision, decoder=decoder,
                    head=BoundHead(rt, sizes["head"], bind, backend), draft=draft, batch=batch)
