@@ -47,6 +47,24 @@ def test_bf16_matmul_matches_float64_recomputation(rows):
     assert not torch.equal(got, linear(x))                  # the bfloat16 GEMM really ran
 
 
+@torch.inference_mode()
+def test_a_bfloat16_valued_weight_is_read_from_its_copy_in_small_calls():
+    """Weights that are bfloat16 values (a checkpoint stored in bfloat16): a small call widens the
+    bfloat16 copy and equals the float layer exactly (the same float32 weight, the same kernel);
+    weights that are not keep the float weight."""
+    g = torch.Generator().manual_seed(11)
+    exact = nn.Linear(256, 96)
+    with torch.no_grad():
+        exact.weight.copy_((torch.randn(96, 256, generator=g) * 0.05).bfloat16().float())
+    layer, other = Bf16Linear(exact), Bf16Linear(nn.Linear(256, 96))
+    assert layer.widen and not other.widen
+    x = torch.randn(3, 256, generator=g)
+    assert torch.equal(layer(x), exact(x))
+    with torch.no_grad():
+        layer.weight_bf16.zero_()                # the small call really reads the copy
+    assert torch.equal(layer(x), torch.zeros(3, 96) + exact.bias)
+
+
 @pytest.fixture(scope="module")
 def bundled_float():
     return Pipeline.from_pretrained(DEFAULT_MODEL, options(max_new_tokens=8))
@@ -62,8 +80,14 @@ def test_pipeline_converts_the_compute_bound_linears():
     assert isinstance(rt.lm.head, nn.Linear)                 # the head sees one row: float
     ans = pipe.answer(random_frames(0), "What is in front of the ego car?")
     assert 1 <= len(ans.token_ids) <= 8
-    # a decode step reads the float weights, a prefill the bfloat16 copies (the roofline's bytes)
+    # the bundled checkpoint is stored in bfloat16: a decode step reads the bfloat16 copies too,
+    # widened (the roofline's bytes); a float32-valued weight keeps its float weight for them
     layers = list(rt.lm.layers)
+    assert all(m.widen for m in rt.lm.layers.modules() if isinstance(m, Bf16Linear))
+    assert weight_bytes(layers, many_rows=True) == pytest.approx(weight_bytes(layers), rel=0.01)
+    for m in rt.lm.layers.modules():
+        if isinstance(m, Bf16Linear):
+            m.widen = False
     assert weight_bytes(layers, many_rows=True) * 2 == pytest.approx(weight_bytes(layers), rel=0.01)
 
 

@@ -56,10 +56,16 @@ class Bf16Linear(nn.Module):
         self.weight = linear.weight                  # the float weight, shared with the float module
         self.bias = linear.bias
         self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16))
+        # A checkpoint stored in bfloat16 (InternVL2.5's release, the bundled model) has float
+        # weights that are bfloat16 values: a small call then reads the copy, half the bytes, and
+        # widens it to the same float32 weight (a decode step is bound by the bytes it reads).
+        self.widen = bool(torch.equal(self.weight_bf16.float(), linear.weight.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.numel() < BF16_MIN_ROWS * self.in_features:
+        if x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
+        if x.numel() < BF16_MIN_ROWS * self.in_features:
+            return F.linear(x, self.weight_bf16.float() if self.widen else self.weight, self.bias)
         y = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
         return y if self.bias is None else y + self.bias
 

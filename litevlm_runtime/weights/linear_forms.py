@@ -101,13 +101,14 @@ def convert_linears(model: nn.Module, kind: str, extra=()) -> LinearForms:
 
 def weight_bytes(modules, many_rows: bool = False) -> int:
     """Bytes of the parameters and buffers of `modules` a call reads (each tensor counted once):
-    a Bf16Linear reads its bfloat16 copy in calls of many rows, its float weight in the others."""
+    a Bf16Linear reads its bfloat16 copy in calls of many rows, its float weight in the others
+    (unless that weight is bfloat16-valued: then its copy, widened)."""
     seen, total = set(), 0
     for root in modules:
         for m in root.modules():
             tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
             if isinstance(m, Bf16Linear):
-                unread = m.weight if many_rows else m.weight_bf16
+                unread = m.weight if many_rows or m.widen else m.weight_bf16
                 tensors = [t for t in tensors if t is not unread]
             for t in tensors:
                 if t.data_ptr() not in seen:
