@@ -76,9 +76,14 @@ def measure_bandwidth(working_set_bytes: int, repeats: int = 5) -> Bandwidth:
 @torch.inference_mode()
 def measure_peak_flops(repeats: int = 5, n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` (best of repeats): float32, or bfloat16 for the
-    stages `backend.weights bf16` runs on the matrix units."""
+    stages `backend.weights bf16` runs on the matrix units. float32: the faster of torch's matmul
+    (MKL) and oneDNN's, which `backend.gemm` runs where MKL takes its AVX2 path (weights/gemm.py:
+    2.3x MKL's on an AMD EPYC Zen 5), so that a stage on oneDNN is measured against its own roof."""
     x, y = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n ** 3 / _best_seconds(lambda: x @ y, repeats)
+    best = _best_seconds(lambda: x @ y, repeats)
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        best = min(best, _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, y, None, "none", [], ""), repeats))
+    return 2 * n ** 3 / best
 
 
 @dataclass
