@@ -18,7 +18,7 @@ from torch import nn
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights.bf16 import BF16_MIN_ROWS, Bf16Linear
+from litevlm_runtime.weights.bf16 import BF16_MIN_ROWS, WIDEN_MAX_BYTES, Bf16Linear
 from litevlm_runtime.weights.linear_forms import LinearForms, child_linears, weight_bytes
 
 
@@ -58,6 +58,10 @@ def test_a_bfloat16_valued_weight_is_read_from_its_copy_in_small_calls():
         exact.weight.copy_((torch.randn(96, 256, generator=g) * 0.05).bfloat16().float())
     layer, other = Bf16Linear(exact), Bf16Linear(nn.Linear(256, 96))
     assert layer.widen and not other.widen
+    big = nn.Linear(1024, WIDEN_MAX_BYTES // 4 // 1024 + 1)           # too large to widen per call
+    with torch.no_grad():
+        big.weight.copy_(big.weight.bfloat16().float())
+    assert not Bf16Linear(big).widen
     x = torch.randn(3, 256, generator=g)
     assert torch.equal(layer(x), exact(x))
     with torch.no_grad():

@@ -44,6 +44,10 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return any(flag in flags for flag in BF16_UNIT_FLAGS)
 
 
+# Largest float32 weight a small call widens from its bfloat16 copy (measured one row, 1 thread,
+# AMD EPYC Zen 5: 0.8 MiB 1.25x, 4 MiB 1.34x faster than the float weight; 16 MiB 0.13x, 64 MiB
+# 0.08x: a widened InternVL2.5-2B weight is a fresh buffer of 16-64 MB each call).
+WIDEN_MAX_BYTES = 4 << 20
 BF16_MIN_ROWS = 32     # rows from which the bfloat16 GEMM wins at the bundled model's widths (measured: 16 rows 0.96x, 32 1.3x)
 
 
@@ -58,8 +62,10 @@ class Bf16Linear(nn.Module):
         self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16))
         # A checkpoint stored in bfloat16 (InternVL2.5's release, the bundled model) has float
         # weights that are bfloat16 values: a small call then reads the copy, half the bytes, and
-        # widens it to the same float32 weight (a decode step is bound by the bytes it reads).
-        self.widen = bool(torch.equal(self.weight_bf16.float(), linear.weight.detach().float()))
+        # widens it to the same float32 weight (a decode step is bound by the bytes it reads), as
+        # long as the widened weight stays in the core's cache for the GEMV that reads it.
+        self.widen = (linear.weight.numel() * 4 <= WIDEN_MAX_BYTES
+                      and bool(torch.equal(self.weight_bf16.float(), linear.weight.detach().float())))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
