@@ -232,6 +232,28 @@ def test_select_order_and_rules_through_the_module():
         sel.select("   ")
 
 
+def test_a_repeated_question_is_selected_once(monkeypatch):
+    """The selection depends on the question's text alone: asked again (another frame), it is
+    remembered, not recomputed; a caller editing its copy does not change it; the memory is bounded."""
+    import litevlm_runtime.stages.view_selector as views
+
+    sel = tiny_selector(keyword_weight=0.5, threshold=0.5)
+    calls = []
+    real = sel.module_probs
+    monkeypatch.setattr(sel, "module_probs", lambda qs: calls.append(qs) or real(qs))
+    first = sel.explain(QUESTIONS[0])
+    first.cameras.clear()
+    again = sel.explain(QUESTIONS[0])
+    assert len(calls) == 1 and again.cameras and again == LoadedViewSelector.explain(tiny_selector(
+        keyword_weight=0.5, threshold=0.5), QUESTIONS[0])
+    sel.explain(QUESTIONS[1])
+    assert len(calls) == 2
+    monkeypatch.setattr(views, "SELECTIONS_KEPT", 2)
+    for q in QUESTIONS[2:5]:
+        sel.explain(q)
+    assert len(sel._selections) == 2 and QUESTIONS[0] not in sel._selections
+
+
 def test_untrained_module_is_not_confident_so_no_cue_keeps_all():
     # Random init gives sigmoids near 0.5: (1 - 0.4) * 0.5 < 0.4, so nothing passes.
     sel = tiny_selector(keyword_weight=0.4, threshold=0.4)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -365,8 +367,15 @@ def fuse(keyword: dict[str, float], module: dict[str, float] | None, tagged: lis
     return Selection(cameras, scores, dict(keyword), dict(module), reason)
 
 
+SELECTIONS_KEPT = 256   # questions whose selection is remembered (a car's consumers repeat theirs every frame)
+
+
 class LoadedViewSelector:
-    """A trained (or freshly initialised) selector with its tokenizer and fusion settings."""
+    """A trained (or freshly initialised) selector with its tokenizer and fusion settings.
+
+    The selection is a function of the question's text alone (the selector never sees a frame):
+    `explain` remembers it for the last SELECTIONS_KEPT questions, so a planner asking the same
+    questions of every frame pays the selector once (2-3 ms a question on one CPU core)."""
 
     def __init__(self, model: ViewSelector, tokenizer, device: str | torch.device = "cpu"):
         self.model = model.eval().to(device)
@@ -374,6 +383,8 @@ class LoadedViewSelector:
         self.device = torch.device(device)
         self.cfg = model.cfg
         self.fusion = model.cfg.fusion()
+        self._selections: OrderedDict[str, Selection] = OrderedDict()
+        self._lock = threading.Lock()        # a batching node asks from several threads
 
     @torch.inference_mode()
     def module_probs(self, questions: list[str]) -> torch.Tensor:
@@ -384,9 +395,19 @@ class LoadedViewSelector:
     def explain(self, question: str) -> Selection:
         if not isinstance(question, str) or not question.strip():
             raise InputError("view selector: the question is empty")
-        probs = self.module_probs([question])[0].tolist()
-        module = dict(zip(CAMERAS, probs))
-        return fuse(keyword_map(question), module, tagged_cameras(question), self.fusion)
+        with self._lock:
+            known = self._selections.get(question)
+            if known is not None:
+                self._selections.move_to_end(question)
+        if known is None:
+            probs = self.module_probs([question])[0].tolist()
+            known = fuse(keyword_map(question), dict(zip(CAMERAS, probs)), tagged_cameras(question), self.fusion)
+            with self._lock:
+                self._selections[question] = known
+                while len(self._selections) > SELECTIONS_KEPT:
+                    self._selections.popitem(last=False)
+        # a copy: a caller may edit what it was given
+        return Selection(list(known.cameras), dict(known.scores), dict(known.keyword), dict(known.module), known.reason)
 
     def select(self, question: str) -> list[str]:
         """Camera names to process, in CAMERAS order; never empty."""
