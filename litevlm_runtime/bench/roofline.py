@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 from ..report import table
 from ..timing import median_ms
 from ..weights.bf16 import BF16_MIN_ROWS
+from ..weights.gemm import onednn_linear
 from ..weights.linear_forms import LinearForms, weight_bytes
 
 CAP_BYTES = 2 << 30
@@ -82,7 +83,7 @@ def measure_peak_flops(repeats: int = 5, n: int = 1024, dtype: torch.dtype = tor
     x, y = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = _best_seconds(lambda: x @ y, repeats)
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        best = min(best, _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, y, None, "none", [], ""), repeats))
+        best = min(best, _best_seconds(lambda: onednn_linear(x, y), repeats))
     return 2 * n ** 3 / best
 
 

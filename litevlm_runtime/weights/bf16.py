@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpuinfo import read_cpuinfo
+
 BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16")   # /proc/cpuinfo flags of CPUs that multiply bfloat16 natively
 
 
@@ -35,13 +37,9 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU multiplies bfloat16 in hardware (None: cannot tell, not Linux). Without
     those units oneDNN converts and runs its float32 kernels: measured on an AMD EPYC (AVX2), the
     bundled model's vision stage took 139.7 ms against float32's 21.2 ms. Read from /proc/cpuinfo
-    because torch exposes no query for it (torch.backends.cpu.get_cpu_capability stops at AVX512)."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return None
-    return any(flag in flags for flag in BF16_UNIT_FLAGS)
+    because torch exposes no query for it (cpuinfo.py)."""
+    info = read_cpuinfo(cpuinfo)
+    return None if info is None else any(flag in info[1] for flag in BF16_UNIT_FLAGS)
 
 
 # Largest float32 weight a small call widens from its bfloat16 copy (measured one row, 1 thread,

@@ -27,27 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpuinfo import read_cpuinfo
+
 GEMM_KINDS = ("auto", "torch", "onednn")
 ONEDNN_MIN_ROWS = 4     # rows from which oneDNN's float32 matmul beats MKL here (measured: 2 rows 0.9x, 5 rows 1.8x)
 
 
-def _cpuinfo(path: str) -> tuple[str, list[str]]:
-    vendor, flags = "", []
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("vendor_id") and not vendor:
-                    vendor = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return vendor, flags
-
-
 def mkl_limits_this_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True on a CPU with AVX-512 that is not Intel's, where MKL's sgemm runs its AVX2 path."""
-    vendor, flags = _cpuinfo(cpuinfo)
+    vendor, flags = read_cpuinfo(cpuinfo) or ("", [])
     return bool(vendor) and vendor != "GenuineIntel" and "avx512f" in flags
 
 
@@ -60,6 +48,11 @@ def resolve_gemm(kind: str, device: torch.device | str, dtype: torch.dtype, cpui
     if kind == "auto":
         return "onednn" if mkl_limits_this_cpu(cpuinfo) else "torch"
     return kind
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias) by oneDNN's float32 matmul, no post-op."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class OneDnnLinear(nn.Linear):
@@ -76,7 +69,7 @@ class OneDnnLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if x.dtype != torch.float32 or x.numel() < ONEDNN_MIN_ROWS * self.in_features or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias)
 
 
 def use_onednn(roots) -> int:
