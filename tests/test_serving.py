@@ -84,6 +84,21 @@ def test_a_tight_budget_degrades_in_order_and_says_so(frames):
     assert any("cannot be met" in d for d in impossible.degraded) and len(impossible.cameras) == 1
 
 
+def test_a_planner_never_warmed_up_learns_from_its_first_answer(reuse, frames):
+    """Without warm-up measurements the cost model starts empty: its first answer sets the
+    prefill level (not zero forever), and a decoding mode not seen yet is priced as the one seen,
+    not as free (the planner then predicts a prompt and a token, never a fraction of a ms)."""
+    from litevlm_runtime.stages.budget import StageCosts
+
+    costs = StageCosts()
+    answer = reuse.answer(frames[1], QUESTIONS[0])
+    mode = "eagle" if reuse.rt.draft is not None else "greedy"
+    costs.observe(answer, len(answer.cameras), mode)
+    assert costs.prefill_base == answer.stage_ms["prefill"] > 0 and costs.prefill_per_row == 0
+    assert costs.token_ms("greedy") == costs.token_ms("eagle") == costs.per_token[mode] > 0
+    assert StageCosts().token_ms("greedy") == 1e-3                 # nothing seen at all
+
+
 def test_idle_prefetch_encodes_the_rest_of_the_frame_set(frames):
     pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options())
     keys = {c: "p" for c in frames[0]}

@@ -73,10 +73,13 @@ class StageCosts:
             self.update("per_camera", (ms["preprocess"] + ms["vision"]) / decoded_cameras)
         if answer.kept_tokens < answer.visual_tokens and answer.cameras:
             self.update("token_select_per_camera", ms["token_select"] / len(answer.cameras))
-        # prefill: keep the slope from warm-up, track the level at this size
+        # prefill: keep the slope from warm-up, track the level at this size (a runtime never
+        # warmed up has neither: its first prefill is the level)
         predicted = self.prefill_base + self.prefill_per_row * answer.input_tokens
         if predicted > 0:
             self.prefill_base = max(0.0, self.prefill_base + EMA * (ms["prefill"] - predicted))
+        else:
+            self.prefill_base = ms["prefill"]
         tokens = max(1, len(answer.token_ids))
         if "answer cut" not in " ".join(answer.degraded):
             self.answer_lengths.append(tokens)
@@ -84,6 +87,11 @@ class StageCosts:
         value = ms["decode"] / tokens
         self.per_token[decoding] = value if old == 0.0 else (1 - EMA) * old + EMA * value
         self.observed += 1
+
+    def token_ms(self, decoding: str) -> float:
+        """ms per answer token decoded as `decoding`; a mode not measured nor seen yet costs what
+        the other costs (not nothing: a planner would choose it for free), 1e-3 before any."""
+        return self.per_token.get(decoding) or max(self.per_token.values(), default=0.0) or 1e-3
 
 
 class BudgetPlanner:
@@ -121,7 +129,7 @@ class BudgetPlanner:
     def predict(self, cameras: int, decoded: int, rows: int, keep_ratio: float, decoding: str, cap: int) -> float:
         c = self.costs
         select = c.token_select_per_camera * cameras if keep_ratio < 1.0 else 0.0
-        per_token = c.per_token.get(decoding) or c.per_token["greedy"]
+        per_token = c.token_ms(decoding)
         return (c.view_select + c.per_camera * decoded + select + c.prefill_base + c.prefill_per_row * rows
                 + per_token * cap)
 
@@ -146,8 +154,7 @@ class BudgetPlanner:
             rows = text_rows + len(cams) * (kept_count(tpc, r) if r < 1.0 else tpc)
             return self.predict(len(cams), len([c for c in cams if c not in cached]), rows, r, mode, 0)
 
-        def per_token(mode):
-            return self.costs.per_token.get(mode) or self.costs.per_token["greedy"] or 1e-3
+        per_token = self.costs.token_ms
 
         steps = [(ranked[:n], keep_ratio) for n in range(len(ranked), 0, -1)]
         steps += [(ranked[:1], r) for r in KEEP_LADDER if r < keep_ratio]
