@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from litevlm_runtime.models.decoder import CAUSAL_CHUNK_ROWS, attend, attend_grouped
+from litevlm_runtime.models.decoder import CAUSAL_CHUNK_ROWS, attend, attend_grouped, in_chunks
 
 
 def _inputs(t: int, old: int, seed: int):
@@ -50,3 +50,32 @@ def test_a_mask_that_sees_later_rows_is_attended_whole():
     got = attend(q, k, v, mask_new, k_cache, v_cache, mask_cache)
     want = _reference(q, k, v, mask_new, k_cache, v_cache, mask_cache)
     assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+@torch.inference_mode()
+def test_which_masks_are_attended_in_chunks():
+    c = CAUSAL_CHUNK_ROWS
+    causal = torch.ones(3 * c, 3 * c, dtype=torch.bool).tril()
+    assert in_chunks(causal)
+    assert not in_chunks(causal[:c, :c])                        # one chunk's rows: one call anyway
+    within = causal.clone()
+    within[0, c - 1] = True                                     # a later row of the same chunk: still exact
+    assert in_chunks(within)
+    across = causal.clone()
+    across[c - 1, c] = True                                     # the first row of the next chunk: not
+    assert not in_chunks(across)
+
+
+@torch.inference_mode()
+def test_a_row_that_sees_a_later_row_of_its_own_chunk_is_exact():
+    t, old = 2 * CAUSAL_CHUNK_ROWS + 5, 9
+    q, k, v, k_cache, v_cache = _inputs(t, old, seed=11)
+    mask_new = torch.ones(t, t, dtype=torch.bool).tril()
+    mask_new[3, CAUSAL_CHUNK_ROWS - 1] = True
+    mask_new[CAUSAL_CHUNK_ROWS + 1, 2 * CAUSAL_CHUNK_ROWS - 2] = True
+    mask_cache = torch.ones(t, old, dtype=torch.bool)
+    assert in_chunks(mask_new)
+    got = attend(q, k, v, mask_new, k_cache, v_cache, mask_cache)
+    want = _reference(q, k, v, mask_new, k_cache, v_cache, mask_cache)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+

@@ -12,7 +12,7 @@ from helpers import random_frames
 
 from litevlm_runtime.errors import CheckpointError
 from litevlm_runtime.models.config import LLMConfig, RopeScaling
-from litevlm_runtime.models.rope import RotaryTable
+from litevlm_runtime.models.rope import RotaryTable, apply_rope
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 from litevlm_runtime.weights.integrity import write_manifest
 
@@ -127,3 +127,15 @@ def test_pipeline_refuses_an_arena_past_the_dynamic_limit_and_is_unchanged_withi
                                                      scaling={"type": "linear", "factor": 4.0}), opts)
     assert not torch.equal(linear_pipe.rt.lm.rope.cos, plain_pipe.rt.lm.rope.cos)
     assert linear_pipe.rt.lm.rope.cos.shape[0] == linear_pipe.rt.arena.max_len
+
+
+def test_rope_equals_rotate_half_in_float64():
+    """apply_rope (halves swapped by a concatenation, signed sin) against the textbook
+    x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], in float64: bit-equal in float64."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 8, 32, generator=g, dtype=torch.float64)
+    angle = torch.randn(70, 1, 16, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    signed = torch.cat([-sin[..., :16], sin[..., 16:]], -1)
+    rotate_half = torch.cat([-x[..., 16:], x[..., :16]], -1)
+    assert torch.equal(apply_rope(x, cos, signed), x * cos + rotate_half * sin)

@@ -83,6 +83,9 @@ class RotaryTable(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos, sin [T, 1, D] from RotaryTable (sin signed): x*cos + rotate_half(x)*sin,
-    rotate_half(x) = [-x2, x1], written as the halves swapped ([x2, x1]) times the signed sin."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return x * cos + swapped * sin
+    rotate_half(x) = [-x2, x1], written as the halves swapped ([x2, x1]) times the signed sin.
+    The swap is a concatenation of the two halves: the same values as a flip of the halves, but the
+    CPU's flip is a gather: apply_rope on a 500-row prompt's q took 139-158 us with the flip, 61-75
+    us with the concatenation (1 thread, Zen 5); bit-identical."""
+    first, second = x.chunk(2, -1)
+    return x * cos + torch.cat((second, first), -1) * sin
