@@ -15,7 +15,7 @@ import torch
 from export_fixtures import TEST_BUCKETS
 from helpers import make_tiny_checkpoint, options, random_frames
 
-from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS, paired_speedups
 from litevlm_runtime.cli import main
 from litevlm_runtime.export.exporter import verify_bundle
 from litevlm_runtime.pipeline.pipeline import Pipeline
@@ -57,6 +57,13 @@ def test_ask_and_bench(qwen3_model, synth, capsys):
     for stage in ("vision", "token_select", "prefill", "decode", "transformers generate"):
         assert stage in out
     assert "identical answers: " in out
+    assert "query by query (paired): median " in out and "whole run (total time): " in out
+
+
+def test_paired_speedups_pair_each_query_with_its_own_reference():
+    got = paired_speedups([10.0, 20.0, 40.0, 30.0], [5.0, 20.0, 10.0, 10.0])       # per query 2, 1, 4, 3
+    assert got == {"speedup_paired_median": 2.5, "speedup_paired_min": 1.0, "speedup_paired_max": 4.0,
+                   "speedup_total": 100.0 / 45.0}
 
 
 def test_onnx_bundle_matches_torch(qwen3_model, tmp_path):

@@ -277,6 +277,9 @@ def run(args) -> int:
         ]))
         print(f"\nspeed-up over transformers: {r['speedup_model']:.2f}x   identical answers: {r['identical_answers']}   "
               f"(mean new tokens: ours {s['mean_new_tokens']:.1f}, transformers {r['mean_new_tokens']:.1f})")
+        print(f"query by query (paired): median {r['speedup_paired_median']:.2f}x "
+              f"(min {r['speedup_paired_min']:.2f}x, max {r['speedup_paired_max']:.2f}x); "
+              f"whole run (total time): {r['speedup_total']:.2f}x")
     return 0
 
 
