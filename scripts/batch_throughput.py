@@ -11,7 +11,8 @@ DriveLM sample when present), --per-set questions on each frame set, in order, w
 that a frame set's later questions reuse its cameras (the feature cache), as the node's do. Rounds
 alternate one at a time and batched, each with fresh frame keys (every round encodes its cameras
 anew), so a shared machine's load hits both alike. Prints queries per second per round, the
-median ratio, and how many greedy answers are identical between the two.
+median ratio, how many greedy answers are identical between the two, and decode's share of the
+one-at-a-time pipeline time (the most a free batched step could give: 1 / (1 - share)).
 
 A node's peak rate under bursts (`litevlm bag peak`) cannot exceed what this ratio allows: a
 batched step makes decoding cheaper, nothing else.
@@ -39,8 +40,18 @@ from litevlm_runtime.report import table
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"
 
 
+DECODE_MS: list[float] = []          # one at a time: each answer's decode stage, and its whole pipeline
+TOTAL_MS: list[float] = []
+
+
 def one_at_a_time(pipe, work, frame_sets, keys) -> dict[int, list[int]]:
-    return {i: pipe.answer(frame_sets[s], q, frame_keys=keys(s)).token_ids for i, (s, q) in enumerate(work)}
+    out = {}
+    for i, (s, q) in enumerate(work):
+        ans = pipe.answer(frame_sets[s], q, frame_keys=keys(s))
+        DECODE_MS.append(ans.stage_ms["decode"])
+        TOTAL_MS.append(ans.total_ms)
+        out[i] = ans.token_ids
+    return out
 
 
 def batched(pipe, work, frame_sets, keys) -> dict[int, list[int]]:
@@ -94,6 +105,9 @@ def main(argv=None) -> int:
                 [[name, statistics.median(v), " ".join(f"{x:.2f}" for x in v), statistics.median(v) / base]
                  for name, v in rates.items()]))
     print(f"greedy answers identical: {same}/{len(work)}   ratio {other / base:.2f}x")
+    share = sum(DECODE_MS) / sum(TOTAL_MS)
+    print(f"one at a time, decode is {share:.0%} of the pipeline's time: a batched step that cost nothing "
+          f"would give at most {1 / (1 - share):.2f}x")
     return 0 if same == len(work) else 1
 
 
