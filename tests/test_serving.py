@@ -99,6 +99,22 @@ def test_a_planner_never_warmed_up_learns_from_its_first_answer(reuse, frames):
     assert StageCosts().token_ms("greedy") == 1e-3                 # nothing seen at all
 
 
+def test_a_follow_ups_plan_does_not_price_a_view_selection(reuse):
+    """A follow-up keeps its conversation's views and runs no view selector: its predicted cost is
+    the first question's plan's over the same rows, less the selector's measured cost."""
+    planner = reuse.rt.planner
+    saved = planner.costs.view_select
+    try:
+        planner.costs.view_select = 7.0
+        cams = list(reuse.rt.options.cameras[:2])
+        first = planner.plan(1e6, cams, set(cams), 1.0, "greedy", 8, 100)
+        follow_up = planner.plan(1e6, cams, set(cams), 1.0, "greedy", 8, 100 + 2 * reuse.rt.tokens_per_camera,
+                                 fixed_views=True)
+        assert first.predicted_ms - follow_up.predicted_ms == pytest.approx(7.0)
+    finally:
+        planner.costs.view_select = saved
+
+
 def test_idle_prefetch_encodes_the_rest_of_the_frame_set(frames):
     pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options())
     keys = {c: "p" for c in frames[0]}

@@ -126,12 +126,14 @@ class BudgetPlanner:
         self.costs.per_token = {"greedy": step, "eagle": step}
 
     # ------------------------------------------------------------------ planning
-    def predict(self, cameras: int, decoded: int, rows: int, keep_ratio: float, decoding: str, cap: int) -> float:
+    def predict(self, cameras: int, decoded: int, rows: int, keep_ratio: float, decoding: str, cap: int,
+                selects_views: bool = True) -> float:
+        """`selects_views`: False for a follow-up, which runs no view selection."""
         c = self.costs
         select = c.token_select_per_camera * cameras if keep_ratio < 1.0 else 0.0
         per_token = c.token_ms(decoding)
-        return (c.view_select + c.per_camera * decoded + select + c.prefill_base + c.prefill_per_row * rows
-                + per_token * cap)
+        return (c.view_select * selects_views + c.per_camera * decoded + select + c.prefill_base
+                + c.prefill_per_row * rows + per_token * cap)
 
     def plan(self, budget_ms: float, ranked: list[str], cached: set[str], keep_ratio: float, decoding: str,
              max_new: int, text_rows: int, fixed_views: bool = False) -> Plan:
@@ -150,7 +152,7 @@ class BudgetPlanner:
 
         def fixed(cams, r, mode):
             if fixed_views:
-                return self.predict(len(cams), 0, text_rows, 1.0, mode, 0)
+                return self.predict(len(cams), 0, text_rows, 1.0, mode, 0, selects_views=False)
             rows = text_rows + len(cams) * (kept_count(tpc, r) if r < 1.0 else tpc)
             return self.predict(len(cams), len([c for c in cams if c not in cached]), rows, r, mode, 0)
 
