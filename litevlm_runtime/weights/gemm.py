@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.decoder import in_graph
 from .cpuinfo import read_cpuinfo
 
 GEMM_KINDS = ("auto", "torch", "onednn")
@@ -65,7 +66,7 @@ class OneDnnLinear(nn.Linear):
         # lowers this op only for frozen weights, an exported graph must not name a torch-internal
         # op, and the row test below would guard a dynamic batch dimension into a constant (the
         # batched step's B in [2, 4] was exported as 4): so the graph test comes first.
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        if in_graph():
             return F.linear(x, self.weight, self.bias)
         if x.dtype != torch.float32 or x.numel() < ONEDNN_MIN_ROWS * self.in_features or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
