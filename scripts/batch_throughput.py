@@ -40,21 +40,11 @@ from litevlm_runtime.report import table
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"
 
 
-DECODE_MS: list[float] = []          # one at a time: each answer's decode stage, and its whole pipeline
-TOTAL_MS: list[float] = []
+def one_at_a_time(pipe, work, frame_sets, keys) -> dict:
+    return {i: pipe.answer(frame_sets[s], q, frame_keys=keys(s)) for i, (s, q) in enumerate(work)}
 
 
-def one_at_a_time(pipe, work, frame_sets, keys) -> dict[int, list[int]]:
-    out = {}
-    for i, (s, q) in enumerate(work):
-        ans = pipe.answer(frame_sets[s], q, frame_keys=keys(s))
-        DECODE_MS.append(ans.stage_ms["decode"])
-        TOTAL_MS.append(ans.total_ms)
-        out[i] = ans.token_ids
-    return out
-
-
-def batched(pipe, work, frame_sets, keys) -> dict[int, list[int]]:
+def batched(pipe, work, frame_sets, keys) -> dict:
     """A BatchDecoder kept full: admit while a region is free, then one decode pass; a lone query
     stops speculating when another waits (as the node's worker runs it)."""
     batch, out, todo = BatchDecoder(pipe), {}, list(enumerate(work))
@@ -63,7 +53,7 @@ def batched(pipe, work, frame_sets, keys) -> dict[int, list[int]]:
             i, (s, q) = todo.pop(0)
             batch.admit(frame_sets[s], q, frame_keys=keys(s), tag=i)
         for running, ans in batch.step(lambda: bool(todo) and batch.has_room):
-            out[running.tag] = ans.token_ids
+            out[running.tag] = ans
     return out
 
 
@@ -76,6 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a pipeline option")
     args = p.parse_args(argv)
+    for name in ("sets", "per_set", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     flat = dict(kv.split("=", 1) for kv in args.set)
     pipe = Pipeline.from_pretrained(args.model, options_from_flat(flat))
     frame_sets = load_frame_sets(args.frames, args.sets)
@@ -85,7 +78,8 @@ def main(argv=None) -> int:
     pipe.warm_up(frame_sets[0])
     runs = {"one at a time": one_at_a_time, f"batched, up to {in_flight}": batched}
     rates: dict[str, list[float]] = {name: [] for name in runs}
-    answers: dict[str, dict] = {}
+    answers: dict[str, dict] = {}           # each configuration's last round: query index -> Answer
+    alone: list = []                         # every round's one-at-a-time Answers (decode's share)
     n = 0
     with torch.inference_mode():
         for r in range(args.rounds):
@@ -95,17 +89,19 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 answers[name] = run(pipe, work, frame_sets, keys)
                 rates[name].append(len(work) / (time.perf_counter() - t0))
+                if run is one_at_a_time:
+                    alone += answers[name].values()
                 print(f"round {r + 1}/{args.rounds}  {name:<20} {rates[name][-1]:6.2f} q/s", file=sys.stderr, flush=True)
     base, other = (statistics.median(v) for v in rates.values())
     single, many = answers.values()
-    same = sum(single[i] == many[i] for i in single)
+    same = sum(single[i].token_ids == many[i].token_ids for i in single)
     print(f"{len(work)} queries ({len(frame_sets)} frame sets x {args.per_set}), {pipe.name}, "
           f"backend {pipe.rt.engines.backend}, threads {torch.get_num_threads()}")
     print(table(["serving", "q/s (median)", "rounds", "x one at a time"],
                 [[name, statistics.median(v), " ".join(f"{x:.2f}" for x in v), statistics.median(v) / base]
                  for name, v in rates.items()]))
     print(f"greedy answers identical: {same}/{len(work)}   ratio {other / base:.2f}x")
-    share = sum(DECODE_MS) / sum(TOTAL_MS)
+    share = sum(a.stage_ms["decode"] for a in alone) / sum(a.total_ms for a in alone)
     print(f"one at a time, decode is {share:.0%} of the pipeline's time: a batched step that cost nothing "
           f"would give at most {1 / (1 - share):.2f}x")
     return 0 if same == len(work) else 1
