@@ -3,6 +3,9 @@ bags, in one session, sizes alternating round by round (so that a change in the 
 load hits every size alike), as a table with the ratio to the first size; and whether every run
 gave the same answers (and, with --versus-bag-eval, the answers `bag eval` gives each bag).
 
+Bags given as URIs are fetched by each worker from object storage: "fetched MB per bag" and "fetch
+s per bag" are that transfer (part of "s per bag").
+
 Wall time is the whole `fleet eval`: actors started, each loading the model once, all bags
 evaluated, answers written. "s per bag" is a bag's own time in its worker; "CPU s per bag" the CPU
 seconds its worker process spent on it (every thread: the query thread, torch's intra-op threads,
@@ -24,6 +27,7 @@ from ..bag.evaluate import evaluate
 from ..report import table
 from .dataset import RunFolder
 from .run import run_fleet
+from .storage import fetch_bag, remove_scratch, scratch_folder
 
 ANSWER_FIELDS = ("status", "answer", "token_ids", "cameras", "kept_tokens")
 
@@ -37,10 +41,21 @@ def bag_eval_answers(cfg) -> dict[tuple[str, str], tuple]:
 
     out = {}
     for bag in cfg.bags:
-        for rec in evaluate(bag.path, cfg.params):
-            r = rec.to_json()
-            out[(bag.key, r["query_id"])] = tuple(str(r[k]) for k in ANSWER_FIELDS)
+        scratch = scratch_folder() if bag.remote else None
+        try:
+            local = fetch_bag(bag.path, scratch).path if scratch else bag.path     # a bag on object storage
+            for rec in evaluate(local, cfg.params):
+                r = rec.to_json()
+                out[(bag.key, r["query_id"])] = tuple(str(r[k]) for k in ANSWER_FIELDS)
+        finally:
+            if scratch:
+                remove_scratch(scratch)
     return out
+
+
+def _mean(bags, key: str) -> float:
+    """The mean of a manifest field over the bags that have it (nan: none has: local bags fetch nothing)."""
+    return float(np.mean([b[key] for b in bags if key in b] or [float("nan")]))
 
 
 def scaling(make_config: Callable, sizes: list[int], out: Path, rounds: int = 1,
@@ -62,8 +77,9 @@ def scaling(make_config: Callable, sizes: list[int], out: Path, rounds: int = 1,
             bags = RunFolder(folder).read_manifest()["bags"].values()
             cpu_per_bag = float(np.mean([b["cpu_s"] for b in bags if "cpu_s" in b] or [float("nan")]))
             results[n].append({"wall_s": wall, "answers": res.answers, "bags": len(res.complete),
-                               "cpu_s_per_bag": cpu_per_bag, "wall_s_per_bag": float(np.mean(
-                                   [b["wall_s"] for b in bags if "wall_s" in b] or [float("nan")])),
+                               "cpu_s_per_bag": cpu_per_bag, "wall_s_per_bag": _mean(bags, "wall_s"),
+                               "fetch_s_per_bag": _mean(bags, "fetch_s"),
+                               "fetch_mb_per_bag": _mean(bags, "fetch_bytes") / 1e6,
                                "failed": len(res.failed), "threads": res.threads,
                                "load_before": load0, "load_after": os.getloadavg()[0]})
             answers[(n, r)] = run_answers(folder)
@@ -83,9 +99,12 @@ def scaling(make_config: Callable, sizes: list[int], out: Path, rounds: int = 1,
                      results[n][0]["answers"], results[n][0]["bags"] * 60.0 / med,
                      float(np.median([x["wall_s_per_bag"] for x in results[n]])),
                      float(np.median([x["cpu_s_per_bag"] for x in results[n]])),
+                     float(np.median([x["fetch_mb_per_bag"] for x in results[n]])),
+                     float(np.median([x["fetch_s_per_bag"] for x in results[n]])),
                      " ".join(f"{x['load_before']:.1f}/{x['load_after']:.1f}" for x in results[n])])
     text = table(["workers", "threads each", "wall s per round", "median s", f"vs {sizes[0]} worker(s)", "answers",
-                  "bags/min", "s per bag", "CPU s per bag", "load avg before/after"], rows)
+                  "bags/min", "s per bag", "CPU s per bag", "fetched MB per bag", "fetch s per bag",
+                  "load avg before/after"], rows)
     text += (f"\nanswers identical across all {len(answers)} runs: {identical}"
              + (f"; identical to bag eval of each bag: {versus}" if versus is not None else ""))
     return text, {"results": {str(n): v for n, v in results.items()}, "identical": identical and versus is not False,

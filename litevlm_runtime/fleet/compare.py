@@ -11,10 +11,23 @@ accuracy per question template (evaluation.breakdown).
 Latency: per stage and total, p50 and p99 over each run's ok answers, and B / A. Drives: each
 bag's p99 total in both runs, sorted by how much it regressed.
 
-Gates (exit 1 when crossed): accuracy or language score dropping by more than a given amount, the
-p99 ratio of a stage (total by default) above a given value, the fraction of answers changed, the
-number of failed bags. A gate that cannot be evaluated (no reference answers for an accuracy gate)
-counts as crossed: a release gate that silently passes on missing data would gate nothing.
+Right and wrong: a changed answer is called right or wrong only where the rules score it for
+accuracy (a tag-0 question the graph filter keeps for that run); elsewhere it is "changed". Under
+the challenge's rules a DriveLM file's graph filter can leave no question scored for accuracy at
+all: the comparison then says so first (`no_accuracy_scored`), instead of showing "-" scores next
+to verdicts no rule gave.
+
+Parameters: each run's effective values, i.e. the options its workers resolved (manifest
+`resolved_options`: every `auto` and 0-means-default replaced, tokens.keep_ratio 0 -> 0.8),
+over the node parameters as given; a run made before manifests kept them shows its parameters
+as given, and the comparison says so.
+
+Gates (exit 1 when crossed): B losing bags or answers that A has (a bag failed or missing in B, an
+answer of A with no match in B: on by default, `--allow-lost` turns it off), accuracy or language
+score dropping by more than a given amount, the p99 ratio of a stage (total by default) above a
+given value, the fraction of answers changed, the number of failed bags. A gate that cannot be
+evaluated (no reference answers for an accuracy gate) counts as crossed: a release gate that
+silently passes on missing data would gate nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import numpy as np
 from ..errors import InputError
 from ..evaluation.breakdown import accuracy_by_template
 from ..evaluation.metrics import (
+    ACCURACY,
     CHALLENGE,
     LANGUAGE,
     LENIENT,
@@ -39,7 +53,7 @@ from ..evaluation.metrics import (
     score,
 )
 from ..pipeline.answer import STAGES
-from .dataset import RunFolder, open_run
+from .dataset import open_run
 
 LATENCY_KEYS = (*STAGES, "total")
 
@@ -51,12 +65,13 @@ class Thresholds:
     max_language_drop: float | None = None
     max_changed: float | None = None
     max_failed: int | None = None
+    allow_lost: bool = False              # B may lose bags/answers A has without failing the gate
 
 
 @dataclass
 class Side:
     name: str                     # "A" or "B"
-    path: Path
+    path: str                     # the run folder or URI
     manifest: dict
     rows: dict[tuple[str, str], dict]      # (bag, query id) -> row
     failures: dict[str, dict]              # bag key -> failure info
@@ -80,7 +95,16 @@ def param_changes(a: dict, b: dict) -> list[dict]:
     return [{"name": k, "A": a.get(k), "B": b.get(k)} for k in keys if a.get(k) != b.get(k)]
 
 
-def load_side(name: str, path: Path) -> Side:
+def effective_params(manifest: dict) -> tuple[dict, bool]:
+    """(what the run ran with, whether that is its resolved options): the node parameters as
+    given, with the pipeline options replaced by those its workers resolved."""
+    params, resolved = manifest.get("params", {}), manifest.get("resolved_options")
+    if not resolved:
+        return dict(params), False
+    return {**{k: v for k, v in params.items() if k not in resolved}, **resolved}, True
+
+
+def load_side(name: str, path: str | Path) -> Side:
     run, manifest = open_run(path)
     rows = {}
     for r in run.read_rows():
@@ -88,7 +112,7 @@ def load_side(name: str, path: Path) -> Side:
         if key in rows:         # a bag's partition is written once; a repeated id is the bag's own
             raise InputError(f"{path}: bag {r['bag']} has query id {r['query_id']!r} twice")
         rows[key] = r
-    return Side(name, Path(path), manifest, rows, RunFolder(path).failures())
+    return Side(name, run.path, manifest, rows, run.failures())
 
 
 def _questions(common: list[tuple[str, str]], a: Side) -> list[Question]:
@@ -128,6 +152,9 @@ class Comparison:
     common: list[tuple[str, str]] = field(default_factory=list)
     only_a: list[tuple[str, str]] = field(default_factory=list)
     only_b: list[tuple[str, str]] = field(default_factory=list)
+    lost_bags: dict[str, str] = field(default_factory=dict)      # bag complete in A, not in B -> why
+    params_resolved: dict = field(default_factory=dict)          # "A"/"B" -> effective values known
+    no_accuracy_scored: bool = False      # references exist but the rules scored no answer for accuracy
     scores: dict = field(default_factory=dict)           # "A"/"B" -> overall scores
     categories: list[dict] = field(default_factory=list)
     templates: list[dict] = field(default_factory=list)
@@ -148,9 +175,10 @@ class Comparison:
                     "bags_complete": len({k[0] for k in s.rows}), "bags_failed": s.failures}
         return {
             "A": side(self.a), "B": side(self.b), "rules": self.rules,
-            "parameter_changes": self.params,
+            "parameter_changes": self.params, "parameters_are_resolved": self.params_resolved,
             "matched_answers": len(self.common), "only_in_A": [list(k) for k in self.only_a],
-            "only_in_B": [list(k) for k in self.only_b],
+            "only_in_B": [list(k) for k in self.only_b], "lost_bags": self.lost_bags,
+            "lost_answers": len(self.only_a), "no_accuracy_scored": self.no_accuracy_scored,
             "scores": self.scores, "categories": self.categories, "templates": self.templates,
             "changed_answers": self.changed, "status_changes": self.status_changes,
             "changed_fraction": (len(self.changed) + len(self.status_changes)) / max(1, len(self.common)),
@@ -163,6 +191,21 @@ class Comparison:
         lines = [f"fleet compare: A {self.a.path} ({len(self.a.rows)} answers), B {self.b.path} "
                  f"({len(self.b.rows)} answers): {len(self.common)} matched, {len(self.changed)} answers changed, "
                  f"{len(self.status_changes)} status changes"]
+        if self.no_accuracy_scored:
+            lines.append(f"  NOTE: under the {self.rules} rules no answer was scored for accuracy (the graph filter "
+                         "keeps none of the accuracy questions): changed answers are only 'changed', not right or "
+                         "wrong; --lenient scores every question")
+        if self.lost_bags or self.only_a:
+            lines.append(f"  B LOST {len(self.lost_bags)} bag(s) and {len(self.only_a)} answer(s) that A has")
+            for bag, why in sorted(self.lost_bags.items()):
+                lines.append(f"    lost bag {bag}: {why}")
+        for side in (self.a, self.b):
+            for key, info in sorted(side.failures.items()):
+                if key not in self.lost_bags:
+                    lines.append(f"  failed in {side.name}: {key}: {info.get('reason')}")
+        if not all(self.params_resolved.values()):
+            lines.append("  parameters as given (" + ", ".join(n for n, ok in self.params_resolved.items() if not ok)
+                         + " has no resolved options in its manifest: made before they were recorded)")
         for p in self.params:
             lines.append(f"  parameter {p['name']}: {p['A']!r} -> {p['B']!r}")
         sa, sb = self.scores.get("A", {}), self.scores.get("B", {})
@@ -184,22 +227,51 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def compare_runs(run_a: Path, run_b: Path, thresholds: Thresholds | None = None, lenient: bool = False,
+def compare_runs(run_a: str | Path, run_b: str | Path, thresholds: Thresholds | None = None, lenient: bool = False,
                  stage: str = "total") -> Comparison:
     if stage not in LATENCY_KEYS:
         raise InputError(f"--latency-stage {stage!r}: one of {', '.join(LATENCY_KEYS)}")
     a, b = load_side("A", run_a), load_side("B", run_b)
     rules = LENIENT if lenient else CHALLENGE
     cmp = Comparison(a, b, rules.name, stage, thresholds or Thresholds())
-    cmp.params = param_changes(a.manifest.get("params", {}), b.manifest.get("params", {}))
+    (eff_a, res_a), (eff_b, res_b) = effective_params(a.manifest), effective_params(b.manifest)
+    cmp.params_resolved = {"A": res_a, "B": res_b}
+    cmp.params = param_changes(eff_a, eff_b)
     if a.manifest.get("model", {}).get("sha256") != b.manifest.get("model", {}).get("sha256"):
         cmp.params.insert(0, {"name": "model (folder checksum)", "A": a.manifest["model"].get("sha256", "")[:16],
                               "B": b.manifest["model"].get("sha256", "")[:16]})
     cmp.common = [k for k in a.rows if k in b.rows]
     cmp.only_a = sorted(k for k in a.rows if k not in b.rows)
     cmp.only_b = sorted(k for k in b.rows if k not in a.rows)
+    bags_b = {k[0] for k in b.rows}
+    for bag in sorted({k[0] for k in a.rows} - bags_b):
+        failure = b.failures.get(bag)
+        cmp.lost_bags[bag] = (f"failed in B: {failure.get('reason')}" if failure else
+                              "not in B (not in its plan, or its run did not finish)")
 
-    # ---- answers and statuses that changed ----
+    questions = _questions(cmp.common, a)
+    _changes(cmp, a, b, questions, rules)
+    _scores(cmp, a, b, questions, rules)
+    _latency_tables(cmp, a, b)
+    _gates(cmp, b, stage)
+    return cmp
+
+
+def _changes(cmp: Comparison, a, b, questions: list, rules) -> None:
+    """The answers and statuses that changed between the runs, each verdict where the rules score
+    that answer for accuracy (cmp.changed, cmp.status_changes, cmp.no_accuracy_scored)."""
+    # which answers the rules score for accuracy, per run (a verdict only for those)
+    judged: dict[str, set[str]] = {}
+    for side in (a, b):
+        scored, _ = graph_filter(questions, _predictions(side, questions), rules) if questions else ([], [])
+        judged[side.name] = {q.id for q in scored if ACCURACY in q.tags}
+    cmp.no_accuracy_scored = bool(questions) and not judged["A"] and not judged["B"]
+
+    def verdict(side: str, k: tuple[str, str], answer: str, reference: str | None) -> bool | None:
+        if reference is None or f"{k[0]}:{k[1]}" not in judged[side]:
+            return None
+        return answer_is_correct(answer, reference, rules)
+
     for k in cmp.common:
         ra, rb = a.rows[k], b.rows[k]
         base = {"bag": k[0], "query_id": k[1], "question": ra["question"], "bag_path": ra["bag_path"],
@@ -212,11 +284,14 @@ def compare_runs(run_a: Path, run_b: Path, thresholds: Thresholds | None = None,
             cmp.changed.append(base | {
                 "A": ra["answer"], "B": rb["answer"], "A_cameras": ra["cameras"], "B_cameras": rb["cameras"],
                 "frame_stamps_ns": ra["frame_stamps_ns"],
-                "A_correct": answer_is_correct(ra["answer"], ra["gt_answer"], rules) if ra["gt_answer"] is not None else None,
-                "B_correct": answer_is_correct(rb["answer"], ra["gt_answer"], rules) if ra["gt_answer"] is not None else None})
+                "A_correct": verdict("A", k, ra["answer"], ra["gt_answer"]),
+                "B_correct": verdict("B", k, rb["answer"], ra["gt_answer"])})
 
-    # ---- scores where references exist (the same questions for both runs) ----
-    questions = _questions(cmp.common, a)
+
+
+def _scores(cmp: Comparison, a, b, questions: list, rules) -> None:
+    """Scores where references exist, the same questions for both runs: overall, per category and
+    per template (cmp.scores, cmp.categories, cmp.templates)."""
     categories = sorted({q.category for q in questions})
     per_cat: dict[str, dict] = {c: {"category": c} for c in categories}
     for side in (a, b):
@@ -246,7 +321,11 @@ def compare_runs(run_a: Path, run_b: Path, thresholds: Thresholds | None = None,
         cmp.templates = accuracy_by_template(questions, {"A": _predictions(a, questions),
                                                          "B": _predictions(b, questions)}, rules)
 
-    # ---- latency ----
+
+
+def _latency_tables(cmp: Comparison, a, b) -> None:
+    """Per stage p50/p99 of both runs and their ratios, and per drive (cmp.latency, cmp.drives:
+    the worst p99 ratio first)."""
     rows_a, rows_b = list(a.rows.values()), list(b.rows.values())
     for key in LATENCY_KEYS:
         va, vb = _latency(rows_a, key), _latency(rows_b, key)
@@ -268,8 +347,14 @@ def compare_runs(run_a: Path, run_b: Path, thresholds: Thresholds | None = None,
                                "A_p99": a99, "B_p99": b99, "p99_ratio": _ratio(b99, a99)})
     cmp.drives.sort(key=lambda d: -(d["p99_ratio"] or 0))
 
-    # ---- gates ----
+
+
+def _gates(cmp: Comparison, b, stage: str) -> None:
+    """The thresholds the user set, each broken one as a sentence in cmp.violations."""
     t = cmp.thresholds
+    if (cmp.lost_bags or cmp.only_a) and not t.allow_lost:
+        cmp.violations.append(f"B lost {len(cmp.lost_bags)} bag(s) and {len(cmp.only_a)} answer(s) that A has "
+                              f"({', '.join(sorted(cmp.lost_bags)[:5]) or 'answers only'}): --allow-lost to accept")
     sa, sb = cmp.scores.get("A", {}), cmp.scores.get("B", {})
     for metric, limit in (("accuracy", t.max_accuracy_drop), ("language", t.max_language_drop)):
         if limit is None:
@@ -295,4 +380,3 @@ def compare_runs(run_a: Path, run_b: Path, thresholds: Thresholds | None = None,
             cmp.violations.append(f"{frac:.3f} of the matched answers changed, more than --max-changed {t.max_changed}")
     if t.max_failed is not None and len(b.failures) > t.max_failed:
         cmp.violations.append(f"{len(b.failures)} bag(s) failed in B, more than --max-failed {t.max_failed}")
-    return cmp

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -41,9 +42,12 @@ def model_checksum(folder: Path) -> dict:
 
 def project_version() -> dict:
     """The package version, and the git commit of the checkout it runs from (dirty: uncommitted
-    changes) where it is one."""
+    changes) where it is one; in an image built without .git, the commit it was built from
+    (LITEVLM_GIT_COMMIT, set by deploy/Dockerfile)."""
     root = Path(__file__).resolve().parents[2]
-    out = {"version": __version__, "git_commit": None, "git_dirty": None}
+    out = {"version": __version__, "git_commit": os.environ.get("LITEVLM_GIT_COMMIT") or None, "git_dirty": None}
+    if out["git_commit"]:
+        return out
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10)

@@ -4,7 +4,9 @@ same numbers, for machines).
 
 Thumbnails are read from the bags themselves (their paths are in the runs), only the frames of
 the answers shown, each camera once: the six cameras of the frame set in rig order, the ones each
-run selected marked. A bag that is no longer where the run read it gets a note instead.
+run selected marked. A bag that is no longer where the run read it gets a note instead. Runs made
+with `fleet eval --explain` carry each answer's explanation picture: a changed answer shows A's and
+B's side by side (docs/explain.md).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,12 +24,15 @@ from ..bag.io import read_bag
 from ..cameras import CAMERAS
 from ..serving.images import CompressedPayload, payload_from_msg, raw_to_rgb
 from .compare import Comparison
+from .storage import fetch_bag, is_uri, locate, remove_scratch, scratch_folder, upload_tree
 
 THUMB_WIDTH = 176
 CSS = """
-body { font: 14px/1.4 -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px; color: #222; max-width: 1340px; }
+body { font: 14px/1.4 -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px; color: #222;
+       max-width: 1340px; }
 h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: 8px 0; } th, td { padding: 3px 9px; border-bottom: 1px solid #eee; text-align: right; }
+table { border-collapse: collapse; margin: 8px 0; }
+th, td { padding: 3px 9px; border-bottom: 1px solid #eee; text-align: right; }
 th { background: #f5f5f5; } td.l, th.l { text-align: left; }
 .pass { background: #e6f4ea; color: #137333; padding: 8px 12px; font-weight: 600; border-radius: 4px; }
 .fail { background: #fce8e6; color: #a50e0e; padding: 8px 12px; font-weight: 600; border-radius: 4px; }
@@ -39,6 +45,9 @@ th { background: #f5f5f5; } td.l, th.l { text-align: left; }
 .thumbs img.selAB { border-color: #9334e6; } .thumbs figcaption { font-size: 11px; color: #555; }
 .ans { display: grid; grid-template-columns: 110px 1fr; gap: 2px 8px; } .ans .k { color: #666; }
 img.plot { max-width: 100%; border: 1px solid #eee; }
+.note { background: #fef7e0; color: #7a4f01; padding: 8px 12px; border-radius: 4px; }
+.pics { display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin: 6px 0; } .pics img { width: 100%; }
+.pics figure { margin: 0; } .pics figcaption { font-size: 12px; color: #555; }
 """
 
 
@@ -118,8 +127,13 @@ def _plots(cmp: Comparison, out: Path) -> dict[str, str]:
             or c.get("B", {}).get("accuracy") is not None]
     if cats:
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        side_by_side(ax, [c["category"] for c in cats], {n: [c.get(n, {}).get("accuracy") or 0 for c in cats] for n in colors},
-                     "accuracy", f"accuracy per question type ({cmp.rules} rules)")
+        side_by_side(
+            ax,
+            [c["category"] for c in cats],
+            {n: [c.get(n, {}).get("accuracy") or 0 for c in cats] for n in colors},
+            "accuracy",
+            f"accuracy per question type ({cmp.rules} rules)",
+        )
         ax.set_ylim(0, 1)
         save(fig, "accuracy_categories")
     # drives: p99 ratio
@@ -127,8 +141,11 @@ def _plots(cmp: Comparison, out: Path) -> dict[str, str]:
     if drives:
         fig, ax = plt.subplots(figsize=(6, max(2.4, 0.8 + 0.28 * len(drives))))
         y = np.arange(len(drives))[::-1]
-        ax.barh(y, [d["p99_ratio"] for d in drives],
-                color=["#a50e0e" if d["p99_ratio"] > (cmp.thresholds.max_p99_ratio or 1.10) else "#888" for d in drives])
+        ax.barh(
+            y,
+            [d["p99_ratio"] for d in drives],
+            color=["#a50e0e" if d["p99_ratio"] > (cmp.thresholds.max_p99_ratio or 1.10) else "#888" for d in drives],
+        )
         ax.axvline(1.0, color="#222", lw=0.8)
         ax.set_yticks(y, [d["bag"] for d in drives], fontsize=8)
         ax.set_xlabel("p99 total, B / A")
@@ -154,8 +171,10 @@ def _thumbnails(cmp: Comparison, changes: list[dict], out: Path) -> dict[tuple[s
     made: dict[tuple[str, str, int], str] = {}
     (out / "thumbs").mkdir(exist_ok=True)
     for bag, need in wanted.items():
+        scratch = scratch_folder() if is_uri(paths[bag]) else None
         try:
-            for _, topic, msgtype, raw, reader in read_bag(paths[bag], list(camera_of)):
+            local = fetch_bag(paths[bag], scratch).path if scratch else paths[bag]      # a bag on object storage
+            for _, topic, msgtype, raw, reader in read_bag(local, list(camera_of)):
                 msg = reader.deserialize(raw, msgtype)
                 cam = camera_of[topic]
                 stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
@@ -174,6 +193,29 @@ def _thumbnails(cmp: Comparison, changes: list[dict], out: Path) -> dict[tuple[s
                 made[(bag, cam, stamp)] = name
         except Exception:  # noqa: BLE001 - a bag gone or unreadable: the report says so per change
             continue
+        finally:
+            if scratch:
+                remove_scratch(scratch)
+    return made
+
+
+def _pictures(cmp: Comparison, changes: list[dict], out: Path) -> dict[tuple[str, str], tuple]:
+    """(bag, query id) -> (A's, B's) explanation picture path relative to the report (None: that run has
+    none), for the changes shown whose runs stored pictures (fleet eval --explain)."""
+    made = {}
+    for c in changes:
+        key = (c["bag"], c["query_id"])
+        pair = []
+        for side in (cmp.a, cmp.b):
+            data = side.rows.get(key, {}).get("explanation_jpeg")
+            name = None
+            if data:
+                name = f"explain/{c['bag']}_{c['query_id']}_{side.name}.jpg"
+                (out / "explain").mkdir(exist_ok=True)
+                (out / name).write_bytes(data)
+            pair.append(name)
+        if any(pair):
+            made[key] = tuple(pair)
     return made
 
 
@@ -190,27 +232,54 @@ def _side_meta(cmp: Comparison) -> str:
     for s in (cmp.a, cmp.b):
         m = s.manifest
         proj = m.get("project", {})
-        rows.append([f"<b>{s.name}</b>", _e(s.path), _e(m.get("model", {}).get("sha256", "")[:16]),
-                     _e(f"{proj.get('version')} {(proj.get('git_commit') or '')[:10]}{' dirty' if proj.get('git_dirty') else ''}"),
-                     str(len({k[0] for k in s.rows})), str(len(s.failures)), str(len(s.rows)),
-                     _e(", ".join(m.get("hosts", []))), _e(f"{m.get('started')} .. {m.get('finished')}")])
+        rows.append(
+            [
+                f"<b>{s.name}</b>",
+                _e(s.path),
+                _e(m.get("model", {}).get("sha256", "")[:16]),
+                _e(
+                    f"{proj.get('version')} {(proj.get('git_commit') or '')[:10]}"
+                    f"{' dirty' if proj.get('git_dirty') else ''}"
+                ),
+                str(len({k[0] for k in s.rows})),
+                str(len(s.failures)),
+                str(len(s.rows)),
+                _e(", ".join(m.get("hosts", []))),
+                _e(f"{m.get('started')} .. {m.get('finished')}"),
+            ]
+        )
     return _table(["run", "folder", "model sha256", "project", "bags", "failed", "answers", "hosts", "time"],
                   rows, left=9)
 
 
-def _change_html(c: dict, thumbs: dict, kind: str) -> str:
+def _pictures_html(pair: tuple | None) -> str:
+    if not pair:
+        return ""
+    figs = [f'<figure><a href="{_e(p)}"><img src="{_e(p)}" alt="{n} explanation"></a><figcaption>{n}: what the '
+            f"answer was based on</figcaption></figure>" if p else f"<figure><figcaption>{n}: no picture (run without "
+            "--explain)</figcaption></figure>" for n, p in zip("AB", pair)]
+    return f'<div class="pics">{"".join(figs)}</div>'
+
+
+def _change_html(c: dict, thumbs: dict, kind: str, pictures: dict | None = None) -> str:
     cams_a, cams_b = set(c.get("A_cameras") or []), set(c.get("B_cameras") or [])
     figs = []
     stamps = c.get("frame_stamps_ns") or {}
     for cam in CAMERAS:
         t = thumbs.get((c["bag"], cam, int(stamps[cam]))) if cam in stamps else None
-        sel = "selAB" if cam in cams_a and cam in cams_b else "selA" if cam in cams_a else "selB" if cam in cams_b else ""
+        sel = (
+            "selAB" if cam in cams_a and cam in cams_b else "selA" if cam in cams_a else "selB" if cam in cams_b else ""
+        )
         mark = {"selAB": " (A, B)", "selA": " (A)", "selB": " (B)"}.get(sel, "")
-        figs.append(f'<figure><img class="{sel}" src="{_e(t)}" alt="{cam}"><figcaption>{cam}{mark}</figcaption></figure>'
-                    if t else f"<figure><figcaption>{cam}{mark}: no image</figcaption></figure>")
-    verdict = ""
-    if c.get("A_correct") is not None:
-        verdict = f" &nbsp; A {'right' if c['A_correct'] else 'wrong'}, B {'right' if c['B_correct'] else 'wrong'}"
+        figs.append(
+            f'<figure><img class="{sel}" src="{_e(t)}" alt="{cam}"><figcaption>{cam}{mark}</figcaption></figure>'
+            if t
+            else f"<figure><figcaption>{cam}{mark}: no image</figcaption></figure>"
+        )
+    # a verdict only where the rules scored the answer for accuracy (compare.py); else "changed"
+    said = {n: ("right" if c.get(f"{n}_correct") else "wrong") for n in "AB" if c.get(f"{n}_correct") is not None}
+    verdict = (" &nbsp; " + ", ".join(f"{n} {said[n]}" if n in said else f"{n} not scored" for n in "AB")
+               if said else (" &nbsp; changed" if kind == "answer" else ""))
     a_label = f"A [{_e(c['A_status'])}]" if kind == "status" else "A"
     b_label = f"B [{_e(c['B_status'])}]" if kind == "status" else "B"
     return (f'<div class="change"><div><b>{_e(c["bag"])}</b> / {_e(c["query_id"])} '
@@ -219,10 +288,19 @@ def _change_html(c: dict, thumbs: dict, kind: str) -> str:
             f'<span class="k">{a_label}</span><span>{_e(c["A"])}</span>'
             f'<span class="k">{b_label}</span><span>{_e(c["B"])}</span>'
             + (f'<span class="k">reference</span><span>{_e(c["gt_answer"])}</span>' if c.get("gt_answer") else "")
-            + "</div>" + (f'<div class="thumbs">{"".join(figs)}</div>' if stamps else "") + "</div>")
+            + "</div>" + (f'<div class="thumbs">{"".join(figs)}</div>' if stamps else "")
+            + _pictures_html((pictures or {}).get((c["bag"], c["query_id"]))) + "</div>")
 
 
-def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_changes: int = 200) -> dict[str, Path]:
+def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_changes: int = 200) -> dict[str, str]:
+    """The report in folder `out`; a URI (s3://...) gets the same files, made in a temporary folder
+    and uploaded."""
+    if is_uri(str(out)):
+        target = locate(str(out))
+        with tempfile.TemporaryDirectory(prefix="litevlm-report-") as tmp:
+            write_report(cmp, tmp, thumbnails, max_changes)
+            upload_tree(Path(tmp), target)
+        return {"html": str(target.child("index.html")), "summary": str(target.child("summary.json"))}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = cmp.summary()
@@ -230,9 +308,18 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
     plots = _plots(cmp, out)
     shown = cmp.changed[:max_changes]
     thumbs = _thumbnails(cmp, shown, out) if thumbnails and shown else {}
+    pictures = _pictures(cmp, shown, out)
     t = cmp.thresholds
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>fleet compare</title><style>{CSS}</style>"
              "</head><body>", "<h1>Fleet regression: A vs B</h1>", _side_meta(cmp)]
+    if cmp.no_accuracy_scored:
+        parts.append(f'<p class="note">Under the {_e(cmp.rules)} rules no answer was scored for accuracy: the '
+                     "graph filter keeps none of the accuracy questions of these frames, so the accuracy cells are "
+                     "\"-\" and changed answers are labelled <b>changed</b>, not right or wrong. "
+                     "<code>fleet compare --lenient</code> scores every question.</p>")
+    if cmp.lost_bags or cmp.only_a:
+        parts.append(f'<p class="fail">B lost {len(cmp.lost_bags)} bag(s) and {len(cmp.only_a)} answer(s) that A '
+                     "has" + "".join(f"<br>{_e(k)}: {_e(v)}" for k, v in sorted(cmp.lost_bags.items())) + "</p>")
     if cmp.violations:
         parts.append('<p class="fail">FAILED: ' + "<br>".join(_e(v) for v in cmp.violations) + "</p>")
     else:
@@ -243,11 +330,26 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
     parts.append(f"<p>{len(cmp.common)} answers matched by bag and query id; <b>{len(cmp.changed)}</b> answers "
                  f"changed, <b>{len(cmp.status_changes)}</b> status changes ({changed_frac:.1%}); "
                  f"{len(cmp.only_a)} only in A, {len(cmp.only_b)} only in B.</p>")
+    as_given = [n for n, ok in cmp.params_resolved.items() if not ok]
+    source = ("each run's effective values (the options its workers resolved)" if not as_given else
+              f"parameters as given for {', '.join(as_given)} (its manifest has no resolved options)")
     if cmp.params:
-        parts.append("<h2>What differs between the runs</h2>" + _table(
+        parts.append("<h2>What differs between the runs</h2>" + f'<p class="small">{_e(source)}</p>' + _table(
             ["parameter", "A", "B"], [[_e(p["name"]), _e(p["A"]), _e(p["B"])] for p in cmp.params], left=3))
+    else:
+        parts.append(f'<p class="small">No parameter differs ({_e(source)}).</p>')
 
-    # scores
+    parts += _scores_html(cmp, plots)
+    parts += _latency_html(cmp, plots)
+    parts += _changes_html(cmp, shown, thumbs, pictures, max_changes)
+    parts.append("</body></html>")
+    (out / "index.html").write_text("\n".join(parts))
+    return {"html": str(out / "index.html"), "summary": str(out / "summary.json")}
+
+
+def _scores_html(cmp: Comparison, plots: dict) -> list[str]:
+    """Overall scores, per question type and per closed-form template."""
+    parts = []
     parts.append(f"<h2>Scores ({_e(cmp.rules)} rules)</h2>")
     sa, sb = cmp.scores.get("A", {}), cmp.scores.get("B", {})
     if sa.get("questions"):
@@ -284,11 +386,19 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
     else:
         parts.append("<p>No reference answers in these runs (fleet eval --ground-truth DIR adds DriveLM's).</p>")
 
-    # latency
+    return parts
+
+
+def _latency_html(cmp: Comparison, plots: dict) -> list[str]:
+    """Per stage and per drive latency, with the p99 gate's cells marked."""
+    t = cmp.thresholds
+    parts = []
     parts.append("<h2>Latency (ms, ok answers)</h2>")
-    parts.append('<p class="small">Each answer\'s own stage times, as <code>bag eval</code> reports them. With the visual '
-                 "feature cache on, a frame set's cameras are encoded while the worker is idle after its first "
-                 "question (prefetch), outside any answer, so later questions show a vision stage near 0 ms.</p>")
+    parts.append(
+        '<p class="small">Each answer\'s own stage times, as <code>bag eval</code> reports them. With the visual '
+        "feature cache on, a frame set's cameras are encoded while the worker is idle after its first "
+        "question (prefetch), outside any answer, so later questions show a vision stage near 0 ms.</p>"
+    )
     rows = [[_e(r["stage"]), _num(r["A_p50"], 1), _num(r["B_p50"], 1), _ratio(r["p50_ratio"]),
              _num(r["A_p99"], 1), _num(r["B_p99"], 1),
              _ratio(r["p99_ratio"], t.max_p99_ratio if r["stage"] == cmp.stage else None), f"{r['A_n']} / {r['B_n']}"]
@@ -305,7 +415,12 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
         if "drives" in plots:
             parts.append(f'<img class="plot" src="{plots["drives"]}" alt="drives">')
 
-    # failures and status changes
+    return parts
+
+
+def _changes_html(cmp: Comparison, shown: list, thumbs: dict, pictures: dict, max_changes: int) -> list[str]:
+    """Failed bags, status changes, then the changed answers with their thumbnails and pictures."""
+    parts = []
     failed = [(s.name, k, f) for s in (cmp.a, cmp.b) for k, f in s.failures.items()]
     if failed:
         parts.append("<h2>Failed bags</h2>" + _table(
@@ -317,7 +432,5 @@ def write_report(cmp: Comparison, out: str | Path, thumbnails: bool = True, max_
                  "(purple).</p>")
     if len(cmp.changed) > len(shown):
         parts.append(f"<p class='small'>The first {len(shown)} are shown; all are in summary.json.</p>")
-    parts.extend(_change_html(c, thumbs, "answer") for c in shown)
-    parts.append("</body></html>")
-    (out / "index.html").write_text("\n".join(parts))
-    return {"html": out / "index.html", "summary": out / "summary.json"}
+    parts.extend(_change_html(c, thumbs, "answer", pictures) for c in shown)
+    return parts

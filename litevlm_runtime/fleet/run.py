@@ -1,68 +1,91 @@
 """`litevlm fleet eval`: every bag of the plan evaluated once, on a pool of Ray actors.
 
-Why actors and not Ray Data's map_batches: the unit of work here is a bag (seconds to minutes of
-inference, hundreds of answers), and it is also the unit of commit, of resume and of failure
-("this bag failed, because ..."). A pool of actors, each loading the model once, fed one bag at a
-time by the driver, maps that one to one: the driver knows which bag each actor holds, commits a
-bag's rows only when its stream ended complete, retries exactly that bag when its actor died, and
-is the only writer of the run. Ray Data would cut the work into row batches, stream them through
-its own executor and retry batches, which fits many small rows (Ray Data's case), not a few long
-bags whose answers must land together or not at all; the per-bag bookkeeping would sit on top.
+Why a pool of actors fed by the driver, and not ray.util.ActorPool or Ray Data (checked against
+Ray 2.60): the unit of work here is a bag (seconds to minutes of inference, hundreds of answers),
+and it is also the unit of commit, of resume and of failure ("this bag failed, because ...").
+- ray.util.ActorPool hands the next value to an idle actor and ray.get()s one ObjectRef per call:
+  that is the ~20 lines of `feed` below that pick a bag. It has no notion of a streamed result
+  (an actor method that yields answers as they come: the live count and what a killed worker
+  leaves behind), and on ActorDiedError it re-raises and drops the actor for good: no waiting for
+  Ray to restart it, no giving the bag to another actor, no attempt count. Those are the rest of
+  this module, and would sit around ActorPool unchanged.
+- Ray Data's map_batches (an actor pool over batches) cuts work into row batches, streams them
+  through its own executor and retries batches; its writers (write_parquet) write files per
+  block, not per bag, and a retried block may leave its first attempt's file. The guarantee
+  wanted here, a bag's answers land together or not at all and exactly once across resumes,
+  would be the same bookkeeping on top, and a bag that fails with its reason would be an error
+  that fails the dataset (or is counted away by max_errored_blocks).
+So the driver keeps the plan; one thread per actor feeds it bags; Ray restarts dead actors.
 
 Faults, and what each leaves behind (every bag ends complete or failed with a reason, never
 half-written, never twice):
 - a worker process killed mid-bag: Ray restarts the actor (max_restarts=-1: it reloads the model,
   on any node with room); the driver drops that attempt's streamed answers and gives the bag to
   the pool again, up to --max-attempts times (a bag that kills every worker is then failed);
-- a node lost: its actors die the same way and are restarted where resources remain;
-- a bag that cannot be read (corrupt, truncated, no camera topics): the worker reports the
-  reason, the bag is failed at once (that is not the worker's fault, a retry would fail alike),
-  the rest go on;
-- the driver itself stopped (Ctrl-C, killed): finished bags are on disk; a rerun of the same RUN
+- a node lost: its actors die the same way and are restarted where resources remain; a feeder
+  waits --restart-wait seconds for its actor to be placed and loaded again;
+- an actor that cannot be created or restarted (its constructor raised: a --ground-truth folder
+  or the package missing on that node, a runtime environment that failed): its feeder stops;
+  when no actor is left the remaining bags fail with each actor's reason;
+- a bag that cannot be read (corrupt, truncated, no camera topics, deleted from object storage):
+  the worker reports the reason, the bag is failed at once (that is not the worker's fault, a
+  retry would fail alike), the rest go on;
+- the run's storage refusing a write (RunWriteError): the run stops there (every later commit
+  would be refused alike), the bags finished so far stay, a rerun resumes;
+- the driver itself stopped (Ctrl-C, killed): finished bags are stored; a rerun of the same RUN
   skips them and does the rest.
 Exit code 0 when every bag of the plan is complete, 1 when any failed.
 
 Threads: each actor reserves `threads` CPUs from Ray (num_cpus), runs torch with that many
 intra-op threads, and Ray places actors only where their CPUs are free, so workers never
-oversubscribe a node's cores. Without --ray a local Ray instance is started with this machine's
-available cores (threads.available_cores: affinity and cgroup quota).
+oversubscribe a node's cores. Without a cluster a local Ray instance is started with this
+machine's available cores (threads.available_cores: affinity and cgroup quota); cluster.py says
+how the driver finds and authenticates to a cluster.
+
+Output: progress (the bar, retries, failures as they happen) goes to stderr; the result is the run
+itself and the summary the command prints on stdout.
 """
 
 from __future__ import annotations
 
 import queue
+import re
 import socket
 import sys
 import threading
 import time
+from contextlib import ExitStack, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
-from ..threads import available_cores
-from .dataset import FORMAT, RunFolder
+from .cluster import connect
+from .dataset import FORMAT, RunFolder, RunWriteError
 from .groundtruth import qa_files
 from .manifest import check_resume, identity, jsonable, model_checksum, model_dir_of, now_iso, project_version
 from .sources import BagRef
 from .worker import BagEvaluator, FleetWorker, failure_reason
 
-RESTART_WAIT_S = 600.0     # how long a feeder waits for its lost actor to be placed and loaded again
+# How long a feeder waits for its lost actor to be placed and loaded again: a node lost on a
+# cluster with an autoscaler takes minutes to be replaced (a GPU node: image pull, model load).
+RESTART_WAIT_S = 300.0
 
 
 @dataclass
 class FleetConfig:
     bags: list[BagRef]
-    out: Path
+    out: str | Path                      # a local folder or a URI (storage.py)
     params: dict                         # the node's parameters, resolved (ros.params_file.load_node_params)
     params_file: str = ""
     overrides: dict = field(default_factory=dict)
     ground_truth: list[str] = field(default_factory=list)
-    ray_address: str | None = None       # None: a local Ray instance; "auto": the running cluster
+    ray_address: str | None = None       # --ray (cluster.target: None reads RAY_ADDRESS, else a local instance)
     workers: int | None = None           # None: one per `threads` CPUs of the cluster; 0: in-process, no Ray
     threads: int | None = None           # per worker; None: the cores divided among the workers
     gpus_per_worker: float = 0.0
     max_attempts: int = 3
+    restart_wait_s: float = RESTART_WAIT_S
     progress: bool = True
 
 
@@ -100,7 +123,7 @@ class _Progress:
 
             self.bar = tqdm(total=total, unit="bag", desc="fleet eval", file=sys.stderr, dynamic_ncols=True)
             if skipped:
-                self.bar.write(f"fleet eval: {skipped} bag(s) already finished in this run, skipped")
+                self.bar.write(f"fleet eval: {skipped} bag(s) already finished in this run, skipped", file=sys.stderr)
             self._show()
 
     def _show(self) -> None:
@@ -124,7 +147,7 @@ class _Progress:
 
     def write(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.write(text)
+            self.bar.write(text, file=sys.stderr)      # tqdm.write's default is stdout
         else:
             print(text, file=sys.stderr)
 
@@ -149,13 +172,34 @@ class _Driver:
         self.failed: dict[str, str] = {}
         self.answers = 0
         self.died: dict[str, list[str]] = {}
+        self.refused: dict[tuple[str, int], str] = {}      # attempts whose worker may not commit, and why
         self.progress = _Progress(len(todo), len(invocation["skipped"]), cfg.progress)
         for b in todo:
             self.pending.put((b, 1))
 
     def _bag_entry(self, bag: BagRef, **kv) -> None:
         self.manifest["bags"][bag.key] = {"path": bag.path, **kv}
-        self.run.write_manifest(self.manifest)
+        self.run.write_manifest(self.manifest, force=False)
+
+    def _check_worker(self, key: str, attempt: int, info: dict) -> None:
+        """A worker must run the model the run was planned with (the manifest's checksum): a node
+        whose copy of the folder differs would mix two models in one run. The first worker's
+        resolved options become the run's effective parameters (the report's table)."""
+        planned = self.manifest["model"]["sha256"]
+        if info.get("model_sha256") and info["model_sha256"] != planned:
+            self.refused[(key, attempt)] = (f"the worker on {info['host']} loaded another model (sha256 "
+                                            f"{info['model_sha256'][:16]}) than the run's ({planned[:16]}, "
+                                            f"{self.manifest['model']['dir']}): its copy of the folder differs")
+        resolved = info.get("resolved_options")
+        if resolved and self.manifest.get("resolved_options") is None:
+            self.manifest["resolved_options"] = resolved
+        elif resolved and resolved != self.manifest.get("resolved_options"):
+            differ = sorted(k for k in resolved if resolved[k] != self.manifest["resolved_options"].get(k))
+            notes = self.manifest.setdefault("resolved_options_differ", {})
+            if info["host"] not in notes:
+                notes[info["host"]] = {k: resolved[k] for k in differ}
+                self.progress.write(f"fleet eval: the worker on {info['host']} resolved {', '.join(differ)} "
+                                    f"differently from the first worker")
 
     def handle(self, kind: str, bag: BagRef, attempt: int, payload) -> None:
         """One event of a worker's stream, or of the thread driving it ("died": the worker went away)."""
@@ -167,12 +211,15 @@ class _Driver:
             hosts = self.invocation["hosts"]
             if payload["host"] not in hosts:
                 hosts.append(payload["host"])
+            self._check_worker(key, attempt, payload)
             self.on_event({"event": "start", "bag": key, "attempt": attempt, **payload})
         elif kind == "row":
             self.buffers.setdefault((key, attempt), []).append(payload)
             self.progress.answer()
             self.on_event({"event": "row", "bag": key, "attempt": attempt, "pid": payload["worker_pid"],
                            "seq": payload["seq"]})
+        elif kind == "done" and (key, attempt) in self.refused:
+            self.handle("failed", bag, attempt, self.refused.pop((key, attempt)))
         elif kind == "done":
             rows = self.buffers.pop((key, attempt), [])
             if len(rows) != payload["answers"]:
@@ -184,10 +231,12 @@ class _Driver:
             self.answers += len(rows)
             self._bag_entry(bag, status="complete", answers=len(rows), attempts=attempt, host=payload["host"],
                             wall_s=round(payload["wall_s"], 3), cpu_s=round(payload["cpu_s"], 3),
-                            finished=now_iso(payload["finished"]))
+                            finished=now_iso(payload["finished"]),
+                            **{k: payload[k] for k in ("fetch_bytes", "fetch_s") if k in payload})
             self.progress.bag()
             self.on_event({"event": "done", "bag": key, "attempt": attempt, "answers": len(rows)})
         elif kind in ("failed", "died"):
+            self.refused.pop((key, attempt), None)
             streamed = self.buffers.pop((key, attempt), [])
             self.progress.answer(-len(streamed))             # those answers are thrown away
             if kind == "died":
@@ -230,9 +279,57 @@ def _is_worker_loss(exc: BaseException) -> bool:
     return isinstance(exc, rex.RayError)
 
 
-def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> None:
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def death_reason(exc: BaseException) -> str:
+    """Why an actor died, in one line: its constructor's exception (Ray puts the traceback's last
+    line at the end of the message), or Ray's own exit detail (killed, out of memory, node lost)."""
+    text = ANSI.sub("", str(exc)).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("^~ ")]
+    if getattr(exc, "actor_init_failed", False) and lines:
+        where = re.search(r"ray::([\w.]+)\(\) \(pid=(\d+), ip=([^,)]+)", text)
+        at = f" ({where.group(1)} in pid {where.group(2)} on {where.group(3)})" if where else ""
+        last = re.sub(r"^(?:\w+\.)+(\w+):", r"\1:", lines[-1])         # litevlm_runtime.errors.InputError -> InputError
+        return f"its constructor raised {last}{at}"
+    detail = re.search(r"(Worker exit detail:.*?)(?:\n|$)", text)
+    if detail:
+        return detail.group(1).strip()
+    return " ".join(text.split())[:300] or type(exc).__name__
+
+
+def worker_exit(pid: int, tries: int = 3) -> str:
+    """How Ray recorded the end of worker process `pid` ("NODE_OUT_OF_MEMORY: Task was killed due
+    to the node running low on memory", "SYSTEM_ERROR: ...": its exit type and the first sentence of
+    its exit detail), from Ray's state API; "" where that is not to be had (no dashboard, Ray
+    Client, not recorded yet after `tries` seconds). Why a lost worker's own exception is not
+    enough: a restarted actor's pending call fails with "The actor was restarted", whatever killed it."""
+    try:
+        import ray
+        from ray.util.state import list_workers
+
+        address = ray.get_runtime_context().gcs_address
+        for attempt in range(tries):
+            found = list_workers(address=address, filters=[("pid", "=", int(pid))], detail=True, timeout=5,
+                                 raise_on_missing_output=False)
+            ended = [w for w in found if w.get("exit_type")]
+            if ended:
+                detail = " ".join(str(ended[-1].get("exit_detail") or "").split())
+                first = detail.split(". ")[0].rstrip(".")
+                return f"{ended[-1]['exit_type']}: {first}" if detail else ended[-1]["exit_type"]
+            time.sleep(1.0)
+    except Exception:  # noqa: BLE001 - an explanation that cannot be had is left out, never an error
+        pass
+    return ""
+
+
+def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int, client: bool = False) -> None:
     """One thread per actor feeds it bags from the queue and forwards its stream to the driver's
-    event queue; the main thread handles every event (commits, retries, the bar)."""
+    event queue; the main thread handles every event (commits, retries, the bar). `client`: Ray
+    Client has no streaming generators (ObjectRefGenerator), so each bag's events come back
+    whole when it ends (the bar then counts answers per bag, not as they come).
+    (100 lines: the per-actor feeder and its readiness wait are closures over the pool's shared
+    state, gone/events/stop; split apart they would pass all of it by hand.)"""
     import ray
 
     Worker = ray.remote(FleetWorker).options(num_cpus=threads, num_gpus=cfg.gpus_per_worker,
@@ -240,24 +337,44 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
     actors = [Worker.remote(cfg.params, threads, cfg.ground_truth) for _ in range(workers)]
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
+    gone: dict[int, str] = {}                 # actor index -> why it will not come back
 
-    def back(actor) -> bool:
-        """Wait until a restarted actor has its model loaded again (a bag sent to an actor that is
-        still restarting fails at once and would spend an attempt); False: it will not come back."""
-        deadline = time.monotonic() + RESTART_WAIT_S
+    ask = f"{threads} CPU(s)" + (f" and {cfg.gpus_per_worker:g} GPU(s)" if cfg.gpus_per_worker else "")
+
+    def ready(i: int, actor, first: bool) -> bool:
+        """Wait until the actor is placed and has its model loaded (first), or has been restarted
+        and loaded it again (a bag sent to an actor still restarting fails at once and would spend
+        an attempt); False: it will not come (back), and gone[i] says why."""
+        deadline = time.monotonic() + cfg.restart_wait_s
+        last = "waiting to be placed, or loading the model"
         while not stop.is_set() and time.monotonic() < deadline:
             try:
-                ray.get(actor.info.remote(), timeout=30)
+                ray.get(actor.info.remote(), timeout=min(30.0, max(1.0, deadline - time.monotonic())))
                 return True
             except ray.exceptions.GetTimeoutError:
-                continue                 # still being placed (a node lost: waiting for room) or loading
-            except ray.exceptions.ActorDiedError:
+                continue                 # not placed yet (no node with room: a lost node's replacement) or loading
+            except ray.exceptions.ActorDiedError as exc:
+                gone[i] = death_reason(exc)
                 return False
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as exc:
+                last = death_reason(exc)
                 time.sleep(1.0)          # unavailable: restarting
+        if not stop.is_set():
+            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+            gone[i] = (f"not {'placed and loaded' if first else 'back'} within --restart-wait {cfg.restart_wait_s:g} s "
+                       f"({last}; each worker asks for {ask}, the cluster has {have})")
         return False
 
-    def feed(actor) -> None:
+    def stream(actor, bag: BagRef, attempt: int):
+        if client:
+            yield from ray.get(actor.evaluate_bag_whole.remote(bag, attempt))
+            return
+        for ref in actor.evaluate_bag.remote(bag, attempt):
+            yield ray.get(ref)
+
+    def feed(i: int, actor) -> None:
+        if not ready(i, actor, first=True):
+            return
         while not stop.is_set():
             try:
                 job = driver.pending.get(timeout=0.2)
@@ -266,20 +383,23 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
             if job is None:
                 return
             bag, attempt = job
+            pid = None
             try:
-                for ref in actor.evaluate_bag.remote(bag, attempt):
-                    kind, payload = ray.get(ref)
+                for kind, payload in stream(actor, bag, attempt):
                     events.put((kind, bag, attempt, payload))
+                    pid = payload["pid"] if kind == "start" else pid
                     if kind in ("done", "failed"):
                         break
             except Exception as exc:  # noqa: BLE001 - sorted below: the worker lost, or our bug
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
                 lost = _is_worker_loss(exc)
-                events.put(("died" if lost else "failed", bag, attempt, reason if lost else failure_reason(exc)))
-                if lost and not back(actor):
+                why = f"{type(exc).__name__}: {death_reason(exc)}" if lost else failure_reason(exc)
+                ended = worker_exit(pid) if lost and pid and not client else ""
+                events.put(("died" if lost else "failed", bag, attempt,
+                            f"worker process {pid}: {ended} ({why})" if ended else why))
+                if lost and not ready(i, actor, first=False):
                     return               # this actor is gone for good; the others go on
 
-    feeders = [threading.Thread(target=feed, args=(a,), name=f"fleet-feed-{i}", daemon=True)
+    feeders = [threading.Thread(target=feed, args=(i, a), name=f"fleet-feed-{i}", daemon=True)
                for i, a in enumerate(actors)]
     for t in feeders:
         t.start()
@@ -288,10 +408,10 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
             try:
                 kind, bag, attempt, payload = events.get(timeout=0.5)
             except queue.Empty:
-                if not any(t.is_alive() for t in feeders):     # every actor gone for good
+                if not any(t.is_alive() for t in feeders) and events.empty():     # every actor gone for good
+                    why = "; ".join(f"actor {i}: {r}" for i, r in sorted(gone.items())) or "no reason recorded"
                     for key in sorted(driver.outstanding):
-                        driver.handle("failed", driver.todo[key], 0, "no worker left: the pool's actors could "
-                                      f"not be restarted within {RESTART_WAIT_S:.0f} s")
+                        driver.handle("failed", driver.todo[key], 0, f"no worker left ({why})")
                 continue
             driver.handle(kind, bag, attempt, payload)
     finally:
@@ -305,25 +425,6 @@ def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int) -> 
                 pass
         for t in feeders:
             t.join(timeout=10)
-
-
-def _ray_init(address: str | None) -> bool:
-    """Connect to (address) or start (None) Ray; True when this call did, so we shut it down."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    if address:
-        try:
-            ray.init(address=address, **kwargs)
-        except ConnectionError as exc:
-            raise InputError(f"--ray {address}: no Ray cluster there ({str(exc).splitlines()[0]}); start one with "
-                             "`ray start --head`, or leave --ray out for a local instance") from None
-    else:
-        # A local instance sized to this machine (RAY_TMPDIR, if set, keeps its files out of /tmp).
-        ray.init(num_cpus=available_cores(), **kwargs)
-    return True
 
 
 def pool_size(cfg: FleetConfig, bags: int) -> tuple[int, int]:
@@ -346,16 +447,22 @@ def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) 
     """Evaluate every bag of cfg.bags not finished in cfg.out yet; see the module docstring."""
     t_start = time.time()
     check_ground_truth(cfg.ground_truth)
+    # Paths as the workers must read them: a worker's working folder is not the driver's.
+    cfg.ground_truth = [str(Path(g).absolute()) for g in cfg.ground_truth]
+    if cfg.params.get("model_dir"):
+        cfg.params = {**cfg.params, "model_dir": str(model_dir_of(cfg.params))}
     if cfg.max_attempts < 1:
         raise InputError(f"--max-attempts must be >= 1, got {cfg.max_attempts}")
+    if cfg.restart_wait_s <= 0:
+        raise InputError(f"--restart-wait must be > 0 seconds, got {cfg.restart_wait_s}")
     model = model_checksum(model_dir_of(cfg.params))
     ident = identity(cfg.params, model, cfg.ground_truth)
     run = RunFolder(cfg.out)
-    with run.lock():
+    with run.lock(), ExitStack() as stack:
         manifest = run.read_manifest()
         if manifest is None:
             manifest = {"format": FORMAT, "identity": ident, "model": model, "params": jsonable(cfg.params),
-                        "params_file": cfg.params_file, "overrides": cfg.overrides,
+                        "resolved_options": None, "params_file": cfg.params_file, "overrides": cfg.overrides,
                         "ground_truth": ident["ground_truth"], "project": project_version(),
                         "started": now_iso(t_start), "finished": None, "hosts": [], "invocations": [], "bags": {}}
         else:
@@ -363,15 +470,20 @@ def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) 
         done = run.complete_keys()
         todo = [b for b in cfg.bags if b.key not in done]
         skipped = [b.key for b in cfg.bags if b.key in done]
-        in_process = cfg.workers == 0
-        started_ray = False
-        if in_process:
-            workers, threads = 0, cfg.threads or 0
-            where = "in-process"
+        client = False
+        if cfg.workers == 0:
+            workers, threads, where = 0, cfg.threads or 0, "in-process"
+        elif todo:
+            # While Ray runs, this process's stdout carries nothing but progress: Ray's driver prints
+            # the raylet's error messages ("(raylet) A worker died ...") to sys.stdout whatever
+            # log_to_driver says (ray._private.worker.listen_error_messages), and stdout is for results.
+            stack.enter_context(redirect_stdout(sys.stderr))
+            conn = stack.enter_context(connect(cfg.ray_address))      # shut down when the run ends
+            client = conn.client
+            workers, threads = pool_size(cfg, len(todo))
+            where = conn.target.given if conn.target.kind == "local" else conn.target.address
         else:
-            started_ray = _ray_init(cfg.ray_address) if todo else False
-            workers, threads = pool_size(cfg, len(todo)) if todo else (cfg.workers or 0, cfg.threads or 0)
-            where = cfg.ray_address or "local"
+            workers, threads, where = cfg.workers or 0, cfg.threads or 0, "nothing to do"
         invocation = {"started": now_iso(t_start), "finished": None, "driver": socket.gethostname(),
                       "ray": where, "workers": workers, "threads_per_worker": threads,
                       "project": project_version(), "planned": [b.key for b in todo], "skipped": skipped,
@@ -381,26 +493,30 @@ def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) 
             manifest["bags"].setdefault(b.key, {"path": b.path, "status": "pending"})
         run.write_manifest(manifest)
         driver = _Driver(cfg, run, manifest, invocation, todo, on_event)
-        interrupted = None
+        interrupted, refused = None, None
         try:
             if todo:
-                if in_process:
+                if cfg.workers == 0:
                     _in_process(cfg, driver, threads)
                 else:
-                    _ray_pool(cfg, driver, workers, threads)
+                    _ray_pool(cfg, driver, workers, threads, client)
         except KeyboardInterrupt:
             interrupted = "interrupted (Ctrl-C)"
+        except RunWriteError as exc:
+            refused = str(exc)
+            raise
         finally:
             driver.progress.close()
-            if started_ray:
-                import ray
-
-                ray.shutdown()
             invocation.update(finished=now_iso(), complete=driver.completed, failed=sorted(driver.failed),
-                              **({"interrupted": interrupted} if interrupted else {}))
+                              **({"interrupted": interrupted} if interrupted else {}),
+                              **({"stopped": refused} if refused else {}))
             manifest["finished"] = invocation["finished"]
             manifest["hosts"] = sorted(set(manifest["hosts"]) | set(invocation["hosts"]))
-            run.write_manifest(manifest)
+            try:
+                run.write_manifest(manifest)
+            except RunWriteError:
+                if not refused:          # (when the storage refused already, that error is the one to tell)
+                    raise
         if interrupted:
             raise KeyboardInterrupt
     return FleetResult(driver.completed, skipped, driver.failed, driver.answers, time.time() - t_start,

@@ -8,6 +8,11 @@ serve a later one); evaluate() warms the pipeline up per bag exactly as `bag eva
 speculation cost table is re-measured); and a model that fails to load fails the same way for
 every bag (each query answered pipeline_error with the load error), as in `bag eval`.
 
+A bag on object storage (a URI) is fetched by the worker itself into a scratch folder of its
+own machine, evaluated from there and deleted after (storage.fetch_bag): the driver never reads a
+bag's bytes, and each node reads only the bags it evaluates. The summary says how many bytes the
+fetch moved and how long it took.
+
 A bag is evaluated on a thread of its own and its answers are streamed (a generator) as they
 come: the Ray actor method is that generator (a Ray streaming generator), so the driver counts
 answers live and holds them; a worker that dies mid-bag leaves the driver with a partial stream
@@ -30,12 +35,18 @@ from ..bag.io import read_bag
 from ..bundled import DEFAULT_MODEL
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..options import flat_from_options
 from ..pipeline.pipeline import Pipeline
 from ..pipeline.runtime import set_threads
 from ..ros.parameters import pipeline_options_from
+from ..serving.explainer import Explainer
 from .dataset import row_from_record
 from .groundtruth import GroundTruth, Reference
+from .manifest import jsonable, model_checksum, model_dir_of, project_version
 from .sources import BagRef
+from .storage import fetch_bag, remove_scratch, scratch_folder
+
+PICTURE_WIDTH = 960            # explanation pictures in a run (explain=always): ~100 kB each as JPEG
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -85,10 +96,23 @@ class BagEvaluator:
             self.load_error = exc
         self.load_s = time.perf_counter() - t0
         self._set_threads = set_threads
+        # What this worker runs, as its rows say it: the model bytes it loaded (this node's copy of
+        # the folder) and the code (this node's package), which need not be the driver's.
+        try:
+            self.model_sha256 = model_checksum(model_dir_of(self.params))["sha256"]
+        except InputError:
+            self.model_sha256 = None
+        project = project_version()
+        self.project = {"project_version": project["version"],
+                        "project_commit": (project["git_commit"] + ("-dirty" if project["git_dirty"] else ""))
+                        if project["git_commit"] else None}
+        # The options the pipeline resolved (every `auto` and 0-means-default replaced): what ran.
+        self.resolved = jsonable(flat_from_options(self.pipeline.options)) if self.pipeline is not None else None
 
     def info(self) -> dict:
         return {"host": self.host, "pid": self.pid, "node": self.node, "threads": self.threads, "load_s": self.load_s,
-                "load_error": failure_reason(self.load_error) if self.load_error else ""}
+                "load_error": failure_reason(self.load_error) if self.load_error else "",
+                "model_sha256": self.model_sha256, **self.project, "resolved_options": self.resolved}
 
     def _pipeline(self):
         if self.load_error is not None:
@@ -104,20 +128,50 @@ class BagEvaluator:
         if self.threads:
             self._set_threads(self.threads)
         started, cpu0 = time.time(), time.process_time()     # CPU: every thread of this process
-        refs = front_references(bag.path, self.params, self.truth) if self.truth is not None else {}
-        seq = [0]
+        if not bag.remote:
+            return self._evaluate(bag, bag.path, on_row, attempt, started, cpu0, {})
+        scratch = scratch_folder()
+        try:
+            fetched = fetch_bag(bag.path, scratch)
+            transfer = {"fetch_bytes": fetched.bytes, "fetch_s": fetched.seconds, "fetch_files": fetched.files}
+            try:
+                return self._evaluate(bag, str(fetched.path), on_row, attempt, started, cpu0, transfer)
+            except Exception as exc:        # the reason names the bag as the user gave it, not its scratch copy
+                raise InputError(failure_reason(exc).replace(str(fetched.path), bag.path)) from exc
+        finally:
+            remove_scratch(scratch)
+
+    def _evaluate(self, bag: BagRef, local: str, on_row: Callable[[dict], None], attempt: int, started: float,
+                  cpu0: float, transfer: dict) -> dict:
+        refs = front_references(local, self.params, self.truth) if self.truth is not None else {}
+        worker = {"host": self.host, "pid": self.pid, "model_sha256": self.model_sha256, **self.project}
+        seq, held = [0], []           # held: the last row while its explanation may follow (explain=always)
+        explain = self.params.get("explain") == "always"
 
         def on_record(rec) -> None:
             row = rec.to_json()
             frame_refs = refs.get(rec.frame_stamps_ns.get("CAM_FRONT", -1))
             ref = frame_refs.get(rec.question) if frame_refs else None
-            on_row(row_from_record(row, bag, seq[0], ref, self.host, self.pid, attempt))
+            row = row_from_record(row, bag, seq[0], ref, worker, attempt)
             seq[0] += 1
+            while held:                   # (an inline explanation comes right after its record, or not at all)
+                on_row(held.pop())
+            if explain:
+                held.append(row)
+            else:
+                on_row(row)
 
-        evaluate(bag.path, self.params, on_record, load=self._pipeline)
+        def on_explained(done) -> None:
+            if held and held[-1]["query_id"] == done.record.query_id:
+                held[-1]["explanation_jpeg"] = done.picture
+
+        explainer = Explainer(on_explained, threaded=False, width=PICTURE_WIDTH) if explain else None
+        evaluate(local, self.params, on_record, load=self._pipeline, explainer=explainer)
+        while held:
+            on_row(held.pop())
         return {"answers": seq[0], "host": self.host, "pid": self.pid, "started": started,
                 "finished": time.time(), "wall_s": time.time() - started, "cpu_s": time.process_time() - cpu0,
-                "with_ground_truth": bool(refs)}
+                "with_ground_truth": bool(refs), **transfer}
 
     def stream(self, bag: BagRef, attempt: int = 1) -> Iterator[tuple]:
         """("start", info), then ("row", row) per answer, then ("done", summary) or
@@ -154,4 +208,10 @@ class FleetWorker:
         return self.evaluator.info()
 
     def evaluate_bag(self, bag: BagRef, attempt: int):
+        """A Ray streaming generator: the bag's events as they come."""
         yield from self.evaluator.stream(bag, attempt)
+
+    def evaluate_bag_whole(self, bag: BagRef, attempt: int) -> list[tuple]:
+        """The same events in one list when the bag ends: Ray Client (ray://) has no streaming
+        generators."""
+        return list(self.evaluator.stream(bag, attempt))
