@@ -46,7 +46,9 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 # AMD EPYC Zen 5: 0.8 MiB 1.25x, 4 MiB 1.34x faster than the float weight; 16 MiB 0.13x, 64 MiB
 # 0.08x: a widened InternVL2.5-2B weight is a fresh buffer of 16-64 MB each call).
 WIDEN_MAX_BYTES = 4 << 20
-BF16_MIN_ROWS = 32     # rows from which the bfloat16 GEMM wins at the bundled model's widths (measured: 16 rows 0.96x, 32 1.3x)
+BF16_MIN_ROWS = (
+    32  # rows from which the bfloat16 GEMM wins at the bundled model's widths (measured: 16 rows 0.96x, 32 1.3x)
+)
 
 
 class Bf16Linear(nn.Module):

@@ -214,7 +214,9 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
             save_file(shard, str(folder / fname), metadata={"format": "pt"})
             weight_map.update({name: fname for name in shard})
         total = sum(t.numel() * t.element_size() for t in state.values())
-        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (folder / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     if tokenizer_file is not None:
         (folder / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
 

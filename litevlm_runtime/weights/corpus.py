@@ -18,5 +18,8 @@ def default_corpus() -> list[str]:
     lines = [" ".join(_WORDS[i:i + 9]) for i in range(0, len(_WORDS), 3)]
     lines += [f"{cam}: " for cam in CAMERAS]
     lines += [f"<c{i},{cam},{x}.{i}, {y}.5>" for i, cam in enumerate(CAMERAS) for x, y in ((800, 450), (123, 789))]
-    lines += ["A. Going ahead. B. Turn left. C. Turn right. D. Stopped.", "What are the important objects in the current scene?"]
+    lines += [
+        "A. Going ahead. B. Turn left. C. Turn right. D. Stopped.",
+        "What are the important objects in the current scene?",
+    ]
     return lines * 4

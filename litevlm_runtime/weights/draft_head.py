@@ -22,8 +22,12 @@ def save_draft_head(draft: DraftHead, folder: Path, record: dict) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in draft.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"architecture": "eagle2_draft_head",
-                                                    "llm_architecture": draft.cfg.architecture, **record}, indent=2) + "\n")
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"architecture": "eagle2_draft_head", "llm_architecture": draft.cfg.architecture, **record}, indent=2
+        )
+        + "\n"
+    )
 
 
 def load_draft_head(folder: Path, cfg: LLMConfig, rope: RotaryTable, dtype: torch.dtype) -> DraftHead:

@@ -136,7 +136,9 @@ def llama_to_internlm2(text: dict, names: dict[str, str], source: str) -> None:
     Llama's MLP bias and its linear RoPE scaling (inv_freq / factor, where InternLM2 divides the
     positions, which rounds differently) have no InternLM2 counterpart."""
     if text.pop("mlp_bias", False):
-        raise CheckpointError(f"{source}: text_config.mlp_bias is True; only False is supported (InternLM2's MLP has no bias)")
+        raise CheckpointError(
+            f"{source}: text_config.mlp_bias is True; only False is supported (InternLM2's MLP has no bias)"
+        )
     for key in ("rope_scaling", "rope_parameters"):
         raw = text.get(key)
         if isinstance(raw, dict) and (raw.get("rope_type") or raw.get("type")) == "linear":

@@ -89,7 +89,9 @@ class DigestCache:
     def store(self, path: str, st: os.stat_result, digest: str) -> None:
         try:
             with closing(self._connect()) as db, db:
-                db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?, ?)", (path, *_stat_key(st), digest))
+                db.execute(
+                    "INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?, ?)", (path, *_stat_key(st), digest)
+                )
         except (sqlite3.Error, OSError) as exc:
             log.debug("digest cache %s not written: %s", self.path, exc)
 

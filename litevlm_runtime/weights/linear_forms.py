@@ -1,30 +1,39 @@
 """The linear layers of a model in the forms `backend.weights` names, swapped in place:
 
-    float   the checkpoint's weights in the pipeline's dtype
-    int8    the decoder's linears (every layer's projections and the LM head) as Int8Linear (int8.py)
-    bf16    the compute-bound linears (vision encoder, projector, decoder layers, token selector,
-            EAGLE-2 draft) as Bf16Linear (bf16.py)
+    float     the checkpoint's weights in the pipeline's dtype
+    int8      the decoder's linears (every layer's projections, the LM head, a tied head's
+              embedding) as per-channel Int8Linear (lowbit.py), quantized at load
+    int4      the same set as group-wise INT4 with AWQ scales, read from the folder `litevlm quantize`
+              wrote (`backend.quantized`, default <model>/quantized-int4)
+    int4-rtn  the same set as group-wise INT4, round to nearest, quantized at load (no data needed)
+    fp16      the same set as float16 weights, widened in registers at decode (lowbit.py)
+    bf16      the compute-bound linears (vision encoder, projector, decoder layers, token selector,
+              EAGLE-2 draft) as Bf16Linear (bf16.py)
 
 A pipeline converts once at load (`convert_linears`, runtime.py); `litevlm bench --roofline
---weights float,int8,bf16` keeps every form in one process and swaps them round by round
+--weights float,int8,int4-rtn,...` keeps every form in one process and swaps them round by round
 (`LinearForms.use`), so a loaded machine hits them alike.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from torch import nn
 
+from ..errors import CheckpointError, InputError
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
-from .int8 import Int8Linear
+from .lowbit import Fp16Linear, Int4Linear, Int8Linear, LowBitEmbedding, embedding_as_linear
+from .quantize import GROUP_SIZE, Int4Weight, Int8Weight, load_quantized
 
-WEIGHT_KINDS = ("float", "int8", "bf16")
+WEIGHT_KINDS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")
+DECODER_KINDS = ("int8", "int4", "int4-rtn", "fp16")      # the forms of the decoder's linears (and tied head)
+QUANTIZED_DIR = "quantized-int4"                          # the default folder of `int4` in a model folder
 log = logging.getLogger("litevlm.weights")
-CONVERT = {"int8": Int8Linear, "bf16": Bf16Linear}
 
 
-def child_linears(roots) -> list[tuple[nn.Module, str, nn.Linear]]:
+def child_linears(roots) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, nn.Linear) of every nn.Linear below `roots` (None entries skipped)."""
     found = []
     for root in roots:
@@ -37,44 +46,129 @@ def child_linears(roots) -> list[tuple[nn.Module, str, nn.Linear]]:
     return found
 
 
-def decoder_linears(lm: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """Every linear layer a decode step reads: the layers' projections and the LM head (a head
-    tied to the embedding is a matmul, not a Linear: kept)."""
+def tied_embedding(lm: nn.Module) -> tuple[nn.Module, str, nn.Embedding] | None:
+    """(parent, attribute, embedding) of a decoder whose LM head is its embedding (InternVL3/3.5)."""
+    if not getattr(lm.cfg, "tie_word_embeddings", False):
+        return None
+    for parent in lm.modules():
+        for name, child in parent.named_children():
+            if child is lm.embed:
+                return parent, name, child
+    return None
+
+
+def decoder_linears(lm: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every weight a decode step reads through a matmul: the layers' projections and the LM head
+    (a Linear, or the embedding when the head is tied to it)."""
     found = child_linears(lm.layers)
     for name in ("output", "lm_head"):
         child = getattr(lm, name, None)
         if isinstance(child, nn.Linear):
             found.append((lm, name, child))
+    tied = tied_embedding(lm)
+    if tied is not None and isinstance(tied[2], nn.Embedding):
+        found.append(tied)
     return found
 
 
-def linears_for(kind: str, model: nn.Module, extra=()) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """The float linears form `kind` replaces: int8 the decoder's (memory-bound decode steps);
-    bf16 those that see many rows (model = InternVL; `extra`: the token selector, the draft head)."""
-    if kind == "int8":
+def linears_for(kind: str, model: nn.Module, extra=()) -> list[tuple[nn.Module, str, nn.Module]]:
+    """The float modules form `kind` replaces: the low-bit forms the decoder's (memory-bound decode
+    steps); bf16 those that see many rows (model = InternVL; `extra`: the token selector, the draft head)."""
+    if kind in DECODER_KINDS:
         return decoder_linears(model.language_model)
     if kind == "bf16":
         return child_linears([model.vision_model, getattr(model, "mlp1", None), model.language_model.layers, *extra])
     raise ValueError(f"weights {kind!r}: one of {', '.join(WEIGHT_KINDS)}")
 
 
+class Quantized:
+    """Stored quantized weights (quantize.py's files) for one model: module name -> form."""
+
+    def __init__(self, folder: str | Path, model_dir: str | Path | None = None):
+        self.folder = Path(folder)
+        self.manifest, self.weights = load_quantized(self.folder)
+        if model_dir is not None:
+            check_source(self.manifest, Path(model_dir), self.folder)
+
+    def form(self, name: str, module: nn.Module, kind: str):
+        # `int4` reads any stored INT4 set: AWQ, or round to nearest stored at another group size
+        if self.manifest.get("weights") not in {"int4": ("int4", "int4-rtn")}.get(kind, (kind,)):
+            raise CheckpointError(f"{self.folder}: holds {self.manifest.get('weights')} weights, "
+                                  f"backend.weights asks for {kind}")
+        if name not in self.weights:
+            raise CheckpointError(f"{self.folder}: no quantized weights for {name} (made for another model? "
+                                  f"re-run `litevlm quantize`)")
+        return self.weights[name]
+
+
+def check_source(manifest: dict, model_dir: Path, folder: Path) -> None:
+    """Refuse quantized weights made from other float weights than the model folder's now."""
+    from .integrity import read_manifest
+
+    made_from = manifest.get("source", {}).get("files", {})
+    current = read_manifest(model_dir) or {}
+    for name, entry in made_from.items():
+        if name in current and current[name].get("sha256") != entry.get("sha256"):
+            raise CheckpointError(f"{folder}: quantized from another {name} than {model_dir}'s (sha256 differs): "
+                                  f"re-run `litevlm quantize --model {model_dir}`")
+
+
+def convert(kind: str, module: nn.Module, name: str, quantized: Quantized | None = None,
+            group_size: int = GROUP_SIZE) -> nn.Module:
+    """The `kind` form of one float module (an nn.Linear, or a tied embedding)."""
+    if isinstance(module, nn.Embedding):
+        return LowBitEmbedding(convert(kind, embedding_as_linear(module), name, quantized, group_size),
+                               module.weight.dtype)
+    if kind == "int8":
+        return Int8Linear(module)
+    if kind == "int4-rtn":
+        return Int4Linear(module, group_size=group_size)
+    if kind == "int4":
+        if quantized is None:
+            raise InputError("backend.weights int4 reads AWQ weights from `litevlm quantize` (backend.quantized); "
+                             "none given: use int4-rtn to quantize at load without calibration")
+        stored = quantized.form(name, module, kind)
+        if isinstance(stored, Int4Weight):
+            return Int4Linear(weight=stored, bias=getattr(module, "bias", None))
+        if isinstance(stored, Int8Weight):
+            return Int8Linear(weight=stored, bias=getattr(module, "bias", None))
+    if kind == "fp16":
+        return Fp16Linear(module)
+    if kind == "bf16":
+        return Bf16Linear(module)
+    raise ValueError(f"weights {kind!r}: one of {', '.join(WEIGHT_KINDS)}")
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
 class LinearForms:
     """The model's linear layers in float and in each of `kinds`, switchable in place with
-    `use(kind)`. keep_float False: the float modules are dropped once converted (int8 frees the
-    float weights; a Bf16Linear keeps its float weight itself)."""
+    `use(kind)`. keep_float False: the float modules are dropped once converted (the low-bit forms
+    free the float weights; a Bf16Linear keeps its float weight itself). `quantized`: the stored
+    weights `int4` reads."""
 
-    def __init__(self, model: nn.Module, kinds, extra=(), keep_float: bool = True):
+    def __init__(self, model: nn.Module, kinds, extra=(), keep_float: bool = True, quantized: Quantized | None = None,
+                 group_size: int = GROUP_SIZE):
         self.slots: dict[tuple[int, str], tuple[nn.Module, str, dict]] = {}
+        names = module_names(model)
+        wanted: dict[tuple[int, str], list[str]] = {}
         for kind in kinds:
             if kind == "float":
                 continue
-            for parent, name, linear in linears_for(kind, model, extra):
-                _, _, forms = self.slots.setdefault((id(parent), name), (parent, name, {"float": linear}))
-                forms[kind] = CONVERT[kind](linear)
-        if not keep_float:
-            for _, _, forms in self.slots.values():
+            for parent, name, module in linears_for(kind, model, extra):
+                self.slots.setdefault((id(parent), name), (parent, name, {"float": module}))
+                wanted.setdefault((id(parent), name), []).append(kind)
+        for key, (parent, name, forms) in self.slots.items():
+            for kind in wanted[key]:
+                forms[kind] = convert(kind, forms["float"], names.get(id(forms["float"]), name), quantized, group_size)
+            if not keep_float:
+                # the float module leaves the model as soon as its forms exist, so that converting a
+                # model peaks at its float weights plus one layer's forms, not plus every form
                 forms.pop("float")
-        self.kind = "float"
+                setattr(parent, name, forms[wanted[key][0]])
+        self.kind = "float" if keep_float else None
 
     def use(self, kind: str) -> None:
         if kind not in WEIGHT_KINDS:
@@ -88,13 +182,32 @@ class LinearForms:
         self.kind = kind
 
 
-def convert_linears(model: nn.Module, kind: str, extra=()) -> LinearForms:
-    """Replace the linears `kind` names by their `kind` form, in place, at load."""
+def quantized_folder(setting: str, model_dir: str | Path | None) -> Path | None:
+    """The folder `int4` reads: backend.quantized, else <model_dir>/quantized-int4 where it exists."""
+    if setting:
+        return Path(setting)
+    if model_dir is not None and (Path(model_dir) / QUANTIZED_DIR).is_dir():
+        return Path(model_dir) / QUANTIZED_DIR
+    return None
+
+
+def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path | None = None,
+                    model_dir: str | Path | None = None) -> LinearForms:
+    """Replace the linears `kind` names by their `kind` form, in place, at load. `quantized`: the
+    folder of stored weights (`int4`)."""
     if kind == "bf16" and cpu_has_bf16_units() is False:
         log.warning("backend.weights bf16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
                     "emulates them, several times slower than float32 here; use backend.weights float",
                     " or ".join(BF16_UNIT_FLAGS))
-    forms = LinearForms(model, [kind], extra, keep_float=False)
+    stored = None
+    if kind == "int4":
+        folder = quantized_folder(str(quantized or ""), model_dir)
+        if folder is None:
+            raise InputError(f"backend.weights int4: no AWQ weights (backend.quantized, or {QUANTIZED_DIR}/ in the "
+                             f"model folder): make them with `litevlm quantize --model DIR --data QA.json`, or use "
+                             f"backend.weights int4-rtn (round to nearest, quantized at load)")
+        stored = Quantized(folder, model_dir)
+    forms = LinearForms(model, [kind], extra, keep_float=False, quantized=stored)
     forms.use(kind)
     return forms
 

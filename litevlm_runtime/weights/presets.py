@@ -1,4 +1,5 @@
-"""Model shapes: the real InternVL2.5 / InternVL3 / InternVL3.5 sizes, and the project's own small ones for tests and the
+"""Model shapes: the real InternVL2.5 / InternVL3 / InternVL3.5 sizes, and the project's own small ones for
+tests and the
 bundled model (same architecture and layout, narrower and shallower, smaller tiles)."""
 
 from __future__ import annotations

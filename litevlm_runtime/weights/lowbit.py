@@ -1,0 +1,213 @@
+"""Low-bit weight forms of the decoder's linear layers (`backend.weights int4 | int4-rtn | int8 |
+fp16`): every layer's projections, the LM head, and a tied head's embedding (InternVL3/3.5), in the
+formats of quantize.py, multiplied by the CPU kernels of lowbit_kernels.cpp.
+
+Why: a decode step reads every decoder weight once per token, so at 2B shapes it is bound by memory
+bandwidth (`litevlm bench --roofline`): float32 moves ~6.2 GB per token at InternVL3-2B, fp16 half
+of it, int8 a quarter, int4 (group 128) 0.13. Only the weights change: norms, RoPE, attention and
+the KV cache stay in the pipeline's dtype; the vision encoder and the EAGLE-2 draft layer stay float.
+
+How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels.py):
+    rows <= GEMV_MAX_ROWS   (decode steps, small trees: memory-bound) int4/int8: the activations
+                            quantized to int8 per block of 64 (int4) or 32 (int8) elements (scale
+                            max|x| / 127), multiplied by the codes in integer arithmetic, float32
+                            accumulation; fp16: float32
+                            activations, the weights widened in registers, exact products
+    more rows               (prefill: compute-bound) the weights dequantized a tile at a time into
+                            a reused float32 buffer and multiplied by the float GEMM: exact float
+                            activations over the same quantized weights, the same GEMM as float
+Anything else (a GPU, float16/bfloat16 pipelines, an ONNX export trace, no kernels): the reference
+path, dequantize then F.linear (correct; slower).
+
+Numerics (tests/test_lowbit_weights.py, against float64 recomputations): the small-call kernels
+equal float64 x_hat @ dequant(W).T within 1e-5 of the output's largest value, x_hat being the
+int8-rounded activations (|x - x_hat| <= block scale / 2 per element, so the result is within
+sum_k |dequant(W)[n, k]| * scale_k / 2 of the float-activation product: stated and tested); the
+large-call path equals float64 x @ dequant(W).T within 1e-5.
+
+A tied head (logits = h @ E.T) is quantized as the linear layer over E [V, D]; LowBitEmbedding
+serves the embedding lookup (rows of the same codes, dequantized) and the head from one copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import lowbit_kernels
+from .quantize import (
+    GROUP_SIZE,
+    Int4Weight,
+    Int8Weight,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
+
+# Rows up to which a call runs the fused small-call kernel (above: dequantized tiles + the float GEMM).
+# Measured at InternVL3-2B shapes, 2 threads (scripts/lowbit_kernels.py --rows): see docs/performance.md.
+GEMV_MAX_ROWS = 16
+TILE_BYTES = 2 << 20     # float32 bytes of one dequantized weight tile of a large call (cache-resident)
+
+
+def _exporting() -> bool:
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
+class LowBitLinear(nn.Module):
+    """Common part of the forms: x [..., K] -> [..., N]; `rows(ids)` gives effective weight rows."""
+
+    in_features: int
+    out_features: int
+    kind = ""
+
+    def _init_common(self, in_features: int, out_features: int, bias: torch.Tensor | None, device) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # decided once (a flag, not a call, so torch.compile traces no Python around it)
+        self.kernel = torch.device(device).type == "cpu" and lowbit_kernels.load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.kernel and x.dtype == torch.float32 and not _exporting():
+            y = self.kernel_call(rows)
+        else:
+            y = self.reference(rows)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def kernel_call(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reference(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The effective float weight's rows `ids` [T] -> [T, K] (a tied embedding's lookup)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class Int4Linear(LowBitLinear):
+    """Group-wise INT4 weights (quantize.py's format): codes [N, K/2], scales [N, K/G], zeros [N, K/G],
+    optional pre_quant_scale [K] (AWQ)."""
+
+    kind = "int4"
+
+    def __init__(self, linear: nn.Linear | None = None, *, weight: Int4Weight | None = None,
+                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, symmetric: bool = False):
+        super().__init__()
+        if weight is None:
+            weight, bias = quantize_int4(linear.weight, group_size, symmetric), linear.bias
+        device = linear.weight.device if linear is not None else weight.codes.device
+        n, k = weight.shape
+        self._init_common(k, n, bias, device)
+        self.group_size = weight.group_size
+        self.register_buffer("codes", weight.codes.to(device))
+        self.register_buffer("scales", weight.scales.to(device))
+        self.register_buffer("zeros", weight.zeros.to(device))
+        pqs = weight.pre_quant_scale
+        self.register_buffer("pre_quant_scale", None if pqs is None else pqs.to(device, torch.float32))
+        self.kind = f"int4 group {self.group_size}" + (", AWQ pre_quant_scale" if pqs is not None else "")
+
+    def weight_form(self) -> Int4Weight:
+        return Int4Weight(self.codes, self.scales, self.zeros, self.group_size, self.pre_quant_scale)
+
+    def kernel_call(self, rows):
+        return torch.ops.litevlm_lowbit.int4_linear(rows, self.codes, self.scales, self.zeros, self.pre_quant_scale,
+                                                    self.group_size, GEMV_MAX_ROWS, TILE_BYTES)
+
+    def reference(self, rows):
+        xs = rows if self.pre_quant_scale is None else rows * self.pre_quant_scale.to(rows.dtype)
+        return F.linear(xs, dequantize_int4(self.weight_form(), rows.dtype))
+
+    def rows(self, ids, dtype):
+        g = self.group_size
+        q = unpack_nibbles(self.codes[ids]).to(dtype)
+        w = (q - self.zeros[ids].to(dtype).repeat_interleave(g, 1)) * self.scales[ids].to(dtype).repeat_interleave(g, 1)
+        return w if self.pre_quant_scale is None else w * self.pre_quant_scale.to(dtype)
+
+
+class Int8Linear(LowBitLinear):
+    """Per-channel symmetric INT8 weights: codes [N, K] int8, scales [N] float32."""
+
+    kind = "int8 per-channel"
+
+    def __init__(self, linear: nn.Linear | None = None, *, weight: Int8Weight | None = None,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight is None:
+            weight, bias = quantize_int8(linear.weight), linear.bias
+        device = linear.weight.device if linear is not None else weight.codes.device
+        n, k = weight.shape
+        self._init_common(k, n, bias, device)
+        self.register_buffer("codes", weight.codes.to(device))
+        self.register_buffer("scales", weight.scales.to(device, torch.float32))
+
+    def kernel_call(self, rows):
+        return torch.ops.litevlm_lowbit.int8_linear(rows, self.codes, self.scales, GEMV_MAX_ROWS, TILE_BYTES)
+
+    def reference(self, rows):
+        return F.linear(rows, dequantize_int8(Int8Weight(self.codes, self.scales), rows.dtype))
+
+    def rows(self, ids, dtype):
+        return self.codes[ids].to(dtype) * self.scales[ids].to(dtype)[:, None]
+
+
+class Fp16Linear(LowBitLinear):
+    """float16 weights [N, K], widened to float32 in registers (F16C) at decode."""
+
+    kind = "fp16"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self._init_common(linear.in_features, linear.out_features, linear.bias, linear.weight.device)
+        self.register_buffer("weight_fp16", linear.weight.detach().to(torch.float16).contiguous())
+
+    def kernel_call(self, rows):
+        return torch.ops.litevlm_lowbit.fp16_linear(rows, self.weight_fp16, GEMV_MAX_ROWS, TILE_BYTES)
+
+    def reference(self, rows):
+        return F.linear(rows, self.weight_fp16.to(rows.dtype))
+
+    def rows(self, ids, dtype):
+        return self.weight_fp16[ids].to(dtype)
+
+
+class LowBitEmbedding(nn.Module):
+    """A tied embedding + LM head from one low-bit copy of the table E [V, D]: the lookup dequantizes
+    rows of it, the head (`logits`) is the low-bit linear layer over it. The interface of
+    models.decoder.Embedding."""
+
+    def __init__(self, table: LowBitLinear, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.dtype = dtype                  # of the rows it looks up (the pipeline's)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., D]"""
+        return self.table.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, D] = rows `ids` [T]"""
+        out.copy_(self.table.rows(ids, out.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> [..., V]"""
+        return self.table(hidden)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tied head: {self.table.kind}"
+
+
+def embedding_as_linear(embedding: nn.Embedding) -> nn.Linear:
+    """An nn.Linear view (no copy) of an embedding table E [V, D]: the tied head's weight."""
+    linear = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")
+    linear.weight = embedding.weight
+    return linear

@@ -1,0 +1,382 @@
+// Low-bit weight matmuls for x86 CPUs with AVX2 + FMA + F16C (lowbit_kernels.py builds and loads
+// this file; quantize.py defines the formats). Written here because no maintained library measured
+// faster on this CPU class (AVX2 only, no AVX-512/VNNI): docs/performance.md has the candidates table.
+//
+// Small calls (decode steps, small trees: memory-bound, one pass over the weights):
+//   int4: the activation rows are quantized to int8 per block of 64 (scale = max|x| / 127, round to
+//         nearest), then int4 codes x int8 with vpmaddubsw (unsigned codes x signed activations, exact
+//         in int16: 4 * 15 * 127 < 2^15 for the two products of a block summed) and vpmaddwd,
+//         accumulated in float32 per block, per group scaled, the zero point subtracted once per
+//         group through the group's activation sum (llama.cpp's Q4_0 x Q8_0 scheme, with a zero
+//         point, a group of G and 64-element activation blocks: one 32-byte load of codes each).
+//   int8: the same with signed int8 weights, activation blocks of 32 (vpsignb moves the weight's
+//         sign onto the activation).
+//   fp16: float activations, fp16 weights widened in registers (vcvtph2ps) and FMA: exact products.
+// Large calls (prefill: compute-bound): the weights are dequantized tile by tile (a few MB, cache
+//   resident) into a scratch buffer and multiplied by the float GEMM at::mm runs (MKL/oneDNN): exact
+//   float activations, and the weights read from memory at their low-bit size.
+// Threads: at::parallel_for (torch's own OpenMP pool, so torch.set_num_threads and the passive wait
+//   policy of threads.py apply); compiled with -fopenmp but linked to no OpenMP library of its own,
+//   so its parallel regions run on the runtime libtorch already loaded. Small calls share their rows
+//   out in chunks from a counter (over_rows), so a descheduled thread does not hold a step back.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int QBLOCK8 = 32;  // int8 kernel: activations quantized per block of 32 (one 32-byte load of weights)
+constexpr int QBLOCK4 = 64;  // int4 kernel: per block of 64 (one 32-byte load of codes: 64 weights)
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// Activations [M, K] (times pre_quant_scale when given) -> int8 per block of `block`: xq [M, K]
+// (in int4 order when `int4_order`: each block's even elements first, then its odd ones, as one
+// 32-byte load of codes splits into low and high nibbles), dx [M, K/block] (the block's scale,
+// max|x| / 127), bsum [M, K/block] (the block's sum of codes, for the zero point).
+void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K, int block, bool int4_order,
+                          int8_t* xq, float* dx, int32_t* bsum) {
+  const int64_t nb = K / block;
+  std::vector<float> v(block);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < block; ++i) {
+        const int64_t k = b * block + i;
+        v[i] = pqs ? xm[k] * pqs[k] : xm[k];
+        amax = std::fmax(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 127.0f;
+      int8_t* out = xq + m * K + b * block;
+      int32_t sum = 0;
+      for (int i = 0; i < block; ++i) {
+        const int q = d > 0.f ? static_cast<int>(std::nearbyint(v[i] / d)) : 0;
+        const int pos = int4_order ? (i % 2 ? block / 2 + i / 2 : i / 2) : i;
+        out[pos] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[m * nb + b] = d;
+      bsum[m * nb + b] = sum;
+    }
+  }
+}
+
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> bsum;
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int block, bool int4_order) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedRows r;
+  r.xq.resize(M * K);
+  r.dx.resize(M * (K / block));
+  r.bsum.resize(M * (K / block));
+  quantize_activations(x.data_ptr<float>(), pqs ? pqs->data_ptr<float>() : nullptr, M, K, block, int4_order,
+                       r.xq.data(), r.dx.data(), r.bsum.data());
+  return r;
+}
+
+// y[m, n0 + r] for R weight rows n0.. and every activation row m: int4 codes x int8 activations.
+// Per block of 64 weights and row: one 32-byte load of codes, its low nibbles (the block's even k)
+// and high nibbles (odd k) against the two halves of the reordered activation block, both
+// products summed in int16 (4 * 15 * 127 < 2^15), widened once, scaled once.
+template <int R>
+void int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0, int64_t K, int64_t G,
+               const QuantizedRows& a, int64_t M, float* y, int64_t ldy) {
+  const int64_t ng = K / G, nb = K / QBLOCK4, bpg = G / QBLOCK4, row_bytes = K / 2;
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = a.xq.data() + m * K;
+    const float* dx = a.dx.data() + m * nb;
+    const int32_t* bs = a.bsum.data() + m * nb;
+    __m256 acc[R];
+    float zc[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); zc[r] = 0.f; }
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 ag[R];
+      for (int r = 0; r < R; ++r) ag[r] = _mm256_setzero_ps();
+      float xsum = 0.f;                       // the group's sum of dequantized activations
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QBLOCK4));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QBLOCK4 + 32));
+        const __m256 d = _mm256_set1_ps(dx[b]);
+        xsum += dx[b] * static_cast<float>(bs[b]);
+        for (int r = 0; r < R; ++r) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(codes + (n0 + r) * row_bytes + b * (QBLOCK4 / 2)));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+          ag[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), d, ag[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float s = half_to_float(scales[(n0 + r) * ng + g]);
+        acc[r] = _mm256_fmadd_ps(ag[r], _mm256_set1_ps(s), acc[r]);
+        zc[r] += s * static_cast<float>(zeros[(n0 + r) * ng + g]) * xsum;
+      }
+    }
+    for (int r = 0; r < R; ++r) y[m * ldy + n0 + r] = hsum(acc[r]) - zc[r];
+  }
+}
+
+template <int R>
+void int8_rows(const int8_t* codes, const float* scales, int64_t n0, int64_t K, const QuantizedRows& a, int64_t M,
+               float* y, int64_t ldy) {
+  const int64_t nb = K / QBLOCK8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = a.xq.data() + m * K;
+    const float* dx = a.dx.data() + m * nb;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QBLOCK8));
+      const __m256 d = _mm256_set1_ps(dx[b]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (n0 + r) * K + b * QBLOCK8));
+        // |w| (unsigned) x sign(w) * x (signed): exact in int16 (2 * 127 * 127 < 2^15)
+        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), d, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[m * ldy + n0 + r] = hsum(acc[r]) * scales[n0 + r];
+  }
+}
+
+template <int R>
+void fp16_rows(const uint16_t* w, int64_t n0, int64_t K, const float* x, int64_t M, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(xm + k);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + r) * K + k)));
+        acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r]);
+      for (int64_t j = k; j < K; ++j) s += half_to_float(w[(n0 + r) * K + j]) * xm[j];
+      y[m * ldy + n0 + r] = s;
+    }
+  }
+}
+
+constexpr int TILE_ROWS = 4;     // weight rows per kernel call: 4 accumulators + 4 group accumulators
+constexpr int64_t CHUNK_TILES = 16;   // tiles a thread takes at a time (64 rows: 48 KB of int4 codes at K = 1536)
+// Weights smaller than this run on the calling thread alone: waking a sleeping (passive) OpenMP
+// thread costs tens of microseconds, as long as one thread takes to stream this much.
+constexpr int64_t PARALLEL_MIN_BYTES = 256 << 10;
+
+// Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out
+// to torch's threads in chunks taken from a counter rather than in fixed halves: on a shared CPU a
+// thread the scheduler has put aside leaves its chunks to the others instead of holding the whole
+// call back (a fixed split waits for the slowest thread's half).
+template <typename Tile, typename One>
+void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
+  const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = weight_bytes < PARALLEL_MIN_BYTES ? 1 : at::get_num_threads();
+  const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      for (int64_t t = c * CHUNK_TILES; t < std::min(tiles, (c + 1) * CHUNK_TILES); ++t) tile(t * TILE_ROWS);
+  });
+  for (int64_t n = tiles * TILE_ROWS; n < N; ++n) one(n);
+}
+
+// ------------------------------------------------------------------------------ dequantization
+void dequant_int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
+                       int64_t K, int64_t G, float* out) {
+  const int64_t ng = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    float* o = out + (n - n0) * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float s = half_to_float(scales[n * ng + g]);
+      const float zs = -s * static_cast<float>(zeros[n * ng + g]);
+      const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(zs);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+        // 4 bytes -> 8 codes in k order (even k low nibble)
+        uint32_t packed;
+        std::memcpy(&packed, c + k / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(static_cast<int>(packed));
+        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+        const __m128i inter = _mm_unpacklo_epi8(lo, hi);                     // k, k+1, ... k+7
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(inter));
+        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(q, sv, zv));                 // (q - z) * s
+      }
+    }
+  }
+}
+
+void dequant_int8_rows(const int8_t* codes, const float* scales, int64_t n0, int64_t n1, int64_t K, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const __m256 sv = _mm256_set1_ps(scales[n]);
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + n * K + k));
+      _mm256_storeu_ps(out + (n - n0) * K + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sv));
+    }
+  }
+}
+
+void dequant_fp16_rows(const uint16_t* w, int64_t n0, int64_t n1, int64_t K, float* out) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t k = 0; k < K; k += 8)
+      _mm256_storeu_ps(out + (n - n0) * K + k,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k))));
+}
+
+// y [M, N] = x [M, K] @ W.T with W dequantized `tile` rows at a time into a reused scratch buffer
+// (parallel over its rows) and multiplied by at::mm into y's columns (MKL writes the strided slice).
+template <typename Dequant>
+at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, Dequant dequant) {
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor scratch = at::empty({std::min(tile, N), K}, x.options());
+  float* s = scratch.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t n1 = std::min(N, n0 + tile);
+    // (a tile smaller than PARALLEL_MIN_BYTES of float32 is dequantized by the calling thread alone)
+    const int64_t grain = std::max<int64_t>(8, PARALLEL_MIN_BYTES / (K * 4));
+    at::parallel_for(n0, n1, grain, [&](int64_t b, int64_t e) { dequant(b, e, s + (b - n0) * K); });
+    at::Tensor w = scratch.narrow(0, 0, n1 - n0);
+    at::Tensor out = y.narrow(1, n0, n1 - n0);
+    at::mm_out(out, x, w.t());
+  }
+  return y;
+}
+
+int64_t tile_rows(int64_t K, int64_t tile_bytes) {
+  return std::max<int64_t>(16, (tile_bytes / (K * 4)) / 16 * 16);
+}
+
+void check_rows(const at::Tensor& x, int64_t K, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, what, ": x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), what, ": x must be contiguous float32");
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ operators
+at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                       const c10::optional<at::Tensor>& pqs, int64_t group_size, int64_t gemv_max_rows,
+                       int64_t tile_bytes) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = group_size;
+  TORCH_CHECK(G % QBLOCK4 == 0 && K % G == 0, "int4_linear: group size ", G, " must be a multiple of 64 dividing K=",
+              K);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kByte,
+              "int4_linear: codes uint8, scales float16, zeros uint8");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+              "int4_linear: contiguous weights");
+  const at::Tensor x = x_.contiguous();
+  check_rows(x, K, "int4_linear");
+  const int64_t M = x.size(0);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  if (M > gemv_max_rows) {
+    const at::Tensor xs = pqs ? x * *pqs : x;
+    return tiled_gemm(xs, N, K, tile_rows(K, tile_bytes),
+                      [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); });
+  }
+  const QuantizedRows a = quantize_rows(x, pqs, QBLOCK4, true);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  over_rows(N, N * K / 2, [&](int64_t n) { int4_rows<TILE_ROWS>(c, s, z, n, K, G, a, M, yp, N); },
+            [&](int64_t n) { int4_rows<1>(c, s, z, n, K, G, a, M, yp, N); });
+  return y;
+}
+
+at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, int64_t gemv_max_rows,
+                       int64_t tile_bytes) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(K % QBLOCK8 == 0, "int8_linear: K=", K, " must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat && codes.is_contiguous(),
+              "int8_linear: codes int8 contiguous, scales float32");
+  const at::Tensor x = x_.contiguous();
+  check_rows(x, K, "int8_linear");
+  const int64_t M = x.size(0);
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  if (M > gemv_max_rows)
+    return tiled_gemm(x, N, K, tile_rows(K, tile_bytes),
+                      [&](int64_t b, int64_t e, float* out) { dequant_int8_rows(c, s, b, e, K, out); });
+  const QuantizedRows a = quantize_rows(x, c10::nullopt, QBLOCK8, false);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  over_rows(N, N * K, [&](int64_t n) { int8_rows<TILE_ROWS>(c, s, n, K, a, M, yp, N); },
+            [&](int64_t n) { int8_rows<1>(c, s, n, K, a, M, yp, N); });
+  return y;
+}
+
+at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t gemv_max_rows, int64_t tile_bytes) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.is_contiguous(), "fp16_linear: weight float16 contiguous");
+  TORCH_CHECK(K % 8 == 0, "fp16_linear: K=", K, " must be a multiple of 8");
+  const at::Tensor x = x_.contiguous();
+  check_rows(x, K, "fp16_linear");
+  const int64_t M = x.size(0);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::Half>());
+  if (M > gemv_max_rows)
+    return tiled_gemm(x, N, K, tile_rows(K, tile_bytes),
+                      [&](int64_t b, int64_t e, float* out) { dequant_fp16_rows(w, b, e, K, out); });
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  over_rows(N, N * K * 2, [&](int64_t n) { fp16_rows<TILE_ROWS>(w, n, K, xp, M, yp, N); },
+            [&](int64_t n) { fp16_rows<1>(w, n, K, xp, M, yp, N); });
+  return y;
+}
+
+// The activation quantization the kernels apply (block 64: int4's, 32: int8's), in natural k order
+// (for the tests' error bounds): (codes int8 [M, K], block scales float32 [M, K/block]).
+std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x_, const c10::optional<at::Tensor>& pqs,
+                                                int64_t block) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(block == QBLOCK4 || block == QBLOCK8, "block: ", QBLOCK4, " (int4) or ", QBLOCK8, " (int8)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0, "x: float32 [M, block * n]");
+  const QuantizedRows a = quantize_rows(x, pqs, static_cast<int>(block), false);
+  at::Tensor xq = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({x.size(0), x.size(1) / block}, x.options());
+  std::memcpy(xq.data_ptr<int8_t>(), a.xq.data(), a.xq.size());
+  std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * sizeof(float));
+  return {xq, dx};
+}
+
+TORCH_LIBRARY(litevlm_lowbit, m) {
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? pre_quant_scale, int group_size, "
+        "int gemv_max_rows, int tile_bytes) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int gemv_max_rows, int tile_bytes) -> Tensor");
+  m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes) -> Tensor");
+  m.def("quantize_activations(Tensor x, Tensor? pre_quant_scale, int block) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(litevlm_lowbit, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("fp16_linear", &fp16_linear);
+  m.impl("quantize_activations", &quantize_activations_op);
+}

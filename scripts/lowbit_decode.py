@@ -1,0 +1,110 @@
+"""Decode steps with each decoder weight form (`backend.weights`), quiet and beside N busy processes,
+in one process: ms per token (p50, p99, p99/p50) per form and condition, and the forms' speed-ups
+over one another. The issue-35 bars it checks: int4 decode >= 1.5x int8's; beside 2 busy
+processes, int4's p99/p50 no worse than the float path's (the passive OpenMP threads every form runs on).
+
+    python scripts/lowbit_decode.py [--preset internvl3-2b] [--weights int4-rtn,int8,fp16,float]
+                                    [--threads 2] [--hog 2] [--hog-kind spin] [--steps 20] [--rounds 3]
+                                    [--context 256] [--model DIR --set backend.quantized=DIR]
+
+A step is what greedy decoding pays per token (bench/roofline.py `decode_step`: the decoder over
+`context` cached rows through the torch engine, the LM head, the argmax). The forms alternate
+within every round and condition (order reversed every other round), all kept in memory at once
+(LinearForms): at InternVL3-2B that is the float weights (6.2 GB) plus each low-bit copy; leave
+`float` out to stay near 3 GB. The busy processes are `litevlm bench --contention`'s hogs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when idle (threads.py)
+from litevlm_runtime.bench.contention import Hog
+from litevlm_runtime.bench.roofline import decode_step
+from litevlm_runtime.options import options_from_flat
+from litevlm_runtime.report import table
+from litevlm_runtime.timing import percentile
+from litevlm_runtime.weights.cpuinfo import read_cpuinfo
+from litevlm_runtime.weights.linear_forms import LinearForms, Quantized, quantized_folder
+
+
+def build(args):
+    settings = {"pipeline": "baseline", "backend.threads": args.threads, "decoding.mode": "greedy",
+                **dict(s.split("=", 1) for s in args.set)}
+    options = options_from_flat(settings)
+    if args.model:
+        from litevlm_runtime.pipeline.pipeline import Pipeline
+
+        return Pipeline.from_pretrained(args.model, options)
+    from litevlm_runtime.bench.random_model import random_pipeline
+
+    return random_pipeline(args.preset, options)
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="internvl3-2b")
+    ap.add_argument("--model", help="a model folder instead of a preset's random weights")
+    ap.add_argument("--weights", default="int4-rtn,int8,fp16,float")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hog", type=int, default=2, help="busy processes in the loaded condition")
+    ap.add_argument("--hog-kind", default="spin", help="spin (a Python loop) | matmul (numpy, one thread)")
+    ap.add_argument("--steps", type=int, default=20, help="steps per form, condition and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a pipeline setting")
+    args = ap.parse_args()
+    kinds = [w for w in args.weights.split(",") if w]
+    pipe = build(args)
+    rt = pipe.rt
+    quantized = None
+    if "int4" in kinds:
+        folder = quantized_folder(rt.options.backend.quantized, rt.model_dir)
+        quantized = Quantized(folder, rt.model_dir) if folder else None
+    forms = LinearForms(rt.model, kinds, quantized=quantized, keep_float="float" in kinds)
+    forms.use(kinds[0])
+    step = decode_step(rt, args.context)
+    samples = {(k, c): [] for k in kinds for c in ("quiet", "loaded")}
+    load0 = os.getloadavg()[0]
+    for r in range(args.rounds):
+        for cond in ("quiet", "loaded"):
+            with Hog(args.hog if cond == "loaded" else 0, args.hog_kind):
+                for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                    forms.use(kind)
+                    step()                                   # warm: first call after a swap
+                    for _ in range(args.steps):
+                        t0 = time.perf_counter()
+                        step()
+                        samples[(kind, cond)].append((time.perf_counter() - t0) * 1000)
+            print(f"[round {r + 1}/{args.rounds}, {cond}] " + "  ".join(
+                f"{k} {statistics.median(samples[(k, cond)]):.1f} ms" for k in kinds), flush=True)
+    vendor, flags = read_cpuinfo() or ("?", [])
+    print(f"\n{rt.name}: decode step over {args.context} cached rows, {torch.get_num_threads()} thread(s), "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}; {args.rounds} rounds x {args.steps} steps per "
+          f"form and condition, forms alternating; loaded = beside {args.hog} {args.hog_kind} processes; "
+          f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; {vendor}, "
+          f"{' '.join(f for f in ('avx2', 'fma', 'f16c', 'avx512f') if f in flags)}\n")
+    rows = []
+    for kind in kinds:
+        for cond in ("quiet", "loaded"):
+            v = samples[(kind, cond)]
+            p50, p99 = statistics.median(v), percentile(v, 99)
+            rows.append([kind, cond, p50, p99, f"{p99 / p50:.2f}", min(v), max(v)])
+    print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms"], rows))
+    ratios = []
+    for i, a in enumerate(kinds):
+        for b in kinds[i + 1:]:
+            p50 = {c: (statistics.median(samples[(b, c)]), statistics.median(samples[(a, c)]))
+                   for c in ("quiet", "loaded")}
+            ratios.append([f"{a} vs {b}"] + [f"{p50[c][0] / p50[c][1]:.2f}x" for c in ("quiet", "loaded")])
+    print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], ratios))
+
+
+if __name__ == "__main__":
+    main()
