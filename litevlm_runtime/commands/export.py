@@ -45,8 +45,11 @@ def run(args) -> int:
         print(table(["stage", "bucket", "output", "rel error"],
                     [[r["stage"], f"{r['bucket']} ({r['rows']} rows)" if r.get("rows", r["bucket"]) != r["bucket"]
                       else r["bucket"], r["output"], f"{r['rel_error']:.2e}"] for r in rows]))
-        print("\nrel error = max |onnxruntime - torch| / max |torch| on random inputs (fp32 target: <= 1e-4)")
-        if max(r["rel_error"] for r in rows) > (1e-4 if rt.options.dtype == "float32" else 1e-2):
+        print("\nrel error = max |onnxruntime - torch| / max |torch| on random inputs (fp32 target: <= 1e-4); a "
+              "quantized cache's stored rows (arena.kv_dtype): the fraction of codes that differ, none by more than "
+              "one step (target <= 1e-3)")
+        limit = 1e-4 if rt.options.dtype == "float32" else 1e-2
+        if any(r["rel_error"] > (r.get("target") or limit) for r in rows):
             print("verify: FAILED", file=sys.stderr)
             return 1
     return 0

@@ -8,13 +8,15 @@
    LM-head rows. A reservoir sample (fixed seed) keeps at most N calls per graph, so decode steps
    late in an answer are as likely to be kept as early ones.
 2. Quantization. Each graph is quantized by `modelopt.onnx.quantization.quantize` from its own
-   samples: INT8 Q/DQ (runs in ONNX Runtime on the CPU) or FP8 Q/DQ (TensorRT only). Graph inputs
-   and outputs keep their dtypes, so the new bundle binds exactly like the original one.
+   samples: INT8 or FP8 Q/DQ, both of which ONNX Runtime's CPU kernels execute as written (FP8:
+   QuantizeLinear/DequantizeLinear to float8e4m3fn, opset 19+; `--check` proves it pair by pair,
+   export/qdq.py), and TensorRT builds its engines from. INT4: weight-only, the project's stored
+   weights (or ModelOpt's AWQ) written as blocked DequantizeLinear (export/int4_onnx.py). Graph
+   inputs and outputs keep their dtypes, so the new bundle binds exactly like the original one.
 3. Accuracy. Held-out questions (disjoint from the calibration questions) are answered by the
    unquantized and the quantized bundle through ONNX Runtime; reported: greedy token agreement
    with the unquantized model (the primary measure here, clearly labelled as such) and, where
    the evaluation package is present, the DriveLM scores of both against the ground truth.
-   FP8 graphs cannot run without TensorRT; their accuracy is not measured on the CPU.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ..serving.images import payload_from_msg, to_pipeline_image
 from ..weights.integrity import sha256_file
 from .exporter import export_bundle
 
-PRECISIONS = ("int8", "fp8")
+PRECISIONS = ("int8", "fp8", "int4")
 METHODS = ("entropy", "max")
 # Stages quantized from recorded traffic. The LM head stays in the export's precision, as
 # ModelOpt's LLM PTQ configurations leave `lm_head` unquantized (greedy decoding reads its argmax
@@ -171,13 +173,18 @@ def collect_traffic(pipe, bundle, queries: list[Query], recorder: Recorder, prog
         return RecordingStage(StaticStage(modules[stage], inputs, outputs), graph, inputs, recorder)
 
     rt.engines = bound_engines(rt, sizes, bind, "calibration")
+    answer_queries(pipe, queries, "calibration traffic", progress)
+
+
+def answer_queries(pipe, queries: list[Query], label: str, progress=print) -> None:
+    """Answer each query (its traffic is what the caller records); one it refuses is skipped, said."""
     for i, q in enumerate(queries):
         try:
             pipe.answer(q.images, q.question)
         except InputError as exc:
             progress(f"  skipped {q.id}: {exc}")
             continue
-        progress(f"[calibration traffic {i + 1}/{len(queries)}] {q.question[:60]}")
+        progress(f"[{label} {i + 1}/{len(queries)}] {q.question[:60]}")
 
 
 # ------------------------------------------------------------------------------------- quantize
@@ -202,9 +209,10 @@ class SamplesReader:
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
 
 
-def weight_nodes(path: Path, only: set[str] | None = None) -> list[str]:
+def weight_nodes(path: Path, only: set[str] | None = None, keep_float: str = "") -> list[str]:
     """MatMul/Gemm/Conv nodes with a weight (initializer) operand, as anchored name patterns
-    (`only`: those whose weight is one of these initializers).
+    (`only`: those whose weight is one of these initializers; `keep_float`: a regular expression,
+    products whose weight's name it matches (re.search) are left out: a mixed configuration).
 
     Only these are quantized: activation x activation products (attention scores over the KV
     cache, probabilities x values) are left in full precision, because their calibrated ranges
@@ -222,15 +230,17 @@ def weight_nodes(path: Path, only: set[str] | None = None) -> list[str]:
     for n in model.graph.node:
         if n.op_type in ("Transpose", "Cast", "Identity", "Reshape") and n.input and n.input[0] in origin:
             origin.update({o: origin[n.input[0]] for o in n.output})
+    skip = re.compile(keep_float) if keep_float else None
     return [f"^{re.escape(n.name)}$" for n in model.graph.node
-            if n.op_type in QUANTIZED_OPS and any(i in origin and (only is None or origin[i] in only) for i in n.input)]
+            if n.op_type in QUANTIZED_OPS and any(i in origin and (only is None or origin[i] in only)
+                                                  and not (skip and skip.search(origin[i])) for i in n.input)]
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str, np.ndarray]],
                    method: str = "entropy", export_dtype: str = "float32", weights_file: str | None = None,
-                   only: set[str] | None = None) -> None:
+                   only: set[str] | None = None, keep_float: str = "") -> None:
     """`only`: quantize just the products of these weights (the batched step: those quantized in
-    the single decode step), whatever their shape."""
+    the single decode step), whatever their shape; `keep_float`: see weight_nodes."""
     try:
         from modelopt.onnx.quantization import quantize
     except ImportError as exc:
@@ -255,22 +265,34 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
             shutil.copy2(src, work)
             for weights in own:
                 shutil.copy2(weights, Path(scratch) / weights.name)
-            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype, only)
+            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype, only, keep_float)
     except Exception as exc:
-        raise LiteVLMError(f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}") from exc
+        raise LiteVLMError(
+            f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}"
+        ) from exc
     if not dst.is_file():
         raise LiteVLMError(f"{src.name}: ModelOpt wrote no quantized graph")
 
 
-def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype, only=None):
-    quantize(str(src), quantize_mode=precision, calibration_data_reader=SamplesReader(samples),
-             nodes_to_quantize=weight_nodes(src, only),
-             calibration_method=method, calibration_eps=["cpu"],
-             high_precision_dtype={"float16": "fp16", "bfloat16": "bf16"}.get(export_dtype, "fp32"), output_path=str(dst), log_level="ERROR",
-             use_external_data_format=model_bytes > (1 << 31) - (1 << 28),
-             # ModelOpt skips GEMV-shaped products (a decode step's T=1 rows) because TensorRT
-             # runs them no faster in INT8; on the CPU they are the memory-bound part INT8 helps.
-             enable_gemv_detection_for_trt=(precision == "fp8" and only is None))
+def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype, only=None, keep_float=""):
+    nodes = weight_nodes(src, only, keep_float)
+    if not nodes:
+        raise LiteVLMError(f"{Path(src).name}: no weight product left to quantize")
+    quantize(
+        str(src),
+        quantize_mode=precision,
+        calibration_data_reader=SamplesReader(samples),
+        nodes_to_quantize=nodes,
+        calibration_method=method,
+        calibration_eps=["cpu"],
+        high_precision_dtype={"float16": "fp16", "bfloat16": "bf16"}.get(export_dtype, "fp32"),
+        output_path=str(dst),
+        log_level="ERROR",
+        use_external_data_format=model_bytes > (1 << 31) - (1 << 28),
+        # ModelOpt skips GEMV-shaped products (a decode step's T=1 rows) because TensorRT
+        # runs them no faster in INT8; on the CPU they are the memory-bound part INT8 helps.
+        enable_gemv_detection_for_trt=(precision == "fp8" and only is None),
+    )
 
 
 ROW_INPUTS = {"vision": ("pixels",), "decoder": ("embeds", "positions", "mask_cache", "mask_new"),
@@ -318,12 +340,14 @@ def batched_samples(graph: dict, manifest: dict, recorder: Recorder) -> tuple[li
     samples = []
     for start in range(0, len(steps), b):
         rows = [steps[(start + i) % len(steps)] for i in range(b)]
-        samples.append({"embeds": np.concatenate([r["embeds"] for r in rows]),
-                        "positions": np.concatenate([r["positions"] for r in rows]),
-                        "mask_cache": np.concatenate([r["mask_cache"] for r in rows]),
-                        "mask_new": np.eye(b, dtype=bool),
-                        "k_regions": np.stack([r["k_cache"] for r in rows]),
-                        "v_regions": np.stack([r["v_cache"] for r in rows])})
+        sample = {"embeds": np.concatenate([r["embeds"] for r in rows]),
+                  "positions": np.concatenate([r["positions"] for r in rows]),
+                  "mask_cache": np.concatenate([r["mask_cache"] for r in rows]),
+                  "mask_new": np.eye(b, dtype=bool)}
+        for cache in ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale"):     # (scales: a quantized cache)
+            if cache in rows[0]:
+                sample[cache.replace("cache", "regions")] = np.stack([r[cache] for r in rows])
+        samples.append(sample)
     return samples, f"calls of {ones[0]['file']}, {b} per batched call"
 
 
@@ -336,8 +360,10 @@ def samples_for(graph: dict, manifest: dict, recorder: Recorder) -> tuple[list, 
     own = recorder.samples.get(graph["file"])
     if own:
         return own, "own calls"
-    siblings = sorted((g for g in manifest["graphs"] if g["stage"] == graph["stage"] and recorder.samples.get(g["file"])),
-                      key=lambda g: (g["bucket"] < graph["bucket"], abs(g["bucket"] - graph["bucket"])))
+    siblings = sorted(
+        (g for g in manifest["graphs"] if g["stage"] == graph["stage"] and recorder.samples.get(g["file"])),
+        key=lambda g: (g["bucket"] < graph["bucket"], abs(g["bucket"] - graph["bucket"])),
+    )
     if not siblings:
         raise LiteVLMError(f"calibration traffic never reached the {graph['stage']} stage: answer more questions")
     src = siblings[0]
@@ -361,8 +387,12 @@ def activation_scales(graph) -> dict[str, list[str]]:
         if n.op_type not in QUANTIZED_OPS:
             continue
         # QuantizeLinear / DequantizeLinear, or TensorRT's FP8 forms (TRT_FP8QuantizeLinear ...)
-        quantized = [made_by.get(made_by[i].input[0]) if i in made_by and made_by[i].op_type.endswith("DequantizeLinear")
-                     else None for i in n.input[:2]]
+        quantized = [
+            made_by.get(made_by[i].input[0])
+            if i in made_by and made_by[i].op_type.endswith("DequantizeLinear")
+            else None
+            for i in n.input[:2]
+        ]
         if any(q is None or not q.op_type.endswith("QuantizeLinear") for q in quantized):
             continue
         weight = [q for q in quantized if q.input[0] in weights]
@@ -432,11 +462,21 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
             graphs.append(dict(g, precision=label))
             progress(f"[quantize {i + 1}/{len(manifest['graphs'])}] {g['file']:<18} kept in {manifest['dtype']}{why}")
 
-        if g["stage"] not in QUANTIZED_STAGES:
-            keep()
+        stages, keep_float = (
+            calibration_info.get("quantized_stages", QUANTIZED_STAGES),
+            calibration_info.get("keep_float", ""),
+        )
+        if g["stage"] not in QUANTIZED_STAGES or g["stage"] not in stages:
+            keep("" if g["stage"] not in QUANTIZED_STAGES else " (not in --stages)")
+            continue
+        if not weight_nodes(src_bundle / g["file"], None, keep_float):
+            keep(f" (--keep-float {keep_float!r} leaves no product to quantize)")
             continue
         if g["stage"] == "decoder_batch":
             step = next(s for s in graphs if s["stage"] == "decoder" and s["bucket"] == 1)
+            if step.get("precision") == manifest["dtype"]:
+                keep(f" (as {step['file']}: kept float)")
+                continue
             done = quantize_batched_step(src_bundle, out, g, step, manifest, recorder, precision,
                                          calibration_info["method"])
             if done is None:          # FP8: ModelOpt leaves a 1-row step's GEMV-shaped products to TensorRT
@@ -446,7 +486,7 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
         else:
             samples, source = samples_for(g, manifest, recorder)
             quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
-                           manifest["dtype"], g.get("weights"))
+                           manifest["dtype"], g.get("weights"), keep_float=keep_float)
         entry = dict(g, sha256=sha256_file(out / g["file"]), calibration_samples=len(samples), precision=precision,
                      calibration_source=source, calibration_calls=recorder.calls.get(g["file"], 0))
         entry.pop("weights", None)
@@ -530,10 +570,113 @@ def evaluate(model_dir: Path, options, fp32_bundle: Path, quant_bundle: Path, pr
     return report
 
 
+def int4_bundle(rt, bundle: Path, manifest: dict, recorder: Recorder, quant_dir: Path, quantized: Path | None,
+                progress=print) -> dict:
+    """The INT4 bundle: `quantized` (the project's stored weights) written into the graphs; without
+    it, ModelOpt's INT4 AWQ-lite of the prompt graph that saw the most traffic (its weights then serve
+    every decoder graph, and the LM head, which that graph does not hold, is quantized round to
+    nearest by the project's quantizer, symmetric), stored under `quant_dir`-weights first."""
+    from ..weights.quantize import load_quantized, quantize_int4, save_quantized
+    from .int4_onnx import modelopt_int4_weights, write_int4_bundle
+
+    if quantized is None:
+        prompts = [g for g in manifest["graphs"] if g["stage"] == "prefill" and recorder.samples.get(g["file"])]
+        if not prompts:
+            raise LiteVLMError("calibration traffic never reached a prefill graph: answer more questions")
+        graph = max(prompts, key=lambda g: len(recorder.samples[g["file"]]))
+        quantized = quant_dir.with_name(quant_dir.name + "-weights")
+        progress(
+            f"ModelOpt INT4 AWQ-lite of {graph['file']} ({len(recorder.samples[graph['file']])} calls) -> {quantized}"
+        )
+        made = modelopt_int4_weights(bundle / graph["file"], rt, recorder.samples[graph["file"]], quantized)
+        _, weights = load_quantized(quantized)
+        head = next(n for n, m in rt.model.named_modules() if m is rt.lm.head)
+        weights[head] = quantize_int4(rt.lm.head.weight, made["group_size"], symmetric=True)
+        made.pop("modules"), made.pop("files"), made.pop("format")
+        save_quantized(quantized, weights, dict(made, module_info={head: {"method": "rtn (the LM head)"}}))
+    return write_int4_bundle(rt, bundle, quantized, quant_dir, progress)
+
+
+def mix_bundles(base: Path, donor: Path, stages: tuple[str, ...], out: Path) -> dict:
+    """A bundle in `out`: `base`'s graphs, with those of `stages` taken from `donor` (both made from
+    the same export: e.g. an FP8 bundle with the float export's vision graphs, to measure what FP8
+    vision costs on its own). The manifest says which graph came from where."""
+    a, b = read_manifest(base), read_manifest(donor)
+    if a["model"].get("checkpoint_sha256") != b["model"].get("checkpoint_sha256") or a["arena"] != b["arena"]:
+        raise LiteVLMError(f"{base} and {donor} were not exported from the same checkpoint and arena")
+    theirs = {(g["stage"], g["bucket"]): g for g in b["graphs"]}
+    out.mkdir(parents=True, exist_ok=True)
+    graphs, weights = [], {}
+    for g in a["graphs"]:
+        src, entry = (donor, theirs[(g["stage"], g["bucket"])]) if g["stage"] in stages else (base, g)
+        shutil.copy2(src / entry["file"], out / entry["file"])
+        files = [entry["weights"]] if entry.get("weights") else []
+        files += [f.name for f in src.glob(entry["file"] + ".data")]
+        for f in files:
+            shutil.copy2(src / f, out / f)
+            weights[f] = sha256_file(out / f)
+        graphs.append(dict(entry, source=str(src)))
+    precisions = sorted({g.get("precision") or a["dtype"] for g in graphs})
+    manifest = dict(a, graphs=graphs, weights=weights, engines={}, precision="+".join(precisions),
+                    mixed={"base": str(base), "donor": str(donor), "stages": list(stages)})
+    write_manifest(out, manifest)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------- Q/DQ check
+def check_bundle(model_dir: Path, data: Path, quant_bundle: Path, options, frames_root: Path | None = None,
+                 questions: int = 4, samples_per_graph: int = 2, reference: bool = True, seed: int = 1,
+                 progress=print) -> list:
+    """Every quantized graph of `quant_bundle` checked as export/qdq.py describes, on inputs recorded
+    from `questions` questions of `data` (drawn with `seed`, answered by the PyTorch pipeline on the
+    bundle's buckets, as calibration records them): each Q/DQ pair against the float8/int8/int4
+    rounding recomputed in numpy, the graph against onnx's reference evaluator and against the
+    unquantized graph of the bundle it was calibrated from."""
+    from dataclasses import replace
+
+    from .qdq import check_graph
+
+    quant_bundle = Path(quant_bundle)
+    manifest = read_manifest(quant_bundle)
+    if not manifest.get("precision"):
+        raise LiteVLMError(f"{quant_bundle}: not a quantized bundle (no precision in its manifest)")
+    made = manifest.get("calibration") or manifest.get("quantization") or {}
+    if "source_bundle" not in made:
+        raise LiteVLMError(f"{quant_bundle}: its manifest does not say which float bundle it was made from")
+    src_dir = Path(made["source_bundle"])
+    pipe = Pipeline.from_pretrained(model_dir, replace(options, backend=replace(options.backend, name="torch")))
+    src = Bundle(pipe.rt, src_dir)
+    queries = load_queries(data, frames_root)
+    picked, _ = split_queries(queries, questions, 0, seed)
+    recorder = Recorder(samples_per_graph, seed)
+    collect_traffic(pipe, src, picked, recorder, progress)
+    reports = []
+    for g in manifest["graphs"]:
+        if g.get("precision") in (None, manifest["dtype"]) or g["stage"] not in QUANTIZED_STAGES:
+            continue
+        feeds, _ = samples_for(g, src.manifest, recorder)
+        t0 = time.perf_counter()
+        reports.append(check_graph(quant_bundle / g["file"], feeds[:samples_per_graph], src_dir / g["file"],
+                                   reference=reference))
+        r = reports[-1]
+        progress(f"[check {len(reports)}] {g['file']:<18} {r.checked} pairs, {r.mismatches}/{r.elements} elements "
+                 f"differ, ORT vs reference {r.vs_reference:.1e}, vs float {r.vs_float:.1e}  "
+                 f"{time.perf_counter() - t0:.1f} s")
+    return reports
+
+
 # ------------------------------------------------------------------------------------- top level
 def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, bundle: Path | None = None,
               buckets=None, frames_root: Path | None = None, calib_questions: int = 16, eval_questions: int = 16,
-              samples_per_graph: int = 16, method: str | None = None, progress=print) -> tuple[dict, AccuracyReport]:
+              samples_per_graph: int = 16, method: str | None = None, progress=print,
+              stages: tuple[str, ...] = QUANTIZED_STAGES, keep_float: str = "", name: str = "",
+              quantized: Path | None = None) -> tuple[dict, AccuracyReport]:
+    """`stages`: which of QUANTIZED_STAGES to quantize (the others stay as exported); `keep_float`: a
+    regular expression of weight names whose products stay float (a mixed configuration, e.g. the
+    layers the sensitivity report ranks first); `name`: the bundle's folder under `out` (default:
+    the precision). int4: the decoder's weights stored by `litevlm quantize --symmetric` in
+    `quantized` written into the graphs (export/int4_onnx.py), or without it ModelOpt's INT4 AWQ
+    from the recorded traffic (`int4_bundle`)."""
     from dataclasses import replace
 
 
@@ -542,7 +685,9 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
     out = Path(out)
     queries = load_queries(data, frames_root)
     calib, held_out = split_queries(queries, calib_questions, eval_questions)
-    progress(f"{len(queries)} questions in {data}: {len(calib)} for calibration, {len(held_out)} held out for evaluation")
+    progress(
+        f"{len(queries)} questions in {data}: {len(calib)} for calibration, {len(held_out)} held out for evaluation"
+    )
     pipe = Pipeline.from_pretrained(model_dir, replace(options, backend=replace(options.backend, name="torch")))
     if bundle is None:
         bundle = out / "fp32"
@@ -553,27 +698,31 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
     if src.manifest.get("precision"):
         raise LiteVLMError(f"{bundle}: already quantized ({src.manifest['precision']}); calibrate an fp32 export")
     recorder = Recorder(samples_per_graph)
-    t0 = time.perf_counter()
-    collect_traffic(pipe, src, calib, recorder, progress)
-    progress(f"traffic recorded in {time.perf_counter() - t0:.1f} s")
-    quant_dir = out / precision
+    if not (precision == "int4" and quantized):          # stored INT4 weights need no traffic
+        t0 = time.perf_counter()
+        collect_traffic(pipe, src, calib, recorder, progress)
+        progress(f"traffic recorded in {time.perf_counter() - t0:.1f} s")
+    unknown = sorted(set(stages) - set(QUANTIZED_STAGES))
+    if unknown:
+        raise InputError(f"--stages {','.join(unknown)}: not one of {', '.join(QUANTIZED_STAGES)}")
+    quant_dir = out / (name or precision)
     if quant_dir.exists():
         shutil.rmtree(quant_dir)
-    method = method or ("max" if precision == "fp8" else "entropy")
-    if method not in METHODS:
-        raise LiteVLMError(f"calibration method {method!r}: one of {', '.join(METHODS)}")
-    info = {"data": str(data), "questions": len(calib), "samples_per_graph": samples_per_graph, "method": method,
-            "quantized_stages": list(QUANTIZED_STAGES)}
-    manifest = quantize_bundle(Path(bundle), quant_dir, precision, recorder, info, progress)
-    if precision == "fp8":
-        report = AccuracyReport()
-        progress("fp8 Q/DQ graphs use TensorRT-only operators: accuracy is not measured without TensorRT "
-                 f"(build engines with `litevlm build-engines {quant_dir} --precision fp8` on the GPU)")
+    if precision == "int4":
+        manifest = int4_bundle(pipe.rt, Path(bundle), src.manifest, recorder, quant_dir, quantized, progress)
     else:
-        report = evaluate(model_dir, options, Path(bundle), quant_dir, precision, held_out, progress)
-        manifest["calibration"]["evaluation"] = report.__dict__
-        write_manifest(quant_dir, manifest)
-    (out / "calibration_report.json").write_text(json.dumps(
+        method = method or ("max" if precision == "fp8" else "entropy")
+        if method not in METHODS:
+            raise LiteVLMError(f"calibration method {method!r}: one of {', '.join(METHODS)}")
+        info = {"data": str(data), "questions": len(calib), "samples_per_graph": samples_per_graph, "method": method,
+                "quantized_stages": list(stages), "keep_float": keep_float}
+        manifest = quantize_bundle(Path(bundle), quant_dir, precision, recorder, info, progress)
+    # FP8 Q/DQ runs in ONNX Runtime too (its CPU QuantizeLinear/DequantizeLinear take float8e4m3fn;
+    # `calibrate --check` proves every pair): every precision is measured against the float graphs.
+    report = evaluate(model_dir, options, Path(bundle), quant_dir, precision, held_out, progress)
+    manifest.setdefault("calibration", {})["evaluation"] = report.__dict__
+    write_manifest(quant_dir, manifest)
+    (out / f"calibration_report_{quant_dir.name}.json").write_text(json.dumps(
         {"precision": precision, "bundle": str(quant_dir), "fp32_bundle": str(bundle),
          "evaluation": report.__dict__}, indent=2) + "\n")
     return manifest, report

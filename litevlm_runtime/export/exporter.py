@@ -30,19 +30,22 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..engines.bound_stages import kv_inputs
 from ..engines.buckets import Buckets, check_fits, default_buckets
 from ..engines.bundle import FORMAT_VERSION, MANIFEST, checkpoint_hash, write_manifest
 from ..engines.onnxruntime_engine import onnxruntime_engines
 from ..engines.stages import BatchDecoderStage, DecoderStage, DraftStage, HeadStage, PrefillStage, VisionStage
 from ..engines.torch_engine import torch_engines
 from ..errors import LiteVLMError
+from ..models.kv_cache import QuantizedKV, random_like
 from ..options import BackendName
 from ..stages.view_selector import load_view_selector
 from ..weights.draft_head import load_draft_head
 from ..weights.integrity import sha256_file
 
 TORCH_TO_ONNX_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                       torch.int64: "int64", torch.bool: "bool", torch.int32: "int32", torch.uint8: "uint8"}
+                       torch.int64: "int64", torch.bool: "bool", torch.int32: "int32", torch.uint8: "uint8",
+                       torch.int8: "int8"}
 
 
 # ----------------------------------------------------------------------------------- graph specs
@@ -83,14 +86,24 @@ def stage_specs(rt, buckets: Buckets) -> list[GraphSpec]:
             "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
         }, ["hidden", "k_new", "v_new"]))
     for t in buckets.step:
-        specs.append(GraphSpec("decoder", t, decoder, {
-            "embeds": torch.randn(t, d, dtype=dtype, device=dev),
-            "positions": torch.arange(t, device=dev),
-            "mask_cache": example_mask_cache(t, a.max_len, dev),
-            "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
-            "k_cache": torch.randn_like(a.k_cache),
-            "v_cache": torch.randn_like(a.v_cache),
-        }, ["hidden", "k_new", "v_new"]))
+        specs.append(
+            GraphSpec(
+                "decoder",
+                t,
+                decoder,
+                {
+                    "embeds": torch.randn(t, d, dtype=dtype, device=dev),
+                    "positions": torch.arange(t, device=dev),
+                    "mask_cache": example_mask_cache(t, a.max_len, dev),
+                    "mask_new": torch.ones(t, t, dtype=torch.bool, device=dev).tril_(),
+                    **kv_inputs(
+                        ("k_cache", random_like(a.k_cache, dtype=dtype)),
+                        ("v_cache", random_like(a.v_cache, dtype=dtype)),
+                    ),
+                },
+                ["hidden", "k_new", "v_new"],
+            )
+        )
     if buckets.batch:
         specs.append(batch_spec(rt, buckets.batch))
     for t in buckets.head:
@@ -109,7 +122,8 @@ def batch_spec(rt, sizes: tuple[int, ...]) -> GraphSpec:
         mask_cache[row, :4 + row] = True
     inputs = {"embeds": torch.randn(b, d, dtype=dt, device=dev), "positions": torch.arange(b, device=dev) + 4,
               "mask_cache": mask_cache, "mask_new": torch.eye(b, dtype=torch.bool, device=dev),
-              "k_regions": torch.randn(regions, dtype=dt, device=dev), "v_regions": torch.randn(regions, dtype=dt, device=dev)}
+              **kv_inputs(("k_regions", random_like(a.k_regions, regions, dt)),
+                          ("v_regions", random_like(a.v_regions, regions, dt)))}
     dynamic = {name: {0: "batch"} for name in inputs}
     dynamic["mask_new"] = {0: "batch", 1: "batch"}
     return GraphSpec("decoder_batch", b, BatchDecoderStage(rt.lm).eval(), inputs, ["hidden", "k_new", "v_new"],
@@ -237,6 +251,35 @@ def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
     return entry
 
 
+def values(cache):
+    """A copy of cache rows (a quantized cache's codes and scales)."""
+    return cache.clone()
+
+
+STORED_CODES_TARGET = 1e-3
+
+
+def stored_error(got, want) -> tuple[float, float]:
+    """(error, target) of stored cache rows: float rows, max |got - want| / max |want| (target 1e-4,
+    the caller's); a quantized cache's rows, the fraction of codes that differ, as long as none by
+    more than one step (float rows equal to 1e-7 may straddle a rounding boundary: one step), else 1."""
+    if not isinstance(want, QuantizedKV):
+        return float((got.float() - want.float()).abs().max() / want.float().abs().max()), 0.0
+    step = (got.codes.to(torch.int16) - want.codes.to(torch.int16)).abs()
+    if want.kind == "fp8":           # adjacent E4M3 values of one sign are adjacent bit patterns
+        step = torch.where((got.codes ^ want.codes) >= 128, 255, step)
+    differ = float((step > 0).float().mean())
+    return (differ if int(step.max()) <= 1 else 1.0), STORED_CODES_TARGET
+
+
+def compared(got, want, rel, row: dict) -> dict:
+    """A verification row: rel_error (and, for a quantized cache's stored codes, its own target)."""
+    if isinstance(want, QuantizedKV):
+        error, target = stored_error(got, want)
+        return dict(row, output=row["output"] + " (codes differing)", rel_error=error, target=target)
+    return dict(row, rel_error=rel(got, want))
+
+
 # The batched step's outputs: hidden [B, D], k_new / v_new [layers, Hkv, B, hd].
 BATCH_OUTPUT_AXES = {"hidden": {0: "batch"}, "k_new": {2: "batch"}, "v_new": {2: "batch"}}
 
@@ -319,6 +362,7 @@ def export_bundle(rt, out: Path, buckets: Buckets | None = None,
         },
         "dtype": rt.options.dtype,
         "arena": {"max_len": a.max_len, "max_prompt": a.max_prompt, "max_query": a.max_query,
+                  "kv_dtype": a.limits.kv_dtype,
                   "tiles_per_camera": a.limits.tiles_per_camera, "cameras": a.limits.cameras,
                   "max_tiles": a.limits.max_tiles(), "tree_tokens": a.limits.tree_tokens},
         "buckets": buckets.to_dict(),
@@ -354,7 +398,9 @@ def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
     for n in ort.vision.sizes:
         pixels = rand(n, 3, s, s)
         want = ref.vision.run(pixels=pixels).clone()
-        rows.append({"stage": "vision", "bucket": n, "output": "visual", "rel_error": rel(ort.vision.run(pixels=pixels), want)})
+        rows.append(
+            {"stage": "vision", "bucket": n, "output": "visual", "rel_error": rel(ort.vision.run(pixels=pixels), want)}
+        )
     calls = [("prefill", t, 0) for t in ort.decoder.prefill_sizes]       # a prompt: no history
     calls += [("decoder", t, min(16, a.max_len - t)) for t in ort.decoder.sizes]   # steps over the cache
     for stage, t, history in calls:
@@ -371,14 +417,16 @@ def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
                 hidden = engines.decoder.prefill(embeds, positions, mask_new).clone()
             else:
                 hidden = engines.decoder.step(embeds, positions, slots, mask_cache, mask_new).clone()
-            out[name] = (hidden, a.k_cache[:, :, slots].clone(), a.v_cache[:, :, slots].clone())
+            out[name] = (hidden, values(a.k_cache[:, :, slots]), values(a.v_cache[:, :, slots]))
         for i, output in enumerate(("hidden", "k rows", "v rows")):
-            rows.append({"stage": stage, "bucket": t, "output": output, "rel_error": rel(out["onnx"][i], out["torch"][i])})
+            rows.append(compared(out["onnx"][i], out["torch"][i], rel, {"stage": stage, "bucket": t, "output": output}))
     rows += verify_batched(rt, ref, ort, rand, rel)
     for t in ort.head.sizes:
         hidden = rand(t, d)
         want = ref.head.run(hidden=hidden).clone()
-        rows.append({"stage": "head", "bucket": t, "output": "logits", "rel_error": rel(ort.head.run(hidden=hidden), want)})
+        rows.append(
+            {"stage": "head", "bucket": t, "output": "logits", "rel_error": rel(ort.head.run(hidden=hidden), want)}
+        )
     return rows
 
 
@@ -404,8 +452,8 @@ def verify_batched(rt, ref, ort, rand, rel) -> list[dict]:
             a.k_regions.copy_(regions[0])
             a.v_regions.copy_(regions[1])
             hidden = engines.batch.step(embeds, positions, slots, mask_cache, mask_new).clone()
-            out[name] = (hidden, a.k_regions.clone(), a.v_regions.clone())
+            out[name] = (hidden, values(a.k_regions), values(a.v_regions))
         for i, output in enumerate(("hidden", "k regions", "v regions")):
-            rows.append({"stage": "decoder_batch", "bucket": bucket, "rows": t, "output": output,
-                         "rel_error": rel(out["onnx"][i], out["torch"][i])})
+            rows.append(compared(out["onnx"][i], out["torch"][i], rel,
+                                 {"stage": "decoder_batch", "bucket": bucket, "rows": t, "output": output}))
     return rows

@@ -1,0 +1,164 @@
+"""`litevlm quantize`: a model's decoder weights quantized once and stored (safetensors + manifest,
+weights/quantize.py's format), for `backend.weights int4` (AWQ) to load; int4-rtn and int8 can be
+stored the same way (they also quantize at load).
+
+AWQ needs the activations each linear layer sees in real use: calibration questions (a DriveLM
+layout QA.json with its frames, or a rosbag2: the same readers and the same seeded split as
+`litevlm calibrate`, export/calibration.py) are answered by the float pipeline, and a forward
+pre-hook on every decoder linear keeps a uniform reservoir sample of the rows it multiplies
+(prompt rows and decode-step rows alike), at most `rows` per layer. Each layer is then quantized
+by weights/quantize.awq_quantize against its own rows. A tied LM head (InternVL3/3.5: the
+embedding) is quantized round-to-nearest: it also serves the embedding lookup, which its output
+error on head rows would not see.
+
+Why a command of its own and not `calibrate --precision int4`: calibrate writes an ONNX bundle
+through ModelOpt for ONNX Runtime/TensorRT; these are weights for the PyTorch engines of a model
+folder, read at load. The TensorRT INT4 AWQ export takes the same stored weights (one quantizer,
+two executors).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..pipeline.pipeline import Pipeline
+from ..weights.integrity import read_manifest
+from ..weights.linear_forms import QUANTIZED_DIR, decoder_linears, module_names
+from ..weights.quantize import (
+    FORMAT,
+    GROUP_SIZE,
+    KINDS,
+    awq_quantize,
+    check_group,
+    quantize_int4,
+    quantize_int8,
+    save_quantized,
+)
+from .calibration import answer_queries, load_queries, split_queries
+
+
+class RowReservoir:
+    """A uniform sample of at most `size` rows [K] out of every row a layer multiplied (Algorithm R)."""
+
+    def __init__(self, size: int, rng: random.Random):
+        self.size, self.rng, self.seen = size, rng, 0
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        for row in x.reshape(-1, x.shape[-1]).detach().float():
+            self.seen += 1
+            if len(self.rows) < self.size:
+                self.rows.append(row.clone())
+            else:
+                j = self.rng.randrange(self.seen)
+                if j < self.size:
+                    self.rows[j] = row.clone()
+
+    def tensor(self) -> torch.Tensor:
+        return torch.stack(self.rows)
+
+
+def record_activations(pipe: Pipeline, queries, rows: int, seed: int = 0, progress=print) -> dict[str, RowReservoir]:
+    """Answer `queries` with the float pipeline; per decoder linear (by module name) a reservoir of
+    its input rows."""
+    rt = pipe.rt
+    names = module_names(rt.model)
+    rng = random.Random(seed)
+    reservoirs: dict[str, RowReservoir] = {}
+    hooks = []
+    for _, _, module in decoder_linears(rt.lm):
+        if isinstance(module, torch.nn.Linear):
+            res = reservoirs[names[id(module)]] = RowReservoir(rows, rng)
+            hooks.append(module.register_forward_pre_hook(lambda m, args, res=res: res.add(args[0])))
+    try:
+        answer_queries(pipe, queries, "quantize traffic", progress)
+    finally:
+        for h in hooks:
+            h.remove()
+    return reservoirs
+
+
+def source_files(model_dir: Path) -> dict:
+    """The model folder's weight files and digests (its litevlm_manifest.json), to tie stored
+    quantized weights to the float weights they came from."""
+    listed = read_manifest(model_dir) or {}
+    return {name: {"sha256": e["sha256"]} for name, e in listed.items() if name.endswith(".safetensors")}
+
+
+def quantize_model(model_dir: Path, options, kind: str, out: Path | None = None, data: Path | None = None,
+                   frames_root: Path | None = None, questions: int = 32, rows: int = 512,
+                   group_size: int = GROUP_SIZE, symmetric: bool = False, int8_above: float = 0.0,
+                   progress=print) -> dict:
+    """Quantize the decoder of `model_dir` to `kind` (int4: AWQ from `data`'s traffic; int4-rtn,
+    int8: round to nearest) and store it in `out` (default <model_dir>/quantized-<kind>). Returns the
+    manifest. `int8_above` > 0 (int4): a layer whose INT4 output error, relative to its output's
+    mean square on the calibration rows, exceeds it is stored in per-channel INT8 instead (mixed
+    precision for the layers INT4 hurts most; the kernels run either)."""
+    from dataclasses import replace
+
+    if kind not in KINDS:
+        raise InputError(f"--weights {kind!r}: one of {', '.join(KINDS)}")
+    model_dir = Path(model_dir)
+    out = Path(out) if out else model_dir / (QUANTIZED_DIR if kind == "int4" else f"quantized-{kind}")
+    opts = replace(options, backend=replace(options.backend, name="torch", weights="float"))
+    pipe = Pipeline.from_pretrained(model_dir, opts)
+    rt = pipe.rt
+    names = module_names(rt.model)
+    layers = decoder_linears(rt.lm)
+    for _, _, module in layers:
+        k = module.embedding_dim if isinstance(module, torch.nn.Embedding) else module.in_features
+        if kind != "int8":
+            check_group(k, group_size, names[id(module)])
+    calibration: dict = {}
+    reservoirs = {}
+    if kind == "int4":
+        if data is None:
+            raise InputError("--weights int4 (AWQ) needs --data: DriveLM-layout QA.json (with frames) or a rosbag2")
+        queries = load_queries(Path(data), frames_root)
+        calib, _ = split_queries(queries, questions, 0)
+        progress(f"{len(queries)} questions in {data}: {len(calib)} answered for AWQ's activations")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            reservoirs = record_activations(pipe, calib, rows, progress=progress)
+        calibration = {"data": str(data), "questions": len(calib), "rows_per_layer": rows,
+                       "rows_seen": max((r.seen for r in reservoirs.values()), default=0),
+                       "seconds": round(time.perf_counter() - t0, 1)}
+    weights, info = {}, {}
+    for i, (_, _, module) in enumerate(layers):
+        name = names[id(module)]
+        tied = isinstance(module, torch.nn.Embedding)
+        w = module.weight.detach()
+        t0 = time.perf_counter()
+        if kind == "int8":
+            weights[name] = quantize_int8(w)
+            note = "per-channel"
+        elif kind == "int4-rtn" or tied or name not in reservoirs or not reservoirs[name].rows:
+            weights[name] = quantize_int4(w, group_size, symmetric)
+            info[name] = {"method": "rtn" + (" (tied embedding + head)" if tied else "")}
+            note = info[name]["method"]
+        else:
+            res = awq_quantize(w, reservoirs[name].tensor(), group_size, symmetric)
+            info[name] = {"method": "awq", "alpha": res.alpha, "clip": res.clip, "output_mse": res.error,
+                          "rtn_output_mse": res.rtn_error, "relative_error": res.relative_error}
+            note = (f"awq alpha {res.alpha:.2f} clip {res.clip:.2f}  output MSE {res.error:.3g} "
+                    f"(RTN {res.rtn_error:.3g}), relative {res.relative_error:.2g}")
+            if int8_above and res.relative_error > int8_above:
+                weights[name] = quantize_int8(w)
+                info[name]["method"] = f"int8 (int4 relative error above {int8_above:g})"
+                note += " -> int8"
+            else:
+                weights[name] = res.weight
+        progress(f"[quantize {i + 1}/{len(layers)}] {name} {tuple(w.shape)} {note}  {time.perf_counter() - t0:.1f} s")
+    manifest = {"weights": kind, "method": {"int4": "awq", "int4-rtn": "rtn", "int8": "per-channel"}[kind],
+                "group_size": None if kind == "int8" else group_size,
+                "symmetric": symmetric if kind != "int8" else True, "int8_above": int8_above or None,
+                "source": {"model": str(model_dir), "files": source_files(model_dir)},
+                "calibration": calibration, "module_info": info}
+    manifest = save_quantized(out, weights, manifest)
+    progress(f"{kind} weights of {len(weights)} modules ({FORMAT}) -> {out}")
+    return manifest
