@@ -14,6 +14,8 @@ import numpy as np
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..pipeline.request import QueryRequest
+from ..ros.convert import query_fields
 from ..serving.images import raw_encoding, rgb_to_raw
 from .damage import damaged, guarded
 
@@ -62,21 +64,9 @@ DEFAULT_CAMERA_TOPICS = {c: camera_topic(c, raw=False) for c in CAMERAS}
 
 
 @dataclass
-class BagQuery:
-    stamp_ns: int
-    text: str
-    id: str = ""
-    deadline_ns: int = 0
-    budget_ms: float = 0.0         # the Query's latency budget (0: the node's default)
-    temperature: float = 0.0       # the Query's sampling (0: the node's decoding.temperature) ...
-    seed: int = 0                  # ... and seed (0: the node's decoding.seed)
-    follow_up_of: str = ""         # the id of the earlier query it continues
-
-
-@dataclass
 class BagContents:
     frames: dict[str, list[CameraFrame]] = field(default_factory=lambda: {c: [] for c in CAMERAS})
-    queries: list[BagQuery] = field(default_factory=list)
+    queries: list[QueryRequest] = field(default_factory=list)   # each at its stamp_ns (its header and bag time)
 
 
 def msg_definitions_dir() -> Path:
@@ -88,12 +78,12 @@ def msg_definitions_dir() -> Path:
 
 
 def typestore():
-    """rosbags type store for ROS 2 Kilted plus litevlm_msgs/{Query,Answer}."""
+    """rosbags type store for ROS 2 Kilted plus litevlm_msgs/{Query,Answer,ObjectRef}."""
     from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
     store = get_typestore(Stores.ROS2_KILTED)
     types = {}
-    for name in ("Query", "Answer"):
+    for name in ("ObjectRef", "Query", "Answer"):
         text = (msg_definitions_dir() / f"{name}.msg").read_text()
         types.update(get_types_from_msg(text, f"litevlm_msgs/msg/{name}"))
     store.register(types)
@@ -145,9 +135,9 @@ def write_bag(contents: BagContents, out: Path, storage: str = "mcap",
                 msg = CompressedImage(header=header, format=item.format, data=np.frombuffer(item.data, dtype=np.uint8))
                 writer.write(conns[key], t, store.serialize_cdr(msg, CompressedImage.__msgtype__))
             else:
-                msg = Query(header=header, id=item.id, text=item.text, deadline=_time(store, item.deadline_ns),
-                            budget_ms=float(item.budget_ms), choices=[], answer_schema="",
-                            temperature=float(item.temperature), seed=int(item.seed), follow_up_of=item.follow_up_of)
+                msg = Query(
+                    **query_fields(item, lambda ns: _time(store, ns), lambda stamp: Header(stamp=stamp, frame_id=""))
+                )
                 writer.write(qconn, t, store.serialize_cdr(msg, Query.__msgtype__))
     return out
 
@@ -198,8 +188,16 @@ def read_bag(path: Path, topics: Iterable[str] | None = None):
         wanted = None if topics is None else set(topics)
         conns = [c for c in reader.connections if wanted is None or c.topic in wanted]
         if conns:
+            read = 0
             for conn, t, raw in guarded(path, reader.messages(connections=conns)):
+                read += 1
                 yield t, conn.topic, conn.msgtype, raw, reader
+            # rosbags checks no MCAP CRC, and zeroed bytes over a record's header end its chunk
+            # early without an error: the messages the bag's own index counts are the check.
+            listed = sum(c.msgcount for c in conns)
+            if 0 < read < listed:
+                raise InputError(f"{path}: damaged bag: {read} of the {listed} messages its index lists are "
+                                 "readable (zeroed or overwritten bytes)")
     finally:
         reader.close()
 
@@ -218,7 +216,9 @@ def bag_topic_info(path: Path) -> dict[str, TopicInfo]:
         for c in reader.connections:
             qos = tuple(getattr(c.ext, "offered_qos_profiles", ()) or ())
             prev = out.get(c.topic)
-            out[c.topic] = TopicInfo(c.msgtype, qos + (prev.qos if prev else ()), c.msgcount + (prev.count if prev else 0))
+            out[c.topic] = TopicInfo(
+                c.msgtype, qos + (prev.qos if prev else ()), c.msgcount + (prev.count if prev else 0)
+            )
         return out
     finally:
         reader.close()
@@ -233,6 +233,8 @@ def missing_cameras(topics: dict[str, str], camera_topics: list[str]) -> str | N
     naming the image topics the bag has."""
     if any(t in topics for t in camera_topics):
         return None
-    images = [t for t, msgtype in topics.items() if msgtype in ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")]
+    images = [
+        t for t, msgtype in topics.items() if msgtype in ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
+    ]
     return (f"none of the node's camera topics ({', '.join(camera_topics)}) is in the bag; its image topics: "
             f"{', '.join(images) or 'none'} (set camera_topics in the parameters, or --set camera_topics=[...])")

@@ -13,8 +13,9 @@ from typing import Iterable
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..evaluation.data import load_frames
+from ..pipeline.request import QueryRequest
 from ..serving.images import raw_encoding as check_encoding
-from .io import BagContents, BagQuery, CameraFrame, raw_frame
+from .io import BagContents, CameraFrame, raw_frame
 
 # Questions for frames that come without DriveLM QA (the sample's n015 scene).
 GENERIC_QUESTIONS = (
@@ -133,7 +134,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
             qs = questions.get(front) or list(GENERIC_QUESTIONS)
             for j, text in enumerate(qs[:questions_per_frame]):
                 t = set_ns + int((query_delay_s + j * query_spacing_s) * 1e9)
-                contents.queries.append(BagQuery(t, text, id=f"f{n_sets}q{j}"))
+                contents.queries.append(QueryRequest(text, stamp_ns=t, query_id=f"f{n_sets}q{j}"))
                 last_ns = max(last_ns, t)
             last_ns = max(last_ns, set_ns)
             n_sets += 1

@@ -11,7 +11,7 @@ yes/no questions (DriveLM's accuracy metric) plus the final score without the GP
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..evaluation.data import frame_images, load_frames
@@ -26,7 +26,11 @@ from ..weights.checkpoint import read_config
 # Each row: settings (dotted names, options.py) over the command's own options.
 CONFIGS: dict[str, dict] = {
     "baseline": {"pipeline": "baseline"},
-    "+FastV": {"pipeline": "baseline", "fastv.k": 2, "fastv.ratio": 0.7},   # the paper's "FastV r=0.3": keep 30% from layer 2
+    "+FastV": {
+        "pipeline": "baseline",
+        "fastv.k": 2,
+        "fastv.ratio": 0.7,
+    },  # the paper's "FastV r=0.3": keep 30% from layer 2
     "+EAGLE": {"pipeline": "baseline", "decoding.mode": "eagle"},
     "LiteVLM": {"pipeline": "litevlm", "views.mode": "selector", "tokens.mode": "selector", "decoding.mode": "eagle"},
 }
@@ -41,8 +45,6 @@ class ConfigRun:
 
 def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, limit: int | None = None,
                  configs: dict[str, dict] | None = None, progress=print) -> dict:
-    from dataclasses import replace
-
 
     # The challenge's rules without its per-frame graph filter: the filter depends on each
     # pipeline's own first answers, and the rows must be compared on the same questions.

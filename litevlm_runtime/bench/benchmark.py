@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..pipeline.answer import STAGES
@@ -47,8 +48,6 @@ class BenchResult:
                "model_ms": {"median": statistics.median(self.model_ms()), "p90": percentile(self.model_ms(), 90)},
                "mean_new_tokens": statistics.mean(self.tokens)}
         if self.rounds:
-            from collections import Counter
-
             shapes = Counter("plain step" if r == "greedy" else f"depth {r[0]}, {r[1]} nodes" for r in self.rounds)
             out["eagle_rounds"] = dict(shapes.most_common())
         if self.reference_ms:

@@ -18,6 +18,7 @@ from ..evaluation.data import frame_images, load_frames
 from ..evaluation.metrics import CHALLENGE, score
 from ..evaluation.runner import select
 from ..pipeline.pipeline import Pipeline
+from ..pipeline.request import QueryRequest
 from ..report import table
 
 
@@ -30,13 +31,19 @@ def run_budget_bench(model_dir: Path, data: Path, frames_root: Path, options, li
     questions = [q for _, qs in work for q in qs]
     # Each frame's questions in turn, with the frame as the features' key: what a planner asking
     # several questions of one frame set sees (visual reuse on).
-    inputs = [({c: p.read_bytes() for c, p in frame_images(frames_root, f).items()}, q, f.token) for f, qs in work for q in qs]
+    inputs = [
+        ({c: p.read_bytes() for c, p in frame_images(frames_root, f).items()}, q, f.token) for f, qs in work for q in qs
+    ]
     rules = replace(CHALLENGE, name="challenge without the graph filter", graph_filter=False)
 
     def run(budget: float, label: str) -> dict:
         answers = []
         for i, (images, q, frame) in enumerate(inputs):
-            answers.append(pipe.answer(images, q.question, budget_ms=budget, frame_keys={c: (frame, label) for c in images}))
+            answers.append(
+                pipe.answer(
+                    images, QueryRequest(q.question, budget_ms=budget), frame_keys={c: (frame, label) for c in images}
+                )
+            )
             if (i + 1) % 20 == 0 or i + 1 == len(inputs):
                 progress(f"[{label} {i + 1}/{len(inputs)}]")
         scores = score(questions, {q.id: a.text for (_, q, _), a in zip(inputs, answers)}, rules=rules)

@@ -290,8 +290,10 @@ def run_contention(model_dir: Path, options, configs: list[ThreadConfig], frames
                 result.quiet_ms += worker.run()
                 with Hog(hog, hog_kind):
                     result.loaded_ms += worker.run()
-                progress(f"{config.name} round {r + 1}/{rounds}: quiet p50 {statistics.median(result.quiet_ms):.1f} ms, "
-                         f"loaded p50 {statistics.median(result.loaded_ms):.1f} ms")
+                progress(
+                    f"{config.name} round {r + 1}/{rounds}: quiet p50 {statistics.median(result.quiet_ms):.1f} ms, "
+                    f"loaded p50 {statistics.median(result.loaded_ms):.1f} ms"
+                )
         finally:
             worker.close()
         results.append(result)

@@ -109,7 +109,9 @@ def frame_files(folder: Path, limit: int | None) -> list[Path]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--frames", type=Path, required=True, help="folder of JPEG frames (DriveLM samples/CAM_X/ layout too)")
+    ap.add_argument(
+        "--frames", type=Path, required=True, help="folder of JPEG frames (DriveLM samples/CAM_X/ layout too)"
+    )
     ap.add_argument("--limit", type=int, help="at most this many frames")
     args = ap.parse_args(argv)
     jpegs = [p.read_bytes() for p in frame_files(args.frames, args.limit)]
@@ -120,7 +122,9 @@ def main(argv=None) -> int:
           f"{'ours - upstream':>22}  {'ms ours':>8}{'ms upstream':>12}{'speed-up':>9}")
     for tile, tiles in CONFIGS:
         r = compare(jpegs, tile, tiles)
-        cells = "  ".join(f"{m:7.2f} /{a:6.3f} /{p:6.2f}" for m, a, p in (r["upstream-ref"], r["ours-ref"], r["ours-upstream"]))
+        cells = "  ".join(
+            f"{m:7.2f} /{a:6.3f} /{p:6.2f}" for m, a, p in (r["upstream-ref"], r["ours-ref"], r["ours-upstream"])
+        )
         ms = r["ms"]
         print(f"{tile:>5}{tiles:>6}{r['decode_scale']:>7}  {cells}  {ms['ours']:8.2f}{ms['upstream']:12.2f}"
               f"{ms['upstream'] / ms['ours']:8.2f}x")

@@ -30,9 +30,10 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from ..report import table
 from ..timing import median_ms
+from ..weights import lowbit_kernels
 from ..weights.bf16 import BF16_MIN_ROWS
 from ..weights.gemm import onednn_linear
-from ..weights.linear_forms import LinearForms, weight_bytes
+from ..weights.linear_forms import LinearForms, Quantized, quantized_folder, weight_bytes
 
 CAP_BYTES = 2 << 30
 MIN_BYTES = 8 << 20
@@ -105,13 +106,29 @@ class StageCost:
         return self.flops / peak_flops * 1000
 
 
-@register_flop_formula(torch.ops.aten._weight_int8pack_mm)
-def _int8pack_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """x [M, K] @ w_int8 [N, K].T: the same 2 M K N as the float matmul it replaces (weights/int8.py)."""
+def _linear_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """x [M, K] @ W [N, K].T: 2 M K N, as the float matmul it replaces (the low-bit forms' kernels,
+    weights/lowbit.py, whose first two operands are x and the weight's codes [N, ...])."""
     return 2 * a_shape[0] * a_shape[1] * b_shape[0]
 
 
+register_flop_formula(torch.ops.aten._weight_int8pack_mm)(_linear_flops)
+_lowbit_flops_registered = False
+
+
+def register_lowbit_flops() -> None:
+    """FLOP formulas of the low-bit kernels' operators (registered once they are loaded)."""
+    global _lowbit_flops_registered
+    if _lowbit_flops_registered or not lowbit_kernels.load():
+        return
+    ops = torch.ops.litevlm_lowbit
+    for op in (ops.int4_linear, ops.int8_linear, ops.fp16_linear):
+        register_flop_formula(op)(_linear_flops)
+    _lowbit_flops_registered = True
+
+
 def count_flops(fn) -> int:
+    register_lowbit_flops()
     with FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())
@@ -134,9 +151,30 @@ def columns_read(rt, live: int) -> int:
     return min(n for n in sizes if n >= live)
 
 
+def head_modules(lm) -> list:
+    """What the LM head reads: its Linear (or low-bit form), or, tied (InternVL3/3.5), the embedding
+    table it multiplies by (float, or the one low-bit copy that also serves the lookup)."""
+    return [lm.head] if isinstance(lm.head, torch.nn.Module) else [lm.embed]
+
+
 def decoder_modules(rt) -> list:
+    """Every module a decode step reads the weights of: the layers, the final norm and the head."""
     lm = rt.lm
-    return list(lm.layers) + [lm.norm] + ([lm.head] if isinstance(lm.head, torch.nn.Module) else [])
+    return list(lm.layers) + [lm.norm] + head_modules(lm)
+
+
+def decode_step(rt, context: int):
+    """One decode step as greedy decoding runs it through the runtime's engines: a row over
+    `context` cached rows, the LM head, the argmax (what a token costs; the KV row is written)."""
+    a, e = rt.arena, rt.engines
+    context = min(context, a.max_len - 2)
+    x = torch.zeros(1, rt.cfg.llm.hidden_size, dtype=rt.dtype, device=rt.device)
+
+    def run():
+        hidden = e.decoder.step(x, a.positions[context:context + 1], a.slots[context:context + 1],
+                                a.all_visible(1, context), a.causal_mask(1))
+        e.head.run(hidden).argmax(-1)
+    return run
 
 
 @torch.inference_mode()
@@ -150,14 +188,10 @@ def stage_costs(rt, stages: tuple[str, ...], context: int, prompt_rows: int, til
     context = min(context, a.max_len - 2)
     x = torch.zeros(1, d, dtype=dt, device=dev)
     out = []
-    head_modules = [lm.head] if isinstance(lm.head, torch.nn.Module) else []
-    head_bytes = weight_bytes(head_modules) if head_modules else lm.embed.weight.numel() * lm.embed.weight.element_size()
+    head_bytes = weight_bytes(head_modules(lm))
     for stage in stages:
         if stage == "step":
-            def run():
-                hidden = e.decoder.step(x, a.positions[context:context + 1], a.slots[context:context + 1],
-                                        a.all_visible(1, context), a.causal_mask(1))
-                e.head.run(hidden).argmax(-1)
+            run = decode_step(rt, context)
 
             def eager():
                 hidden, _, _ = lm(x, a.positions[context:context + 1], a.causal_mask(1),
@@ -188,9 +222,15 @@ def stage_costs(rt, stages: tuple[str, ...], context: int, prompt_rows: int, til
             def run():
                 e.vision.run(pixels)
             vision_modules = [rt.model.vision_model, rt.model.mlp1]
-            out.append(StageCost(f"vision ({n} tiles)", median_ms(run, repeats, dev), weight_bytes(vision_modules, many_rows=True),
-                                 count_flops(lambda: rt.model.encode_images(pixels, rt.pos_embed)),
-                                 rows=n * rt.cfg.patches_per_side ** 2))
+            out.append(
+                StageCost(
+                    f"vision ({n} tiles)",
+                    median_ms(run, repeats, dev),
+                    weight_bytes(vision_modules, many_rows=True),
+                    count_flops(lambda: rt.model.encode_images(pixels, rt.pos_embed)),
+                    rows=n * rt.cfg.patches_per_side**2,
+                )
+            )
         else:
             raise ValueError(f"roofline stage {stage!r}: one of step, head, prefill, vision")
     return out
@@ -252,7 +292,7 @@ def median(values: list[float]) -> float:
 # ---------------------------------------------------------------------- the benchmark
 def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int, prompt_rows: int, tiles: int,
                  rounds: int = 3, repeats: int = 5, progress=print) -> dict:
-    """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8, bf16)
+    """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8, int4, ...)
     they alternate round by round in this process, in reversed order every other round (every
     form of the linears kept: LinearForms), so a loaded machine hits them alike. Returns the
     figures for roofline_table."""
@@ -262,7 +302,15 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
         if rt.engines.backend != "torch":
             raise ValueError(f"--weights {','.join(weights)}: alternating weights in one process needs backend torch "
                              f"(a compiled backend would recompile per switch); run one --backend.weights per process")
-        swap = LinearForms(rt.model, weights, extra=(rt.token_selector, rt.draft))
+        quantized = None
+        if "int4" in weights:        # the stored AWQ weights (int4-rtn quantizes at load)
+            folder = quantized_folder(rt.options.backend.quantized, rt.model_dir)
+            if folder is None:
+                raise ValueError("--weights int4 reads AWQ weights from `litevlm quantize` (--backend.quantized DIR); "
+                                 "int4-rtn quantizes at load")
+            quantized = Quantized(folder, rt.model_dir)
+        swap = LinearForms(rt.model, weights, extra=(rt.token_selector, rt.draft), quantized=quantized,
+                           keep_float="float" in weights)
     machine = Machine()
     load_before = os.getloadavg()[0]
     times: dict[str, dict[str, list[float]]] = {w: {} for w in weights}
@@ -279,16 +327,16 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
     for w in weights:                                   # median over the rounds
         for c in costs[w]:
             c.ms = median(times[w][c.name])
-    if swap is not None:
+    if swap is not None and "float" in weights:
         swap.use(rt.options.backend.weights)
     rows = []
     for w in weights:
         rows += roofline_rows(costs[w], machine.bandwidth, lambda c, w=w: machine.peak_for(w, c), label=w)
     ratios = []
-    if len(weights) > 1:
-        base = costs[weights[0]]
-        for w in weights[1:]:
-            ratios += [[f"{w} vs {weights[0]}", b.name, b.ms / c.ms] for b, c in zip(base, costs[w])]
+    pairs = [(w, weights[0]) for w in weights[1:]]
+    pairs += [(w, "int8") for w in weights if w.startswith("int4") and "int8" in weights[1:]]   # int4's own bar
+    for w, ref in pairs:
+        ratios += [[f"{w} vs {ref}", b.name, b.ms / c.ms] for b, c in zip(costs[ref], costs[w])]
     return {"model": rt.name, "backend": rt.engines.backend, "threads": torch.get_num_threads(),
             "dtype": rt.options.dtype, "rounds": rounds, "load": (load_before, os.getloadavg()[0]),
             "peak_gflops": machine.peak_flops / 1e9, "bf16_peak_gflops": (machine.bf16_peak_flops or 0) / 1e9,

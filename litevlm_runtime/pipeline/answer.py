@@ -1,8 +1,18 @@
-"""The result of one query: what the pipeline says and what it cost, stage by stage."""
+"""The result of one query: what the pipeline says and what it cost, stage by stage.
+
+Its fields are the one list every form of an answer is derived from: the query server's record
+adds the serving envelope to them (serving/record.py: `AnswerRecord(Answer)`), and the record's
+JSON, the ROS `Answer` message (ros/messages.py), `bag record`'s rows and the fleet's Parquet
+columns are all made from the record's fields (tests/test_answer_fields.py fails when one of
+them, or litevlm_msgs/msg/Answer.msg, lacks a field the others have).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from ..cameras import CAMERAS
+from ..objects import ObjectRef, parse_objects
 
 # The stages of one query, in execution order. Every Answer reports all of them.
 STAGES = ("view_select", "preprocess", "vision", "token_select", "prefill", "decode")
@@ -10,24 +20,35 @@ STAGES = ("view_select", "preprocess", "vision", "token_select", "prefill", "dec
 
 @dataclass
 class Answer:
-    question: str
-    text: str
-    token_ids: list[int]
-    stage_ms: dict[str, float]          # stage name -> milliseconds, in STAGES order
-    cameras: list[str]                  # cameras the view selector kept, rig order
-    visual_tokens: int                  # visual tokens produced by the vision encoder
-    kept_tokens: int                    # visual tokens left after token selection
-    input_tokens: int                   # prompt length fed to prefill (text + kept visual)
-    decode_steps: int                   # decoder forward passes after prefill
+    question: str = ""
+    text: str = ""                      # the answer (JSON and the ROS message call it `answer`)
+    token_ids: list[int] = field(default_factory=list)
+    stage_ms: dict[str, float] = field(default_factory=dict)   # stage name -> milliseconds, in STAGES order
+    cameras: list[str] = field(default_factory=list)           # cameras the view selector kept, rig order
+    visual_tokens: int = 0              # visual tokens produced by the vision encoder
+    kept_tokens: int = 0                # visual tokens left after token selection
+    input_tokens: int = 0               # prompt length fed to prefill (text + kept visual)
+    decode_steps: int = 0               # decoder forward passes after prefill
     accepted_length: float = 1.0        # mean tokens accepted per decode step (EAGLE-2; 1 for greedy)
     pipeline: str = ""                  # which pipeline served: "baseline" or "litevlm[views,tokens@0.8,eagle]"
     reused_cameras: list[str] = field(default_factory=list)   # visual features from an earlier query's frames
     degraded: list[str] = field(default_factory=list)         # what a latency budget cut ("views 3->1", ...)
     budget_ms: float = 0.0              # the latency budget planned for (0: none)
-    turn: int = 1                       # its turn in a conversation (1: a first question; follow-ups 2, 3, ...)
-    reused_tokens: int = 0              # prompt rows whose KV came from the turn it follows (prefill ran input_tokens after them)
-    prompt_sha256: str = ""             # of its prompt's ids (stages/prompt.py prompt_digest; `litevlm prompt` prints it)
-    extra: dict = field(default_factory=dict)
+    turn: int = 1  # its turn in a conversation (1: a first question; follow-ups 2, 3, ...)
+    reused_tokens: int = 0  # prompt rows whose KV came from the turn it follows (prefill ran input_tokens after them)
+    prompt_sha256: str = ""  # of its prompt's ids (stages/prompt.py prompt_digest; `litevlm prompt` prints it)
+    batched_steps: int = 0              # decode steps taken together with other queries (in-flight batching)
+    # The object tags of the answer and of the question as data (objects.py; every answer, a regex's
+    # microseconds), and tag-like text of either that names no object, with why ("answer '<c1,CAM_BAK,1,2>':
+    # unknown camera CAM_BAK ..."): a planner or a display reads objects without parsing text.
+    objects: list[ObjectRef] = field(default_factory=list)            # the answer's, in text order
+    question_objects: list[ObjectRef] = field(default_factory=list)   # the question's, in text order
+    malformed_tags: list[str] = field(default_factory=list)
+    # Diagnostics of this process only (EAGLE-2's rounds): in no record, message or row.
+    extra: dict = field(default_factory=dict, metadata={"wire": False})
+    # What its explanation reads (pipeline/explanation.py QueryTrace), taken only when the request asked
+    # for one (QueryRequest.explain); None otherwise. In no record, message or row.
+    trace: object = field(default=None, repr=False, compare=False, metadata={"wire": False})
 
     @property
     def budget_met(self) -> bool:
@@ -35,10 +56,22 @@ class Answer:
 
     @property
     def total_ms(self) -> float:
-        return sum(self.stage_ms.values())
+        return float(sum(self.stage_ms.values()))
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """JSON-ready: every field but the trace (tensors; its explanation is the JSON-able form)."""
+        d = asdict(replace(self, trace=None))
+        del d["trace"]
         d["total_ms"] = self.total_ms
         d["budget_met"] = self.budget_met
         return d
+
+
+def object_fields(question: str, text: str, cameras=CAMERAS) -> dict:
+    """The Answer's object fields for a question and its answer's text (objects.parse_objects on
+    each): `objects`, `question_objects`, and `malformed_tags` naming where each was and why."""
+    asked, answered = parse_objects(question, cameras), parse_objects(text, cameras)
+    return {"objects": list(answered.objects), "question_objects": list(asked.objects),
+            "malformed_tags": [f"{where} {m.text!r}: {m.reason}" for where, parsed in (("question", asked),
+                                                                                       ("answer", answered))
+                               for m in parsed.malformed]}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.config import ModelConfig
+from ..models.kv_cache import QuantizedKV, kv_zeros
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class Limits:
     cached_cameras: int = 0       # visual features kept for later queries (feature_cache.py)
     batch: int = 1                # queries decoded together (serving.max_batch): one KV region each
     conversations: int = 0        # answered turns kept for follow-up questions: one KV region each (conversation.py)
-    prefix_rows: int = 0          # the prompt prefix every query shares, its KV kept (prefix.py; 0: not kept)
+    prefix_rows: int = 0  # the prompt prefix every query shares, its KV kept (prefix.py; 0: not kept)
+    kv_dtype: str = "float"  # the KV cache's elements: float (the pipeline's dtype) | int8 | fp8 (models/kv_cache.py)
 
     def max_tiles(self) -> int:
         return self.cameras * self.tiles_per_camera
@@ -67,14 +69,17 @@ class Arena:
         self.layer_mask = torch.zeros(self.max_query, self.max_len, dtype=torch.bool, **alloc)
         # One KV region per query of a batch (batching.py), [batch, layers, kv_heads, max_len,
         # head_dim]; region 0 is the cache every single-query stage and engine uses (k_cache).
-        self.k_regions = torch.zeros(limits.batch, *kv_shape, dtype=dtype, **alloc)
-        self.v_regions = torch.zeros(limits.batch, *kv_shape, dtype=dtype, **alloc)
+        # With limits.kv_dtype int8/fp8 every cache below but the draft's is a QuantizedKV (codes and
+        # a scale per head and row; models/kv_cache.py), indexed like the float tensor.
+        kv = lambda shape: kv_zeros(shape, limits.kv_dtype, dtype, device)  # noqa: E731
+        self.k_regions = kv((limits.batch, *kv_shape))
+        self.v_regions = kv((limits.batch, *kv_shape))
         self.k_cache = self.k_regions[0]
         self.v_cache = self.v_regions[0]
         # Follow-up questions (conversation.py): the KV rows of recently answered turns, copied out of
         # the region that decoded them, and back into the region of the follow-up that continues one.
-        self.k_turns = torch.zeros(limits.conversations, *kv_shape, dtype=dtype, **alloc)
-        self.v_turns = torch.zeros(limits.conversations, *kv_shape, dtype=dtype, **alloc)
+        self.k_turns = kv((limits.conversations, *kv_shape))
+        self.v_turns = kv((limits.conversations, *kv_shape))
         # A batched decode step's rows (one per region): token, position, slot in its region, the
         # region columns it sees, and the identity mask of its own new row.
         self.batch_tokens = torch.zeros(limits.batch, dtype=torch.long, **alloc)
@@ -88,20 +93,36 @@ class Arena:
                                          dtype=dtype, **alloc)
         # The shared prompt prefix (prefix.py): its KV rows and final-norm features, computed once.
         prefix_shape = (llm.num_hidden_layers, llm.num_key_value_heads, limits.prefix_rows, llm.head_dim)
-        self.prefix_k = torch.zeros(prefix_shape, dtype=dtype, **alloc)
-        self.prefix_v = torch.zeros(prefix_shape, dtype=dtype, **alloc)
+        self.prefix_k = kv(prefix_shape)
+        self.prefix_v = kv(prefix_shape)
         self.prefix_hidden = torch.zeros(limits.prefix_rows, d, dtype=dtype, **alloc)
+        # (the EAGLE-2 draft's one-layer cache stays in the pipeline's dtype whatever kv_dtype says:
+        # 1/layers of the bytes, and the draft only proposes tokens the target verifies)
         draft_shape = (limits.draft_layers, llm.num_key_value_heads, self.max_len, llm.head_dim)
         self.draft_k = torch.zeros(draft_shape, dtype=dtype, **alloc)
         self.draft_v = torch.zeros(draft_shape, dtype=dtype, **alloc)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        out = {}
+        for k, v in vars(self).items():
+            if isinstance(v, torch.Tensor):
+                out[k] = v
+            elif isinstance(v, QuantizedKV):
+                out[f"{k}.codes"], out[f"{k}.scales"] = v.tensors()
+        return out
 
-    def nbytes(self) -> int:
+    def nbytes(self, names=None) -> int:
+        """Bytes of the arena's buffers (`names`: only those whose name starts with one of them)."""
         # (k_cache/v_cache are views of the regions: each storage counted once)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.buffers().values()}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for k, t in self.buffers().items()
+                    if names is None or k.startswith(tuple(names))}
         return sum(storages.values())
+
+    KV_BUFFERS = ("k_regions", "v_regions", "k_turns", "v_turns", "prefix_k", "prefix_v", "draft_k", "draft_v")
+
+    def kv_nbytes(self) -> int:
+        """Bytes of every KV buffer: the batch regions, conversation turns, prompt prefix and draft cache."""
+        return self.nbytes(self.KV_BUFFERS)
 
     def causal_mask(self, n: int) -> torch.Tensor:
         """mask_new[:n, :n] set to lower-triangular (True = may attend), in place."""

@@ -2,12 +2,13 @@
 step over every running query (Orca's iteration-level scheduling, on the static arena).
 
     batch = BatchDecoder(pipeline)
-    batch.admit(images, question, ...)     every stage up to prefill, into a free KV region
+    batch.admit(images, request, ...)      every stage up to prefill, into a free KV region
     batch.step()                           one decoder pass over every running query -> finished Answers
 
 Each query of a batch owns one KV region of the arena (`k_regions[r]`, sized once from max_batch
-at start-up) and keeps its own slots, positions, mask row, answer cap, budget plan, temperature
-and seed (its region runtime's sampler). Admission is prefill-then-join: a query arriving while
+at start-up: `Runtime.region`) and keeps its own slots, positions, mask row, answer cap, budget
+plan, temperature and generator (its QueryState; the runtime is shared, never copied). Admission is
+prefill-then-join: a query arriving while
 others decode runs view selection .. prefill on its own (the single-query stages, unchanged,
 writing its region) and joins at the next step. Mixed steps (its prefill rows and the others'
 decode rows in one pass) were measured and lose here: `scripts/batch_costs.py`, docs/serving.md.
@@ -27,30 +28,17 @@ query's speculation does.
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from ..decoding.greedy import Decoded, Prompt, choose, greedy
 from ..decoding.speculative import eagle2, speculates
 from .answer import Answer
-from .pipeline import Pipeline, Started
-from .runtime import Runtime
-
-
-def region_runtime(rt: Runtime, region: int) -> Runtime:
-    """The runtime whose single-query stages and engines (prefill, greedy and EAGLE-2 steps)
-    read and write KV region `region`; everything else (model, scratch buffers, feature cache,
-    cost tables) is shared. Region 0 is `rt` itself. Its own sampler: each query its own draws."""
-    if region == 0:
-        return rt
-    a = copy.copy(rt.arena)
-    a.k_cache, a.v_cache = rt.arena.k_regions[region], rt.arena.v_regions[region]
-    engines = replace(rt.engines, decoder=rt.engines.decoder.on_region(a.k_cache, a.v_cache))
-    return replace(rt, arena=a, engines=engines,
-                   sampler=torch.Generator(device="cpu").manual_seed(rt.options.decoding.seed))
+from .pipeline import Pipeline, QueryState
+from .request import QueryRequest
 
 
 def batch_speculates(costs, rows: int, max_depth: int) -> bool:
@@ -72,7 +60,7 @@ def batch_speculates(costs, rows: int, max_depth: int) -> bool:
 @dataclass
 class Running:
     """One query of the batch after prefill."""
-    started: Started
+    q: QueryState
     region: int
     tokens: list[int]                 # the answer so far (EOS excluded); the last is not yet in the cache
     slot: int                         # its cache slot in the region
@@ -89,12 +77,8 @@ class Running:
     start_mark: object = None
 
     @property
-    def rt(self) -> Runtime:
-        return self.started.rt
-
-    @property
     def max_new(self) -> int:
-        return self.started.plan.max_new_tokens
+        return self.q.plan.max_new_tokens
 
 
 class BatchDecoder:
@@ -103,7 +87,6 @@ class BatchDecoder:
         self.pipe, self.rt = pipe, rt
         self.engine = rt.engines.batch            # the backend's batched step (engines/base.py)
         self.capacity = rt.arena.limits.batch if self.engine is not None else 1
-        self.regions = [region_runtime(rt, r) for r in range(self.capacity)]
         self.free = list(range(self.capacity))
         self.running: list[Running] = []
         self.finished: list[tuple[Running, Answer]] = []
@@ -116,31 +99,25 @@ class BatchDecoder:
         return len(self.running)
 
     @torch.inference_mode()
-    def admit(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
-              budget_ms: float = 0.0, on_tokens=None, temperature: float | None = None, seed: int | None = None,
-              tag=None, choices: list[str] | None = None, answer_schema: str = "", follow_up_of=None,
-              turn_id=None) -> Running:
+    def admit(self, images: dict, request: QueryRequest | str, frame_keys: Mapping | None = None, on_tokens=None,
+              tag=None) -> Running:
         """View selection .. prefill for one query into a free region; it joins the next step.
         Raises what Pipeline.answer raises (InputError ...), the region then stays free. A query
-        whose first token ends it is finished at once (in `finished`, returned by the next step).
-        `follow_up_of` / `turn_id`: as Pipeline.answer's (conversation.py)."""
+        whose first token ends it is finished at once (in `finished`, returned by the next step)."""
         region = self.free.pop(0)
-        rt = self.regions[region]
         try:
-            started = self.pipe.begin(images, question, max_new_tokens, frame_keys, budget_ms, rt=rt,
-                                      choices=choices, answer_schema=answer_schema, temperature=temperature,
-                                      seed=seed, follow_up_of=follow_up_of, turn_id=turn_id)
+            q = self.pipe.begin(images, request, frame_keys, region=region)
         except BaseException:
             self.free.insert(0, region)
             self.free.sort()
             raise
         for other in self.running:
             other.fresh = False                # the prompt scratch (embeds) is this query's now
-        prompt, plan = started.prompt, started.plan
-        speculate = plan.decoding == "eagle" and speculates(rt)
-        r = Running(started, region, [], prompt.length, prompt.next_pos, "eagle" if speculate else "greedy",
-                    on_tokens, tag, start_mark=started.timer.mark())
-        if prompt.first in rt.tok.eos_ids or plan.max_new_tokens <= 0:
+        prompt, plan = q.prompt, q.plan
+        speculate = plan.decoding == "eagle" and speculates(self.rt)
+        r = Running(q, region, [], prompt.length, prompt.next_pos, "eagle" if speculate else "greedy",
+                    on_tokens, tag, start_mark=q.timer.mark())
+        if prompt.first in self.rt.tok.eos_ids or plan.max_new_tokens <= 0:
             self._finish(r)
         else:
             r.tokens.append(prompt.first)
@@ -174,7 +151,7 @@ class BatchDecoder:
     def _alone(self, r: Running, waiting) -> None:
         """The decoder an unbatched query would run, from where `r` is, until it ends or a query
         waits. EAGLE-2 only from the prompt (its draft catches up from the prompt's features)."""
-        rt = r.rt
+        rt = self.rt
         prefix = r.tokens[:-1]
 
         def on_tokens(ids):
@@ -184,12 +161,12 @@ class BatchDecoder:
         t0 = time.perf_counter()
         kind = "eagle" if r.decoded_as == "eagle" and r.fresh and not r.steps else "greedy"
         if kind == "eagle":
-            out = eagle2(rt, r.started.prompt, r.max_new, on_tokens, stop=waiting)
+            out = eagle2(rt, r.q.decoding, r.q.prompt, r.max_new, on_tokens, stop=waiting)
         else:
             prompt = Prompt(length=r.slot, next_pos=r.position, first=r.tokens[-1], hidden=None,
                             input_tokens=0, kept_tokens=0)
-            out = greedy(rt, prompt, r.max_new - len(prefix), on_tokens, stop=waiting)
-        if out.resume is not None and r.started.plan.decoding == "eagle" and rt.costs is not None:
+            out = greedy(rt, r.q.decoding, prompt, r.max_new - len(prefix), on_tokens, stop=waiting)
+        if out.resume is not None and r.q.plan.decoding == "eagle" and rt.costs is not None:
             # Stopped for a query that joins: what it decoded alone teaches the speculation policy
             # as a whole answer of that kind would (an answer that ends alone teaches at finish).
             # Under load most answers end batched, and without this a batching node's policy kept
@@ -224,7 +201,7 @@ class BatchDecoder:
         logits = rt.engines.head.run(hidden)
         eos = rt.tok.eos_ids
         for r in list(self.running):
-            nxt = choose(r.rt, logits[r.region:r.region + 1])
+            nxt = choose(r.q.decoding, logits[r.region:r.region + 1])
             r.steps += 1
             r.rounds.append("batched")
             r.slot, r.position, r.fresh = r.slot + 1, r.position + 1, False
@@ -236,6 +213,17 @@ class BatchDecoder:
             if len(r.tokens) >= r.max_new:
                 self._finish(r)
 
+    def preempt(self, r: Running) -> None:
+        """Take running query `r` out of the batch unfinished (a waiting query outranks it): its
+        region is free at once and its state is dropped; the caller runs its request again later,
+        from its start (the same answer: greedy, or sampling from its own seed)."""
+        if r.done:
+            return
+        r.done = True
+        self.running.remove(r)
+        self.free.append(r.region)
+        self.free.sort()
+
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, r: Running) -> None:
         if r.on_tokens is not None and len(r.tokens) > r.emitted:
@@ -246,7 +234,7 @@ class BatchDecoder:
         if r.done:
             return
         r.done = True
-        timer = r.started.timer
+        timer = r.q.timer
         timer.record("decode", r.start_mark, timer.mark())
         if r in self.running:
             self.running.remove(r)
@@ -257,7 +245,7 @@ class BatchDecoder:
         accepted = (emitted / r.steps if r.steps else 1.0) if batched else r.accepted
         out = Decoded(list(r.tokens), r.steps, accepted, [x for x in r.rounds if x != "batched"])
         # The speculation policy learns from answers decoded the one way only.
-        ans = self.pipe.finish(r.started, out, None if batched else r.decoded_as, learn_costs=not batched)
+        ans = self.pipe.finish(r.q, out, None if batched else r.decoded_as, learn_costs=not batched)
         if batched:
-            ans.extra["batched_steps"] = sum(1 for x in r.rounds if x == "batched")
+            ans.batched_steps = sum(1 for x in r.rounds if x == "batched")
         self.finished.append((r, ans))

@@ -51,8 +51,8 @@ from ..errors import InputError
 class Turn:
     """An answered query, as a follow-up continues it."""
     history: tuple[tuple[str, str], ...]   # (question, answer text) of every turn so far, this one last
-    cameras: tuple[str, ...]               # the conversation's views (its first question chose them), rig order
-    keep: list[torch.Tensor]               # per camera, the kept visual token indices (chosen against the first question)
+    cameras: tuple[str, ...]  # the conversation's views (its first question chose them), rig order
+    keep: list[torch.Tensor]  # per camera, the kept visual token indices (chosen against the first question)
     keep_ratio: float
     frame_keys: Mapping | None             # what identifies its frames: a follow-up uses the same
     rows: list[tuple[int, int]]            # (token id, position) of each KV row its slot holds, slot order
@@ -106,6 +106,11 @@ class Conversations:
                 raise InputError(f"{what}: a follow-up is about the frames of the turn it follows; camera "
                                  f"{other[0]}'s frame differs", about="follow_up")
         return turn
+
+    def get(self, turn_id: Hashable) -> Turn | None:
+        """The kept turn `turn_id`, or None (a look-up: `follow` is the check that names why not)."""
+        with self.lock:
+            return self.turns.get(turn_id)
 
     def restore(self, turn: Turn, rows: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
         """Copy into a KV region (k_cache [layers, kv_heads, max_len, head_dim]) the rows of `turn`'s

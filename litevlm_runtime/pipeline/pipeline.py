@@ -10,47 +10,57 @@ pipeline, with every module the model folder carries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..decoding.constrain import compile_constraint
-from ..decoding.greedy import Prompt, choose, greedy
+from ..decoding.greedy import Prompt, QueryDecoding, choose, greedy
 from ..decoding.spec_policy import measure_costs
 from ..decoding.speculative import eagle2, speculates
+from ..engines.base import KVRegion
 from ..errors import InputError, LiteVLMError
 from ..options import DecodingMode, PipelineOptions
 from ..stages.budget import Plan
 from ..stages.preprocess import load_image, to_tiles_uint8
-from ..stages.prompt import build_prompt, is_blank, prompt_digest
+from ..stages.prompt import build_prompt, prompt_digest
 from ..stages.token_selector import PromptLayout
 from ..stages.view_selector import keyword_map
 from ..timing import StageTimer
-from ..weights.tokenizer import SPECIAL_TOKENS
-from .answer import Answer
+from .answer import Answer, object_fields
 from .conversation import Turn
+from .explanation import QueryTrace, prompt_trace
+from .request import QueryRequest
 from .runtime import Runtime, build_runtime
 
 
 @dataclass
-class Started:
-    """A query after prefill: what its decode starts from and its Answer is built from."""
-    rt: Runtime
-    question: str
-    plan: Plan
+class QueryState:
+    """One query's own state, from its first stage to its Answer: the request it answers, its
+    decoding state (KV region, sampling generator, constraint matcher), the conversation turn it
+    continues, and what each stage left for the next. The runtime is shared and never copied."""
+    request: QueryRequest
+    decoding: QueryDecoding
     timer: StageTimer
-    reused: list[str]             # cameras whose visual features came from the feature cache
-    encoded: int                  # cameras the vision stage ran for
-    prompt: Prompt
-    max_new: int                  # the answer cap before any budget cut
+    frame_keys: Mapping | None                 # camera -> what identifies its image (visual reuse, follow-ups)
+    max_new: int                               # the answer cap before any budget cut
     budget_ms: float
-    history: tuple = ()           # the earlier turns of its conversation, (question, answer) oldest first
-    keep: list | None = None      # per camera, the visual tokens kept (its conversation's first question chose them)
-    frame_keys: object = None
-    prompt_sha256: str = ""       # of the full prompt's ids (stages/prompt.py prompt_digest)
-    turn_id: object = None        # kept under this id for follow-ups when answered (None: not kept)
-    rows: list | None = None      # (token id, position) of its prefill rows, when it is to be kept
+    turn: Turn | None = None                   # the answered turn it continues (a follow-up)
+    history: tuple = ()                        # the earlier turns of its conversation, (question, answer) oldest first
+    plan: Plan | None = None
+    reused: list[str] = field(default_factory=list)   # cameras whose visual features came from the feature cache
+    encoded: int = 0  # cameras the vision stage ran for
+    keep: list | None = None  # per camera, the visual tokens kept (its conversation's first question chose them)
+    prompt: Prompt | None = None
+    prompt_sha256: str = ""                    # of the full prompt's ids (stages/prompt.py prompt_digest)
+    rows: list | None = None                   # (token id, position) of its prefill rows, when it is to be kept
+    trace: QueryTrace | None = None            # what its explanation reads, when its request asks for one
+
+    @property
+    def region(self) -> KVRegion:
+        return self.decoding.region
 
 
 class Pipeline:
@@ -75,61 +85,45 @@ class Pipeline:
 
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
-    def answer(self, images: dict, question: str, max_new_tokens: int | None = None, on_tokens=None,
-               decoder=None, frame_keys: dict | None = None, budget_ms: float = 0.0,
-               choices: list[str] | None = None, answer_schema: str = "", temperature: float | None = None,
-               seed: int | None = None, history=(), follow_up_of=None, turn_id=None) -> Answer:
-        """One query. `frame_keys` (camera -> what identifies its image, e.g. the frame's stamp)
-        lets later questions about the same frames reuse their visual features; `budget_ms` (0:
-        the configured default, none) makes the plan fit a latency budget; `on_tokens(ids so far)`
-        sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
-        overrides the configured decoding for this call. `choices` / `answer_schema` (a JSON
-        schema): the answer is exactly one choice / valid JSON for it (constrain.py).
-        `temperature` / `seed`: this query's sampling (None: the configured ones).
+    def answer(self, images: dict, request: QueryRequest | str, *, frame_keys: Mapping | None = None,
+               on_tokens=None, decoder=None) -> Answer:
+        """One query (request.py; a plain question is the request of its text). `frame_keys`
+        (camera -> what identifies its image, e.g. the frame's stamp) lets later questions about
+        the same frames reuse their visual features and follow up on its answer; `on_tokens(ids so
+        far)` sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
+        overrides the configured decoding for this call.
 
-        Conversations (conversation.py): `history`, the (question, answer) turns asked earlier
-        about these images, oldest first, makes the query their next turn, computed from scratch;
-        `turn_id` keeps the answered query under that id, and a later `follow_up_of=turn_id` (with
-        the same images and frame keys) continues that conversation, reusing its KV and its first
-        question's views and visual tokens. Both give the prompt upstream's `chat(history=)` builds."""
-        started = self.begin(images, question, max_new_tokens, frame_keys, budget_ms, choices=choices,
-                             answer_schema=answer_schema, temperature=temperature, seed=seed, history=history,
-                             follow_up_of=follow_up_of, turn_id=turn_id)
-        rt, plan = started.rt, started.plan
-        with started.timer("decode"):
+        Conversations (conversation.py): `request.history`, the (question, answer) turns asked
+        earlier about these images, makes the query their next turn, computed from scratch;
+        `request.keep_turn` keeps the answered query under its id, and a later request with
+        `follow_up_of` that id (with the same images and frame keys) continues that conversation,
+        reusing its KV and its first question's views and visual tokens. Both give the prompt
+        upstream's `chat(history=)` builds."""
+        q = self.begin(images, request, frame_keys)
+        rt, plan = self.rt, q.plan
+        with q.timer("decode"):
             speculate = decoder is None and plan.decoding == "eagle" and speculates(rt)
             decode = decoder or (eagle2 if speculate else greedy)
-            out = decode(rt, started.prompt, plan.max_new_tokens, on_tokens)
-        return self.finish(started, out, ("eagle" if speculate else "greedy") if decoder is None else None)
+            out = decode(rt, q.decoding, q.prompt, plan.max_new_tokens, on_tokens)
+        return self.finish(q, out, ("eagle" if speculate else "greedy") if decoder is None else None)
 
-    def begin(self, images: dict, question: str, max_new_tokens: int | None = None, frame_keys: dict | None = None,
-              budget_ms: float = 0.0, rt: Runtime | None = None, choices: list[str] | None = None,
-              answer_schema: str = "", temperature: float | None = None, seed: int | None = None, history=(),
-              follow_up_of=None, turn_id=None) -> "Started":
+    def begin(self, images: dict, request: QueryRequest | str, frame_keys: Mapping | None = None,
+              region: int = 0) -> QueryState:
         """Every stage of one query up to and including prefill (the first answer token chosen):
-        what `answer` decodes from, and what the batch scheduler (batching.py) admits. `rt`: the
-        runtime whose KV region prefill writes (default: this pipeline's, region 0)."""
-        rt = with_sampling(rt or self.rt, temperature, seed)
-        check_question(rt, question)
-        if follow_up_of is not None and history:
-            raise InputError("history= and follow_up_of=: a follow-up's history is the turn it follows'", about="question")
-        turn = rt.conversations.follow(follow_up_of, frame_keys) if follow_up_of is not None else None
-        history = turn.history if turn is not None else check_history(rt, history)
-        first = history[0][0] if history else question    # the question the images came with
-        constraint = compile_constraint(rt, choices, answer_schema)
-        if constraint is not None:
-            rt = replace(rt, constraint=constraint)       # this query's runtime: its decoding is masked
-        max_new = min(max_new_tokens or rt.options.max_new_tokens, rt.arena.limits.new_tokens)
-        rt.sampler.manual_seed(rt.options.decoding.seed)   # sampling: the same query, the same answer
-        budget = budget_ms or rt.options.serving.latency_budget_ms
-        timer = StageTimer(rt.device)
+        what `answer` decodes from, and what the batch scheduler (batching.py) admits. `region`:
+        the arena's KV region prefill writes (the batch decoder gives each query its own)."""
+        rt = self.rt
+        q = start_query(rt, QueryRequest.of(request).checked(rt), frame_keys, region)
+        turn, timer = q.turn, q.timer
+        first = q.history[0][0] if q.history else q.request.question     # the question the images came with
 
         with timer("view_select"):
             if turn is None:
                 cameras = select_views(rt, first)
-                plan = plan_query(rt, first, cameras, frame_keys, budget, max_new)   # fewer/less if over budget
+                q.plan = plan_query(rt, first, cameras, frame_keys, q.budget_ms, q.max_new)  # fewer/less if over budget
             else:
-                plan = plan_follow_up(rt, turn, question, budget, max_new)   # its conversation's views and tokens
+                q.plan = plan_follow_up(rt, turn, q.request.question, q.budget_ms, q.max_new)   # its conversation's
+        plan = q.plan
         check_images(images, plan.cameras)
         in_kv = plan.cameras if turn is not None and rt.fastv is None else []   # their rows come with the turn's KV
         cached = cached_visual(rt, [c for c in plan.cameras if c not in in_kv], frame_keys)  # from earlier queries
@@ -142,37 +136,46 @@ class Pipeline:
         with timer("token_select"):
             if turn is None:      # the first question's own prompt: what its visual tokens are ranked against
                 layout = assemble_prompt(rt, plan.cameras, first, visual)
-                keep = select_tokens(rt, layout, plan.keep_ratio)   # per camera: kept token indices
+                q.keep = select_tokens(rt, layout, plan.keep_ratio)   # per camera: kept token indices
             else:
-                keep = turn.keep  # the conversation's (its first question chose them)
-            if history:           # the whole conversation, as upstream builds it
-                layout = assemble_prompt(rt, plan.cameras, question, visual, history)
+                q.keep = turn.keep  # the conversation's (its first question chose them)
+            if q.history:         # the whole conversation, as upstream builds it
+                layout = assemble_prompt(rt, plan.cameras, q.request.question, visual, q.history)
         with timer("prefill"):
-            prompt = prefill(rt, layout, keep, turn)
-        followable = turn_id is not None and rt.conversations.keeps(len(history) + 1)   # (at max_turns: none may follow)
-        rows = prompt_rows(rt, prompt.length) if followable else None
-        digest = prompt_digest(rt.arena.prompt_ids[:layout.length].tolist())    # the full prompt assemble_prompt wrote
-        return Started(rt, question, plan, timer, [c for c in plan.cameras if c in cached or c in in_kv], len(todo),
-                       prompt, max_new, float(budget), history, keep, frame_keys, digest, turn_id, rows)
+            q.prompt = prefill(rt, q.region, layout, q.keep, turn, q.decoding)
+        followable = q.request.keep_turn and rt.conversations.keeps(
+            len(q.history) + 1
+        )  # (at max_turns: none may follow)
+        q.rows = prompt_rows(rt, q.prompt.length) if followable else None
+        q.prompt_sha256 = prompt_digest(rt.arena.prompt_ids[:layout.length].tolist())    # what assemble_prompt wrote
+        if q.request.explain and not q.history:        # (a conversation's prompt is not explained yet)
+            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length)   # before the arena is reused
+        q.reused = [c for c in plan.cameras if c in cached or c in in_kv]
+        q.encoded = len(todo)
+        return q
 
-    def finish(self, started: "Started", out, decoded_as: str | None, learn_costs: bool = True) -> Answer:
+    def finish(self, q: QueryState, out, decoded_as: str | None, learn_costs: bool = True) -> Answer:
         """The Answer of a decoded query; `decoded_as` (greedy | eagle, None: a decoder the caller
         chose) teaches the speculation policy from whole answers; `learn_costs` False: the
         latency-budget planner does not learn from it (a batched answer's decode stage spans
         other queries' work)."""
-        rt, plan, prompt, max_new = started.rt, started.plan, started.prompt, started.max_new
-        stage_ms = started.timer.milliseconds()               # (one device sync, after the last stage)
-        if decoded_as is not None and plan.decoding == "eagle" and rt.costs is not None:    # the policy learns from whole answers of both kinds
+        rt, plan, prompt, max_new = self.rt, q.plan, q.prompt, q.max_new
+        stage_ms = q.timer.milliseconds()  # (one device sync, after the last stage)
+        if (
+            decoded_as is not None and plan.decoding == "eagle" and rt.costs is not None
+        ):  # the policy learns from whole answers of both kinds
             rt.costs.observe_answer(decoded_as, len(out.tokens), stage_ms["decode"])
         if plan.capped and len(out.tokens) >= plan.max_new_tokens:      # the budget's cap cut the answer
             plan.degraded.append(f"answer cut at {plan.max_new_tokens} tokens (cap {max_new})")
-        if rt.constraint is not None and not rt.constraint.complete:
+        constraint = q.decoding.constraint
+        if constraint is not None and not constraint.complete:
             plan.degraded.append(f"constrained answer incomplete: cut at {len(out.tokens)} tokens "
-                                 f"({rt.constraint.what} not finished)")
+                                 f"({constraint.what} not finished)")
 
+        text = rt.tok.decode(out.tokens).strip()
         ans = Answer(
-            question=started.question,
-            text=rt.tok.decode(out.tokens).strip(),
+            question=q.request.question,
+            text=text,
             token_ids=out.tokens,
             stage_ms=stage_ms,
             cameras=list(plan.cameras),
@@ -182,26 +185,25 @@ class Pipeline:
             decode_steps=out.steps,
             accepted_length=out.accepted,
             pipeline=rt.options.label(),
-            reused_cameras=list(started.reused),
+            reused_cameras=list(q.reused),
             degraded=list(plan.degraded),
-            budget_ms=started.budget_ms,
-            turn=len(started.history) + 1,
+            budget_ms=q.budget_ms,
+            turn=len(q.history) + 1,
             reused_tokens=prompt.reused,
-            prompt_sha256=started.prompt_sha256,
+            prompt_sha256=q.prompt_sha256,
+            **object_fields(q.request.question, text, rt.options.cameras),
             extra={"rounds": out.rounds} if out.rounds else {},
+            trace=q.trace.with_answer(text, out.tokens) if q.trace is not None else None,
         )
         if learn_costs and not prompt.reused:          # (a follow-up's prefill is not the planner's model of one)
-            rt.planner.costs.observe(ans, started.encoded, plan.decoding)
-        if started.turn_id is not None:
-            keep_turn(rt, started, out.tokens, ans.text)
+            rt.planner.costs.observe(ans, q.encoded, plan.decoding)
+        if q.request.keep_turn:
+            keep_turn(rt, q, out.tokens, ans.text)
         return ans
 
     def warm_up(self, images: dict | None = None) -> Answer:
         """One synthetic query (black frames), then the speculation cost table measured on this
         device and backend at that prompt length (speculative.py uses it per round)."""
-        import numpy as np
-
-
         rt = self.rt
         images = images or {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in rt.options.cameras}
         ans = self.answer(images, "warm-up: describe the scene.")
@@ -246,40 +248,21 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- stages
-def check_question(rt: Runtime, question: str) -> list[int]:
-    if not isinstance(question, str) or is_blank(question):
-        raise InputError("empty question (only whitespace or invisible characters)", about="question")
-    bad = [t for t in SPECIAL_TOKENS if t in question]
-    if bad:
-        raise InputError(f"question contains reserved token {bad[0]!r}", about="question")
-    ids = rt.tok.encode(question)
-    if len(ids) > rt.options.max_question_tokens:
-        raise InputError(f"question too long: {len(ids)} tokens > {rt.options.max_question_tokens}", about="question")
-    return ids
-
-
-def with_sampling(rt: Runtime, temperature: float | None = None, seed: int | None = None) -> Runtime:
-    """The runtime of a query with its own temperature and seed (None: the configured ones)."""
-    if temperature is None and seed is None:
-        return rt
-    d = rt.options.decoding
-    d = replace(d, temperature=d.temperature if temperature is None else temperature,
-                seed=d.seed if seed is None else seed)
-    return replace(rt, options=replace(rt.options, decoding=d))
-
-
-def check_history(rt: Runtime, history) -> tuple[tuple[str, str], ...]:
-    """Earlier turns given in one go ((question, answer), oldest first), checked as questions are;
-    at most serving.max_turns turns with the new question."""
-    history = tuple((q, a) for q, a in history)
-    if len(history) + 1 > rt.options.serving.max_turns:
-        raise InputError(f"a conversation of {len(history) + 1} turns; serving.max_turns is "
-                         f"{rt.options.serving.max_turns}", about="question")
-    for q, a in history:
-        check_question(rt, q)
-        if not isinstance(a, str):
-            raise InputError(f"history answer {a!r} is not text", about="question")
-    return history
+def start_query(rt: Runtime, request: QueryRequest, frame_keys: Mapping | None, region: int) -> QueryState:
+    """A checked request's per-query state: its KV region, its own generator (the same query,
+    the same draws: seeded with its seed or decoding.seed), its constraint's matcher, the turn
+    it follows (looked up again: it may have expired since the request was checked), its caps."""
+    options = rt.options
+    temperature = request.temperature or options.decoding.temperature
+    sampler = torch.Generator(device="cpu").manual_seed(request.seed or options.decoding.seed) if temperature > 0 \
+        else None
+    decoding = QueryDecoding(rt.region(region), temperature, sampler,
+                             request.grammar.start() if request.grammar is not None else None)
+    turn = rt.conversations.follow(request.follow_up_of, frame_keys) if request.follow_up_of else None
+    max_new = min(request.max_new_tokens or options.max_new_tokens, rt.arena.limits.new_tokens)
+    budget = request.budget_ms or options.serving.latency_budget_ms
+    return QueryState(request, decoding, StageTimer(rt.device), frame_keys, max_new, float(budget), turn,
+                      turn.history if turn is not None else request.history)
 
 
 def check_images(images, cameras: list[str]) -> None:
@@ -394,7 +377,7 @@ def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual, hist
                          "max_question_tokens, max_new_tokens and serving.max_turns)", about="question")
     a.prompt_ids[:n].copy_(torch.tensor(prompt.input_ids, dtype=torch.long, device=rt.device))
     embeds = a.prompt_embeds[:n]
-    torch.index_select(rt.lm.embed.weight, 0, a.prompt_ids[:n], out=embeds)
+    rt.lm.embed.lookup(a.prompt_ids[:n], embeds)
     for cam_index, (start, count) in enumerate(prompt.image_spans):
         if visual[cam_index] is not None:
             embeds[start:start + count] = visual[cam_index]
@@ -411,7 +394,8 @@ def select_tokens(rt: Runtime, layout: PromptLayout, keep_ratio: float | None = 
     return rt.token_selector.select(a.prompt_embeds[:n], a.slots[:n], layout, keep_ratio, rt.options.tokens.scope)
 
 
-def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: Turn | None = None) -> Prompt:
+def prefill(rt: Runtime, region: KVRegion, layout: PromptLayout, keep: list[torch.Tensor], turn: Turn | None = None,
+            decoding: QueryDecoding | None = None) -> Prompt:
     """Gather [template, <img> kept visual </img> per camera, question] from the assembled full
     prompt into the arena, run the decoder over it, and choose the first answer token. A
     follow-up (`turn`: the answered turn it continues) takes the KV of the rows it begins with
@@ -420,7 +404,8 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
     in one call (prefix.py).
 
     Kept visual tokens keep their original position ids: a row's position is its index in the
-    full prompt, as if every visual token were present.
+    full prompt, as if every visual token were present. The prompt's KV goes to `region`; the first
+    token is chosen under `decoding` (the query's sampling and constraint; default argmax).
     """
     a = rt.arena
     rows = a.kept_rows                    # full-prompt row of each prefill row
@@ -450,21 +435,21 @@ def prefill(rt: Runtime, layout: PromptLayout, keep: list[torch.Tensor], turn: T
         hidden, fastv_rows, kept = rt.fastv.prune(embeds, positions, mask, visual_rows)
         input_tokens = len(fastv_rows)   # rows the layers >= K see
     elif turn is not None:
-        reused = rt.conversations.restore(turn, prompt_rows(rt, n), a.k_cache, a.v_cache)
+        reused = rt.conversations.restore(turn, prompt_rows(rt, n), region.k, region.v)
         if visual_ranges and reused < sum(visual_ranges[-1]):   # (the follow-up wrote no visual rows)
             raise LiteVLMError(f"follow-up: only {reused} rows of the turn it follows match its prompt, fewer than "
                                f"its {sum(visual_ranges[-1])} rows up to the last visual token")
-        hidden = extend(rt, embeds[reused:], positions[reused:], reused)
+        hidden = extend(rt, region, embeds[reused:], positions[reused:], reused)
         input_tokens = n - reused
-    elif rt.prefix is not None and rt.engines.decoder.extends_prompt and (     # (engines may be rebound: calibration)
-            shared := rt.prefix.restore(a.token_ids[:n], visual_ranges[0][0] if visual_ranges else n, a.k_cache,
-                                        a.v_cache)):
-        rest = rt.engines.decoder.prefill_after(embeds[shared:], positions[shared:], a.slots[shared:n],
-                                                a.all_visible(n - shared, shared), a.causal_mask(n - shared))
+    elif rt.prefix is not None and region.decoder.extends_prompt and (     # (engines may be rebound: calibration)
+            shared := rt.prefix.restore(a.token_ids[:n], visual_ranges[0][0] if visual_ranges else n, region.k,
+                                        region.v)):
+        rest = region.decoder.prefill_after(embeds[shared:], positions[shared:], a.slots[shared:n],
+                                            a.all_visible(n - shared, shared), a.causal_mask(n - shared))
         hidden = torch.cat([rt.prefix.hidden[:shared], rest])       # every row's: EAGLE-2's draft reads them
     else:
-        hidden = rt.engines.decoder.prefill(embeds, positions, mask)
-    first = choose(rt, rt.engines.head.run(hidden[-1:]))
+        hidden = region.decoder.prefill(embeds, positions, mask)
+    first = choose(decoding or QueryDecoding(region), rt.engines.head.run(hidden[-1:]))
     return Prompt(length=n, next_pos=layout.length, first=first, hidden=None if reused else hidden,
                   input_tokens=input_tokens, kept_tokens=kept, reused=reused, shared=shared)
 
@@ -475,7 +460,7 @@ def prompt_rows(rt: Runtime, n: int) -> list[tuple[int, int]]:
     return list(zip(a.token_ids[:n].tolist(), a.positions[:n].tolist()))
 
 
-def extend(rt: Runtime, embeds: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+def extend(rt: Runtime, region: KVRegion, embeds: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
     """The decoder over prompt rows [start, start + T) (embeds [T, D], positions [T]) after a
     cache that holds rows [0, start): decode steps of many rows, each attending to every cached
     row and causally among its own, in calls of at most the decoder engine's largest step bucket
@@ -483,23 +468,23 @@ def extend(rt: Runtime, embeds: torch.Tensor, positions: torch.Tensor, start: in
     first answer token is chosen from)."""
     a = rt.arena
     t = embeds.shape[0]
-    most = max(getattr(rt.engines.decoder, "sizes", None) or (t,))
+    most = max(getattr(region.decoder, "sizes", None) or (t,))
     for i in range(0, t, most):
         rows = min(most, t - i)
         s = start + i
-        hidden = rt.engines.decoder.step(embeds[i:i + rows], positions[i:i + rows], a.slots[s:s + rows],
-                                         a.all_visible(rows, s), a.causal_mask(rows))
+        hidden = region.decoder.step(embeds[i:i + rows], positions[i:i + rows], a.slots[s:s + rows],
+                                     a.all_visible(rows, s), a.causal_mask(rows))
     return hidden
 
 
-def keep_turn(rt: Runtime, started: Started, tokens: list[int], text: str) -> None:
-    """Keep an answered query for follow-ups: its conversation so far and the rows its KV holds,
-    the prompt's, then the answer tokens that entered the cache (each token is fed to the decoder
-    to choose the next: all of them when the end token ended the answer, all but the last when the
-    cap did)."""
-    plan, prompt = started.plan, started.prompt
+def keep_turn(rt: Runtime, q: QueryState, tokens: list[int], text: str) -> None:
+    """Keep an answered query for follow-ups under its id: its conversation so far and the rows its
+    KV holds, the prompt's, then the answer tokens that entered the cache (each token is fed to the
+    decoder to choose the next: all of them when the end token ended the answer, all but the last
+    when the cap did)."""
+    plan, prompt = q.plan, q.prompt
     in_cache = tokens if len(tokens) < plan.max_new_tokens else tokens[:-1]
-    rows = [] if started.rows is None else started.rows + [(t, prompt.next_pos + i) for i, t in enumerate(in_cache)]
-    turn = Turn(started.history + ((started.question, text),), tuple(plan.cameras), started.keep, plan.keep_ratio,
-                started.frame_keys, rows)
-    rt.conversations.keep(started.turn_id, turn, rt.arena.k_cache, rt.arena.v_cache)
+    rows = [] if q.rows is None else q.rows + [(t, prompt.next_pos + i) for i, t in enumerate(in_cache)]
+    turn = Turn(q.history + ((q.request.question, text),), tuple(plan.cameras), q.keep, plan.keep_ratio,
+                q.frame_keys, rows)
+    rt.conversations.keep(q.request.query_id, turn, q.region.k, q.region.v)

@@ -52,7 +52,7 @@ class PromptPrefix:
         with torch.inference_mode():
             a.token_ids[:p].copy_(torch.tensor(ids, dtype=torch.long))
             embeds = a.embeds[:p]
-            torch.index_select(rt.lm.embed.weight, 0, a.token_ids[:p], out=embeds)
+            rt.lm.embed.lookup(a.token_ids[:p], embeds)
             a.positions[:p].copy_(a.slots[:p])
             hidden = rt.engines.decoder.prefill(embeds, a.positions[:p], a.causal_mask(p))
             a.prefix_k.copy_(a.k_cache[:, :, :p])

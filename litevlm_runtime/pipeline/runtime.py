@@ -23,20 +23,22 @@ import torch
 from .. import threads
 from ..decoding.spec_policy import DeviceCosts, measure_costs
 from ..engines import batch_limit, make_engines
+from ..engines.base import Engines, KVRegion
 from ..errors import InputError
 from ..models.config import ModelConfig
-from ..options import BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
+from ..models.eagle import DraftHead
+from ..options import BUNDLE_BACKENDS, BackendName, DecodingMode, PipelineOptions, TokenMode, ViewMode
 from ..stages.budget import BudgetPlanner
 from ..stages.fastv import FastV
 from ..stages.feature_cache import FeatureCache
 from ..stages.preprocess import Normalizer
 from ..stages.prompt import build_prompt, resolve_layout
-from ..stages.token_selector import load_token_selector
-from ..stages.view_selector import load_view_selector
+from ..stages.token_selector import TokenSelector, load_token_selector
+from ..stages.view_selector import LoadedViewSelector, load_view_selector
 from ..weights.checkpoint import load_model, read_config
 from ..weights.draft_head import load_draft_head
 from ..weights.gemm import resolve_gemm, use_onednn
-from ..weights.linear_forms import convert_linears
+from ..weights.linear_forms import LinearForms, convert_linears
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
 from .conversation import Conversations
@@ -72,6 +74,7 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
         cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
         batch=batch_capacity(options),
         conversations=options.serving.conversations if turns > 1 else 0,
+        kv_dtype=options.arena.kv_dtype,
         prefix_rows=len(prefix_ids(tok, cfg.system_message, layout, options.cameras,
                                    options.tiles_per_camera * cfg.tokens_per_tile))
         if options.serving.prefix_cache and options.fastv.ratio == 0 else 0,
@@ -102,6 +105,8 @@ def set_threads(n: int) -> None:
 
 @dataclass
 class Runtime:
+    """Built once per loaded model and shared by every query (their own state is
+    pipeline.QueryState): nothing here is copied per query or per KV region."""
     name: str
     model_dir: Path | None
     options: PipelineOptions          # resolved: no `auto` left
@@ -113,21 +118,35 @@ class Runtime:
     dtype: torch.dtype
     pos_embed: torch.Tensor           # InternViT's position table at this tile size
     normalize: Normalizer
-    sampler: torch.Generator
-    view_selector: object | None = None
-    token_selector: torch.nn.Module | None = None
-    draft: torch.nn.Module | None = None
-    fastv: object | None = None
-    engines: object = None            # engines.Engines, bound last
-    costs: object = None              # spec_policy.DeviceCosts, measured at warm-up (adaptive trees)
-    features: object = None           # feature_cache.FeatureCache (visual reuse), or None
-    planner: object = None            # budget.BudgetPlanner (latency budgets)
+    view_selector: LoadedViewSelector | None = None
+    token_selector: TokenSelector | None = None
+    draft: DraftHead | None = None
+    fastv: FastV | None = None
+    engines: Engines | None = None    # bound last
+    costs: DeviceCosts | None = None  # the speculation cost table, measured at warm-up (adaptive trees)
+    features: FeatureCache | None = None      # visual reuse, or None
+    planner: BudgetPlanner | None = None      # latency budgets
     prompt_layout: str = "cameras"    # prompt.py: internvl | cameras | a template (the model folder's)
-    extra: dict = field(default_factory=dict)
-    constraint: object = None         # constrain.Constraint of one query's runtime (choices, answer_schema)
-    conversations: object = None      # conversation.Conversations: answered turns kept for follow-up questions
-    prefix: object = None             # prefix.PromptPrefix: the KV of the prompt prefix every query shares, or None
+    weights: LinearForms | None = None        # the linears' weight form when not float (backend.weights)
+    conversations: Conversations | None = None   # answered turns kept for follow-up questions
+    prefix: PromptPrefix | None = None         # the KV of the prompt prefix every query shares, or None
     gemm: str = "torch"               # the float32 GEMM kernel its linears run: torch | onednn (weights/gemm.py)
+    _regions: dict[int, KVRegion] = field(default_factory=dict, repr=False)
+    _regions_of: object = field(default=None, repr=False)      # the decoder engine they were made for
+
+    def region(self, index: int) -> KVRegion:
+        """KV region `index` of the arena (batching.py gives each query of a batch one; region 0
+        is every single query's) with the decoder engine bound to it. Made once per set of
+        engines: calibration and the static-stage tests rebind engines after the runtime is built."""
+        decoder = self.engines.decoder
+        if self._regions_of is not decoder:
+            self._regions, self._regions_of = {}, decoder
+        region = self._regions.get(index)
+        if region is None:
+            k, v = self.arena.k_regions[index], self.arena.v_regions[index]
+            region = KVRegion(index, k, v, decoder if index == 0 else decoder.on_region(k, v))
+            self._regions[index] = region
+        return region
 
     @property
     def lm(self):
@@ -145,8 +164,11 @@ class Runtime:
         be resolved (see PipelineOptions.resolved); modules not passed are loaded from model_dir."""
 
         model_dir = Path(model_dir) if model_dir else None
-        provided = frozenset(name for name, obj in (("view_selector", view_selector), ("token_selector", token_selector),
-                                                    ("eagle", draft)) if obj is not None)
+        provided = frozenset(
+            name
+            for name, obj in (("view_selector", view_selector), ("token_selector", token_selector), ("eagle", draft))
+            if obj is not None
+        )
         options = options.resolved(model_dir, provided)
         device, dtype = torch.device(options.device), DTYPES[options.dtype]
         set_threads(options.threads())
@@ -162,7 +184,7 @@ class Runtime:
             pos_embed = model.vision_model.embeddings.position_embedding_for(grid, grid)
         rt = cls(name=name, model_dir=model_dir, options=options, cfg=cfg, model=model, tok=tok, arena=arena,
                  device=device, dtype=dtype, pos_embed=pos_embed, normalize=Normalizer(dtype, device),
-                 sampler=torch.Generator(device="cpu").manual_seed(options.decoding.seed), prompt_layout=layout)
+                 prompt_layout=layout)
         on = options.modules()
         rt.view_selector = (view_selector or load_views(options, model_dir)) if "views" in on else None
         rt.token_selector = (token_selector or load_tokens(options, model_dir, lm, dtype)) \
@@ -177,7 +199,8 @@ class Runtime:
         if options.fastv.ratio > 0:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
         if options.backend.weights != "float":          # after the selector/draft copied what they need
-            rt.extra["weights"] = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft))
+            rt.weights = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft),
+                                         quantized=options.backend.quantized, model_dir=model_dir)
         rt.gemm = resolve_gemm(options.backend.gemm, device, dtype)
         if rt.gemm == "onednn":                         # the linears no weight form took (weights/gemm.py)
             use_onednn([model, rt.token_selector, rt.draft])
@@ -233,7 +256,7 @@ def build_runtime(model_dir: str | Path, options: PipelineOptions | None = None)
     resolved = options.resolved(model_dir)
     if resolved.backend.name == BackendName.TENSORRT and not resolved.device.startswith("cuda"):
         raise InputError(f"backend.name tensorrt runs on a CUDA device; device is {resolved.device!r}")
-    if resolved.backend.name in (BackendName.ONNXRUNTIME, BackendName.TENSORRT) and not resolved.backend.bundle:
+    if resolved.backend.name in BUNDLE_BACKENDS and not resolved.backend.bundle:
         raise InputError(f"backend.name {resolved.backend.name.value} needs backend.bundle (an export folder: "
                          f"`litevlm export --model {model_dir} --out DIR`)")
     tok = Tokenizer(model_dir)

@@ -33,7 +33,9 @@ def camera_topics_from_bag(params: dict, topics: dict[str, str], progress=print)
     for i, cam in enumerate(CAMERAS):
         if chosen[i] in topics:
             continue
-        mine = sorted(t for t, msgtype in topics.items() if msgtype in IMAGE_TYPES and f"/{cam.lower()}/" in f"{t.lower()}/")
+        mine = sorted(
+            t for t, msgtype in topics.items() if msgtype in IMAGE_TYPES and f"/{cam.lower()}/" in f"{t.lower()}/"
+        )
         if len(mine) > 1:
             raise InputError(f"{cam}: the bag has {len(mine)} image topics for it ({', '.join(mine)}): "
                              "set camera_topics to choose")

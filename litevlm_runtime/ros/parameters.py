@@ -38,7 +38,9 @@ class NodeSettings(ServerSettings):
     """The node's own settings plus, inherited, every setting of the query server it serves with."""
     model_dir: str = setting("", "InternVL2.5-layout model folder ('': the bundled SynthDrive model)")
     warmup: bool = setting(True, "run one synthetic query during configure (and measure the speculation costs)")
-    require_manifest: bool = setting(False, "refuse a model folder without litevlm_manifest.json (`litevlm checksum DIR` writes one)")
+    require_manifest: bool = setting(
+        False, "refuse a model folder without litevlm_manifest.json (`litevlm checksum DIR` writes one)"
+    )
     camera_topics: tuple = setting(
         DEFAULT_CAMERA_TOPICS, "six camera topics in rig order (FRONT, FRONT_LEFT, FRONT_RIGHT, BACK, BACK_LEFT, "
         "BACK_RIGHT); relative names are under the node's namespace and remappable; a name ending in /compressed "
@@ -185,3 +187,8 @@ def node_section(doc: dict, node_name: str) -> dict:
         if key in (doc or {}):
             return (doc[key] or {}).get("ros__parameters", {}) or {}
     return {}
+
+
+NODE_NAME = "litevlm_drive"
+# The node's own parameters (name -> default, as ROS values); the pipeline's are options.py's.
+PARAMETERS = {s.key: ros_default(s) for s in node_settings()}

@@ -7,6 +7,8 @@ Inside the node every name is relative, so `__ns` and remapping place an instanc
     query, question                      in:  litevlm_msgs/Query, std_msgs/String
     answer, answer_json                  out: litevlm_msgs/Answer, std_msgs/String (JSON)
     answer_partial                       out: litevlm_msgs/AnswerPartial (serving.stream_partials)
+    ~/explanation                        out: sensor_msgs/CompressedImage, explained answers' pictures
+                                         (private: /litevlm_drive/explanation; parameter `explain`)
     /diagnostics                         absolute, by ROS convention
 
 The shipped names (`/cam_front/image_raw/compressed`, `/litevlm/query`, ...) come from the root
@@ -21,6 +23,7 @@ from ..cameras import CAMERAS
 
 QUERY, QUESTION, ANSWER, ANSWER_JSON = "query", "question", "answer", "answer_json"
 ANSWER_PARTIAL = "answer_partial"
+EXPLANATION = "~/explanation"
 DIAGNOSTICS = "/diagnostics"
 DEFAULT_CAMERA_TOPICS = tuple(f"{c.lower()}/image_raw/compressed" for c in CAMERAS)
 

@@ -1,14 +1,21 @@
-"""The query server's worker with in-flight batching (serving.max_batch > 1; batching.py).
+"""The query server's worker with in-flight batching (serving.max_batch > 1; pipeline/batching.py).
 
-One loop on the worker thread: take queued requests while the batch has a free region (blocking
-only when nothing runs), admit each (deadline check, then every stage up to prefill: errors are
-answered at once), run one decode pass over the batch, and publish each query that finished in
-it at once, without waiting for the others. A query running alone decodes as an unbatched one
-(EAGLE-2 where chosen) until a request is waiting for a free region. When the batch is empty the
-worker prefetches the frame set, as the one-at-a-time worker does.
+One loop on the worker thread (`BatchWorker.tick`): take queued requests, highest priority first,
+while the batch has a free region (blocking only when nothing runs), admit each (deadline check,
+then every stage up to prefill: errors are answered at once), run one decode pass over the batch,
+and publish each query that finished in it at once, without waiting for the others. A query
+running alone decodes as an unbatched one (EAGLE-2 where chosen) until a request is waiting.
+When the batch is empty the worker prefetches the frame set, as the one-at-a-time worker does.
 
-Every request still gets exactly one record (QueryServer._answer); shutdown answers the requests
-of a batch still running after drain_timeout_s (QueryServer._batch_running).
+Priority: when every region is taken and the request served next outranks the lowest-priority
+running query, that query (the latest admitted of the lowest priority) is preempted after the
+current pass: its region is freed for the waiting one, and it goes back to the queue in its place
+and runs again from its start later (vLLM's preemption by recomputation: its answer is the same,
+greedy or seeded; its partial answers resume where they stopped). So a burst of low-priority
+questions delays a high-priority one by at most one running pass.
+
+Every request still gets exactly one record (QueryServer.deliver); shutdown answers the requests
+of a batch still running after drain_timeout_s (QueryServer.running).
 """
 
 from __future__ import annotations
@@ -17,65 +24,109 @@ import logging
 import time
 import traceback
 
-from ..pipeline.batching import BatchDecoder
+from ..pipeline.batching import BatchDecoder, Running
 
 log = logging.getLogger("litevlm.server")
 
 
-def work_batched(server, gc_clock) -> None:
-    batch = BatchDecoder(server.pipeline)
-    started: dict[int, tuple[int, int]] = {}        # id(request) -> (thread CPU ns, GC ns) at admission
-    last = None
-    waiting = lambda: batch.has_room and len(server.queue) > 0      # noqa: E731 - a query wants to join
+class BatchWorker:
+    def __init__(self, server, gc_clock):
+        self.server, self.gc_clock = server, gc_clock
+        self.batch = BatchDecoder(server.pipeline)
+        self.started: dict[int, tuple[int, int]] = {}      # id(request) -> (thread CPU ns, GC ns) at admission
+        self.last = None                                   # the last request admitted (prefetch after it)
 
-    def admit(req) -> None:
-        rec = server._starting(req)
-        if rec.status != "ok":
-            server._answer(req, rec)
-            return
-        started[id(req)] = (time.thread_time_ns(), gc_clock.total_ns)
-        server._batch_running.append(req)           # running from here on (a drain may give up on it)
-        try:
-            batch.admit(server._images(req), req.text, on_tokens=server._partials_of(req), tag=(req, rec),
-                        **req.pipeline_arguments())
-        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
-            started.pop(id(req), None)
-            server._batch_running.remove(req)
-            server._answer(req, server._failed(req, rec, exc))
+    def run(self) -> None:
+        server = self.server
+        while not server.stopping.is_set():
+            self.tick()
+        while len(self.batch):      # stopping: the running queries finish (queued ones are the server's to answer)
+            self.publish(self.batch.step())
+        self.publish(self.batch.step())
 
-    def publish(done) -> None:
-        for running, ans in done:
-            req, rec = running.tag
-            cpu0, gc0 = started.pop(id(req), (time.thread_time_ns(), gc_clock.total_ns))
-            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (gc_clock.total_ns - gc0) / 1e6
-            server._batch_running.remove(req)
-            server._answer(req, server._answered(rec, ans))
-
-    while not server._stop.is_set():
+    def tick(self, timeout: float = 0.2) -> None:
+        """One turn of the loop: admit what fits (waiting up to `timeout` for a request when nothing
+        runs), preempt for a waiting request that outranks a running one, one decode pass, publish."""
+        server, batch = self.server, self.batch
         if not len(batch):
-            req = server.queue.get(timeout=0.2)
+            req = server.queue.get(timeout=timeout)
             if req is None:
-                continue
-            admit(req)
-            last = req
-        while batch.has_room and len(server.queue) and not server._stop.is_set():
+                return
+            self.admit(req)
+        self.preempt_for_waiting()
+        while batch.has_room and len(server.queue) and not server.stopping.is_set():
             req = server.queue.get(timeout=0)
             if req is not None:
-                admit(req)
-                last = req
+                self.admit(req)
         try:
-            publish(batch.step(waiting))
+            self.publish(batch.step(self.waiting))
         except Exception as exc:  # noqa: BLE001 - every query of the failed step gets the error
             log.error("batched step failed: %s", traceback.format_exc())
             for running in list(batch.running):
                 req, rec = running.tag
-                server._batch_running.remove(req)
-                server._answer(req, server._failed(req, rec, exc))
-            batch = BatchDecoder(server.pipeline)
-            continue
-        if not len(batch) and last is not None and not server._stop.is_set():
-            server.prefetch(last)
-            last = None
-    while len(batch):           # stopping: the running queries finish (queued ones are the server's to answer)
-        publish(batch.step())
-    publish(batch.step())
+                server.running.remove(req)
+                server.deliver(req, server.failed(req, rec, exc))
+            self.batch = BatchDecoder(server.pipeline)
+            return
+        if not len(self.batch) and self.last is not None and not server.stopping.is_set():
+            server.prefetch(self.last)
+            self.last = None
+
+    def waiting(self) -> bool:
+        """Whether a queued request wants a region: a free one, or a running query's it outranks
+        (a lone query then stops decoding alone after its current pass)."""
+        first = self.server.queue.first_priority()
+        if first is None:
+            return False
+        return self.batch.has_room or first > self.lowest_running()[0]
+
+    def lowest_running(self) -> tuple[int, Running | None]:
+        """(priority, query) of the running query a waiting one would preempt: the lowest priority,
+        the latest admitted among equals."""
+        candidates = [r for r in self.batch.running if not r.done]
+        if not candidates:
+            return 1 << 30, None
+        r = min(candidates, key=lambda r: (r.q.request.priority, -r.tag[0].arrival))
+        return r.q.request.priority, r
+
+    def preempt_for_waiting(self) -> None:
+        server = self.server
+        while not self.batch.has_room:
+            first = server.queue.first_priority()
+            priority, victim = self.lowest_running()
+            if first is None or victim is None or first <= priority:
+                return
+            req, _ = victim.tag
+            self.batch.preempt(victim)
+            self.started.pop(id(req), None)
+            server.running.remove(req)
+            server.queue.put_back(req)
+            log.info("%s (priority %d) preempted for a query of priority %d; it runs again later",
+                     req.query_id, priority, first)
+
+    def admit(self, req) -> None:
+        server = self.server
+        rec = server.leaving_queue(req)
+        if rec.status != "ok":
+            server.deliver(req, rec)
+            return
+        self.started[id(req)] = (time.thread_time_ns(), self.gc_clock.total_ns)
+        server.running.append(req)            # running from here on (a drain may give up on it)
+        try:
+            self.batch.admit(server.images(req), req.request, req.frame_keys, on_tokens=server.partials_of(req),
+                             tag=(req, rec))
+        except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
+            self.started.pop(id(req), None)
+            server.running.remove(req)
+            server.deliver(req, server.failed(req, rec, exc))
+            return
+        self.last = req
+
+    def publish(self, done) -> None:
+        server = self.server
+        for running, ans in done:
+            req, rec = running.tag
+            cpu0, gc0 = self.started.pop(id(req), (time.thread_time_ns(), self.gc_clock.total_ns))
+            rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (self.gc_clock.total_ns - gc0) / 1e6
+            server.running.remove(req)
+            server.deliver(req, rec.answered(ans))

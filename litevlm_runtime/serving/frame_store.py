@@ -226,7 +226,19 @@ class FrameStore:
             return None
         return f"{cam} {refused[1] / 1e9:.3f} s"
 
-    def match(self, now_ns: int) -> FrameSet:
+    def complete(self, as_of_ns: int) -> bool:
+        """Whether every camera has delivered a frame stamped at or after `as_of_ns` (the query's
+        stamp): frames arrive in stamp order per camera, so no frame stamped before it is still in
+        flight, and a match as of it is final."""
+        with self._lock:
+            return all(self._frames[c] and self._frames[c][-1].stamp_ns >= as_of_ns for c in self.cameras)
+
+    def match(self, now_ns: int, as_of_ns: int | None = None) -> FrameSet:
+        """The newest complete set at `now_ns` (the node's clock: frame ages, frames from the
+        future); with `as_of_ns` (the query's stamp; frame_match as_asked) the newest complete set
+        of frames stamped at or before it, ages taken there: the set is then a function of the
+        stamps alone, whenever the frames arrived (a stamp ahead of the node's clock by more than
+        max_future counts as the clock's)."""
         with self._lock:
             held = {c: list(self._frames[c]) for c in self.cameras}
             refused = {c: self._bad_stamp_message(c) for c in self.cameras}
@@ -234,9 +246,12 @@ class FrameStore:
                               and self._refused_image[c][0] >= self._accepted_at[c]}
         # Frames from the future are never matched (the node's clock may have stepped back since).
         usable = {c: [f for f in held[c] if f.stamp_ns - now_ns <= self.max_future_ns] for c in self.cameras}
-        fresh = {c: [f for f in usable[c] if now_ns - f.stamp_ns <= self.max_age_ns] for c in self.cameras}
+        ref = now_ns if as_of_ns is None else min(as_of_ns, now_ns + self.max_future_ns)
+        if as_of_ns is not None:
+            usable = {c: [f for f in fs if f.stamp_ns <= ref] for c, fs in usable.items()}
+        fresh = {c: [f for f in usable[c] if ref - f.stamp_ns <= self.max_age_ns] for c in self.cameras}
         for c in self.cameras:
-            if held[c] and not usable[c]:        # held, but all ahead of a clock that stepped back
+            if held[c] and not usable[c] and as_of_ns is None:     # held, but all ahead of a clock that stepped back
                 refused[c] = refused[c] or f"{c} {(held[c][0].stamp_ns - now_ns) / 1e9:.3f} s"
         bad = [refused[c] for c in self.cameras if not fresh[c] and refused[c]]
         if bad:
@@ -248,12 +263,14 @@ class FrameStore:
             raise FrameMatchError("bad_image", "; ".join(bad_images))
         missing = [c for c in self.cameras if not usable[c]]
         if missing:
-            raise FrameMatchError("no_frames", f"no frame received yet from {', '.join(missing)}")
+            when = "" if as_of_ns is None else " stamped at or before the question"
+            raise FrameMatchError("no_frames", f"no frame{when} received yet from {', '.join(missing)}")
         stale = [c for c in self.cameras if not fresh[c]]
         if stale:
-            ages = ", ".join(f"{c} {(now_ns - usable[c][-1].stamp_ns) / 1e9:.3f} s" for c in stale)
+            ages = ", ".join(f"{c} {(ref - usable[c][-1].stamp_ns) / 1e9:.3f} s" for c in stale)
+            when = "" if as_of_ns is None else " at the question's stamp"
             raise FrameMatchError(
-                "stale_frames", f"newest frame older than max_frame_age {self.max_age_ns / 1e9:.3f} s: {ages}"
+                "stale_frames", f"newest frame older than max_frame_age {self.max_age_ns / 1e9:.3f} s{when}: {ages}"
             )
         # Try each fresh frame as the newest member of a set, newest first; the first anchor for
         # which every camera has a frame within [anchor - skew, anchor] gives the newest set.
@@ -262,7 +279,9 @@ class FrameStore:
         for anchor in anchors:
             chosen = {}
             for c in self.cameras:
-                candidates = [f for f in fresh[c] if anchor.stamp_ns - self.max_skew_ns <= f.stamp_ns <= anchor.stamp_ns]
+                candidates = [
+                    f for f in fresh[c] if anchor.stamp_ns - self.max_skew_ns <= f.stamp_ns <= anchor.stamp_ns
+                ]
                 if not candidates:
                     break
                 chosen[c] = candidates[-1]    # newest within the window

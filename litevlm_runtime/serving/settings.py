@@ -11,6 +11,8 @@ from ..cameras import CAMERAS
 from ..options import _Validated, setting
 
 OVERFLOW_POLICIES = ("reject_new", "drop_oldest")
+FRAME_MATCH = ("as_asked", "newest")
+EXPLAIN_MODES = ("never", "subscribed", "always")       # explainer.py (not off/on: YAML booleans)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,17 @@ class ServerSettings(_Validated):
     match_wait_s: float = setting(0.2, "a query whose frames are missing, stale or out of sync is retried this long "
                                        "before its error answer (s; frames may still be in flight)",
                                   lo=0.0, hi=60.0, live=True)
+    # Which frames answer a query (frame_store.py). as_asked: the newest set stamped at or before the
+    # question's stamp, taken once every camera has delivered a frame from after it (or match_wait_s
+    # has passed): the same set whenever frames and question arrived, so a bag replayed twice, or
+    # under load, is answered as `bag eval` answers it; a live query waits for the cameras' next
+    # frame (at most one frame interval, ~83 ms at nuScenes' 12 Hz). newest: the newest set when the
+    # query arrives (no wait; which set depends on delivery timing).
+    frame_match: str = setting("as_asked", "frames of a query: as_asked (the newest set stamped at or before the "
+                                           "question, once every camera has sent a later frame or match_wait_s has "
+                                           "passed: deterministic for a replayed bag) | newest (the newest set when "
+                                           "the query arrives: no wait, but replays may differ under load)",
+                               choices=FRAME_MATCH, live=True)
     max_future_s: float = setting(0.5, "a frame stamped more than this ahead of the node's clock is refused "
                                        "(bad_stamp, counted per camera on /diagnostics) (s)", lo=0.0, hi=3600.0)
     queue_size: int = setting(4, "queries queued for the pipeline, at most", lo=1, hi=10000, live=True)
@@ -39,6 +52,11 @@ class ServerSettings(_Validated):
                                    choices=OVERFLOW_POLICIES, live=True)
     max_question_chars: int = setting(2000, "longer questions are answered bad_question", lo=1, hi=1_000_000,
                                       live=True)
+    # Answers you can see (docs/explain.md): computed after the answer is published, and only when wanted.
+    explain: str = setting("subscribed", "which answers are explained (their picture published on ~/explanation "
+                                         "after the answer): subscribed (those whose Query asks, and every one "
+                                         "while ~/explanation has a subscriber) | always (every answer) | never (none, "
+                                         "a Query's explain flag included)", choices=EXPLAIN_MODES, live=True)
     drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
                                           "running query (queued ones are answered shutting_down at once) (s)",
                                      lo=0.0, hi=3600.0)

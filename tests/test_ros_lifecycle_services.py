@@ -1,0 +1,66 @@
+"""The node's services while a transition runs, and lifecycle shutdown ending the process, over
+real DDS as `ros2 lifecycle` / `ros2 param` drive them: `get_state` answers and says
+"configuring" while configure loads the model (a reply in milliseconds, where it used to wait
+for the whole transition), parameter services answer too, and `shutdown`
+finalizes the node and ends the process (what `ros2 launch` expects of a node that exits)."""
+
+from __future__ import annotations
+
+import time
+
+from ros_helpers import RosClient, domain_id, write_params
+from test_ros_node import start_node
+
+NAME = "/litevlm_drive"
+
+
+def test_services_answer_while_configure_runs_and_shutdown_ends_the_process(tmp_path):
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState, GetState
+    from rcl_interfaces.srv import ListParameters
+
+    domain = domain_id(18)
+    # The bundled model with its warm-up: configure takes seconds here (12-15 s on 2 cores).
+    params = write_params(tmp_path / "p.yaml", warmup=True)
+    node = start_node(tmp_path, domain, "/", params)
+    client = RosClient(domain)
+    try:
+        assert client.lifecycle_get(NAME) == "unconfigured"
+        change = client.node.create_client(ChangeState, f"{NAME}/change_state")
+        assert client.spin_until(change.service_is_ready, 30)
+        client.spin_for(1.0)
+        req = ChangeState.Request()
+        req.transition.id = Transition.TRANSITION_CONFIGURE
+        configured = change.call_async(req)
+        get_state = client.node.create_client(GetState, f"{NAME}/get_state")
+        params_list = client.node.create_client(ListParameters, f"{NAME}/list_parameters")
+        assert client.spin_until(lambda: get_state.service_is_ready() and params_list.service_is_ready(), 30)
+        seen, delays = [], []
+        while not configured.done():
+            t0 = time.monotonic()
+            state = get_state.call_async(GetState.Request())
+            assert client.spin_until(lambda: state.done() or configured.done(), 5.0)
+            if not state.done():        # configure ended first; the reply follows
+                assert client.spin_until(state.done, 5.0)
+            delays.append(time.monotonic() - t0)
+            seen.append(state.result().current_state.label)
+            if seen[-1] == "configuring" and len([s for s in seen if s == "configuring"]) == 2:
+                listed = params_list.call_async(ListParameters.Request())
+                assert client.spin_until(listed.done, 1.0), "list_parameters blocked during configure"
+                assert "model_dir" in listed.result().result.names
+            client.spin_for(0.2)
+        assert configured.result().success, node.text()[-3000:]
+        # Answered while configure ran (its replies name the transition state), not after it. How
+        # fast is the machine's business (quiet: milliseconds; the note has figures), not the test's.
+        assert seen.count("configuring") >= 3, seen
+        print(f"get_state during configure: {len(seen)} calls, slowest {max(delays) * 1000:.0f} ms")
+        assert client.lifecycle_get(NAME) == "inactive"
+        # shutdown: finalized, then the process ends by itself with its summary
+        assert client.lifecycle_set(NAME, "shutdown")
+        assert node.wait(30) == 0, node.text()[-3000:]
+        text = node.text()
+        assert "shutdown: finalized; the process ends" in text and "summary:" in text
+        assert "Traceback" not in text
+    finally:
+        client.close()
+        node.stop()
