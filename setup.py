@@ -8,8 +8,9 @@ setup(
     name="litevlm",
     version="0.1.0",
     packages=find_packages(include=["litevlm_runtime", "litevlm_runtime.*"]),
-    # The bundled default model's weights, tokenizer and card travel with the package.
-    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*"]},
+    # The bundled default model's weights, tokenizer and card travel with the package, and the
+    # low-bit CPU kernels' source (built on first use: weights/lowbit_kernels.py).
+    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*", "weights/*.cpp"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/litevlm"]),
         ("share/litevlm", ["package.xml"]),
@@ -17,5 +18,5 @@ setup(
         ("share/litevlm/config", glob("config/*")),
     ],
     python_requires=">=3.10",
-    entry_points={"console_scripts": ["litevlm = litevlm_runtime.cli:main", "litevlm_drive_node = litevlm_runtime.ros.node:main"]},
+    entry_points={"console_scripts": ["litevlm = litevlm_runtime.cli:main", "litevlm_drive_node = litevlm_runtime.ros.runner:main"]},
 )

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "litevlm_runtime.commands.export",
     "litevlm_runtime.commands.build_engines",
     "litevlm_runtime.commands.calibrate",
+    "litevlm_runtime.commands.quantize",
     "litevlm_runtime.commands.train",
     "litevlm_runtime.commands.eval_views",
     "litevlm_runtime.commands.drive",

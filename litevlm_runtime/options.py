@@ -60,14 +60,20 @@ class BackendName(str, Enum):
     TORCH_CUDAGRAPH = "torch-cudagraph"
     TORCH_COMPILE = "torch-compile"
     ONNXRUNTIME = "onnxruntime"
+    OPENVINO = "openvino"
     TENSORRT = "tensorrt"
+
+
+# The backends that run an export bundle's graphs (backend.bundle) rather than the PyTorch modules.
+BUNDLE_BACKENDS = (BackendName.ONNXRUNTIME, BackendName.OPENVINO, BackendName.TENSORRT)
 
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCOPES = ("camera", "global")
 REDUCTIONS = ("", "max", "mean")
-ENGINE_PRECISIONS = ("fp16", "fp8")
-PAPER_KEEP_RATIO = {"fp16": 0.8, "fp8": 0.9}     # LiteVLM paper: r = 0.8 at FP16, 0.9 at FP8
+ENGINE_PRECISIONS = ("fp16", "fp8", "int8", "int4")
+# LiteVLM paper: r = 0.8 at FP16, 0.9 at FP8; INT8/INT4 engines (not in the paper) take FP16's
+PAPER_KEEP_RATIO = {"fp16": 0.8, "fp8": 0.9, "int8": 0.8, "int4": 0.8}
 
 
 def setting(default, help: str, *, lo=None, hi=None, choices=None, live=False, ros=True):
@@ -126,7 +132,9 @@ class Images(_Validated):
 
 @dataclass(frozen=True)
 class Views(_Validated):
-    mode: ViewMode = setting(ViewMode.AUTO, "view selection: auto (the model's selector under pipeline=litevlm) | all | selector")
+    mode: ViewMode = setting(
+        ViewMode.AUTO, "view selection: auto (the model's selector under pipeline=litevlm) | all | selector"
+    )
     selector_dir: str = setting("", "view selector folder ('': <model_dir>/view_selector)")
     threshold: float = setting(0.0, "the selector's keyword-map threshold (0: the threshold saved with the selector)",
                                lo=0.0, hi=1.0, live=False)
@@ -134,12 +142,17 @@ class Views(_Validated):
 
 @dataclass(frozen=True)
 class Tokens(_Validated):
-    mode: TokenMode = setting(TokenMode.AUTO, "token selection: auto (the model's selector under pipeline=litevlm) | off | selector | layer0")
-    keep_ratio: float = setting(0.0, "fraction of visual tokens kept (0: the paper's r for the precision: 0.8, 0.9 at fp8)",
-                                lo=0.0, hi=1.0)
+    mode: TokenMode = setting(
+        TokenMode.AUTO, "token selection: auto (the model's selector under pipeline=litevlm) | off | selector | layer0"
+    )
+    keep_ratio: float = setting(
+        0.0, "fraction of visual tokens kept (0: the paper's r for the precision: 0.8, 0.9 at fp8)", lo=0.0, hi=1.0
+    )
     selector_dir: str = setting("", "token selector folder ('': <model_dir>/token_selector)")
     reduce: str = setting("", "score over question tokens: max | mean ('': the selector's own)", choices=REDUCTIONS)
-    scope: str = setting("camera", "keep the top r of each camera (camera) or of all visual tokens (global)", choices=SCOPES)
+    scope: str = setting(
+        "camera", "keep the top r of each camera (camera) or of all visual tokens (global)", choices=SCOPES
+    )
 
 
 @dataclass(frozen=True)
@@ -147,32 +160,59 @@ class EagleTree(_Validated):
     total: int = setting(60, "draft-tree nodes verified per round, at most (paper 60)", lo=1, hi=256)
     depth: int = setting(6, "draft levels, at most (paper 5 to 7)", lo=1, hi=16)
     topk: int = setting(10, "children expanded per node (paper 10)", lo=1, hi=32)
-    policy: TreePolicy = setting(TreePolicy.ADAPTIVE, "adaptive (the tree the device's measured costs say pays, or plain "
-                                                      "greedy steps) | fixed (always total/depth/topk)")
+    policy: TreePolicy = setting(
+        TreePolicy.ADAPTIVE,
+        "adaptive (the tree the device's measured costs say pays, or plain "
+        "greedy steps) | fixed (always total/depth/topk)",
+    )
 
 
 @dataclass(frozen=True)
 class Decoding(_Validated):
-    mode: DecodingMode = setting(DecodingMode.AUTO, "auto (EAGLE-2 under pipeline=litevlm when the model has eagle/) | greedy | eagle")
+    mode: DecodingMode = setting(
+        DecodingMode.AUTO, "auto (EAGLE-2 under pipeline=litevlm when the model has eagle/) | greedy | eagle"
+    )
     eagle: EagleTree = nested(EagleTree)
     draft_dir: str = setting("", "EAGLE-2 draft head folder ('': <model_dir>/eagle)")
-    temperature: float = setting(0.0, "0: greedy; > 0: sampling (EAGLE-2 verifies by rejection sampling)", lo=0.0, hi=10.0)
+    temperature: float = setting(
+        0.0, "0: greedy; > 0: sampling (EAGLE-2 verifies by rejection sampling)", lo=0.0, hi=10.0
+    )
     seed: int = setting(0, "sampling generator seed", lo=0)
+
+
+LOWBIT_WEIGHTS = ("int8", "int4", "int4-rtn", "fp16")    # the decoder weight forms of weights/lowbit.py
 
 
 @dataclass(frozen=True)
 class Backend(_Validated):
-    name: BackendName = setting(BackendName.TORCH, "stage engines: torch | torch-cudagraph | torch-compile | onnxruntime | tensorrt")
-    bundle: str = setting("", "export bundle folder (litevlm export) for onnxruntime and tensorrt")
-    precision: str = setting("fp16", "TensorRT engine precision: fp16 | fp8 (engines built by litevlm build-engines)",
+    name: BackendName = setting(
+        BackendName.TORCH, "stage engines: torch | torch-cudagraph | torch-compile | onnxruntime | openvino | tensorrt"
+    )
+    bundle: str = setting("", "export bundle folder (litevlm export) for onnxruntime, openvino and tensorrt")
+    compress: str = setting("none", "openvino: the bundle's weights compressed by NNCF at load: none | int8 (per "
+                                    "channel) | int4 (groups of 128 input channels; engines/openvino_engine.py)",
+                            choices=("none", "int8", "int4"))
+    precision: str = setting("fp16", "TensorRT engine precision: fp16 | fp8 | int8 | int4 (engines built by litevlm "
+                                     "build-engines)",
                              choices=ENGINE_PRECISIONS)
-    buckets: str = setting("", "torch-cudagraph / torch-compile shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
-                               "('': derived from the arena)")
-    weights: str = setting("float", "linear weights: float (the pipeline's dtype) | int8 (the decoder's, per-channel int8, "
-                                    "quantized at load, dequantized in the matmul: weights/int8.py) | bf16 (a float32 "
-                                    "pipeline on the CPU: calls of many rows, vision, prefill, token selection, run "
-                                    "bfloat16 GEMMs on the CPU's matrix units, decode steps stay float32: weights/bf16.py)",
-                           choices=("float", "int8", "bf16"))
+    buckets: str = setting(
+        "",
+        "torch-cudagraph / torch-compile shape buckets, e.g. 'vision=2,6;prefill=256,512;step=1,64;head=1,64' "
+        "('': derived from the arena)",
+    )
+    weights: str = setting(
+        "float",
+        "linear weights: float (the pipeline's dtype) | int8 (the decoder's linears, LM head "
+        "and a tied head's embedding, per-channel int8, quantized at load) | int4 (the same "
+        "set, group-wise INT4 with AWQ scales from `litevlm quantize`: backend.quantized) | "
+        "int4-rtn (INT4 round to nearest, quantized at load) | fp16 (the same set in float16, "
+        "widened in registers) | bf16 (a float32 pipeline on the CPU: calls of many rows, "
+        "vision, prefill, token selection, run bfloat16 GEMMs on the CPU's matrix units, "
+        "decode steps stay float32): weights/lowbit.py, weights/bf16.py",
+        choices=("float", "int8", "int4", "int4-rtn", "fp16", "bf16"),
+    )
+    quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "
+                                 "--out`; '': <model folder>/quantized-int4)")
     gemm: str = setting("auto", "float32 GEMM kernel of the CPU linears: torch (F.linear: MKL on x86 wheels) | onednn "
                                 "(oneDNN's float32 matmul for calls of 4+ rows) | auto (onednn on a non-Intel CPU with "
                                 "AVX-512, where MKL runs its AVX2 path; torch elsewhere): weights/gemm.py",
@@ -184,8 +224,9 @@ class Backend(_Validated):
 @dataclass(frozen=True)
 class Serving(_Validated):
     feature_cache: bool = setting(True, "reuse each camera's visual features for later questions about the same frame")
-    feature_cache_cameras: int = setting(12, "camera features kept (oldest evicted first; 12 = two six-camera frame sets)",
-                                         lo=0, hi=1024)
+    feature_cache_cameras: int = setting(
+        12, "camera features kept (oldest evicted first; 12 = two six-camera frame sets)", lo=0, hi=1024
+    )
     prefix_cache: bool = setting(True, "keep the KV of the prompt prefix every query shares (system message, user "
                                        "turn's opening) and prefill only the rest (engines whose prompt runs the "
                                        "model's own forward: torch, torch-compile on the CPU; pipeline/prefix.py)")
@@ -203,6 +244,15 @@ class Serving(_Validated):
 
 
 @dataclass(frozen=True)
+class ArenaOptions(_Validated):
+    kv_dtype: str = setting("float", "KV cache elements: float (the pipeline's dtype) | int8 | fp8 (E4M3): 8-bit codes "
+                                     "with a float16 scale per head and row, read dequantized by attention, in every "
+                                     "KV region (batch, conversation turns, prompt prefix); an onnxruntime/tensorrt "
+                                     "bundle is exported for one (models/kv_cache.py)",
+                            choices=("float", "int8", "fp8"))
+
+
+@dataclass(frozen=True)
 class FastVOptions(_Validated):
     k: int = setting(2, "FastV baseline: prune inside the decoder from layer K on", lo=1)
     ratio: float = setting(0.0, "FastV drop ratio R (0: off; the paper's 'FastV r=0.3' is R = 0.7)", lo=0.0, hi=0.99)
@@ -210,7 +260,9 @@ class FastVOptions(_Validated):
 
 @dataclass(frozen=True)
 class PipelineOptions(_Validated):
-    pipeline: PipelineKind = setting(PipelineKind.LITEVLM, "litevlm (the deployed pipeline) | baseline (for comparison)")
+    pipeline: PipelineKind = setting(
+        PipelineKind.LITEVLM, "litevlm (the deployed pipeline) | baseline (for comparison)"
+    )
     device: str = setting("cpu", "torch device: cpu | cuda | cuda:N")
     dtype: str = setting("float32", "weights and activations: float32 | float16 | bfloat16", choices=DTYPES)
     tiles_per_camera: int = setting(1, "tiles of S x S per camera (2 = the paper's 12-tile rig)", choices=(1, 2))
@@ -225,6 +277,7 @@ class PipelineOptions(_Validated):
     decoding: Decoding = nested(Decoding)
     backend: Backend = nested(Backend)
     serving: Serving = nested(Serving)
+    arena: ArenaOptions = nested(ArenaOptions)
     fastv: FastVOptions = nested(FastVOptions)
 
     def __post_init__(self):
@@ -236,16 +289,27 @@ class PipelineOptions(_Validated):
             raise InputError(f"cameras: {unknown or '(none)'} not in the rig {', '.join(CAMERAS)}")
         if self.fastv.ratio > 0 and self.backend.name != BackendName.TORCH:
             raise InputError("fastv.ratio: FastV prunes inside the decoder and needs backend.name torch")
-        if self.backend.weights == "int8" and self.backend.name in (BackendName.ONNXRUNTIME, BackendName.TENSORRT):
-            raise InputError(f"backend.weights int8 quantizes the PyTorch engines' weights; {self.backend.name.value} runs "
-                             f"an exported bundle: build an INT8/FP8 bundle with `litevlm calibrate --precision int8|fp8`")
+        if self.backend.weights in LOWBIT_WEIGHTS and self.backend.name in BUNDLE_BACKENDS:
+            raise InputError(
+                f"backend.weights {self.backend.weights} quantizes the PyTorch engines' weights; "
+                f"{self.backend.name.value} runs "
+                f"an exported bundle: build an INT8/FP8 bundle with `litevlm calibrate --precision int8|fp8`"
+                f"{' or set backend.compress int8' if self.backend.name == BackendName.OPENVINO else ''}"
+            )
+        if self.backend.compress != "none" and self.backend.name != BackendName.OPENVINO:
+            raise InputError(f"backend.compress {self.backend.compress}: NNCF compresses the weights OpenVINO runs "
+                             f"(backend.name openvino); backend.name is {self.backend.name.value}")
         if self.backend.weights == "bf16":
             if self.dtype != "float32" or str(self.device).startswith("cuda"):
-                raise InputError(f"backend.weights bf16 runs the compute-bound GEMMs of a float32 pipeline on the CPU in "
-                                 f"bfloat16; with dtype {self.dtype} on {self.device} choose dtype bfloat16/float16 instead")
+                raise InputError(
+                    f"backend.weights bf16 runs the compute-bound GEMMs of a float32 pipeline on the CPU in "
+                    f"bfloat16; with dtype {self.dtype} on {self.device} choose dtype bfloat16/float16 instead"
+                )
             if self.backend.name not in (BackendName.TORCH, BackendName.TORCH_COMPILE):
-                raise InputError(f"backend.weights bf16 changes the PyTorch engines' linears; {self.backend.name.value} "
-                                 f"runs an exported bundle's graphs")
+                raise InputError(
+                    f"backend.weights bf16 changes the PyTorch engines' linears; {self.backend.name.value} "
+                    f"runs an exported bundle's graphs"
+                )
 
     # ------------------------------------------------------------------ resolution
     def resolved(self, model_dir: str | Path | None, provided: frozenset[str] = frozenset()) -> "PipelineOptions":
@@ -275,9 +339,28 @@ class PipelineOptions(_Validated):
             on = lite and present(decoding.draft_dir, "eagle", "model.safetensors")
             decoding = replace(decoding, mode=DecodingMode.EAGLE if on else DecodingMode.GREEDY)
         for mode, explicit, sub, marker, what in (
-                (views.mode == ViewMode.SELECTOR, views.selector_dir, "view_selector", "config.json", "views.mode selector"),
-                (tokens.mode == TokenMode.SELECTOR, tokens.selector_dir, "token_selector", "model.safetensors", "tokens.mode selector"),
-                (decoding.mode == DecodingMode.EAGLE, decoding.draft_dir, "eagle", "model.safetensors", "decoding.mode eagle")):
+            (
+                views.mode == ViewMode.SELECTOR,
+                views.selector_dir,
+                "view_selector",
+                "config.json",
+                "views.mode selector",
+            ),
+            (
+                tokens.mode == TokenMode.SELECTOR,
+                tokens.selector_dir,
+                "token_selector",
+                "model.safetensors",
+                "tokens.mode selector",
+            ),
+            (
+                decoding.mode == DecodingMode.EAGLE,
+                decoding.draft_dir,
+                "eagle",
+                "model.safetensors",
+                "decoding.mode eagle",
+            ),
+        ):
             if mode and not present(explicit, sub, marker):
                 where = explicit or (folder / sub if folder else f"<model_dir>/{sub}")
                 raise InputError(f"{what}: no {marker} in {where} (train one with `litevlm train "
@@ -307,13 +390,20 @@ class PipelineOptions(_Validated):
     def threads(self) -> int:
         return self.backend.threads or default_threads()
 
-    def limits_key(self) -> tuple:
-        return (self.tiles_per_camera, self.max_new_tokens, self.max_question_tokens, len(self.cameras))
-
 
 # The dotted prefix of each section's fields (for messages and the flat view).
-SECTION_OF = {"Images": "images.", "Views": "views.", "Tokens": "tokens.", "Decoding": "decoding.", "EagleTree": "decoding.eagle.",
-              "Backend": "backend.", "Serving": "serving.", "FastVOptions": "fastv.", "PipelineOptions": ""}
+SECTION_OF = {
+    "Images": "images.",
+    "Views": "views.",
+    "Tokens": "tokens.",
+    "Decoding": "decoding.",
+    "EagleTree": "decoding.eagle.",
+    "Backend": "backend.",
+    "Serving": "serving.",
+    "ArenaOptions": "arena.",
+    "FastVOptions": "fastv.",
+    "PipelineOptions": "",
+}
 
 
 # ---------------------------------------------------------------------- the flat view

@@ -100,8 +100,10 @@ def main() -> None:
                 times[k].append((time.perf_counter() - t0) * 1e3)
     ms = {k: statistics.median(v) for k, v in times.items()}
 
-    print(f"batch costs: {pipe.name}, {rt.options.backend.name.value} on {rt.device}, {torch.get_num_threads()} threads, "
-          f"context {ctx}, prompt {t}, median of {args.repeats}")
+    print(
+        f"batch costs: {pipe.name}, {rt.options.backend.name.value} on {rt.device}, {torch.get_num_threads()} threads, "
+        f"context {ctx}, prompt {t}, median of {args.repeats}"
+    )
     print(f"{'':<52}{'ms':>9}{'vs':>9}")
     for b in range(1, args.max_batch + 1):
         one, many = ms[f"step {b} rows batched"], ms[f"step {b} rows as {b} single steps"]

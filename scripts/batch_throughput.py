@@ -91,7 +91,9 @@ def main(argv=None) -> int:
                 rates[name].append(len(work) / (time.perf_counter() - t0))
                 if run is one_at_a_time:
                     alone += answers[name].values()
-                print(f"round {r + 1}/{args.rounds}  {name:<20} {rates[name][-1]:6.2f} q/s", file=sys.stderr, flush=True)
+                print(
+                    f"round {r + 1}/{args.rounds}  {name:<20} {rates[name][-1]:6.2f} q/s", file=sys.stderr, flush=True
+                )
     base, other = (statistics.median(v) for v in rates.values())
     single, many = answers.values()
     same = sum(single[i].token_ids == many[i].token_ids for i in single)

@@ -53,7 +53,14 @@ def main() -> None:
     runs = {}
     for policy in ("fixed", "adaptive"):
         pipe = Pipeline.from_pretrained(args.model, options_from_flat({**base, "decoding.eagle.policy": policy}))
-        runs[policy] = {"pipe": pipe, "acc": timed_engines(pipe.rt), "decode": 0.0, "model": 0.0, "rounds": 0, "tokens": 0}
+        runs[policy] = {
+            "pipe": pipe,
+            "acc": timed_engines(pipe.rt),
+            "decode": 0.0,
+            "model": 0.0,
+            "rounds": 0,
+            "tokens": 0,
+        }
     frames = [read_frame_set(args.frames, i) for i in range(3)]
     questions = DEFAULT_QUESTIONS[:args.questions]
     for run in runs.values():                         # warm-up answers (the adaptive policy learns here too)

@@ -34,6 +34,7 @@ from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.pipeline.arena import Arena
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.pipeline.runtime import DTYPES, arena_limits
 from litevlm_runtime.report import table
 from litevlm_runtime.stages.prompt import resolve_layout
@@ -88,8 +89,10 @@ def main() -> None:
     if args.memory:
         return memory(args.model, args.preset, args.dtype, args.tiles)
 
-    pipe = Pipeline.from_pretrained(args.model, options_from_flat({"decoding.mode": "greedy", "max_new_tokens": args.max_new,
-                                                                   "backend.threads": args.threads}))
+    pipe = Pipeline.from_pretrained(
+        args.model,
+        options_from_flat({"decoding.mode": "greedy", "max_new_tokens": args.max_new, "backend.threads": args.threads}),
+    )
     rt, a = pipe.rt, pipe.rt.arena
     images, source = frames()
     keys = {c: "f" for c in images}
@@ -99,16 +102,20 @@ def main() -> None:
           for s in (*stages, "total", "rows")}
     copies = {"keep": [], "restore": [], "rows": []}
     for r in range(args.repeats):
-        first = pipe.answer(images, TURNS[0], frame_keys=keys, turn_id=(r, 1))
+        first = pipe.answer(images, QueryRequest(TURNS[0], query_id=(r, 1), keep_turn=True), frame_keys=keys)
         history = [(TURNS[0], first.text)]
         for turn in range(2, len(TURNS) + 1):
             q = TURNS[turn - 1]
             runs = {}
             for kind in (("follow", "scratch") if (r + turn) % 2 else ("scratch", "follow")):
                 if kind == "follow":
-                    runs[kind] = pipe.answer(images, q, frame_keys=keys, follow_up_of=(r, turn - 1), turn_id=(r, turn))
+                    runs[kind] = pipe.answer(
+                        images,
+                        QueryRequest(q, follow_up_of=(r, turn - 1), query_id=(r, turn), keep_turn=True),
+                        frame_keys=keys,
+                    )
                 else:
-                    runs[kind] = pipe.answer(images, q, frame_keys=keys, history=history)
+                    runs[kind] = pipe.answer(images, QueryRequest(q, history=history), frame_keys=keys)
             assert runs["follow"].token_ids == runs["scratch"].token_ids, (r, turn)
             for kind, ans in runs.items():
                 for s in stages:

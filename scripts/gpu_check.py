@@ -105,8 +105,12 @@ def node_check(args) -> bool:
         if src is None:
             subprocess.run(cli + ["synth", "--out", f"{tmp}/synth", "--scenes", "2", "--quiet"], env=env, check=True)
             src = ["--from-synth", f"{tmp}/synth"]
-        subprocess.run(cli + ["bag", "make", *src, "--out", str(bag), "--max-frames", "2", "--questions-per-frame", "2"],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            cli + ["bag", "make", *src, "--out", str(bag), "--max-frames", "2", "--questions-per-frame", "2"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         node = subprocess.Popen(cli + ["drive", "--set", "device=cuda", "--set", "backend.name=torch-cudagraph",
                                        "--set", f"dtype={args.dtype}"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -143,6 +147,10 @@ def serve_together(pipe, frame_sets, questions) -> dict:
         for r, ans in batch.step(waiting=lambda: bool(pending) and batch.has_room):
             out[r.tag] = ans
     return out
+
+
+def median_ms(answers, stage: str) -> float:
+    return statistics.median(a.stage_ms[stage] for a in answers)
 
 
 def timed_ms(fn, repeats: int, cuda: bool) -> float:
@@ -202,7 +210,7 @@ def batched_check(pipes: dict, frame_sets, questions, alone: dict, cuda: bool) -
     got = {name: serve_together(pipe, frame_sets, questions) for name, pipe in pipes.items()}
     n = len(questions)
     tokens = {name: [out[i].token_ids for i in range(n)] for name, out in got.items()}
-    together = {name: sum(1 for a in out.values() if a.extra.get("batched_steps")) for name, out in got.items()}
+    together = {name: sum(1 for a in out.values() if a.batched_steps) for name, out in got.items()}
     same_capture = sum(a == b for a, b in zip(tokens["torch-static"], tokens["torch-cudagraph"]))
     same_alone = sum(a == b for a, b in zip(alone["torch-cudagraph"], tokens["torch-cudagraph"]))
     same_eager = sum(a == b for a, b in zip(tokens["torch"], tokens["torch-cudagraph"]))
@@ -278,10 +286,19 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(questions)}] {q}  cameras {answers['torch'][-1].cameras}", flush=True)
 
     print()
-    print(table(["stage", "torch eager ms", "static eager ms", "cuda graph ms", "graph speed-up vs eager"], [
-        [s, *(statistics.median(a.stage_ms[s] for a in answers[n]) for n in pipes),
-         f"{statistics.median(a.stage_ms[s] for a in answers['torch']) / max(1e-9, statistics.median(a.stage_ms[s] for a in answers['torch-cudagraph'])):.2f}x"]
-        for s in STAGES]))
+    print(
+        table(
+            ["stage", "torch eager ms", "static eager ms", "cuda graph ms", "graph speed-up vs eager"],
+            [
+                [
+                    s,
+                    *(statistics.median(a.stage_ms[s] for a in answers[n]) for n in pipes),
+                    f"{median_ms(answers['torch'], s) / max(1e-9, median_ms(answers['torch-cudagraph'], s)):.2f}x",
+                ]
+                for s in STAGES
+            ],
+        )
+    )
     print("\npaper-shaped table (CUDA graphs; random weights: acceptance and accuracy mean nothing):")
     print(paper_table({"baseline": answers["baseline"], "LiteVLM": answers["torch-cudagraph"]}))
     costs = pipes["torch-cudagraph"].rt.costs

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import litevlm_runtime  # noqa: F401  (before torch: the OpenMP wait policy, threads.py)
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.commands.bench import load_frame_sets
-from litevlm_runtime.decoding.greedy import choose, step_one
+from litevlm_runtime.decoding.greedy import QueryDecoding, choose, step_one
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.report import table
@@ -39,7 +39,7 @@ def steps_runner(pipe, context: int):
 
     def run():
         hidden = step_one(rt, 7, context, context)
-        return choose(rt, rt.engines.head.run(hidden))
+        return choose(QueryDecoding.greedy(rt), rt.engines.head.run(hidden))
     return run
 
 
@@ -114,7 +114,9 @@ def main() -> int:
                  "between / profiled"], rows))
     base = results[0]["wall_ms"]
     for r in results[1:]:
-        print(f"{r['backend']}: {base / r['wall_ms']:.2f}x faster per step than {results[0]['backend']} (wall, same run)")
+        print(
+            f"{r['backend']}: {base / r['wall_ms']:.2f}x faster per step than {results[0]['backend']} (wall, same run)"
+        )
     return 0
 
 

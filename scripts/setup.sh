@@ -3,6 +3,10 @@
 # litevlm_msgs interface package built into it. Idempotent: every step is skipped when a stamp
 # file says its inputs have not changed, so a second run takes about a second.
 #
+# --peers: also the optional peer engines of scripts/peers.py (requirements-peers.txt: gguf and
+# llama-cpp-python, which builds llama.cpp from source: ~20 minutes on 2 cores, logged to
+# $VENV/.litevlm-peers.log). Nothing else needs them.
+#
 # Needs only Debian/Ubuntu with python3.11 (+ venv), gcc and cmake; see ../shared/ENVIRONMENT.md
 # for why each ROS work-around below exists.
 set -euo pipefail
@@ -89,6 +93,35 @@ if [ ! -f "$msgs_stamp" ] || ! "$PY" -c 'import litevlm_msgs.msg' 2>/dev/null; t
     touch "$msgs_stamp"
 else
     log "litevlm_msgs up to date"
+fi
+
+# 5. The low-bit CPU kernels (weights/lowbit_kernels.cpp: backend.weights int4/int8/fp16), compiled
+#    against this venv's torch once (about half a minute; cached by the source's digest, so a second
+#    run is a lookup). A CPU without AVX2 or a failed build is not fatal: those forms then run their
+#    reference path, and the message says so.
+if "$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; import sys; sys.exit(not k.cpu_supports())'; then
+    "$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; print("[setup] low-bit CPU kernels:", "built" if k.load() else "unavailable (reference path)")'
+else
+    log "low-bit CPU kernels: this CPU lacks AVX2/FMA/F16C (int4/int8/fp16 weights run their reference path)"
+fi
+
+# 6. Optional: the peer engines (--peers), keyed on requirements-peers.txt.
+if [ "${1:-}" = "--peers" ]; then
+    peers_stamp="$VENV/.litevlm-peers-$(hash_of requirements-peers.txt)"
+    if [ ! -f "$peers_stamp" ] || ! "$PY" -c 'import gguf, llama_cpp' 2>/dev/null; then
+        log "installing requirements-peers.txt (llama-cpp-python builds from source: ~20 minutes on 2 cores)"
+        peers_log="$VENV/.litevlm-peers.log"
+        # GGML_NATIVE: llama.cpp compiled for this CPU's instruction sets (-march=native), as its
+        # own build does by default; tests, examples and the multimodal library are not built.
+        CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF}" \
+            CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+            "$PY" -m pip install --disable-pip-version-check -r requirements-peers.txt > "$peers_log" 2>&1 \
+            || { tail -30 "$peers_log"; echo "[setup] peers install failed: $peers_log" >&2; exit 1; }
+        rm -f "$VENV"/.litevlm-peers-*
+        touch "$peers_stamp"
+    else
+        log "peer engines up to date"
+    fi
 fi
 
 log "ready: $VENV (run tests with scripts/test.sh)"

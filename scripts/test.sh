@@ -6,7 +6,8 @@ VENV="${LITEVLM_VENV:-$ROOT/.venv}"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 rc=0
-"$VENV/bin/python" -m pytest "$@" || rc=$?
+# --durations: the slowest tests at the end of every run (the suite must stay under 20 min in CI).
+"$VENV/bin/python" -m pytest --durations=30 "$@" || rc=$?
 # pytest exits 5 when it collected no tests (e.g. a -k that matches nothing): not a failure.
 if [ "$rc" -eq 5 ]; then rc=0; fi
 exit "$rc"

@@ -43,7 +43,9 @@ def main() -> None:
             small_full = Image.open(small).convert("RGB")
             ref_full = Image.open(ref).convert("RGB")
             full.append(np.abs(tile(small_full, s) - tile(ref_full, s)).mean())
-            renderer.append(np.abs(tile(small_full, s) - tile(ref_full.resize(small_full.size, Image.BICUBIC), s)).mean())
+            renderer.append(
+                np.abs(tile(small_full, s) - tile(ref_full.resize(small_full.size, Image.BICUBIC), s)).mean()
+            )
         with Image.open(folder / names[0]) as im:
             size = f"{im.width}x{im.height}"
         rows.append((size, np.mean(pipeline), np.mean(full), np.mean(renderer)))

@@ -9,6 +9,7 @@ from helpers import options, random_frames
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,12 @@ def serve(pipe, frames, arrivals, max_new=None):
     while pending or len(batch):
         while due():
             _, i, q = pending.pop(0)
-            batch.admit(frames[i], q, max_new_tokens=max_new, frame_keys={c: i for c in frames[i]}, tag=(i, q))
+            batch.admit(
+                frames[i],
+                QueryRequest(q, max_new_tokens=max_new or 0),
+                frame_keys={c: i for c in frames[i]},
+                tag=(i, q),
+            )
         widest = max(widest, len(batch))
         for r, ans in batch.step(waiting=waiting):
             answers[r.tag] = ans

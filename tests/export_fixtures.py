@@ -48,12 +48,17 @@ def exported_bundle(root: Path) -> Path:
     return _cache["bundle"]
 
 
-def pipelines(model: Path, bundle: Path, **settings):
+# The backends that run the bundle's graphs on the CPU, tested alike against torch.
+BUNDLE_BACKENDS = ("onnxruntime", "openvino")
+
+
+def pipelines(model: Path, bundle: Path, backend: str = "onnxruntime", **settings):
+    """(torch pipeline, `backend` pipeline over the bundle) with the same settings."""
     from helpers import options
 
     from litevlm_runtime.pipeline.pipeline import Pipeline
 
     torch_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, **settings))
-    ort_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, backend__name="onnxruntime",
-                                                       backend__bundle=str(bundle), **settings))
-    return torch_pipe, ort_pipe
+    bound_pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, backend__name=backend,
+                                                         backend__bundle=str(bundle), **settings))
+    return torch_pipe, bound_pipe

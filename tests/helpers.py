@@ -17,6 +17,19 @@ def make_tiny_checkpoint(path: Path, preset: str = "tiny", seed: int = 0, **kw) 
     return path
 
 
+def lively_checkpoint_of(root: Path, preset: str, seed: int = 1, std: float = 0.1) -> Path:
+    """A `preset` checkpoint in root/lively with std-`std` weights, so that greedy answers depend on
+    the input (the random init's small weights answer the same token whatever the frames)."""
+    from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
+    from litevlm_runtime.weights.random_init import init_weights
+
+    base = make_tiny_checkpoint(root / "base", preset)
+    model = load_model(base)
+    init_weights(model, seed=seed, std=std)
+    write_checkpoint(root / "lively", model, base / "tokenizer.json")
+    return root / "lively"
+
+
 def random_frames(seed: int = 0, h: int = 90, w: int = 160) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {cam: rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for cam in CAMERAS}

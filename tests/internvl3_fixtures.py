@@ -54,8 +54,15 @@ def hf_text_config(shape: str, vocab_size: int, layers: int = 2):
         return LlamaConfig(vocab_size=vocab_size, num_hidden_layers=layers, rope_parameters=dict(ROPE),
                            max_position_embeddings=32768, attn_implementation="eager", **widths)
     cls = Qwen3Config if family == "qwen3" else Qwen2Config
-    return cls(vocab_size=vocab_size, num_hidden_layers=layers, rope_parameters=dict(ROPE), max_position_embeddings=32768,
-               use_sliding_window=False, attn_implementation="eager", **widths)
+    return cls(
+        vocab_size=vocab_size,
+        num_hidden_layers=layers,
+        rope_parameters=dict(ROPE),
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        attn_implementation="eager",
+        **widths,
+    )
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from litevlm_runtime.bag.compare import read_jsonl
 from litevlm_runtime.bench.soak import LoggedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,10 +25,12 @@ PROFILE = ROOT / "config" / "fastdds_large_data.xml"
 
 def domain_id(k: int) -> int:
     """Own DDS domain per test and per test run. k: 1..49, one per test, never shared: 1..3
-    test_ros_replay, 4 test_bag_replay, 5..9 the node tests, 10..14 test_ros_reliability, 22
-    batching, 23 follow-ups, 24..31 reconfigure, memory, bags as they come, shutdown, the real
-    launch, 32 partials, 40..44 the soak/peak harness. Concurrent suites on one machine (the
-    pid's residue picks one of four blocks of 50) collide only if their pids do mod 4."""
+    test_ros_replay, 4 test_bag_replay, 5..9 the node tests, 10..14 test_ros_reliability, 15..17
+    the bag tools agreeing, 18 lifecycle services, 19 explanations, 22 batching, 23 follow-ups,
+    24..31 reconfigure, memory, bags as they come, shutdown, the real launch, 32 partials, 33 and
+    37 the node serving OpenVINO and int4 (test_node_backends), 36 priority, 40..44 the soak/peak
+    harness. Concurrent suites on one machine (the pid's residue picks one of four blocks of 50)
+    collide only if their pids do mod 4."""
     if not 1 <= k < 50:
         raise ValueError(f"domain_id({k}): k is 1..49 (one per test)")
     return 1 + (os.getpid() % 4) * 50 + k
@@ -156,7 +159,11 @@ class RosClient:
         from lifecycle_msgs.srv import ChangeState
 
         req = ChangeState.Request()
-        req.transition.id = getattr(Transition, f"TRANSITION_{transition.upper()}")
+        known = getattr(Transition, f"TRANSITION_{transition.upper()}", None)
+        if known is None:              # shutdown: one transition per state, asked by its label as ros2 does
+            req.transition.label = transition
+        else:
+            req.transition.id = known
         return self.call(ChangeState, f"{node}/change_state", req, timeout=300, resend_s=None).success
 
     def lifecycle_get(self, node: str) -> str:
@@ -168,7 +175,9 @@ class RosClient:
     def param_describe(self, node: str, names: list[str]):
         from rcl_interfaces.srv import DescribeParameters
 
-        return self.call(DescribeParameters, f"{node}/describe_parameters", DescribeParameters.Request(names=names)).descriptors
+        return self.call(
+            DescribeParameters, f"{node}/describe_parameters", DescribeParameters.Request(names=names)
+        ).descriptors
 
     def param_get(self, node: str, name: str):
         from rcl_interfaces.srv import GetParameters
@@ -227,3 +236,28 @@ class Rig:
         msg = Query(id=query_id, text=text)
         msg.header.stamp = self.client.node.get_clock().now().to_msg()
         self.query.publish(msg)
+
+
+def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: int, timeout: float = 150,
+               node_ready_s: float = 120, served=None):
+    """node (`litevlm drive --params`) + recorder + replayer; returns the recorded rows and the
+    node's log. `served()`: called once every answer is recorded, before the node stops."""
+    env = ros_env(domain)
+    out = tmp_path / "recorded.jsonl"
+    recorder = Proc(["bag", "record", "--out", str(out), "--bag", str(tmp_path / "answers_bag"),
+                     "--count", str(n_answers), "--timeout", str(timeout)], env, tmp_path / "record.log")
+    node = Proc(["drive", "--params", str(params)], env, tmp_path / "node.log")
+    replayer = None
+    try:
+        node.wait_for("ready (active)", timeout=node_ready_s)
+        recorder.wait_for("record: ready", timeout=60)
+        replayer = Proc(["bag", "replay", str(bag), "--params", str(params)], env, tmp_path / "replay.log")
+        assert replayer.wait(timeout) == 0, replayer.text()
+        assert recorder.wait(timeout) == 0, recorder.text() + node.text()[-3000:]
+        if served is not None:
+            served()
+    finally:
+        for p in (replayer, recorder, node):
+            if p is not None:
+                p.stop()
+    return read_jsonl(out), node.text()

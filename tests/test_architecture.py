@@ -34,7 +34,9 @@ def test_an_upward_import_or_a_cycle_breaks_them(tmp_path):
     rope = tmp_path / "litevlm_runtime" / "models" / "rope.py"
     rope.write_text(rope.read_text() + "\nfrom ..pipeline import runtime  # planted: models import the pipeline\n")
     run = lint_imports(tmp_path)
-    assert run.returncode != 0 and "litevlm_runtime.models.rope -> litevlm_runtime.pipeline.runtime" in run.stdout, run.stdout
+    assert run.returncode != 0 and "litevlm_runtime.models.rope -> litevlm_runtime.pipeline.runtime" in run.stdout, (
+        run.stdout
+    )
     assert "0 broken" not in run.stdout
 
     rope.write_text(rope.read_text().replace("from ..pipeline import runtime", "from . import decoder"))

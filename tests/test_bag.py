@@ -26,6 +26,7 @@ from litevlm_runtime.bag.io import (
 from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.ros.params_file import load_node_params
 from litevlm_runtime.serving.images import RAW_ENCODINGS
 from litevlm_runtime.serving.server import STATUS_CODES
@@ -39,7 +40,9 @@ def test_status_codes_are_the_message_constants():
 
 
 def test_drivelm_bag_has_real_timing_and_questions(tmp_path, drivelm_dir):
-    bag = write_bag(drivelm_contents(drivelm_dir, questions_per_frame=2, max_width=160), tmp_path / "b", storage="sqlite3")
+    bag = write_bag(
+        drivelm_contents(drivelm_dir, questions_per_frame=2, max_width=160), tmp_path / "b", storage="sqlite3"
+    )
     topics = bag_topics(bag)
     assert topics["/litevlm/query"] == "litevlm_msgs/msg/Query"
     assert sum(1 for t in topics.values() if t == "sensor_msgs/msg/CompressedImage") == 6
@@ -103,7 +106,12 @@ def test_compare_reports_every_kind_of_difference():
                 "stage_ms": {"prefill": 2.0}, "total_ms": 2.0, "queue_ms": 0.0}
         return base | kw
     a = [row("q1"), row("q2"), row("q3")]
-    b = [row("q1", total_ms=3.0, stage_ms={"prefill": 3.0}), row("q2", answer="stop", token_ids=[2]), row("q4"), row("q4")]
+    b = [
+        row("q1", total_ms=3.0, stage_ms={"prefill": 3.0}),
+        row("q2", answer="stop", token_ids=[2]),
+        row("q4"),
+        row("q4"),
+    ]
     cmp = compare_runs(a, b)
     text = "\n".join(cmp.differences)
     assert not cmp.ok
@@ -251,7 +259,9 @@ def test_bare_mcap_from_another_writer(tmp_path, tiny_model):
     assert info["/tf"].msgtype == "tf2_msgs/msg/TFMessage" and info["/imu"].count == 20
     assert info["/cam_front/image_raw/compressed"].msgtype == "sensor_msgs/msg/CompressedImage"
     records = evaluate(bag, tiny_params(tiny_model))
-    assert [(r.query_id, r.status) for r in records] == [("m0", "ok"), ("m1", "ok")], [r.status_message for r in records]
+    assert [(r.query_id, r.status) for r in records] == [("m0", "ok"), ("m1", "ok")], [
+        r.status_message for r in records
+    ]
     # The same file in a folder without metadata.yaml (and next to a second recording): read directly.
     folder = tmp_path / "copied_out"
     folder.mkdir()
@@ -312,8 +322,12 @@ def test_rosbags_sqlite3_with_recorded_qos_and_extra_topics(tmp_path):
     static = replay_qos(info["/tf_static"].qos)
     assert (static.reliability, static.durability, static.depth) == \
         (ReliabilityPolicy.RELIABLE, DurabilityPolicy.TRANSIENT_LOCAL, 100)     # depth not recorded
-    none = replay_qos(info["/litevlm/query"].qos)                               # nothing recorded
-    assert (none.reliability, none.durability, none.depth) == (ReliabilityPolicy.RELIABLE, DurabilityPolicy.VOLATILE, 100)
+    none = replay_qos(info["/litevlm/query"].qos)  # nothing recorded
+    assert (none.reliability, none.durability, none.depth) == (
+        ReliabilityPolicy.RELIABLE,
+        DurabilityPolicy.VOLATILE,
+        100,
+    )
     assert replay_qos(info["/tf_static"].qos, reliable=True).durability == DurabilityPolicy.VOLATILE
     mixed = replay_qos(sensor + latched)
     assert (mixed.reliability, mixed.durability) == (ReliabilityPolicy.BEST_EFFORT, DurabilityPolicy.VOLATILE)
@@ -377,7 +391,7 @@ def test_bag_eval_carries_follow_ups_and_sampling(tmp_path, tiny_model):
     """Query.follow_up_of, temperature and seed written into a bag reach the server in bag eval:
     the follow-up is answered on its first turn's frames (a newer set came between) and equals its
     conversation from scratch; the sampled query is the pipeline's at that temperature and seed."""
-    from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame
+    from litevlm_runtime.bag.io import BagContents, CameraFrame
     from litevlm_runtime.pipeline.pipeline import Pipeline
     from litevlm_runtime.ros.parameters import pipeline_options_from
 
@@ -395,11 +409,15 @@ def test_bag_eval_carries_follow_ups_and_sampling(tmp_path, tiny_model):
     contents = BagContents()
     s = 1_000_000_000
     first = frame_set(1, 10 * s)
-    contents.queries.append(BagQuery(10 * s + s // 10, "What is in front of the ego vehicle?", id="t1"))
+    contents.queries.append(
+        QueryRequest("What is in front of the ego vehicle?", stamp_ns=10 * s + s // 10, query_id="t1")
+    )
     frame_set(2, 11 * s)
-    contents.queries.append(BagQuery(11 * s + s // 10, "Is it moving?", id="t2", follow_up_of="t1"))
-    contents.queries.append(BagQuery(11 * s + s // 5, "Is it moving?", id="t3", follow_up_of="gone"))
-    contents.queries.append(BagQuery(11 * s + s // 4, "What is behind?", id="t4", temperature=2.0, seed=5))
+    contents.queries.append(QueryRequest("Is it moving?", stamp_ns=11 * s + s // 10, query_id="t2", follow_up_of="t1"))
+    contents.queries.append(QueryRequest("Is it moving?", stamp_ns=11 * s + s // 5, query_id="t3", follow_up_of="gone"))
+    contents.queries.append(
+        QueryRequest("What is behind?", stamp_ns=11 * s + s // 4, query_id="t4", temperature=2.0, seed=5)
+    )
     bag = write_bag(contents, tmp_path / "bag")
     params = tiny_params(tiny_model, max_new_tokens="4")
     records = {r.query_id: r for r in evaluate(bag, params)}
@@ -407,8 +425,13 @@ def test_bag_eval_carries_follow_ups_and_sampling(tmp_path, tiny_model):
     assert records["t2"].frame_stamps_ns == records["t1"].frame_stamps_ns == {c: 10 * s for c in CAMERAS}
     assert records["t2"].turn == 2 and records["t2"].reused_tokens > 0
     pipe = Pipeline.from_pretrained(tiny_model, pipeline_options_from(params))
-    scratch = pipe.answer(first, "Is it moving?", history=[("What is in front of the ego vehicle?", records["t1"].answer)])
+    scratch = pipe.answer(
+        first, QueryRequest("Is it moving?", history=[("What is in front of the ego vehicle?", records["t1"].text)])
+    )
     assert records["t2"].token_ids == scratch.token_ids
     newer = {c: contents.frames[c][-1].data for c in CAMERAS}
-    assert records["t4"].token_ids == pipe.answer(newer, "What is behind?", temperature=2.0, seed=5).token_ids
+    assert (
+        records["t4"].token_ids
+        == pipe.answer(newer, QueryRequest("What is behind?", temperature=2.0, seed=5)).token_ids
+    )
     assert records["t4"].token_ids != pipe.answer(newer, "What is behind?").token_ids

@@ -16,9 +16,10 @@ from ros_helpers import Proc, domain_id, jpeg, ros_env, write_params
 from litevlm_runtime.bag.compare import compare_runs, read_jsonl
 from litevlm_runtime.bag.evaluate import evaluate
 from litevlm_runtime.bag.ids import replay_tag, split, tagged
-from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, raw_frame, write_bag
+from litevlm_runtime.bag.io import BagContents, CameraFrame, raw_frame, write_bag
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.ros.bag_types import camera_topics_from_bag, message_type_of, published_name
 from litevlm_runtime.ros.params_file import load_node_params
 
@@ -34,7 +35,9 @@ def contents(raw: str | None = None, n_sets: int = 2) -> BagContents:
             t = T0 + k * S + i * 5_000_000
             data = jpeg(k * 10 + i)
             c.frames[cam].append(raw_frame(t, data, raw) if raw else CameraFrame(t, data))
-        c.queries.append(BagQuery(T0 + k * S + 200_000_000, "What is in front of the ego car?", id=f"q{k}"))
+        c.queries.append(
+            QueryRequest("What is in front of the ego car?", stamp_ns=T0 + k * S + 200_000_000, query_id=f"q{k}")
+        )
     return c
 
 
@@ -64,7 +67,9 @@ def test_a_raw_image_bag_evaluates_with_default_parameters(tmp_path, tiny_model)
     resolved = camera_topics_from_bag(params, {f"/{c.lower()}/image_raw": "sensor_msgs/msg/Image" for c in CAMERAS})
     assert resolved["camera_topics"] == [f"/{c.lower()}/image_raw" for c in CAMERAS]
     records = evaluate(bag, params)
-    assert [(r.query_id, r.status) for r in records] == [("q0", "ok"), ("q1", "ok")], [r.status_message for r in records]
+    assert [(r.query_id, r.status) for r in records] == [("q0", "ok"), ("q1", "ok")], [
+        r.status_message for r in records
+    ]
     # camera_topics set explicitly: used as given, so a wrong one is still refused naming the topics
     with pytest.raises(InputError, match="none of the node's camera topics"):
         evaluate(bag, params | {"camera_topics": [f"/{c.lower()}/other" for c in CAMERAS]})
@@ -114,6 +119,7 @@ def test_damaged_bags_end_with_one_line_naming_the_bag(tmp_path, tiny_model):
             assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow      # 1-3 min; test_bag_tools_agree replays twice beside busy processes in CI
 def test_a_bag_replayed_twice_into_one_namespaced_node_is_answered_twice(tmp_path, tiny_model):
     bag = write_bag(contents(n_sets=2), tmp_path / "bag")
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=2,

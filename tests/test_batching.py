@@ -11,6 +11,7 @@ from helpers import options
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.pipeline.batching import BatchDecoder, batch_speculates
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.pipeline.runtime import batch_capacity
 
 pipe, frames = batching_fixtures.pipe, batching_fixtures.frames      # the module fixtures both files serve
@@ -44,13 +45,13 @@ def test_batched_greedy_answers_equal_one_at_a_time(pipe, frames, one_at_a_time,
         assert ans.token_ids == one_at_a_time[key], key
     assert widest >= 2                                      # they did run together
     if pattern in ("together", "more_than_capacity"):
-        assert any(a.extra.get("batched_steps") for a in answers.values())
+        assert any(a.batched_steps for a in answers.values())
 
 
 def test_each_query_keeps_its_own_cap(pipe, frames, one_at_a_time):
     batch = BatchDecoder(pipe)
     for n, q in zip((2, 5, 64), QUESTIONS[:3]):
-        batch.admit(frames[0], q, max_new_tokens=n, frame_keys={c: 0 for c in frames[0]}, tag=(n, q))
+        batch.admit(frames[0], QueryRequest(q, max_new_tokens=n), frame_keys={c: 0 for c in frames[0]}, tag=(n, q))
     got = {r.tag: a for r, a in batch.run()}
     for (n, q), ans in got.items():
         assert ans.token_ids == one_at_a_time[(0, q)][:n]
@@ -64,7 +65,7 @@ def test_sampling_keeps_each_querys_seed(frames):
     def sampled(others, seed):
         batch = BatchDecoder(pipe)
         keys = {c: 0 for c in frames[0]}
-        batch.admit(frames[0], QUESTIONS[2], temperature=1.5, seed=seed, frame_keys=keys, tag="x")
+        batch.admit(frames[0], QueryRequest(QUESTIONS[2], temperature=1.5, seed=seed), frame_keys=keys, tag="x")
         for q in others:
             batch.admit(frames[0], q, frame_keys=keys, tag=q)
         return {r.tag: a for r, a in batch.run()}["x"].token_ids
@@ -113,5 +114,5 @@ def test_a_query_stopped_for_a_join_teaches_the_speculation_policy(frames):
     first = "What are the important objects in the current scene?"           # a long answer
     taught = sum(costs.answers.values())
     answers, widest = serve(pipe, frames, [(0, 0, first), (3, 1, QUESTIONS[1])])
-    assert widest == 2 and "batched_steps" in answers[(0, first)].extra       # stopped alone, then batched
-    assert sum(costs.answers.values()) == taught + 1 + ("batched_steps" not in answers[(1, QUESTIONS[1])].extra)
+    assert widest == 2 and answers[(0, first)].batched_steps > 0       # stopped alone, then batched
+    assert sum(costs.answers.values()) == taught + 1 + (answers[(1, QUESTIONS[1])].batched_steps == 0)

@@ -1,10 +1,10 @@
-"""In-flight batching on the bound backends: ONNX Runtime running the bundle's batched decode step
-(one graph, a dynamic batch dimension, bound per batch bucket) and every KV region's own step
-bindings; the batched step's padding rows and bucket choice (the plain-Python part the CUDA-graph
+"""In-flight batching on the bound backends: ONNX Runtime and OpenVINO running the bundle's
+batched decode step (one graph, a dynamic batch dimension, bound per batch bucket) and every KV
+region's own step bindings; the batched step's padding rows and bucket choice (the plain-Python part the CUDA-graph
 and TensorRT backends share, run here with capture off); which backends batch and why not.
 
-Greedy answers of queries decoded together on ONNX Runtime are token for token those of torch and
-of the same queries served one at a time (the lively tiny checkpoint: its answers differ from
+Greedy answers of queries decoded together on ONNX Runtime and on OpenVINO are token for token
+those of torch and of the same queries served one at a time (the lively tiny checkpoint: its answers differ from
 question to question, so equality means something). The batched step's numbers against torch's
 (1e-4, the project's ONNX tolerance) are in test_export.py (verify_bundle).
 """
@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 from batching_fixtures import serve
-from export_fixtures import MAX_NEW_TOKENS, exported_bundle, lively_checkpoint, pipelines
+from export_fixtures import BUNDLE_BACKENDS, MAX_NEW_TOKENS, exported_bundle, lively_checkpoint, pipelines
 from helpers import options, random_frames
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
@@ -29,6 +29,7 @@ from litevlm_runtime.engines.tensorrt_engine import batch_profiles, profile_of, 
 from litevlm_runtime.errors import LiteVLMError
 from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 
 QUESTIONS = DEFAULT_QUESTIONS[:3]
 
@@ -39,10 +40,16 @@ def exported(tmp_path_factory):
     return lively_checkpoint(root), exported_bundle(root)
 
 
-@pytest.fixture(scope="module")
-def pipes(exported):
+@pytest.fixture(scope="module", params=BUNDLE_BACKENDS)
+def pipes(request, exported):
     model, bundle = exported
-    return pipelines(model, bundle)            # torch and onnxruntime, serving.max_batch 4 (the default)
+    return pipelines(model, bundle, backend=request.param)   # torch and the bundle backend, serving.max_batch 4
+
+
+def compiled_graph(runner):
+    """What a bound graph runs on, shared by its bindings: ONNX Runtime's session, OpenVINO's
+    compiled model."""
+    return runner.session if hasattr(runner, "session") else runner.compiled
 
 
 @pytest.fixture(scope="module")
@@ -52,31 +59,31 @@ def frames():
 
 @pytest.fixture(scope="module")
 def one_at_a_time(pipes, frames):
-    """Every (frame set, question) answered alone, on torch and on ONNX Runtime."""
+    """Every (frame set, question) answered alone, on torch and on the bundle backend."""
     return [{(i, q): p.answer(frames[i], q, frame_keys={c: i for c in frames[i]}).token_ids
              for i in range(len(frames)) for q in QUESTIONS} for p in pipes]
 
 
-def test_onnxruntime_binds_the_batched_step_and_every_region(pipes):
-    _, ort = pipes
-    a = ort.rt.arena
-    assert a.limits.batch == 4 and ort.rt.engines.batch.backend == "onnxruntime" and ort.rt.engines.batch.sizes == (2, 4)
-    batch = BatchDecoder(ort)
-    steps = [region.engines.decoder for region in batch.regions]
+def test_bundle_backend_binds_the_batched_step_and_every_region(pipes):
+    _, bound = pipes
+    a, backend = bound.rt.arena, bound.rt.options.backend.name.value
+    assert a.limits.batch == 4 and bound.rt.engines.batch.backend == backend and bound.rt.engines.batch.sizes == (2, 4)
+    steps = [bound.rt.region(r).decoder for r in range(a.limits.batch)]
     assert [d.k_cache.data_ptr() for d in steps] == [a.k_regions[r].data_ptr() for r in range(4)]
-    assert all(d.backend == "onnxruntime" for d in steps)
-    # One session per graph file: each region's step bindings and both batch buckets share them.
-    sessions = {id(run.session) for d in steps for run in d.step_runners.values()}
-    assert len(sessions) == len(ort.rt.engines.decoder.sizes)
-    assert len({id(run.session) for run in ort.rt.engines.batch.runners.values()}) == 1
-    assert BatchDecoder(ort).regions[2].engines.decoder is steps[2]           # bound once per region
+    assert all(d.backend == backend for d in steps)
+    # One session (compiled model) per graph file: each region's step bindings and both batch buckets share them.
+    sessions = {id(compiled_graph(run)) for d in steps for run in d.step_runners.values()}
+    assert len(sessions) == len(bound.rt.engines.decoder.sizes)
+    assert len({id(compiled_graph(run)) for run in bound.rt.engines.batch.runners.values()}) == 1
+    BatchDecoder(bound)
+    assert bound.rt.region(2).decoder is steps[2]           # bound once per region
 
 
 @pytest.mark.parametrize("pattern", ["together", "three_then_three", "staggered"])
-def test_onnxruntime_batched_answers_equal_torch_and_one_at_a_time(pipes, frames, one_at_a_time, pattern):
-    _, ort = pipes
-    alone_torch, alone_ort = one_at_a_time
-    assert alone_ort == alone_torch
+def test_bundle_backend_batched_answers_equal_torch_and_one_at_a_time(pipes, frames, one_at_a_time, pattern):
+    _, bound = pipes
+    alone_torch, alone_bound = one_at_a_time
+    assert alone_bound == alone_torch
     assert len({tuple(t) for t in alone_torch.values()}) >= 4                  # the answers differ
     qs = list(alone_torch)
     if pattern == "together":
@@ -85,27 +92,27 @@ def test_onnxruntime_batched_answers_equal_torch_and_one_at_a_time(pipes, frames
         arrivals = [(0, i, q) for i, q in qs[:3]] + [(6, i, q) for i, q in qs[3:]]
     else:
         arrivals = [(3 * k, i, q) for k, (i, q) in enumerate(qs)]
-    answers, widest = serve(ort, frames, arrivals)
+    answers, widest = serve(bound, frames, arrivals)
     assert set(answers) == {(i, q) for _, i, q in arrivals}
     for key, ans in answers.items():
         assert ans.token_ids == alone_torch[key], key
-    assert widest >= 3 and any(a.extra.get("batched_steps") for a in answers.values())
+    assert widest >= 3 and any(a.batched_steps for a in answers.values())
 
 
 def test_a_query_left_alone_in_another_region_decodes_there(pipes, frames, one_at_a_time):
-    """The query in region 1 outlives region 0's: it carries on alone in ONNX Runtime's step
+    """The query in region 1 outlives region 0's: it carries on alone in the backend's step
     graph bound over region 1, and its answer is still the one-at-a-time one."""
-    _, ort = pipes
+    _, bound = pipes
     keys = {c: 0 for c in frames[0]}
-    batch = BatchDecoder(ort)
-    short = batch.admit(frames[0], QUESTIONS[0], max_new_tokens=3, frame_keys=keys, tag="short")
+    batch = BatchDecoder(bound)
+    short = batch.admit(frames[0], QueryRequest(QUESTIONS[0], max_new_tokens=3), frame_keys=keys, tag="short")
     long = batch.admit(frames[0], QUESTIONS[1], frame_keys=keys, tag="long")
     assert (short.region, long.region) == (0, 1)
     got = {r.tag: a for r, a in batch.run()}
     alone = one_at_a_time[0]
     assert got["short"].token_ids == alone[(0, QUESTIONS[0])][:3]
     assert got["long"].token_ids == alone[(0, QUESTIONS[1])]
-    assert 0 < got["long"].extra["batched_steps"] < len(got["long"].token_ids) - 1     # batched, then alone
+    assert 0 < got["long"].batched_steps < len(got["long"].token_ids) - 1     # batched, then alone
 
 
 @torch.inference_mode()
@@ -124,7 +131,13 @@ def test_padding_rows_of_a_partial_bucket_see_only_themselves(exported):
     regions = torch.randn(a.k_regions.shape, generator=g), torch.randn(a.v_regions.shape, generator=g)
     history = torch.tensor([9, 20, 14])
     mask = torch.arange(20)[None, :] < history[:, None]
-    call = (torch.randn(3, rt.cfg.llm.hidden_size, generator=g), history + 2, history, mask, torch.eye(3, dtype=torch.bool))
+    call = (
+        torch.randn(3, rt.cfg.llm.hidden_size, generator=g),
+        history + 2,
+        history,
+        mask,
+        torch.eye(3, dtype=torch.bool),
+    )
     out = []
     for eng in (rt.engines.batch, engine):
         a.k_regions.copy_(regions[0])
@@ -186,7 +199,9 @@ def test_which_bundles_batch(exported, tmp_path, caplog):
     manifest["graphs"] = [g for g in manifest["graphs"] if g["stage"] != "decoder_batch"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING, logger="litevlm.runtime"):
-        pipe = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, **{**ort, "backend__bundle": str(old)}))
+        pipe = Pipeline.from_pretrained(
+            model, options(max_new_tokens=MAX_NEW_TOKENS, **{**ort, "backend__bundle": str(old)})
+        )
     assert pipe.rt.arena.limits.batch == 1 and pipe.rt.engines.batch is None
     assert "serving.max_batch 4 -> 1" in caplog.text and "no batched decode step graph" in caplog.text
 
@@ -199,7 +214,9 @@ def test_which_bundles_batch(exported, tmp_path, caplog):
     assert n == 1 and "calibration quantizes only" in why
 
     manifest["graphs"] = [dict(g, precision="float32") for g in manifest["graphs"]]
-    manifest["engines"] = {"fp16": {"files": {g["file"]: {} for g in manifest["graphs"] if g["stage"] != "decoder_batch"}}}
+    manifest["engines"] = {
+        "fp16": {"files": {g["file"]: {} for g in manifest["graphs"] if g["stage"] != "decoder_batch"}}
+    }
     (old / "manifest.json").write_text(json.dumps(manifest))
     n, why = batch_limit(options(**{**ort, "backend__name": "tensorrt", "backend__bundle": str(old)}))
     assert n == 1 and "build-engines" in why

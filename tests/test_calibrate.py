@@ -70,7 +70,9 @@ def test_int8_bundle_has_qdq_graphs_and_keeps_its_interface(calibrated):
     _, bundle, out, manifest, _ = calibrated
     source = json.loads((bundle / "manifest.json").read_text())
     assert manifest["precision"] == "int8"
-    assert [(g["stage"], g["bucket"]) for g in manifest["graphs"]] == [(g["stage"], g["bucket"]) for g in source["graphs"]]
+    assert [(g["stage"], g["bucket"]) for g in manifest["graphs"]] == [
+        (g["stage"], g["bucket"]) for g in source["graphs"]
+    ]
     for g, src in zip(manifest["graphs"], source["graphs"]):
         assert g["inputs"] == src["inputs"] and g["outputs"] == src["outputs"]
         ops = {n.op_type for n in onnx.load(str(out / g["file"]), load_external_data=False).graph.node}
@@ -79,7 +81,7 @@ def test_int8_bundle_has_qdq_graphs_and_keeps_its_interface(calibrated):
         else:
             assert {"QuantizeLinear", "DequantizeLinear"} <= ops, g["file"]
             assert g["calibration_samples"] >= 1
-    report = json.loads((out.parent / "calibration_report.json").read_text())
+    report = json.loads((out.parent / "calibration_report_int8.json").read_text())
     assert report["precision"] == "int8"
 
 
@@ -179,14 +181,15 @@ def test_fit_sample_prefix_and_padding():
 
 
 def test_queries_from_a_rosbag(tmp_path):
-    from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, write_bag
+    from litevlm_runtime.bag.io import BagContents, CameraFrame, write_bag
     from litevlm_runtime.export.calibration import load_queries
+    from litevlm_runtime.pipeline.request import QueryRequest
 
     contents = BagContents()
     frames = random_frames(7)
     for cam in CAMERAS:
         contents.frames[cam].append(CameraFrame(1_000, png(frames[cam]), "png"))
-    contents.queries.append(BagQuery(2_000, "Is there a car behind?", "q1"))
+    contents.queries.append(QueryRequest("Is there a car behind?", stamp_ns=2_000, query_id="q1"))
     bag = write_bag(contents, tmp_path / "bag")
     queries = load_queries(bag)
     assert [q.question for q in queries] == ["Is there a car behind?"]
@@ -246,16 +249,25 @@ def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
     for n in range(4):
         mask = np.zeros(shapes["mask_cache"], dtype=bool)
         mask[0, :5 + n] = True
-        recorder.record(one["file"], {"embeds": torch.from_numpy(rng.standard_normal(shapes["embeds"]).astype(np.float32)),
-                                      "positions": torch.tensor([5 + n]), "mask_cache": torch.from_numpy(mask),
-                                      "mask_new": torch.ones(1, 1, dtype=torch.bool),
-                                      "k_cache": torch.randn(shapes["k_cache"]), "v_cache": torch.randn(shapes["v_cache"])})
+        recorder.record(
+            one["file"],
+            {
+                "embeds": torch.from_numpy(rng.standard_normal(shapes["embeds"]).astype(np.float32)),
+                "positions": torch.tensor([5 + n]),
+                "mask_cache": torch.from_numpy(mask),
+                "mask_new": torch.ones(1, 1, dtype=torch.bool),
+                "k_cache": torch.randn(shapes["k_cache"]),
+                "v_cache": torch.randn(shapes["v_cache"]),
+            },
+        )
     steps = recorder.samples[one["file"]]
     quantize_graph(bundle / one["file"], tmp_path / one["file"], "fp8", steps, "max")
     assert activation_scales(onnx.load(str(tmp_path / one["file"]), load_external_data=False).graph) == {}
     assert quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, "fp8", "max") is None
 
-    quantize_graph(bundle / tree["file"], tmp_path / tree["file"], "fp8", [fit_sample("decoder", s, 8) for s in steps], "max")
+    quantize_graph(
+        bundle / tree["file"], tmp_path / tree["file"], "fp8", [fit_sample("decoder", s, 8) for s in steps], "max"
+    )
     _, source = quantize_batched_step(bundle, tmp_path, batch, tree, manifest, recorder, "fp8", "max")
     assert "activation scales of decoder_8.onnx (10 products)" in source           # 2 layers x 5
     src, dst = (onnx.load(str(tmp_path / g["file"]), load_external_data=False).graph for g in (tree, batch))

@@ -37,7 +37,9 @@ def test_ids_equal_transformers_rendering_and_tokenization(folder, system, camer
                                        tokenize=False)
     expected = ref_tok(text.replace("<IMG_CONTEXT>", "<img>" + "<IMG_CONTEXT>" * 16 + "</img>"))["input_ids"]
     tok = Tokenizer(folder)
-    p = Prompt(*build_template_prompt(tok, HF_CHAT_TEMPLATE, system, [f"CAM_{i}" for i in range(cameras)], QUESTION, 16))
+    p = Prompt(
+        *build_template_prompt(tok, HF_CHAT_TEMPLATE, system, [f"CAM_{i}" for i in range(cameras)], QUESTION, 16)
+    )
     assert list(p.input_ids) == expected
     assert text.startswith("<|im_start|>system\n" + system) == bool(system)
     assert [n for _, n in p.image_spans] == [16] * cameras
@@ -78,8 +80,10 @@ def test_a_template_that_rewrites_the_first_turn_cannot_continue(folder):
     follow (here: it numbers the user turns from the end) is refused, naming why."""
     from litevlm_runtime.errors import CheckpointError
 
-    rewriting = HF_CHAT_TEMPLATE.replace("{{'<|im_start|>' + message['role'] + '\\n'}}",
-                                         "{{'<|im_start|>' + message['role'] + (messages|length - loop.index)|string + '\\n'}}")
+    rewriting = HF_CHAT_TEMPLATE.replace(
+        "{{'<|im_start|>' + message['role'] + '\\n'}}",
+        "{{'<|im_start|>' + message['role'] + (messages|length - loop.index)|string + '\\n'}}",
+    )
     assert rewriting != HF_CHAT_TEMPLATE
     tok = Tokenizer(folder)
     build_template_prompt(tok, rewriting, "", ["CAM_A"], QUESTION, 16)

@@ -163,7 +163,9 @@ def test_tokenizer_config_errors_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: unreadable tokenizer config"):
         Tokenizer(folder)
     config.write_text(json.dumps({"added_tokens_decoder": {"x": {"content": "<img>"}}}))
-    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: added_tokens_decoder\['x'\] must map a token id"):
+    with pytest.raises(
+        CheckpointError, match=r"tokenizer_config\.json: added_tokens_decoder\['x'\] must map a token id"
+    ):
         Tokenizer(folder)
 
 
@@ -189,29 +191,57 @@ def setter(section, key, value):
 DELETE = object()
 
 
-@pytest.mark.parametrize("section, key, value, message", [
-    ("llm_config", "hidden_size", "2048", "llm_config.hidden_size must be an integer, got '2048'"),
-    ("llm_config", "hidden_size", 128.0, "llm_config.hidden_size must be an integer, got 128.0"),
-    ("llm_config", "num_hidden_layers", True, "llm_config.num_hidden_layers must be an integer, got True"),
-    ("llm_config", "rope_theta", "1e6", "llm_config.rope_theta must be a number, got '1e6'"),
-    ("llm_config", "rms_norm_eps", -1e-5, "llm_config.rms_norm_eps must be positive, got -1e-05"),
-    ("llm_config", "tie_word_embeddings", "false", "llm_config.tie_word_embeddings must be true or false, got 'false'"),
-    ("llm_config", "vocab_size", 0, "llm_config.vocab_size must be positive, got 0"),
-    ("llm_config", "vocab_size", DELETE, "llm_config.vocab_size missing"),
-    ("llm_config", "num_attention_heads", 5, "llm_config.hidden_size 128 is not a multiple of llm_config.num_attention_heads 5"),
-    ("llm_config", "num_key_value_heads", 3, "llm_config.num_attention_heads 4 is not a multiple of llm_config.num_key_value_heads 3"),
-    ("llm_config", "architectures", "InternLM2ForCausalLM", "llm_config.architectures must be a list"),
-    ("vision_config", "num_attention_heads", 3, "vision_config.hidden_size 64 is not a multiple of vision_config.num_attention_heads 3"),
-    ("vision_config", "qkv_bias", 1, "vision_config.qkv_bias must be true or false, got 1"),
-    ("vision_config", "patch_size", 15, "force_image_size 112 is not a multiple of vision_config.patch_size 15"),
-    ("vision_config", "norm_type", "rms_norm", "vision_config.norm_type is 'rms_norm'; only 'layer_norm' is supported"),
-    ("vision_config", "hidden_size", DELETE, "vision_config.hidden_size missing"),
-    ("", "template", 5, "template must be a string, got 5"),
-    ("", "downsample_ratio", 0.3, "downsample_ratio 0.3 does not divide the 8 x 8 patch grid"),
-    ("", "force_image_size", "112", "force_image_size must be an integer, got '112'"),
-    ("", "ps_version", "v1", "ps_version is 'v1'; only 'v2' is supported"),
-    ("", "llm_config", [], "llm_config must be an object, got []"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("llm_config", "hidden_size", "2048", "llm_config.hidden_size must be an integer, got '2048'"),
+        ("llm_config", "hidden_size", 128.0, "llm_config.hidden_size must be an integer, got 128.0"),
+        ("llm_config", "num_hidden_layers", True, "llm_config.num_hidden_layers must be an integer, got True"),
+        ("llm_config", "rope_theta", "1e6", "llm_config.rope_theta must be a number, got '1e6'"),
+        ("llm_config", "rms_norm_eps", -1e-5, "llm_config.rms_norm_eps must be positive, got -1e-05"),
+        (
+            "llm_config",
+            "tie_word_embeddings",
+            "false",
+            "llm_config.tie_word_embeddings must be true or false, got 'false'",
+        ),
+        ("llm_config", "vocab_size", 0, "llm_config.vocab_size must be positive, got 0"),
+        ("llm_config", "vocab_size", DELETE, "llm_config.vocab_size missing"),
+        (
+            "llm_config",
+            "num_attention_heads",
+            5,
+            "llm_config.hidden_size 128 is not a multiple of llm_config.num_attention_heads 5",
+        ),
+        (
+            "llm_config",
+            "num_key_value_heads",
+            3,
+            "llm_config.num_attention_heads 4 is not a multiple of llm_config.num_key_value_heads 3",
+        ),
+        ("llm_config", "architectures", "InternLM2ForCausalLM", "llm_config.architectures must be a list"),
+        (
+            "vision_config",
+            "num_attention_heads",
+            3,
+            "vision_config.hidden_size 64 is not a multiple of vision_config.num_attention_heads 3",
+        ),
+        ("vision_config", "qkv_bias", 1, "vision_config.qkv_bias must be true or false, got 1"),
+        ("vision_config", "patch_size", 15, "force_image_size 112 is not a multiple of vision_config.patch_size 15"),
+        (
+            "vision_config",
+            "norm_type",
+            "rms_norm",
+            "vision_config.norm_type is 'rms_norm'; only 'layer_norm' is supported",
+        ),
+        ("vision_config", "hidden_size", DELETE, "vision_config.hidden_size missing"),
+        ("", "template", 5, "template must be a string, got 5"),
+        ("", "downsample_ratio", 0.3, "downsample_ratio 0.3 does not divide the 8 x 8 patch grid"),
+        ("", "force_image_size", "112", "force_image_size must be an integer, got '112'"),
+        ("", "ps_version", "v1", "ps_version is 'v1'; only 'v2' is supported"),
+        ("", "llm_config", [], "llm_config must be an object, got []"),
+    ],
+)
 def test_config_values_are_checked_with_their_key_path(tmp_path, tiny_model, section, key, value, message):
     ck = write_config(tmp_path, tiny_model, setter(section, key, value))
     with pytest.raises(CheckpointError) as err:

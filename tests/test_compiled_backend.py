@@ -19,6 +19,10 @@ from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.compiled import compile_counters
 from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
+
+# Compiling every bucket takes 1-4 minutes on CI's 2 cores: run with -m slow (the suite's 20-minute budget).
+pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-5
 # One batch bucket of 3 (serving.max_batch 3): 2 queries run in it with a padding row. Step
@@ -35,7 +39,9 @@ def pipes(tmp_path_factory):
     model = lively_checkpoint(tmp_path_factory.getbasetemp())
     common = dict(max_new_tokens=MAX_NEW_TOKENS, backend__threads=1, pipeline="baseline", serving__max_batch=3)
     eager = Pipeline.from_pretrained(model, options(**common))
-    compiled = Pipeline.from_pretrained(model, options(backend__name="torch-compile", backend__buckets=BUCKETS, **common))
+    compiled = Pipeline.from_pretrained(
+        model, options(backend__name="torch-compile", backend__buckets=BUCKETS, **common)
+    )
     return eager, compiled
 
 
@@ -68,10 +74,14 @@ def test_stages_match_eager(pipes):
     prefill = (torch.randn(n, d, generator=g), torch.arange(n) * 2, torch.ones(n, n, dtype=torch.bool).tril_())
     step = (torch.randn(1, d, generator=g), torch.tensor([2 * n]), torch.tensor([n]),
             torch.ones(1, n, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool))
-    tree = (torch.randn(5, d, generator=g), torch.tensor([201, 202, 202, 203, 203]), torch.arange(130, 135),
-            torch.ones(5, n + 1, dtype=torch.bool), torch.eye(5, dtype=torch.bool) | torch.tensor([[0] * 5, [1, 0, 0, 0, 0],
-                                                                                                  [1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
-                                                                                                  [1, 0, 1, 0, 0]]).bool())
+    tree = (
+        torch.randn(5, d, generator=g),
+        torch.tensor([201, 202, 202, 203, 203]),
+        torch.arange(130, 135),
+        torch.ones(5, n + 1, dtype=torch.bool),
+        torch.eye(5, dtype=torch.bool)
+        | torch.tensor([[0] * 5, [1, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0]]).bool(),
+    )
     outs = [p.rt.engines.decoder.prefill(*prefill).clone() for p in pipes]
     assert relative_error(outs[1], outs[0]) <= TOLERANCE
     # The step over 100 live columns runs in the 160-column graph, 50 in the 64, 200 in the whole cache's.
@@ -95,7 +105,10 @@ def test_stages_match_eager(pipes):
                 torch.arange(90)[None, :] < history[:, None], torch.eye(rows, dtype=torch.bool))
         outs = [p.rt.engines.batch.step(*call).clone() for p in pipes]
         assert relative_error(outs[1], outs[0]) <= TOLERANCE
-    assert relative_error(ka.k_regions, kb.k_regions) <= TOLERANCE and relative_error(ka.v_regions, kb.v_regions) <= TOLERANCE
+    assert (
+        relative_error(ka.k_regions, kb.k_regions) <= TOLERANCE
+        and relative_error(ka.v_regions, kb.v_regions) <= TOLERANCE
+    )
 
 
 def test_answers_identical_and_no_recompilation(pipes):
@@ -114,12 +127,12 @@ def test_answers_identical_and_no_recompilation(pipes):
     batched, widest = serve(compiled, frames, [(0, 0, q) for q in DEFAULT_QUESTIONS[:3]])
     for (i, q), ans in batched.items():
         assert ans.token_ids == eager.answer(frames[i], q).token_ids, q
-    assert widest == 3 and all(a.extra.get("batched_steps") for a in batched.values())
+    assert widest == 3 and all(a.batched_steps for a in batched.values())
     batch = BatchDecoder(compiled)
-    batch.admit(frames[1], DEFAULT_QUESTIONS[0], max_new_tokens=3, tag="short")
+    batch.admit(frames[1], QueryRequest(DEFAULT_QUESTIONS[0], max_new_tokens=3), tag="short")
     batch.admit(frames[1], DEFAULT_QUESTIONS[1], tag="long")
     got = {r.tag: a for r, a in batch.run()}
     assert got["short"].token_ids == eager.answer(frames[1], DEFAULT_QUESTIONS[0]).token_ids[:3]
     assert got["long"].token_ids == eager.answer(frames[1], DEFAULT_QUESTIONS[1]).token_ids
-    assert 0 < got["long"].extra["batched_steps"] < len(got["long"].token_ids) - 1
+    assert 0 < got["long"].batched_steps < len(got["long"].token_ids) - 1
     assert compile_counters() == before       # steady state: every call hit a compiled bucket

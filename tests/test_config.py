@@ -77,7 +77,12 @@ def test_upstream_2b_config_parses_silently_with_its_rope_scaling(caplog):
     cfg, warnings = parse(INTERNVL2_5_2B, caplog)
     assert warnings == []
     assert cfg.llm.rope_scaling == RopeScaling("dynamic", 2.0) and cfg.llm.rope_theta == 1e6
-    assert (cfg.llm.hidden_size, cfg.llm.num_key_value_heads, cfg.llm.head_dim, cfg.llm.vocab_size) == (2048, 8, 128, 92553)
+    assert (cfg.llm.hidden_size, cfg.llm.num_key_value_heads, cfg.llm.head_dim, cfg.llm.vocab_size) == (
+        2048,
+        8,
+        128,
+        92553,
+    )
     assert (cfg.vision.hidden_size, cfg.force_image_size, cfg.tokens_per_tile) == (1024, 448, 256)
 
 
@@ -98,15 +103,37 @@ def test_unknown_keys_get_one_warning_naming_them(caplog):
     assert warnings[0].startswith("config.json: ignoring key(s)")
 
 
-@pytest.mark.parametrize("section, key, value, message", [
-    ("llm_config", "use_sliding_window", True, "llm_config.use_sliding_window is True; only False is supported"),
-    ("llm_config", "layer_types", ["full_attention", "sliding_attention"], "llm_config.layer_types is"),
-    ("llm_config", "rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-     "llm_config.rope_scaling has key(s) ['original_max_position_embeddings']"),
-    ("llm_config", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "llm_config.rope_scaling type 'llama3' is not supported"),
-    ("llm_config", "rope_scaling", {"type": "linear", "factor": 0.5}, "llm_config.rope_scaling factor must be a number >= 1, got 0.5"),
-    ("llm_config", "rope_scaling", {"type": "linear", "rope_type": "dynamic", "factor": 2.0}, "llm_config.rope_scaling type and rope_type must be one string"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("llm_config", "use_sliding_window", True, "llm_config.use_sliding_window is True; only False is supported"),
+        ("llm_config", "layer_types", ["full_attention", "sliding_attention"], "llm_config.layer_types is"),
+        (
+            "llm_config",
+            "rope_scaling",
+            {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            "llm_config.rope_scaling has key(s) ['original_max_position_embeddings']",
+        ),
+        (
+            "llm_config",
+            "rope_scaling",
+            {"rope_type": "llama3", "factor": 8.0},
+            "llm_config.rope_scaling type 'llama3' is not supported",
+        ),
+        (
+            "llm_config",
+            "rope_scaling",
+            {"type": "linear", "factor": 0.5},
+            "llm_config.rope_scaling factor must be a number >= 1, got 0.5",
+        ),
+        (
+            "llm_config",
+            "rope_scaling",
+            {"type": "linear", "rope_type": "dynamic", "factor": 2.0},
+            "llm_config.rope_scaling type and rope_type must be one string",
+        ),
+    ],
+)
 def test_qwen2_values_the_runtime_does_not_implement_are_refused(section, key, value, message):
     d = copy.deepcopy(INTERNVL2_5_1B)
     d[section][key] = value
@@ -124,8 +151,11 @@ def test_qwen2_head_dim_is_read_as_transformers_qwen2_reads_it():
 def test_internlm2_head_dim_other_than_hidden_over_heads_is_refused():
     d = copy.deepcopy(INTERNVL2_5_2B)
     d["llm_config"]["head_dim"] = 64
-    with pytest.raises(CheckpointError, match="config.json: llm_config.head_dim is 64, not hidden_size / "
-                                              "num_attention_heads 128: InternLM2's modeling has no separate head size"):
+    with pytest.raises(
+        CheckpointError,
+        match="config.json: llm_config.head_dim is 64, not hidden_size / "
+        "num_attention_heads 128: InternLM2's modeling has no separate head size",
+    ):
         ModelConfig.from_dict(d, source="config.json")
 
 

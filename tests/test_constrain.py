@@ -14,6 +14,7 @@ from litevlm_runtime.decoding.speculative import eagle2
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 
 TAGS = ["car", "truck", "pedestrian", "traffic light", "bicycle"]
 STATUSES = ["moving", "parked", "crossing", "red", "green", "unknown"]
@@ -59,7 +60,7 @@ def images():
 ])
 def test_choices_give_exactly_one_choice(pipe, images, question, choices):
     for decoder in (greedy, eagle2):
-        ans = pipe.answer(images, question, decoder=decoder, choices=choices)
+        ans = pipe.answer(images, QueryRequest(question, choices=choices), decoder=decoder)
         assert ans.text in choices, (decoder.__name__, ans.text)
         assert not any("constrained" in d for d in ans.degraded)
 
@@ -69,9 +70,13 @@ def test_schema_answers_parse_and_validate(pipe, sampling, images, how):
     schema = json.dumps(SCHEMA)
     for q in ("List the objects around the ego car.", "What is in front of the ego vehicle?"):
         if how == "sampling":
-            texts = [sampling.answer(images, q, answer_schema=schema).text]
+            texts = [sampling.answer(images, QueryRequest(q, answer_schema=schema)).text]
         else:
-            texts = [pipe.answer(images, q, decoder=greedy if how == "greedy" else eagle2, answer_schema=schema).text]
+            texts = [
+                pipe.answer(
+                    images, QueryRequest(q, answer_schema=schema), decoder=greedy if how == "greedy" else eagle2
+                ).text
+            ]
         for text in texts:
             assert valid(json.loads(text)), text
 
@@ -80,29 +85,31 @@ def test_eagle2_under_a_constraint_gives_the_greedy_answer(pipe, images):
     """Verification masks each tree node under its own path: lossless, as without a constraint."""
     schema = json.dumps(SCHEMA)
     q = "List the objects around the ego car."
-    plain = pipe.answer(images, q, decoder=greedy, answer_schema=schema)
-    spec = pipe.answer(images, q, decoder=eagle2, answer_schema=schema)
+    plain = pipe.answer(images, QueryRequest(q, answer_schema=schema), decoder=greedy)
+    spec = pipe.answer(images, QueryRequest(q, answer_schema=schema), decoder=eagle2)
     assert spec.token_ids == plain.token_ids and spec.decode_steps < len(spec.token_ids)
 
 
 def test_constrained_queries_in_a_batch(pipe, images):
     schema = json.dumps(SCHEMA)
-    alone = pipe.answer(images, "List the objects.", decoder=greedy, answer_schema=schema).token_ids
-    alone_choice = pipe.answer(images, "Is it safe?", decoder=greedy, choices=["Yes.", "No."]).text
+    alone = pipe.answer(images, QueryRequest("List the objects.", answer_schema=schema), decoder=greedy).token_ids
+    alone_choice = pipe.answer(images, QueryRequest("Is it safe?", choices=["Yes.", "No."]), decoder=greedy).text
     batched = Pipeline.from_pretrained(DEFAULT_MODEL, options(max_new_tokens=160, serving__max_batch=4))
     batch = BatchDecoder(batched)
-    batch.admit(images, "List the objects.", answer_schema=schema, tag="json")
-    batch.admit(images, "Is it safe?", choices=["Yes.", "No."], tag="choice")
+    batch.admit(images, QueryRequest("List the objects.", answer_schema=schema), tag="json")
+    batch.admit(images, QueryRequest("Is it safe?", choices=["Yes.", "No."]), tag="choice")
     batch.admit(images, "What is in front of the ego vehicle?", tag="free")
     got = {r.tag: a for r, a in batch.run()}
-    assert got["json"].token_ids == alone and got["json"].extra.get("batched_steps")
+    assert got["json"].token_ids == alone and got["json"].batched_steps
     assert got["choice"].text == alone_choice
 
 
 def test_bad_constraints_are_input_errors(pipe, images):
     with pytest.raises(InputError, match="answer_schema"):
-        pipe.answer(images, "objects?", answer_schema="{not json")
+        pipe.answer(images, QueryRequest("objects?", answer_schema="{not json"))
     with pytest.raises(InputError, match="choices"):
-        pipe.answer(images, "objects?", choices=["yes", " "])
+        pipe.answer(images, QueryRequest("objects?", choices=["yes", " "]))
     with pytest.raises(InputError, match="not valid for answer_schema"):
-        pipe.answer(images, "objects?", choices=['{"objects": []}', "nope"], answer_schema=json.dumps(SCHEMA))
+        pipe.answer(
+            images, QueryRequest("objects?", choices=['{"objects": []}', "nope"], answer_schema=json.dumps(SCHEMA))
+        )

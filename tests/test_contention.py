@@ -23,7 +23,13 @@ def test_configurations_parse_and_bad_ones_are_named():
     assert [(c.name, c.threads, c.wait_policy) for c in configs] == [
         ("default", "default", None), ("torch", "torch", None), ("1", "1", None),
         ("torch+passive", "torch", "PASSIVE"), ("2+active", "2", "ACTIVE"), ("1+spin", "1", "")]
-    for bad, named in (("all", "'all'"), ("0", "'0'"), ("torch+lazy", "'lazy'"), ("1,1", "'1'"), ("", "no configuration")):
+    for bad, named in (
+        ("all", "'all'"),
+        ("0", "'0'"),
+        ("torch+lazy", "'lazy'"),
+        ("1,1", "'1'"),
+        ("", "no configuration"),
+    ):
         with pytest.raises(InputError, match=named):
             parse_configs(bad)
 
@@ -55,6 +61,7 @@ def test_hog_processes_are_busy_inside_and_gone_after():
                    for pid in pids)
 
 
+@pytest.mark.slow      # a benchmark run (2-3 min on 2 cores); its parts are tested above
 def test_contention_command_prints_the_table_for_each_configuration(tiny_model, capsys):
     from litevlm_runtime.cli import main
 

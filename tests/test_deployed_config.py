@@ -119,7 +119,7 @@ def test_every_tensor_lives_on_the_pipeline_device(frames, policy):
         assert sampled.answer(frames, QUESTIONS[0]).token_ids == want.token_ids
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.slow), "float16"])  # (no bf16 units here)
 def test_litevlm_in_half_precision_on_the_cpu(frames, dtype):
     """The deployed configuration in bf16/fp16: every stage runs, and EAGLE-2 stays lossless
     against greedy decoding in the same dtype."""

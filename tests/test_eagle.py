@@ -6,6 +6,7 @@ import torch
 from helpers import options, random_frames
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.decoding.greedy import QueryDecoding
 from litevlm_runtime.models.eagle import DraftHead
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.training.eagle import Sequence, collect, draft_loss, mean_accepted_length
@@ -27,7 +28,9 @@ def trained(tiny_model, tmp_path_factory):
     pipe = Pipeline.from_model(model, Tokenizer(tiny_model), options(max_new_tokens=24, decoding__mode="eagle",
                                                                      decoding__eagle__policy="fixed"), draft=draft)
     pairs = [(random_frames(s), DEFAULT_QUESTIONS[s % len(DEFAULT_QUESTIONS)]) for s in range(16)]
-    seqs = [Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in collect(pipe, pairs)]
+    seqs = [
+        Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in collect(pipe, pairs)
+    ]
     held = [(random_frames(100 + s), DEFAULT_QUESTIONS[(s + 3) % len(DEFAULT_QUESTIONS)]) for s in range(6)]
     before = mean_accepted_length(pipe, held)
     opt = torch.optim.AdamW(draft.parameters(), lr=2e-3)
@@ -85,7 +88,9 @@ def test_tree_is_ancestor_closed(tiny_model, trained):
     p = 50
     with torch.inference_mode():
         hidden = torch.randn(1, rt.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(0))
-        tree = Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).build_tree(hidden, 5, p, p, 8)
+        tree = Eagle2(rt, QueryDecoding.greedy(rt), rt.costs.policy(rt.options.decoding.eagle)).build_tree(
+            hidden, 5, p, p, 8
+        )
     tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     assert len(tokens) == 21 and parents[0] == -1 and tokens[0] == 5
     for i, parent in enumerate(parents[1:], start=1):
@@ -119,4 +124,6 @@ def test_draft_head_checkpoint_errors(tiny_model, trained, tmp_path):
     with pytest.raises(CheckpointError, match="fc.weight"):
         load_draft_head(bad, cfg, None, torch.float32)
     with pytest.raises(Exception, match="decoding.mode eagle: no model.safetensors"):
-        Pipeline.from_pretrained(tiny_model, options(decoding__mode="eagle", decoding__draft_dir=str(tmp_path / "none")))
+        Pipeline.from_pretrained(
+            tiny_model, options(decoding__mode="eagle", decoding__draft_dir=str(tmp_path / "none"))
+        )

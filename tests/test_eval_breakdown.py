@@ -31,9 +31,14 @@ def test_accuracy_per_template_and_versus_column():
             "b": {"f_0": "No.", "f_1": "No.", "f_2": "No.", "f_3": "No.", "f_4": "x"}}
     rows = accuracy_by_template(qs, runs)
     # Integer coordinates are no numbers to the challenge's graph filter: nothing is skipped.
-    assert rows == [{"template": "Is <obj> STATE?", "questions": {"a": 3, "b": 3}, "accuracy": {"a": 2 / 3, "b": 2 / 3}},
-                    {"template": "Does the ego vehicle need to stop?", "questions": {"a": 1, "b": 1},
-                     "accuracy": {"a": 1.0, "b": 0.0}}]
+    assert rows == [
+        {"template": "Is <obj> STATE?", "questions": {"a": 3, "b": 3}, "accuracy": {"a": 2 / 3, "b": 2 / 3}},
+        {
+            "template": "Does the ego vehicle need to stop?",
+            "questions": {"a": 1, "b": 1},
+            "accuracy": {"a": 1.0, "b": 0.0},
+        },
+    ]
 
 
 def test_templates_follow_each_runs_graph_filter_and_the_accuracy_rule():

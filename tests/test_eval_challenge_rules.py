@@ -138,14 +138,22 @@ def edge_qa() -> tuple[dict, dict, list]:
         cases = [ACCURACY_CASES[(3 * k + j) % len(ACCURACY_CASES)] for j in range(3)]
         plan.append(list(zip((1, 2, 3), cases)))
         qa = {
-            "perception": [{"Q": OBJECTS_Q, "A": OBJECTS_A, "tag": [1, 2, 3]},
-                           {"Q": f"What is the moving status of object {C1}? Please select the correct answer "
-                                 f"from the following options: A. Going ahead. B. Stopped.", "A": cases[0][0], "tag": [0]}],
+            "perception": [
+                {"Q": OBJECTS_Q, "A": OBJECTS_A, "tag": [1, 2, 3]},
+                {
+                    "Q": f"What is the moving status of object {C1}? Please select the correct answer "
+                    f"from the following options: A. Going ahead. B. Stopped.",
+                    "A": cases[0][0],
+                    "tag": [0],
+                },
+            ],
             "prediction": [{"Q": f"Is {C2} a traffic sign or a road barrier?", "A": cases[1][0], "tag": [0]}],
-            "planning": [{"Q": f"Would {C3} be in the moving direction of the ego vehicle?", "A": cases[2][0],
-                          "tag": [0]}],
-            "behavior": [{"Q": "Predict the behavior of the ego vehicle.", "A": "The ego vehicle is going straight.",
-                          "tag": [2]}],
+            "planning": [
+                {"Q": f"Would {C3} be in the moving direction of the ego vehicle?", "A": cases[2][0], "tag": [0]}
+            ],
+            "behavior": [
+                {"Q": "Predict the behavior of the ego vehicle.", "A": "The ego vehicle is going straight.", "tag": [2]}
+            ],
         }
         frames[token] = {"image_paths": {}, "QA": qa}
         answers = [prediction, cases[0][1], cases[1][1], cases[2][1], language_answers[k % len(language_answers)]]
@@ -282,7 +290,9 @@ def test_odd_numbers_in_references_fail_as_in_the_challenge(tmp_path, where):
     # unpaired one, and fails there; here that is an error naming the question.
     (tmp_path / "qa.json").write_text(json.dumps(odd_qa(where)))
     questions = [q for f in load_frames(tmp_path / "qa.json") for q in f.questions]
-    culprit = "s_f_0: its reference answer: 7 decimal" if where == "reference" else "s_f_1: its question text: 3 decimal"
+    culprit = (
+        "s_f_0: its reference answer: 7 decimal" if where == "reference" else "s_f_1: its question text: 3 decimal"
+    )
     with pytest.raises(InputError, match=culprit):
         score(questions, {"s_f_0": f"{C1} {C2}", "s_f_1": "Yes."})
 

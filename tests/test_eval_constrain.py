@@ -16,7 +16,10 @@ def test_choices_from_the_question_alone():
     assert closed_form_choices(q) == ["A", "B", "C", "D"]
     assert closed_form_choices("Options: A. left B. right") == ["A", "B"]
     assert closed_form_choices("Is there a pedestrian in front of the ego car?") == ["Yes.", "No."]
-    assert closed_form_choices("Would <c1,CAM_FRONT,1.0,2.0> be in the moving direction of the ego vehicle?") == ["Yes.", "No."]
+    assert closed_form_choices("Would <c1,CAM_FRONT,1.0,2.0> be in the moving direction of the ego vehicle?") == [
+        "Yes.",
+        "No.",
+    ]
     assert closed_form_choices("What are the important objects in the current scene?") is None
     assert closed_form_choices("Island ahead: what now?") is None          # "Is" only as a whole word
 
@@ -29,7 +32,9 @@ def test_eval_constrain_on_a_fresh_synthdrive_set(tmp_path):
                           "--data", str(synth / "train.json"), "--frames", str(synth), "--limit", "24", "--constrain",
                           "--quiet"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    m = re.search(r"constrained answers: (\d+) closed-form questions \(scored by accuracy\), (\d+) with choices", run.stdout)
+    m = re.search(
+        r"constrained answers: (\d+) closed-form questions \(scored by accuracy\), (\d+) with choices", run.stdout
+    )
     assert m and int(m.group(1)) > 0 and m.group(1) == m.group(2), run.stdout
     n = m.group(1)
     assert re.search(rf"^with\s+{n}/{n}\s+[\d.]+$", run.stdout, re.M), run.stdout       # every one a valid choice

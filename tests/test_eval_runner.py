@@ -27,12 +27,31 @@ def synth_dir(tmp_path_factory):
 
 
 def test_runs_the_pipeline_on_synthdrive(tiny_model, synth_dir):
-    records = run_model(tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=3), limit=3, progress=False)
+    records = run_model(
+        tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=3), limit=3, progress=False
+    )
     questions = [q for f in load_frames(synth_dir / "val.json") for q in f.questions][:3]
     assert [r["id"] for r in records] == [q.id for q in questions]
     for r, q in zip(records, questions):
         assert r["gt_answer"] == q.answer and isinstance(r["answer"], str) and "error" not in r
         assert set(r["cameras"]) <= set(CAMERAS) and r["total_ms"] > 0
+
+
+def test_reports_the_arena_bytes(tiny_model, synth_dir):
+    """`info` gets the arena's bytes, an INT8 KV cache's (arena.kv_dtype) fewer (exact ratio:
+    tests/test_kv_cache.py::test_arena_kv_bytes)."""
+    sizes = {}
+    for kv in ("float", "int8"):
+        info = {}
+        run_model(tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=2, arena__kv_dtype=kv),
+                  limit=1, progress=False, info=info)
+        sizes[kv] = info
+        assert info["kv_dtype"] == kv and 0 < info["kv_bytes"] < info["arena_bytes"]
+    assert sizes["int8"]["kv_bytes"] < sizes["float"]["kv_bytes"]
+    assert (
+        sizes["float"]["arena_bytes"] - sizes["int8"]["arena_bytes"]
+        == sizes["float"]["kv_bytes"] - sizes["int8"]["kv_bytes"]
+    )
 
 
 def test_blank_images_are_grey_at_the_real_size(synth_dir):

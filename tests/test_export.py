@@ -63,7 +63,9 @@ def test_manifest_describes_every_graph(exported):
 def _lm_params(model):
     from litevlm_runtime.weights.checkpoint import load_model
 
-    return [(n, p) for n, p in load_model(model).language_model.named_parameters() if "embed" not in n and "output" not in n]
+    return [
+        (n, p) for n, p in load_model(model).language_model.named_parameters() if "embed" not in n and "output" not in n
+    ]
 
 
 def test_every_graph_matches_the_torch_stage(exported):

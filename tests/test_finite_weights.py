@@ -43,7 +43,9 @@ def test_finite_check_edges():
     check_finite("x", "empty", torch.empty(0))
     t = torch.zeros(4, 5, dtype=torch.bfloat16)
     t[2, 1] = float("nan")
-    with pytest.raises(CheckpointError, match=r"'w' is not finite \(1 NaN, 0 inf of 20 values; first at index \(2, 1\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'w' is not finite \(1 NaN, 0 inf of 20 values; first at index \(2, 1\)"
+    ):
         check_finite("x", "w", t)
     t = torch.zeros(3)
     t[0], t[1] = float("inf"), float("-inf")                     # +inf + -inf: a NaN sum, still caught

@@ -10,10 +10,12 @@ from helpers import png_claiming
 from ros_helpers import jpeg
 
 from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.serving.frame_health import header_defect, too_large
 from litevlm_runtime.serving.frame_store import Frame
 from litevlm_runtime.serving.images import CompressedPayload, RawPayload
-from litevlm_runtime.serving.server import QueryServer, ServerSettings, is_blank
+from litevlm_runtime.serving.server import QueryServer, ServerSettings
+from litevlm_runtime.stages.prompt import is_blank
 
 
 def test_raw_size_from_the_header_before_the_data():
@@ -56,33 +58,32 @@ def server(published):
 
 
 def test_a_camera_with_only_refused_frames_is_bad_image(monkeypatch):
-    import litevlm_runtime.serving.server as server_module
-
-    # No pipeline here: the server's question check (imported from the pipeline) passes all.
-    monkeypatch.setattr(server_module, "check_question", lambda rt, text: None)
+    # No pipeline here: the request check (QueryRequest.checked) passes all.
+    monkeypatch.setattr(QueryRequest, "checked", lambda self, rt, max_chars=0: self)
     published = []
     s = server(published)
     for cam in CAMERAS[1:]:
         s.frames.add(Frame(cam, 10 ** 9, b""))
     s.frames.refuse("CAM_FRONT", "CAM_FRONT: image is 8000x8000 ... refused on arrival")
-    assert s.submit("Anything ahead?", query_id="a", allow_wait=False) is None
-    assert (published[0].status, published[0].status_message) == ("bad_image", "CAM_FRONT: image is 8000x8000 ... refused on arrival")
+    assert s.submit(QueryRequest("Anything ahead?", query_id="a"), allow_wait=False) is None
+    assert (published[0].status, published[0].status_message) == (
+        "bad_image",
+        "CAM_FRONT: image is 8000x8000 ... refused on arrival",
+    )
     s.frames.add(Frame("CAM_FRONT", 10 ** 9, b""), now_ns=10 ** 9 + 1)      # a good frame after it: served
-    assert s.submit("Anything ahead?", query_id="b", allow_wait=False) is not None
+    assert s.submit(QueryRequest("Anything ahead?", query_id="b"), allow_wait=False) is not None
     assert s.stats()["frames_bad_image"]["CAM_FRONT"] == 1
 
 
 def test_queued_deadline_is_answered_when_it_passes(monkeypatch):
-    import litevlm_runtime.serving.server as server_module
-
-    # No pipeline here: the server's question check (imported from the pipeline) passes all.
-    monkeypatch.setattr(server_module, "check_question", lambda rt, text: None)
+    # No pipeline here: the request check (QueryRequest.checked) passes all.
+    monkeypatch.setattr(QueryRequest, "checked", lambda self, rt, max_chars=0: self)
     published = []
     s = server(published)
     for cam in CAMERAS:
         s.frames.add(Frame(cam, 10 ** 9, b""))
-    assert s.submit("soon?", query_id="d", deadline_ns=10 ** 9 + 50_000_000, now_ns=10 ** 9) is not None
-    assert s.submit("later?", query_id="e", now_ns=10 ** 9) is not None
+    assert s.submit(QueryRequest("soon?", query_id="d", deadline_ns=10 ** 9 + 50_000_000), now_ns=10 ** 9) is not None
+    assert s.submit(QueryRequest("later?", query_id="e"), now_ns=10 ** 9) is not None
     s.expire_deadlines(now_ns=10 ** 9 + 40_000_000)
     assert published == []
     s.expire_deadlines(now_ns=10 ** 9 + 60_000_000)          # no worker ever took it: answered anyway

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow      # renders and trains; run before a GPU session
 def test_gpu_train_script_renders_trains_and_writes_a_loadable_model(tmp_path):
     from litevlm_runtime.weights.checkpoint import load_model
 

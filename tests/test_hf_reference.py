@@ -95,15 +95,24 @@ def random_upstream_state(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     }
     for i in range(v["num_hidden_layers"]):
         p = f"vision_model.encoder.layers.{i}."
-        s.update({
-            p + "attn.qkv.weight": lin(3 * c, c), p + "attn.qkv.bias": rnd(3 * c, scale=0.1),
-            p + "attn.proj.weight": lin(c, c), p + "attn.proj.bias": rnd(c, scale=0.1),
-            p + "mlp.fc1.weight": lin(v["intermediate_size"], c), p + "mlp.fc1.bias": rnd(v["intermediate_size"], scale=0.1),
-            p + "mlp.fc2.weight": lin(c, v["intermediate_size"]), p + "mlp.fc2.bias": rnd(c, scale=0.1),
-            p + "norm1.weight": rnd(c, scale=0.1, mean=1.0), p + "norm1.bias": rnd(c, scale=0.1),
-            p + "norm2.weight": rnd(c, scale=0.1, mean=1.0), p + "norm2.bias": rnd(c, scale=0.1),
-            p + "ls1": rnd(c, scale=0.2, mean=0.5), p + "ls2": rnd(c, scale=0.2, mean=0.5),
-        })
+        s.update(
+            {
+                p + "attn.qkv.weight": lin(3 * c, c),
+                p + "attn.qkv.bias": rnd(3 * c, scale=0.1),
+                p + "attn.proj.weight": lin(c, c),
+                p + "attn.proj.bias": rnd(c, scale=0.1),
+                p + "mlp.fc1.weight": lin(v["intermediate_size"], c),
+                p + "mlp.fc1.bias": rnd(v["intermediate_size"], scale=0.1),
+                p + "mlp.fc2.weight": lin(c, v["intermediate_size"]),
+                p + "mlp.fc2.bias": rnd(c, scale=0.1),
+                p + "norm1.weight": rnd(c, scale=0.1, mean=1.0),
+                p + "norm1.bias": rnd(c, scale=0.1),
+                p + "norm2.weight": rnd(c, scale=0.1, mean=1.0),
+                p + "norm2.bias": rnd(c, scale=0.1),
+                p + "ls1": rnd(c, scale=0.2, mean=0.5),
+                p + "ls2": rnd(c, scale=0.2, mean=0.5),
+            }
+        )
     d, wide = l["hidden_size"], 4 * c
     s.update({
         "mlp1.0.weight": rnd(wide, scale=0.1, mean=1.0), "mlp1.0.bias": rnd(wide, scale=0.1),

@@ -43,8 +43,12 @@ def install(tmp: Path) -> Path:
     wheel, = dist.glob("litevlm-*.whl")
     # --ignore-installed: without it pip removes the litevlm this venv has installed (the developer's
     # editable one) before installing into the prefix.
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--ignore-installed", "--prefix", str(prefix), str(wheel)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--ignore-installed", "--prefix", str(prefix), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return prefix
 
 
@@ -70,7 +74,7 @@ def test_installed_node_answers_over_dds(tmp_path):
     # Only the prefix on the path (and the venv for the dependencies), started away from the repo.
     domain = domain_id(7)
     env = ros_env(domain, PYTHONPATH=str(site), AMENT_PREFIX_PATH=f"{prefix}{os.pathsep}{sys.prefix}")
-    where = subprocess.run([sys.executable, "-c", "import litevlm_runtime.ros.node as n; print(n.__file__); "
+    where = subprocess.run([sys.executable, "-c", "import litevlm_runtime.ros.params_file as n; print(n.__file__); "
                             "print(n.config_dir())"], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr[-2000:]
     module_file, config = where.stdout.split()
@@ -78,8 +82,19 @@ def test_installed_node_answers_over_dds(tmp_path):
 
     # As launch_ros starts it: the installed params file, the shipped remaps, no self-driving.
     remaps = [a for src, dst in SHIPPED_REMAPS for a in ("-r", f"{src}:={dst}")]
-    cmd = [str(node_exe), "--ros-args", "-r", "__node:=litevlm_drive", "--params-file", str(share / "config/drive.yaml"),
-           "-p", "warmup:=false", "-p", "max_new_tokens:=4", *remaps]
+    cmd = [
+        str(node_exe),
+        "--ros-args",
+        "-r",
+        "__node:=litevlm_drive",
+        "--params-file",
+        str(share / "config/drive.yaml"),
+        "-p",
+        "warmup:=false",
+        "-p",
+        "max_new_tokens:=4",
+        *remaps,
+    ]
     node = Proc([], env, tmp_path / "node.log", cmd=cmd, cwd=tmp_path)
     client = RosClient(domain)
     try:

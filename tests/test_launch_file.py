@@ -61,9 +61,15 @@ def test_dds_profile_is_set_only_when_given():
 def test_node_action_namespace_remaps_log_level_and_transitions():
     node, = calls("LifecycleNode")
     kw = kwargs(node)
-    assert (kw["package"].value, kw["executable"].value, kw["name"].value) == ("litevlm", "litevlm_drive_node", "litevlm_drive")
+    assert (kw["package"].value, kw["executable"].value, kw["name"].value) == (
+        "litevlm",
+        "litevlm_drive_node",
+        "litevlm_drive",
+    )
     assert is_config(kw["namespace"], "namespace")
-    assert ast.unparse(kw["ros_arguments"]).startswith("['--log-level', launch.substitutions.LaunchConfiguration('log_level')")
+    assert ast.unparse(kw["ros_arguments"]).startswith(
+        "['--log-level', launch.substitutions.LaunchConfiguration('log_level')"
+    )
     assert kw["remappings"].id == "REMAPPINGS"
     remaps = next(n.value for n in TREE.body if isinstance(n, ast.Assign) and n.targets[0].id == "REMAPPINGS")
     assert tuple(ast.literal_eval(remaps)) == SHIPPED_REMAPS         # what `litevlm drive` applies
@@ -89,4 +95,4 @@ def test_node_action_namespace_remaps_log_level_and_transitions():
 def test_installed_executable_is_where_launch_ros_looks():
     """launch_ros runs <prefix>/lib/<package>/<executable>: setup.cfg points colcon's install there."""
     assert (ROOT / "setup.cfg").read_text().count("$base/lib/litevlm") == 2
-    assert "litevlm_drive_node = litevlm_runtime.ros.node:main" in (ROOT / "setup.py").read_text()
+    assert "litevlm_drive_node = litevlm_runtime.ros.runner:main" in (ROOT / "setup.py").read_text()

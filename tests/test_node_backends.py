@@ -71,3 +71,60 @@ def test_later_questions_on_a_frame_set_reuse_its_vision(drivelm_dir, tmp_path):
     laters = [r.stage_ms["vision"] for i, r in enumerate(on) if i % 4]
     assert statistics.median(laters) <= 0.25 * statistics.median(firsts), (firsts, laters)
     assert all(r.reused_cameras == [] for r in off)
+
+
+@pytest.fixture(scope="module")
+def int4_answers(sample_bag):
+    return evaluate(sample_bag, load_node_params(None, {"backend.weights": "int4"}))
+
+
+@pytest.mark.parametrize("served", ["openvino", "int4"])
+def test_node_serves_a_backend_from_drive_yaml_over_dds(tmp_path, sample_bag, bundle, torch_answers, int4_answers,
+                                                       served):
+    """The shipped config/drive.yaml with `backend: {name: openvino, bundle: B}` or
+    `backend: {weights: int4}`, served by `litevlm drive` over real DDS (the bag replayed into the
+    node, the answers recorded from its topic, separate processes): every answer token for token
+    what bag eval gives (OpenVINO: the torch backend's float answers; int4: bag eval with the same
+    weights), and /diagnostics says which engines and weights ran."""
+    import yaml
+    from diagnostic_msgs.msg import DiagnosticArray
+    from ros_helpers import RosClient, domain_id, run_replay
+
+    from litevlm_runtime.ros.params_file import config_dir
+
+    doc = yaml.safe_load((config_dir() / "drive.yaml").read_text())
+    section = next(iter(doc.values()))["ros__parameters"]
+    assert (section["backend"]["name"], section["backend"]["weights"]) == ("torch", "float")   # the shipped file
+    if served == "openvino":
+        section["backend"].update(name="openvino", bundle=str(bundle))
+        expected, diagnosed = torch_answers, ("openvino", "float")
+    else:
+        section["backend"].update(weights="int4")
+        expected, diagnosed = int4_answers, ("torch", "int4")
+    params = tmp_path / "drive.yaml"
+    params.write_text(yaml.safe_dump(doc))
+
+    domain = domain_id(33 if served == "openvino" else 37)
+    client = RosClient(domain)
+    diags = []
+    client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+
+    def values():
+        return {kv.key: kv.value for kv in diags[-1].status[0].values} if diags else {}
+
+    def answered():              # the node's own count, before it stops
+        assert client.spin_until(lambda: values().get("answered") == str(len(expected)), 30), values()
+
+    try:
+        rows, _ = run_replay(tmp_path, sample_bag, params, len(expected), domain, timeout=300, node_ready_s=300,
+                             served=answered)
+    finally:
+        client.close()
+    assert (values()["backend"], values()["weights"], values()["state"]) == (*diagnosed, "active")
+    by_id = {r["query_id"]: r for r in rows}
+    assert sorted(by_id) == sorted(r.query_id for r in expected)
+    for want in expected:
+        got = by_id[want.query_id]
+        assert got["status"] == "ok", got["status_message"]
+        assert got["token_ids"] == want.token_ids, want.question
+        assert got["pipeline"] == want.pipeline

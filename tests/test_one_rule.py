@@ -15,6 +15,7 @@ from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import resolve_image
 from litevlm_runtime.options import PipelineOptions
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.ros.parameters import NodeSettings
 from litevlm_runtime.ros.params_file import load_node_params
 from litevlm_runtime.serving.server import QueryServer
@@ -41,7 +42,7 @@ def test_a_question_of_invisible_characters_is_blank_to_the_server_and_the_pipel
     server = QueryServer(ServerSettings(), records.append, clock_ns=lambda: 0)
     server.load(lambda: pipe, warmup=False)
     server.active = True
-    assert server.submit(ch * 3, query_id="q") is None
+    assert server.submit(QueryRequest(ch * 3, query_id="q")) is None
     assert records[0].status == "bad_question" and "empty question" in records[0].status_message
 
 

@@ -49,8 +49,7 @@ def test_drive_yaml_declares_only_known_parameters():
     import yaml
 
     from litevlm_runtime.options import settings
-    from litevlm_runtime.ros.node import PARAMETERS
-    from litevlm_runtime.ros.parameters import flatten, node_section
+    from litevlm_runtime.ros.parameters import PARAMETERS, flatten, node_section
 
     doc = yaml.safe_load((ROOT / "config" / "drive.yaml").read_text())
     assert list(doc) == ["/**/litevlm_drive"]            # any namespace (a bare node name: the root one only)

@@ -104,11 +104,15 @@ def test_arena_is_stable_over_100_answers(pipe):
                  "How many pedestrians are on the front left?"]
     for i in range(10):                       # warm-up: allocator pools, caches, lazy inits
         pipe.answer(frames[i % 4], questions[i % 4])
-    before = {k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.rt.arena.buffers().items()}
+    before = {
+        k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.rt.arena.buffers().items()
+    }
     rss_before = rss_kib()
     for i in range(100):
         pipe.answer(frames[i % 4], questions[(i // 4) % 4])
-    after = {k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.rt.arena.buffers().items()}
+    after = {
+        k: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for k, t in pipe.rt.arena.buffers().items()
+    }
     assert after == before
     growth = rss_kib() - rss_before
     assert growth < 8 * 1024, f"resident memory grew by {growth} KiB over 100 answers"

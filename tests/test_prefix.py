@@ -48,11 +48,11 @@ def test_prefill_after_the_prefix_equals_a_full_prefill(frames, cameras):
         layout = assemble_prompt(rt, cameras, question, visual)
         keep = select_tokens(rt, layout)
         a.k_cache.zero_(), a.v_cache.zero_()
-        shared = prefill(rt, layout, keep)
+        shared = prefill(rt, rt.region(0), layout, keep)
         n = shared.length
         hidden, k, v = shared.hidden.clone(), a.k_cache[:, :, :n].clone(), a.v_cache[:, :, :n].clone()
         a.k_cache.zero_(), a.v_cache.zero_()
-        whole = prefill(replace(rt, prefix=None), layout, keep)
+        whole = prefill(replace(rt, prefix=None), rt.region(0), layout, keep)
     # Reused: the rows this prompt and the probe's (first camera CAM_FRONT) begin with, counted
     # from the prompt builder's own ids.
     ids, spans = prompt_ids(rt, cameras, question)

@@ -26,6 +26,7 @@ from litevlm_runtime.models.config import INTERNVL_SYSTEM_MESSAGE
 from litevlm_runtime.models.internvl import InternVL
 from litevlm_runtime.options import Tokens
 from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions, assemble_prompt, prompt_ids
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.stages.prompt import build_prompt, model_layout, render, resolve_layout
 from litevlm_runtime.weights.checkpoint import write_checkpoint
 from litevlm_runtime.weights.corpus import default_corpus
@@ -203,7 +204,9 @@ def test_qwen_tokenizer_json_conversation_equals_upstream(tmp_path, history):
     cams = ["CAM_FRONT", "CAM_BACK"]
     p = build_prompt(Tokenizer(tmp_path), INTERNVL_SYSTEM_MESSAGE, "internvl", cams, QUESTION, TOKENS_PER_TILE, history)
     ref = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
-    assert list(p.input_ids) == ref(upstream_chat_query(INTERNVL_SYSTEM_MESSAGE, QUESTION, [1, 1], history))["input_ids"]
+    assert (
+        list(p.input_ids) == ref(upstream_chat_query(INTERNVL_SYSTEM_MESSAGE, QUESTION, [1, 1], history))["input_ids"]
+    )
 
 
 def test_internlm2_folder_without_litevlm_json_is_internvl(internlm2_folder):
@@ -215,7 +218,9 @@ def test_sentencepiece_without_bos_when_config_says_so(capsys, tmp_path):
     write_internlm2_tokenizer(tmp_path, add_dummy_prefix=False, add_bos_token=False)
     write_model_config(tmp_path, 700)
     d = prompt_json(capsys, tmp_path, "--cameras", "CAM_FRONT")
-    expected = internlm2_reference(tmp_path, add_bos_token=False)(upstream_query(INTERNVL_SYSTEM_MESSAGE, QUESTION, [1]))
+    expected = internlm2_reference(tmp_path, add_bos_token=False)(
+        upstream_query(INTERNVL_SYSTEM_MESSAGE, QUESTION, [1])
+    )
     assert d["input_ids"] == expected["input_ids"] and d["input_ids"][0] != 1
 
 
@@ -303,7 +308,10 @@ def test_cameras_layout_conversation_equals_whole_string_tokenization():
             later = history[i + 1][0] if i + 1 < len(history) else QUESTION
             text += f"<|im_start|>user\n{later}<|im_end|>\n"
         text += "<|im_start|>assistant\n"
-        assert list(build_prompt(tok, system, "cameras", cams, QUESTION, n, history).input_ids) == tok._tok.encode(text).ids
+        assert (
+            list(build_prompt(tok, system, "cameras", cams, QUESTION, n, history).input_ids)
+            == tok._tok.encode(text).ids
+        )
 
 
 def test_history_with_a_reserved_token_is_named():
@@ -319,7 +327,9 @@ def test_history_with_a_reserved_token_is_named():
 ])
 def test_templates_that_spell_out_a_named_layout_give_its_ids(tiny_model, template, layout, cameras):
     tok = Tokenizer(tiny_model)
-    assert build_prompt(tok, "sys", template, cameras, QUESTION, 16) == build_prompt(tok, "sys", layout, cameras, QUESTION, 16)
+    assert build_prompt(tok, "sys", template, cameras, QUESTION, 16) == build_prompt(
+        tok, "sys", layout, cameras, QUESTION, 16
+    )
 
 
 def test_litevlm_prompt_is_what_the_pipeline_feeds_the_decoder(capsys, tiny_model):
@@ -328,7 +338,9 @@ def test_litevlm_prompt_is_what_the_pipeline_feeds_the_decoder(capsys, tiny_mode
     d = prompt_json(capsys, tiny_model, "--cameras", *cams, "--tiles-per-camera", "2")
     ids, spans = prompt_ids(rt, cams, QUESTION)
     assert d["layout"] == "cameras" and d["input_ids"] == ids
-    assert [(c["camera"], c["start"], c["count"]) for c in d["cameras"]] == [(c, s, n) for c, (s, n) in zip(cams, spans)]
+    assert [(c["camera"], c["start"], c["count"]) for c in d["cameras"]] == [
+        (c, s, n) for c, (s, n) in zip(cams, spans)
+    ]
     # the human form: the text with image spans collapsed, and the ids with runs collapsed
     assert main(["prompt", "--model", str(tiny_model), "--question", QUESTION, "--cameras", *cams,
                  "--tiles-per-camera", "2"]) == 0
@@ -342,7 +354,7 @@ def test_litevlm_prompt_with_history_is_a_follow_ups_prompt(capsys, tiny_model):
     """`litevlm prompt --history Q A` prints the conversation's ids and the digest an Answer carries."""
     pipe = Pipeline.from_pretrained(tiny_model, PipelineOptions(max_new_tokens=2))
     history = [("What is in front?", "A white truck.")]
-    ans = pipe.answer(random_frames(0), QUESTION, history=history)
+    ans = pipe.answer(random_frames(0), QueryRequest(QUESTION, history=history))
     d = prompt_json(capsys, tiny_model, "--cameras", *ans.cameras, "--history", *history[0])
     assert d["input_ids"] == prompt_ids(pipe.rt, ans.cameras, QUESTION, history)[0]
     assert d["sha256"] == ans.prompt_sha256 and "<|im_start|>assistant\nA white truck.<|im_end|>" in d["text"]

@@ -13,14 +13,13 @@ import json
 import pytest
 import torch
 from export_fixtures import TEST_BUCKETS
-from helpers import make_tiny_checkpoint, options, random_frames
+from helpers import lively_checkpoint_of, options, random_frames
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS, paired_speedups
 from litevlm_runtime.cli import main
 from litevlm_runtime.export.exporter import verify_bundle
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights.checkpoint import load_model, write_checkpoint
-from litevlm_runtime.weights.random_init import init_weights
+from litevlm_runtime.weights.checkpoint import load_model
 
 MAX_NEW_TOKENS = 12
 
@@ -28,13 +27,10 @@ MAX_NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def qwen3_model(tmp_path_factory):
     """tiny-qwen3 with std 0.1 weights, so that greedy answers depend on the input (export_fixtures)."""
-    root = tmp_path_factory.mktemp("qwen3")
-    base = make_tiny_checkpoint(root / "base", "tiny-qwen3")
-    model = load_model(base)
-    assert model.language_model.cfg.architecture == "qwen3" and model.language_model.cfg.head_dim == 64
-    init_weights(model, seed=1, std=0.1)
-    write_checkpoint(root / "lively", model, base / "tokenizer.json")
-    return root / "lively"
+    lively = lively_checkpoint_of(tmp_path_factory.mktemp("qwen3"), "tiny-qwen3")
+    lm = load_model(lively).language_model
+    assert lm.cfg.architecture == "qwen3" and lm.cfg.head_dim == 64
+    return lively
 
 
 @pytest.fixture(scope="module")

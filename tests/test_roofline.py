@@ -14,7 +14,7 @@ from helpers import options
 from litevlm_runtime.bench.roofline import measure_bandwidth, stage_costs
 from litevlm_runtime.cli import main
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights.int8 import Int8Linear
+from litevlm_runtime.weights.lowbit import Int8Linear
 
 
 def test_bandwidth_is_a_measurement():
@@ -42,25 +42,30 @@ def test_decode_step_moves_every_decoder_weight_and_the_live_cache(model, weight
     # at least the 2 FLOPs per weight of every linear layer (attention adds its own)
     linears = [m for m in lm.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
     assert step.flops >= 2 * sum(m.in_features * m.out_features for m in linears)
-    assert head.bytes == sum(t.numel() * t.element_size() for t in list(lm.output.parameters()) + list(lm.output.buffers()))
+    assert head.bytes == sum(
+        t.numel() * t.element_size() for t in list(lm.output.parameters()) + list(lm.output.buffers())
+    )
     assert step.ms > 0 and head.ms > 0
 
 
 def test_int8_step_moves_about_a_quarter_of_the_linear_bytes(model):
     costs = {}
     for weights in ("float", "int8"):
-        pipe = Pipeline.from_pretrained(model, options(pipeline="baseline", backend__threads=1, backend__weights=weights))
+        pipe = Pipeline.from_pretrained(
+            model, options(pipeline="baseline", backend__threads=1, backend__weights=weights)
+        )
         costs[weights] = stage_costs(pipe.rt, ("step",), 10, 0, 0, repeats=1)[0].bytes
     assert 0.25 < costs["int8"] / costs["float"] < 0.35       # int8 + a float scale per row, norms and cache in float
 
 
 def test_bench_roofline_alternates_weights_in_one_table(capsys):
-    rc = main(["bench", "--preset", "tiny", "--roofline", "--weights", "float,int8", "--stages", "step,head",
+    rc = main(["bench", "--preset", "tiny", "--roofline", "--weights", "float,int8,int4-rtn", "--stages", "step,head",
                "--context", "32", "--pipeline", "baseline", "--backend.threads", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "fraction of floor" in out and "GB/s" in out
-    assert "int8 vs float" in out and out.count("decode step (1 row, 32 cached)") == 3    # float, int8, ratio
+    assert "int8 vs float" in out and "int4-rtn vs float" in out and "int4-rtn vs int8" in out
+    assert out.count("decode step (1 row, 32 cached)") == 6    # float, int8, int4-rtn, and three ratios
 
 
 @pytest.mark.parametrize("extra", [[], ["--costs"]])
@@ -87,3 +92,29 @@ def test_columns_a_step_reads_follow_the_backend():
     assert columns_read(rt("onnxruntime"), 208) == 1911
     assert columns_read(rt("torch-compile", cache_sizes=(256, 512, 1024, 1911)), 208) == 256
     assert columns_read(rt("torch-compile", cache_sizes=(256, 512, 1024, 1911)), 1025) == 1911
+
+
+@pytest.mark.parametrize("weights", ["float", "int8", "int4-rtn", "fp16"])
+def test_tied_head_step_counts_the_table_it_multiplies(weights):
+    """InternVL3/3.5 tie the LM head to the embedding (a matmul, not a Linear): the step and the head
+    read the whole table, float or its one low-bit copy, and the roofline counts it (issue 35: it
+    left 0.93 GB of the 2B step out)."""
+    from litevlm_runtime.bench.random_model import random_pipeline
+
+    pipe = random_pipeline("tiny-qwen3", options(pipeline="baseline", backend__threads=1, backend__weights=weights))
+    rt, context = pipe.rt, 30
+    lm = rt.lm
+    assert lm.cfg.tie_word_embeddings and not isinstance(lm.head, torch.nn.Module)
+    step, head = stage_costs(rt, ("step", "head"), context, 0, 0, repeats=1)
+
+    def nbytes(modules):
+        seen = {t.data_ptr(): t for m in modules for t in list(m.parameters()) + list(m.buffers())}
+        return sum(t.numel() * t.element_size() for t in seen.values())
+    llm = rt.cfg.llm
+    kv = 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * 4 * (context + 1)
+    assert head.bytes == nbytes([lm.embed]) > 0
+    assert step.bytes == nbytes(list(lm.layers) + [lm.norm, lm.embed]) + kv
+    table = llm.vocab_size * llm.hidden_size
+    expected_table = {"float": 4 * table, "int8": table + 4 * llm.vocab_size, "fp16": 2 * table,
+                      "int4-rtn": table // 2 + 3 * table // 128}[weights]      # codes + float16 scale, uint8 zero
+    assert head.bytes == expected_table

@@ -76,4 +76,6 @@ def test_batched_answers_over_dds_equal_one_at_a_time(tmp_path):
         alone = pipe.answer(images, q)
         assert list(got[f"b{i}"].token_ids) == list(alone.token_ids), q
     # Several queries were decoded together (the JSON mirror says how many steps each shared).
-    assert sum(1 for m in mirrored if m["batched_steps"] > 0) >= 2, [(m["query_id"], m["batched_steps"]) for m in mirrored]
+    assert sum(1 for m in mirrored if m["batched_steps"] > 0) >= 2, [
+        (m["query_id"], m["batched_steps"]) for m in mirrored
+    ]

@@ -21,6 +21,8 @@ from array import array
 from ros_helpers import Proc, Rig, RosClient, domain_id, jpeg, ros_env
 from test_ros_partials import params_with
 
+from litevlm_runtime.pipeline.request import QueryRequest
+
 Q1 = "What is in front of the ego vehicle?"
 Q2 = "Is it moving?"
 OTHERS = ["Is there a pedestrian behind the ego car?", "What should the ego vehicle do next?"]
@@ -106,7 +108,7 @@ def test_follow_up_and_sampling_over_dds(tmp_path):
     assert first.prompt_sha256 == upstream_digest(DEFAULT_MODEL, list(first.cameras), tpc, [], Q1)
     images = {cam: jpeg(5 * 10 + i) for i, cam in enumerate(CAMERAS)}          # what rig.frames(seed=5) sent
     assert list(first.token_ids) == pipe.answer(images, Q1).token_ids
-    scratch = pipe.answer(images, Q2, history=[(Q1, first.answer)])
+    scratch = pipe.answer(images, QueryRequest(Q2, history=[(Q1, first.answer)]))
     assert list(follow.token_ids) == scratch.token_ids and follow.answer == scratch.text
 
     assert got["q3"].status == Answer.STATUS_BAD_FOLLOW_UP and "'nope'" in got["q3"].status_message
@@ -114,6 +116,6 @@ def test_follow_up_and_sampling_over_dds(tmp_path):
     newer = {cam: jpeg(6 * 10 + i) for i, cam in enumerate(CAMERAS)}           # seed 6: what b0, b1 were asked on
     for i, q in enumerate(OTHERS):
         assert list(got[f"b{i}"].token_ids) == pipe.answer(newer, q).token_ids
-    sampled = pipe.answer(images, OTHERS[1], temperature=1.5, seed=9)
+    sampled = pipe.answer(images, QueryRequest(OTHERS[1], temperature=1.5, seed=9))
     assert got["s1"].status == Answer.STATUS_OK and list(got["s1"].token_ids) == sampled.token_ids
     assert sampled.token_ids != pipe.answer(images, OTHERS[1]).token_ids      # (the node's default is greedy)

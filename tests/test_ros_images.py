@@ -13,6 +13,7 @@ import pytest
 from helpers import png_claiming
 from PIL import Image
 
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.serving.images import (
     RAW_ENCODINGS,
     CompressedPayload,
@@ -260,7 +261,7 @@ def test_server_answers_bad_image_naming_the_camera(tiny_model):
     for t, (cam, payload) in enumerate([*bad.items(), ("CAM_BACK", good)], start=1):
         for c in CAMERAS:
             server.frames.add(Frame(c, t * 10**9, payload if c == cam else good), now_ns=t * 10**9)
-        server.serve(server.submit("front?", now_ns=t * 10**9), now_ns=t * 10**9)
+        server.serve(server.submit(QueryRequest("front?"), now_ns=t * 10**9), now_ns=t * 10**9)
     assert [r.status for r in records] == ["bad_image", "bad_image", "ok"]
     assert records[0].status_message.startswith("CAM_BACK: refused before decoding")
     assert records[1].status_message.startswith("CAM_FRONT_LEFT: image is 1x1 pixels")

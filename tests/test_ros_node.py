@@ -14,17 +14,20 @@ from pathlib import Path
 import pytest
 from ros_helpers import Proc, RosClient, domain_id, ros_env, write_params
 
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.ros.parameters import AT_CONFIGURE, CONFIGURE_NOTE, LIVE_NOTE
 from litevlm_runtime.ros.topics import SHIPPED_REMAPS, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE_MAIN = "import sys; from litevlm_runtime.ros.node import main; sys.exit(main())"
+NODE_MAIN = "import sys; from litevlm_runtime.ros.runner import main; sys.exit(main())"
 
 
 def launch_handler() -> dict:
     """The keywords of the launch file's OnStateTransition (string constants only)."""
     tree = ast.parse((ROOT / "launch" / "drive.launch.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "OnStateTransition"]
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "OnStateTransition"
+    ]
     assert len(calls) == 1
     handler = {k.arg: k.value.value for k in calls[0].keywords if isinstance(k.value, ast.Constant)}
     assert handler.get("handle_once") is True and "goal_state" not in handler      # the outcome is checked inside
@@ -62,7 +65,11 @@ def test_topic_resolution_is_rcls():
     import rclpy
 
     cases = ["query", "answer_json", "cam_front/image_raw/compressed", "/diagnostics", "~/status", "/abs/query"]
-    for ns, user in (("/", ()), ("/car1", ()), ("/a/b", (("query", "/elsewhere/q"), ("cam_back/image_raw", "back/raw")))):
+    for ns, user in (
+        ("/", ()),
+        ("/car1", ()),
+        ("/a/b", (("query", "/elsewhere/q"), ("cam_back/image_raw", "back/raw"))),
+    ):
         remaps = (*user, *SHIPPED_REMAPS)
         args = ["x", "--ros-args", "-r", f"__ns:={ns}"] + [a for s, d in remaps for a in ("-r", f"{s}:={d}")]
         ctx = rclpy.Context()
@@ -179,7 +186,9 @@ def test_bad_start_values_fail_configure_and_the_process_stays_up(tmp_path, tiny
         diags, answers = [], []
         qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
-        client.node.create_subscription(String, "/litevlm/answer_json", lambda m: answers.append(json.loads(m.data)), qos)
+        client.node.create_subscription(
+            String, "/litevlm/answer_json", lambda m: answers.append(json.loads(m.data)), qos
+        )
         from lifecycle_msgs.msg import TransitionEvent
 
         events = []
@@ -241,7 +250,8 @@ def test_live_queue_change_keeps_queued_queries(tiny_model):
     from litevlm_runtime.cameras import CAMERAS
     from litevlm_runtime.options import PipelineOptions
     from litevlm_runtime.pipeline.pipeline import Pipeline
-    from litevlm_runtime.ros.node import apply_live
+    from litevlm_runtime.serving.server import QueryServer as _S
+    apply_live = _S.apply_live
     from litevlm_runtime.serving.frame_store import Frame
     from litevlm_runtime.serving.server import QueryServer
     from litevlm_runtime.serving.settings import ServerSettings
@@ -255,19 +265,19 @@ def test_live_queue_change_keeps_queued_queries(tiny_model):
         for cam in CAMERAS:
             s.frames.add(Frame(cam, 10 ** 9, b""))
         for i in range(4):
-            assert s.submit(f"question {i}?", query_id=f"q{i}") is not None
+            assert s.submit(QueryRequest(f"question {i}?", query_id=f"q{i}")) is not None
         return s, published
 
     s, published = server()
     apply_live(s, ServerSettings(queue_size=2, overflow_policy="reject_new", max_skew_s=0.05))
     assert s.frames.max_skew_ns == 50_000_000 and s.settings.queue_size == 2
-    assert s.submit("one more?", query_id="r0") is None                   # 4 queued >= 2: refused at once
+    assert s.submit(QueryRequest("one more?", query_id="r0")) is None                   # 4 queued >= 2: refused at once
     assert [(r.query_id, r.status) for r in published] == [("r0", "queue_full")]
     assert "(2, policy reject_new)" in published[0].status_message
     assert [r.query_id for r in s.queue.drain()] == ["q0", "q1", "q2", "q3"]   # all kept, in order
     apply_live(s, ServerSettings(queue_size=2, overflow_policy="drop_oldest"))
     for i in range(3):
-        s.submit(f"again {i}?", query_id=f"r{i + 1}")
+        s.submit(QueryRequest(f"again {i}?", query_id=f"r{i + 1}"))
     assert [r.query_id for r in published] == ["r0", "r1"]                 # the oldest answered queue_full
 
     rebuilt, published = server()
@@ -283,8 +293,7 @@ def test_live_queue_change_keeps_queued_queries(tiny_model):
                                       ({"tokens.keep_ratio": 2.0}, "tokens.keep_ratio")])
 def test_configure_validation_names_the_parameter(bad, why):
     from litevlm_runtime.errors import InputError
-    from litevlm_runtime.ros.node import PARAMETERS
-    from litevlm_runtime.ros.parameters import validate_values
+    from litevlm_runtime.ros.parameters import PARAMETERS, validate_values
 
     with pytest.raises(InputError, match=why):
         validate_values(dict(PARAMETERS) | bad)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import yaml
 from ros_helpers import ROOT, Proc, Rig, RosClient, domain_id, jpeg, ros_env, write_params
 
-QUESTION = "What actions could the ego vehicle take based on <c1,CAM_FRONT,800.0,500.0>? Why take this action and what's the probability?"
+QUESTION = ("What actions could the ego vehicle take based on <c1,CAM_FRONT,800.0,500.0>? Why take this action and "
+            "what's the probability?")
 
 
 def params_with(path, **overrides):

@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 from ros_helpers import PROFILE, ROOT, domain_id, jpeg, ros_env, write_params
 
-from litevlm_runtime.bench.soak import DDSClient, NodeProcess
+from litevlm_runtime.bench.dds_client import DDSClient
+from litevlm_runtime.bench.soak import NodeProcess
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.params_file import load_node_params
 
@@ -23,7 +24,9 @@ def frame_set(seed: int = 0) -> dict:
     """camera -> (sensor_msgs/CompressedImage of a random JPEG, offset 0)."""
     from sensor_msgs.msg import CompressedImage
 
-    return {cam: (CompressedImage(format="jpeg", data=jpeg(10 * seed + i, (160, 90))), 0) for i, cam in enumerate(CAMERAS)}
+    return {
+        cam: (CompressedImage(format="jpeg", data=jpeg(10 * seed + i, (160, 90))), 0) for i, cam in enumerate(CAMERAS)
+    }
 
 
 @pytest.fixture
@@ -79,7 +82,9 @@ def test_signal_with_queued_queries_answers_every_query(graph, sig):
     assert statuses["shutting_down"] >= 1, statuses                 # some were still queued
     log = node.text()
     assert "Failed to publish" not in log and "context is invalid" not in log
-    assert f"summary: 16 answered ({statuses['shutting_down']} errors: shutting_down {statuses['shutting_down']})" in log
+    assert (
+        f"summary: 16 answered ({statuses['shutting_down']} errors: shutting_down {statuses['shutting_down']})" in log
+    )
 
 
 def test_a_burst_of_1000_queries_in_one_second_gets_1000_answers(graph):

@@ -12,41 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
-from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, write_params
+from ros_helpers import PROFILE, Proc, domain_id, jpeg, ros_env, run_replay, write_params
 
-from litevlm_runtime.bag.compare import compare_runs, read_jsonl
+from litevlm_runtime.bag.compare import compare_runs
 from litevlm_runtime.bag.evaluate import evaluate
 from litevlm_runtime.bag.ids import split
-from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, camera_topic, raw_frame, write_bag
+from litevlm_runtime.bag.io import BagContents, CameraFrame, camera_topic, raw_frame, write_bag
 from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.pipeline.answer import STAGES
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.ros.params_file import load_node_params
 
 ROOT = Path(__file__).resolve().parents[1]
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
-
-
-def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: int, timeout: float = 150):
-    """node + recorder + replayer; returns the recorded rows and the node's log."""
-    env = ros_env(domain)
-    out = tmp_path / "recorded.jsonl"
-    recorder = Proc(["bag", "record", "--out", str(out), "--bag", str(tmp_path / "answers_bag"),
-                     "--count", str(n_answers), "--timeout", str(timeout)], env, tmp_path / "record.log")
-    node = Proc(["drive", "--params", str(params)], env, tmp_path / "node.log")
-    replayer = None
-    try:
-        node.wait_for("ready (active)", timeout=120)
-        recorder.wait_for("record: ready", timeout=60)
-        replayer = Proc(["bag", "replay", str(bag), "--params", str(params)], env, tmp_path / "replay.log")
-        assert replayer.wait(timeout) == 0, replayer.text()
-        assert recorder.wait(timeout) == 0, recorder.text() + node.text()[-3000:]
-    finally:
-        for p in (replayer, recorder, node):
-            if p is not None:
-                p.stop()
-    return read_jsonl(out), node.text()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +88,8 @@ RAW_CAMERAS = {"CAM_BACK_LEFT": "bgr8", "CAM_BACK_RIGHT": "mono8"}
 
 def fault_bag(path: Path) -> tuple[Path, dict]:
     """Generated frames (no shared data needed; two cameras as raw sensor_msgs/Image) with one bad
-    situation after another, and the status each query must get. Frame sets every ~1.5 s; max_frame_age 1 s, max_skew 0.1 s."""
+    situation after another, and the status each query must get. Frame sets every ~1.5 s; max_frame_age 1 s,
+    max_skew 0.1 s."""
     c = BagContents()
 
     def frame_set(t_s, skip=(), shift=None, corrupt=()):
@@ -125,8 +106,14 @@ def fault_bag(path: Path) -> tuple[Path, dict]:
     expect = {}
 
     def ask(t_s, qid, text, status, deadline_s=None):
-        c.queries.append(BagQuery(T0 + int(t_s * S), text, id=qid,
-                                  deadline_ns=T0 + int(deadline_s * S) if deadline_s is not None else 0))
+        c.queries.append(
+            QueryRequest(
+                text,
+                stamp_ns=T0 + int(t_s * S),
+                query_id=qid,
+                deadline_ns=T0 + int(deadline_s * S) if deadline_s is not None else 0,
+            )
+        )
         expect[qid] = status
 
     # The node waits 0.2 s for frames. The first frames are stamped 0.5 s and the deadline is 0.45 s,

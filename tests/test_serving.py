@@ -7,6 +7,7 @@ from helpers import options, random_frames
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.pipeline.request import QueryRequest
 
 QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behind the ego car?",
              "What should the ego vehicle do next?", "Are there cars on the front left?"]
@@ -59,7 +60,7 @@ def test_the_cache_is_a_fixed_arena_region_evicting_the_oldest(frames):
 
 def test_a_loose_budget_changes_nothing(reuse, frames):
     free = reuse.answer(frames[0], QUESTIONS[2])
-    loose = reuse.answer(frames[0], QUESTIONS[2], budget_ms=1e6)
+    loose = reuse.answer(frames[0], QueryRequest(QUESTIONS[2], budget_ms=1e6))
     assert loose.token_ids == free.token_ids and loose.degraded == [] and loose.budget_met
 
 
@@ -69,7 +70,7 @@ def test_a_tight_budget_degrades_in_order_and_says_so(frames):
     unbudgeted = [pipe.answer(frames[0], q) for q in QUESTIONS]
     budget = sorted(a.total_ms for a in unbudgeted)[len(unbudgeted) // 2] / 2
     for q, free in zip(QUESTIONS, unbudgeted):
-        a = pipe.answer(frames[0], q, budget_ms=budget)
+        a = pipe.answer(frames[0], QueryRequest(q, budget_ms=budget))
         assert a.budget_ms == budget and a.token_ids
         if a.degraded:
             cut = " ".join(a.degraded)
@@ -79,7 +80,7 @@ def test_a_tight_budget_degrades_in_order_and_says_so(frames):
             if "answer cut" in cut:
                 assert len(a.token_ids) == int(cut.split("answer cut at ")[1].split()[0])
                 assert a.token_ids == free.token_ids[:len(a.token_ids)] or "views" in cut or "tokens" in cut
-    impossible = pipe.answer(frames[0], QUESTIONS[2], budget_ms=0.001)
+    impossible = pipe.answer(frames[0], QueryRequest(QUESTIONS[2], budget_ms=0.001))
     assert impossible.token_ids and not impossible.budget_met
     assert any("cannot be met" in d for d in impossible.degraded) and len(impossible.cameras) == 1
 

@@ -1,6 +1,6 @@
-"""`litevlm bag soak` and `litevlm bag peak` (ros/soak.py): the harness's own accounting, short
-runs of both commands over real DDS in CI, and the 1,500-query soak on the bundled model outside
-CI (-m slow)."""
+"""`litevlm bag soak` and `litevlm bag peak` (bench/soak.py; the accounting in bench/soak_stats.py):
+the harness's own accounting, short runs of both commands over real DDS in CI, and the 1,500-query
+soak on the bundled model outside CI (-m slow)."""
 
 from __future__ import annotations
 
@@ -13,29 +13,46 @@ import numpy as np
 import pytest
 from ros_helpers import ROOT, domain_id, jpeg, ros_env, write_params
 
-from litevlm_runtime.bag.io import BagContents, BagQuery, CameraFrame, write_bag
+from litevlm_runtime.bag.io import BagContents, CameraFrame, write_bag
 from litevlm_runtime.bag.make import drivelm_contents
-from litevlm_runtime.bench.soak import SoakResult
+from litevlm_runtime.bench.soak_stats import SoakResult, identical_work_tail
 from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.pipeline.request import QueryRequest
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
 
 
 def row(qid, question, tokens, front_stamp, status="ok", total=10.0):
-    return {"query_id": qid, "question": question, "status": status, "token_ids": list(tokens), "cameras": ["CAM_FRONT"],
-            "decode_steps": len(tokens),
-            "frame_stamps_ns": {"CAM_FRONT": front_stamp}, "total_ms": total, "queue_ms": 0.0, "e2e_ms": total + 1,
-            "stage_ms": {"decode": total}}
+    return {
+        "query_id": qid,
+        "question": question,
+        "status": status,
+        "token_ids": list(tokens),
+        "cameras": ["CAM_FRONT"],
+        "decode_steps": len(tokens),
+        "frame_stamps_ns": {"CAM_FRONT": front_stamp},
+        "total_ms": total,
+        "queue_ms": 0.0,
+        "e2e_ms": total + 1,
+        "stage_ms": {"decode": total},
+    }
 
 
 def test_soak_accounting_finds_lost_duplicated_and_differing_answers():
     sent = [(f"q{i}", "front?" if i % 2 else "back?") for i in range(6)]
     rows = [row("q0", "back?", [1, 2], 100), row("q1", "front?", [3], 100), row("q2", "back?", [1, 2], 200),
             row("q3", "front?", [3], 100), row("q3", "front?", [3], 100),       # q3 twice
-            row("q4", "back?", [9], 100)]                                       # q5 never; q4 differs from q0
-    result = SoakResult(rate=1.0, sent=sent, rows=rows, set_of_stamp={100: 0, 200: 1}, rss=[(0, 100 << 20), (6, 101 << 20)],
-                        warmup=0, duration_s=6.0)
+            row("q4", "back?", [9], 100)]  # q5 never; q4 differs from q0
+    result = SoakResult(
+        rate=1.0,
+        sent=sent,
+        rows=rows,
+        set_of_stamp={100: 0, 200: 1},
+        rss=[(0, 100 << 20), (6, 101 << 20)],
+        warmup=0,
+        duration_s=6.0,
+    )
     assert result.lost == ["q5"] and result.duplicated == ["q3"]
     repeated, differ = result.determinism()
     assert repeated == 2 and len(differ) == 1 and "'back?' on frame set 0: 2 different answers" in differ[0]
@@ -56,14 +73,20 @@ def small_bag(tmp_path_factory):
             c.frames[cam].append(CameraFrame(T0 + k * S // 2 + i * 8_000_000, jpeg(10 * k + i, (160, 90))))
     for j, q in enumerate(["What is in front?", "Is there a car behind?", "What should the ego car do?",
                            "Anything on the left?"]):
-        c.queries.append(BagQuery(T0 + S + j * S // 10, q, id=f"q{j}"))
+        c.queries.append(QueryRequest(q, stamp_ns=T0 + S + j * S // 10, query_id=f"q{j}"))
     return write_bag(c, tmp_path_factory.mktemp("bags") / "small")
 
 
 def harness(args, tmp_path, k, timeout=300):
     env = ros_env(domain_id(k))
-    return subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", "bag", *args, "--node-log", str(tmp_path / "node.log")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "litevlm_runtime.cli", "bag", *args, "--node-log", str(tmp_path / "node.log")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
@@ -84,6 +107,7 @@ def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
     assert "summary: 40 answered" in (tmp_path / "node.log").read_text()     # the node was stopped by SIGINT, drained
 
 
+@pytest.mark.slow      # a search over rates (about a minute); soak's harness runs in CI below and above
 def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=8, queue_size=2)
     run = harness(["peak", str(small_bag), "--params", str(params), "--min-rate", "2", "--max-rate", "2000",
@@ -101,7 +125,9 @@ def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     assert peak == max(passing) and all(float(r) > peak for r, *_, v in trials if v == "fail")
     # Lone query i asks question i on frame set i (the same pairs in every configuration of a run).
     sets = int(re.search(r"peak: (\d+) frame sets", run.stdout).group(1))
-    answers = {r["query_id"]: r for r in json.loads((tmp_path / "peak.json").read_text())["configs"]["baseline"]["answers"]}
+    answers = {
+        r["query_id"]: r for r in json.loads((tmp_path / "peak.json").read_text())["configs"]["baseline"]["answers"]
+    }
     for i in range(4):      # (asked again as lone_i_againK when the query overtook its frames)
         tries = [r for q, r in answers.items() if q == f"lone_{i}" or q.startswith(f"lone_{i}_again")]
         assert any(r["status"] == "ok" and r["frame_set"] == i % sets for r in tries), tries
@@ -128,6 +154,7 @@ def test_soak_1500_queries_on_the_bundled_model(tmp_path, drivelm_dir):
     assert run.returncode == 0 and "peak rate:" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
+@pytest.mark.slow      # two soaks back to back; one soak runs in CI
 def test_soak_versus_compares_configurations_in_one_table(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=4, queue_size=4)
     run = harness(["soak", str(small_bag), "--params", str(params), "--count", "20", "--rate", "10", "--warmup", "2",
@@ -145,8 +172,6 @@ def test_soak_versus_compares_configurations_in_one_table(tmp_path, tiny_model, 
 
 
 def test_identical_work_tail_divides_each_answer_by_its_group_median():
-    from litevlm_runtime.bench.soak import identical_work_tail
-
     def r(q, total, cpu, cams=("CAM_FRONT",)):
         return {"status": "ok", "question": q, "cameras": list(cams), "reused_cameras": [], "decode_steps": 3,
                 "total_ms": total, "cpu_ms": cpu}

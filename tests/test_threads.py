@@ -38,7 +38,9 @@ def test_importing_the_package_first_makes_torchs_openmp_threads_sleep_when_idle
 
 
 def test_torch_imported_first_keeps_spinning_and_says_so():
-    run = openmp_report("import torch, litevlm_runtime\nfrom litevlm_runtime.pipeline.runtime import set_threads\nset_threads(2)")
+    run = openmp_report(
+        "import torch, litevlm_runtime\nfrom litevlm_runtime.pipeline.runtime import set_threads\nset_threads(2)"
+    )
     assert spin_count(run.stderr) == "300000"
     assert "RuntimeWarning: torch was imported before litevlm_runtime" in run.stderr
     assert "OMP_WAIT_POLICY=PASSIVE" in run.stderr

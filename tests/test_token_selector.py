@@ -185,9 +185,9 @@ def test_fastv_drop_zero_equals_baseline(tiny_model, base, frames):
     hidden = {}
 
     def capture(name):
-        def decode(rt, prompt, max_new, on_tokens=None):
+        def decode(rt, q, prompt, max_new, on_tokens=None):
             hidden[name] = prompt.hidden.clone()
-            return greedy_decode(rt, prompt, max_new, on_tokens)
+            return greedy_decode(rt, q, prompt, max_new, on_tokens)
         return decode
 
     ref = base.answer(frames, QUESTION, decoder=capture("base"))
@@ -217,7 +217,9 @@ def fastv_reference(pipe, frames, question, k_layer, drop, max_new=MAX_NEW):
     run_scratch(lm, emb, torch.arange(n), layers=range(0, k_layer), probe=probe, norm=False)
     q, k = captured["q"], captured["k"]
     group = q.shape[0] // k.shape[1]
-    att = torch.stack([torch.softmax(k[:, h // group] @ q[h] / math.sqrt(q.shape[-1]), -1) for h in range(q.shape[0])]).mean(0)
+    att = torch.stack(
+        [torch.softmax(k[:, h // group] @ q[h] / math.sqrt(q.shape[-1]), -1) for h in range(q.shape[0])]
+    ).mean(0)
     visual = torch.cat([torch.arange(s, s + c) for s, c in spans])
     n_keep = kept_count(len(visual), 1 - drop)
     kept_visual = set(visual[att[visual].topk(n_keep).indices].tolist())

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.models.internvl import InternVL
+from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.stages.preprocess import Normalizer
 from litevlm_runtime.training import packing, schedule, surgery, vlm, vlm_data
 from litevlm_runtime.weights.presets import preset
@@ -158,17 +159,17 @@ def test_checkpoint_answers_through_pipeline_as_trained(tiny_run, synth_set):
     assert rt.prompt_layout == vlm_data.SCRATCH_LAYOUT
     frame = vlm_data.load_frames(synth_set / "val.json", synth_set)[0]
     qa = frame.qa[0]
-    ans = pipe.answer(frame.images, qa.question, max_new_tokens=12)
+    ans = pipe.answer(frame.images, QueryRequest(qa.question, max_new_tokens=12))
     assert isinstance(ans.text, str) and ans.visual_tokens == 6 * rt.tokens_per_camera
     assert ans.token_ids and ans.text.strip()
     # The first token's logits: the head over prefill's last feature.
     seen = {}
 
-    def first_logits(rt_, prompt, max_new, on_tokens=None):
+    def first_logits(rt_, q, prompt, max_new, on_tokens=None):
         seen["logits"] = rt_.engines.head.run(prompt.hidden[-1:])[0].clone()
-        return greedy(rt_, prompt, max_new, on_tokens)
+        return greedy(rt_, q, prompt, max_new, on_tokens)
 
-    first_only = pipe.answer(frame.images, qa.question, max_new_tokens=1, decoder=first_logits)
+    first_only = pipe.answer(frame.images, QueryRequest(qa.question, max_new_tokens=1), decoder=first_logits)
     assert first_only.token_ids == ans.token_ids[:1]
     pipeline_logits = seen["logits"]
     ref_ids, ref_pixels = pipe.reference_inputs(frame.images, qa.question)

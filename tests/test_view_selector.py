@@ -138,7 +138,11 @@ def test_each_rule_on_an_uncertain_neighbour():
     assert fuse(keyword, None, [], Fusion(threshold=0.4)).cameras == [F, FL, FR]  # the keyword map
     assert fuse(keyword, module, [], Fusion("add", add_threshold=0.95)).cameras == [F, FL, FR, BR]
     assert fuse(keyword, module, [], Fusion("remove", remove_threshold=0.05)).cameras == [F, FR]
-    assert fuse(keyword, module, [], Fusion("add_remove", add_threshold=0.95, remove_threshold=0.05)).cameras == [F, FR, BR]
+    assert fuse(keyword, module, [], Fusion("add_remove", add_threshold=0.95, remove_threshold=0.05)).cameras == [
+        F,
+        FR,
+        BR,
+    ]
     with pytest.raises(ValueError, match="fusion rule"):
         Fusion("sometimes")
 
@@ -299,7 +303,9 @@ def test_load_errors_name_the_problem(tmp_path):
 
 
 def test_labels_tags_in_q_and_a_plus_certain_keywords():
-    r = QARecord("f", "s", "fr", "prediction", "What would <c2,CAM_FRONT,1.0,2.0> consider relevant?", "<c1,CAM_BACK,3.0,4.0>.")
+    r = QARecord(
+        "f", "s", "fr", "prediction", "What would <c2,CAM_FRONT,1.0,2.0> consider relevant?", "<c1,CAM_BACK,3.0,4.0>."
+    )
     assert camera_labels(r) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert camera_labels(r, "never") == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     r = QARecord("f", "s", "fr", "perception", "What is behind the ego car?", "A bus.")
@@ -357,13 +363,24 @@ def test_tuning_refuses_a_rule_that_loses_recall_and_prefers_the_cautious_settin
     from litevlm_runtime.training.views import tune_fusion
 
     records = [
-        QARecord("f", "s", "v", "perception", "What are the important objects in the current scene?", "<c1,CAM_BACK,1.0,2.0>."),
+        QARecord(
+            "f",
+            "s",
+            "v",
+            "perception",
+            "What are the important objects in the current scene?",
+            "<c1,CAM_BACK,1.0,2.0>.",
+        ),
         QARecord("f", "s", "v", "perception", "Is the road ahead clear?", "Yes."),
-        QARecord("f", "s", "v", "perception", "What is the moving status of object <c2,CAM_FRONT,1.0,2.0>?", "Going ahead."),
+        QARecord(
+            "f", "s", "v", "perception", "What is the moving status of object <c2,CAM_FRONT,1.0,2.0>?", "Going ahead."
+        ),
     ]
     # The module is sure the no-cue question does not need CAM_BACK (wrong: its answer is there)
     # and sure the road-ahead question needs neither front corner.
-    probs = torch.tensor([[0.99, 0.99, 0.99, 0.01, 0.99, 0.99], [0.99, 0.01, 0.01, 0.01, 0.01, 0.01], [0.99] + [0.01] * 5])
+    probs = torch.tensor(
+        [[0.99, 0.99, 0.99, 0.01, 0.99, 0.99], [0.99, 0.01, 0.01, 0.01, 0.01, 0.01], [0.99] + [0.01] * 5]
+    )
     chosen, table, floor = tune_fusion(records, probs, Fusion())
     assert floor["recall"] == 1.0 and floor["mean_cameras_kept"] == (6 + 3 + 1) / 3
     assert not table["remove"]["feasible"] and not table["add_remove"]["feasible"]
@@ -405,7 +422,10 @@ def test_training_on_real_frames_keeps_recall_with_fewer_cameras(drivelm_dir, tm
     t = config["training"]
     assert len(t["eval_frames"]) == 2 and len(t["val_frames"]) == 1 and not set(t["eval_frames"]) & set(t["val_frames"])
     assert t["train_frames"] == 1 and t["fusion"] == "auto"
-    assert t["fusion_tuning"]["chosen"] == config["fusion"] and config["architecture"]["fusion_rule"] == config["fusion"]["rule"]
+    assert (
+        t["fusion_tuning"]["chosen"] == config["fusion"]
+        and config["architecture"]["fusion_rule"] == config["fusion"]["rule"]
+    )
     assert name == f"selector ({Fusion(**config['fusion']).describe()})"
     history = t["loss_history"]
     assert history[-1] < 0.6 * history[0]

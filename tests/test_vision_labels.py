@@ -16,17 +16,40 @@ def _obj(kind, colour, status, cams, observed=None):
 
 def test_boxes_map_to_token_cells_by_hand():
     """A 100x50 frame on a 5x5 grid: a cell is 20 x 10 px. Expected cells worked out by hand."""
-    gt = {"image_size": [100, 50], "objects": [
-        # Covers x 0..40, y 0..20 exactly: cells (0,0) (0,1) (1,0) (1,1); centre (25, 15) -> cell (1, 1).
-        _obj("car", "red", "stopped", {"CAM_BACK": {"bbox": [0, 0, 40, 20], "centre": [25, 15], "pixels": 500}}),
-        # Grazes cell (4,4) by 10% of a cell and fills 90% of (4,3): only (4,3) is labelled.
-        _obj("pedestrian", "blue", "walking", {"CAM_FRONT": {"bbox": [62, 40, 82, 50], "centre": [70, 45], "pixels": 60}}),
-        _obj("traffic light", "green", "green", {"CAM_FRONT": {"bbox": [90, 0, 92, 4], "centre": [91, 2], "pixels": 8}}),
-        # Too small to be seen: no label at all.
-        _obj("truck", "white", "going ahead", {"CAM_FRONT_LEFT": {"bbox": [0, 0, 2, 2], "centre": [1, 1], "pixels": 2}}),
-        _obj("car", "black", "stopped", {"CAM_BACK_RIGHT": {"bbox": [40, 20, 60, 30], "centre": [50, 25], "pixels": 150}},
-             observed="Parked"),
-    ]}
+    gt = {
+        "image_size": [100, 50],
+        "objects": [
+            # Covers x 0..40, y 0..20 exactly: cells (0,0) (0,1) (1,0) (1,1); centre (25, 15) -> cell (1, 1).
+            _obj("car", "red", "stopped", {"CAM_BACK": {"bbox": [0, 0, 40, 20], "centre": [25, 15], "pixels": 500}}),
+            # Grazes cell (4,4) by 10% of a cell and fills 90% of (4,3): only (4,3) is labelled.
+            _obj(
+                "pedestrian",
+                "blue",
+                "walking",
+                {"CAM_FRONT": {"bbox": [62, 40, 82, 50], "centre": [70, 45], "pixels": 60}},
+            ),
+            _obj(
+                "traffic light",
+                "green",
+                "green",
+                {"CAM_FRONT": {"bbox": [90, 0, 92, 4], "centre": [91, 2], "pixels": 8}},
+            ),
+            # Too small to be seen: no label at all.
+            _obj(
+                "truck",
+                "white",
+                "going ahead",
+                {"CAM_FRONT_LEFT": {"bbox": [0, 0, 2, 2], "centre": [1, 1], "pixels": 2}},
+            ),
+            _obj(
+                "car",
+                "black",
+                "stopped",
+                {"CAM_BACK_RIGHT": {"bbox": [40, 20, 60, 30], "centre": [50, 25], "pixels": 150}},
+                observed="Parked",
+            ),
+        ],
+    }
     labels = frame_labels(gt, 5)
     assert labels.shape == (6, 25, len(LABELS))
     back = labels[CAMERAS.index("CAM_BACK")]

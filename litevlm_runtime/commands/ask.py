@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..cameras import CAMERAS
@@ -34,11 +35,24 @@ def register(subparsers) -> None:
     p.add_argument("--image", action="append", default=[], metavar="CAM=PATH", help="one camera image (repeatable)")
     p.add_argument("--question", required=True)
     p.add_argument("--json", action="store_true", help="print the Answer as JSON")
+    p.add_argument("--explain", type=Path, metavar="OUT.png",
+                   help="also draw what the answer was based on (cameras kept, token scores, the decoder's attention, "
+                        "the objects named) as one picture of the rig: PNG, or JPEG for a .jpg name (docs/explain.md)")
+    p.add_argument("--explain-width", type=int, default=1440, help="the picture's width in pixels")
     p.set_defaults(func=run)
+
+
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
 def run(args) -> int:
     from ..pipeline.pipeline import Pipeline
+    from ..pipeline.request import QueryRequest
+
+    if args.explain and args.explain.suffix.lower() not in PICTURE_SUFFIXES:
+        raise InputError(f"--explain {args.explain}: write a .png or .jpg file")
+    if args.explain_width < 600:
+        raise InputError(f"--explain-width {args.explain_width}: at least 600 pixels (three cameras side by side)")
 
     images: dict[str, object] = {}
     if args.frames:
@@ -51,7 +65,9 @@ def run(args) -> int:
             raise InputError(f"--image {item!r}: no such file")
         images[cam] = Path(path).read_bytes()
     pipe = Pipeline.from_pretrained(args.model, pipeline_options(args))
-    ans = pipe.answer(images, args.question)
+    ans = pipe.answer(images, QueryRequest(args.question, explain=bool(args.explain)))
+    if args.explain:
+        write_explanation(pipe, ans, images, args.explain, args.explain_width)
     if args.json:
         print(json.dumps(ans.to_dict(), indent=2, ensure_ascii=False))
     else:
@@ -59,5 +75,23 @@ def run(args) -> int:
         print(f"pipeline: {ans.pipeline}  cameras: {', '.join(ans.cameras)}  visual tokens: "
               f"{ans.kept_tokens}/{ans.visual_tokens}  input tokens: {ans.input_tokens}  decode steps: "
               f"{ans.decode_steps}  accepted length: {ans.accepted_length:.2f}\n")
+        for obj in ans.objects:
+            print(f"object {obj.object_id} on {obj.camera} at ({obj.x:g}, {obj.y:g}): {obj.phrase}")
+        for why in ans.malformed_tags:
+            print(f"malformed tag, ignored: {why}")
         print(table(["stage", "ms"], [[stage, ms] for stage, ms in ans.stage_ms.items()] + [["total", ans.total_ms]]))
     return 0
+
+
+def write_explanation(pipe, ans, images: dict, out: Path, width: int) -> None:
+    """The answer's explanation (its trace, taken because the request asked) drawn into `out`."""
+    from ..explain.picture import draw_explanation, encode_jpeg, encode_png
+    from ..pipeline.explanation import explain
+
+    explanation = explain(pipe.rt, ans.trace)
+    picture = draw_explanation(explanation, images, width)
+    data = encode_png(picture) if out.suffix.lower() == ".png" else encode_jpeg(picture, 90)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    cost = ", ".join(f"{part} {ms:.0f} ms" for part, ms in explanation.cost_ms.items())
+    print(f"explanation: {out} ({picture.shape[1]} x {picture.shape[0]}; {cost})", file=sys.stderr)

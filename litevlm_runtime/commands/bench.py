@@ -18,7 +18,7 @@ def register(subparsers) -> None:
     from ..weights.presets import PRESETS
 
     p = subparsers.add_parser("bench", help="per-stage latency table, against transformers' generate")
-    model = p.add_mutually_exclusive_group(required=True)
+    model = p.add_mutually_exclusive_group()
     model.add_argument("--model", type=Path, help="InternVL2.5 checkpoint folder")
     model.add_argument("--preset", choices=PRESETS, help="random weights of a preset's shape, in memory "
                                                         "(e.g. internvl2_5-2b: what the real sizes cost here)")
@@ -30,9 +30,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", action="store_true")
     p.add_argument("--backend", help="comma list of backends to run side by side in one table, first = baseline "
-                                     "(NAME or NAME=BUNDLE, e.g. torch,onnxruntime=b,onnxruntime=b-int8); "
+                                     "(NAME or NAME=BUNDLE, e.g. torch,onnxruntime=b,onnxruntime=b-int8,openvino=b,"
+                                     "openvino:int8=b: OpenVINO with NNCF int8 weights); "
                                      "one backend keeps the transformers comparison")
-    p.add_argument("--bundle", type=Path, help="default export bundle for onnxruntime/tensorrt in --backend")
+    p.add_argument("--bundle", type=Path, help="default export bundle for onnxruntime/openvino/tensorrt in --backend")
     p.add_argument("--ablation", action="store_true",
                    help="baseline / +FastV / +EAGLE / LiteVLM on --data questions (needs the model's trained modules)")
     p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
@@ -44,7 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--roofline", action="store_true",
                    help="each stage's time against the floor the measured memory bandwidth and peak FLOP/s allow "
                         "(bench/roofline.py); --weights float,int8 alternates the decoder's weights in one process")
-    p.add_argument("--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8,bf16)")
+    p.add_argument(
+        "--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8,bf16)"
+    )
     p.add_argument("--context", type=int, help="--roofline: cached rows a decode step attends to (default: a real "
                                                "query's prompt; 256 with --preset)")
     p.add_argument("--stages", help="--roofline: comma list of step, head, prefill, vision (default all; "
@@ -59,6 +62,14 @@ def register(subparsers) -> None:
                    help="--contention: comma list of THREADS[+passive|+active|+spin], THREADS = default | torch | "
                         "half | N (default: the shipped default, torch's own, the one before passive waiting, 1)")
     p.add_argument("--rounds", type=int, default=1, help="--contention: quiet/loaded pairs per configuration")
+    p.add_argument("--memory", action="store_true",
+                   help="the memory plan for the car: InternVL2.5-2B and InternVL3-2B (or --preset) at 12 tiles, "
+                        "weights / TensorRT workspace / arena / KV per batch region and conversation for FP16, FP8, "
+                        "INT4 weights and FP16, FP8 KV, against the paper's Thor figures (bench/memory.py; computed, "
+                        "no GPU needed)")
+    p.add_argument("--reserved-gib", type=float, default=40.0,
+                   help="--memory: GiB of a 64 GB DRIVE Thor the rest of the driving stack keeps (an assumption: "
+                        "perception, planning, sensor buffers, OS)")
     p.set_defaults(func=run)
 
 
@@ -109,12 +120,17 @@ def policy_choice(costs, tree) -> list[list]:
         scores = torch.cat([scores, frontier])
         levels += 1
     total = pol.choose_total(scores, tree.total)
-    return [["a perfect draft could pay here", "yes" if costs.speculation_can_pay(tree.depth) else "no (a plain step is faster)"],
-            ["realised speed of rounds", f"{costs.speed:.2f} x a plain step over {costs.rounds} rounds"],
-            ["realised speed of answers", answer_speed_line(costs)],
-            ["best perfectly-accepted chain", f"depth {depth}: {rate * costs.step_ms:.2f} tokens per plain step"],
-            ["tree for the reference profile", f"depth {levels}, {total + 1} nodes verified"],
-            ["round overhead beyond the models", f"{costs.overhead_ms:.2f} ms (learned online)"]]
+    return [
+        [
+            "a perfect draft could pay here",
+            "yes" if costs.speculation_can_pay(tree.depth) else "no (a plain step is faster)",
+        ],
+        ["realised speed of rounds", f"{costs.speed:.2f} x a plain step over {costs.rounds} rounds"],
+        ["realised speed of answers", answer_speed_line(costs)],
+        ["best perfectly-accepted chain", f"depth {depth}: {rate * costs.step_ms:.2f} tokens per plain step"],
+        ["tree for the reference profile", f"depth {levels}, {total + 1} nodes verified"],
+        ["round overhead beyond the models", f"{costs.overhead_ms:.2f} ms (learned online)"],
+    ]
 
 
 def answer_speed_line(costs) -> str:
@@ -206,11 +222,35 @@ def run_contention_command(args) -> int:
     return 0
 
 
+def run_memory_command(args) -> int:
+    from ..bench.memory import MEMORY_HEADER, PRESETS, THOR_GIB, memory_rows, memory_table_rows
+
+    presets = [args.preset] if args.preset else list(PRESETS)
+    tiles = int(getattr(args, "opt:tiles_per_camera", None) or 2)
+    rows = [r for name in presets for r in memory_rows(name, args.reserved_gib, tiles_per_camera=tiles)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    first = rows[0]
+    print(f"memory plan: 6 cameras x {tiles} tiles, FP16 activations, serving.max_batch {first['batch']} KV regions + "
+          f"serving.conversations {first['conversations']} turns + the prompt prefix, max_len {first['max_len']} rows "
+          f"per region; the VLM's share of a {THOR_GIB} GB Thor: {THOR_GIB - args.reserved_gib:g} GiB (assumed: the "
+          f"rest of the driving stack keeps {args.reserved_gib:g} GiB)")
+    print(table(MEMORY_HEADER, memory_table_rows(rows)))
+    return 0
+
+
 def run(args) -> int:
     import sys
 
     from ..bench.benchmark import DEFAULT_QUESTIONS, run_benchmark
 
+    if args.memory:
+        return run_memory_command(args)
+    if not args.model and not args.preset:
+        from ..errors import InputError
+
+        raise InputError("litevlm bench: --model or --preset is required (--memory needs neither)")
     if args.costs:
         return run_costs_command(args)
     if args.roofline:
@@ -230,16 +270,12 @@ def run(args) -> int:
         return run_contention_command(args)
     options = pipeline_options(args)
     if args.backend:
-        from ..bench.backends import parse_backends
+        from ..bench.backends import backend_options, parse_backends
 
         backends = parse_backends(args.backend, args.bundle)
         if len(backends) > 1:
             return run_backends(args, options, backends)
-        from dataclasses import replace
-
-        _, name, bundle = backends[0]
-        options = replace(options, backend=replace(options.backend, name=name,
-                                                   bundle=str(bundle) if bundle else options.backend.bundle))
+        options = backend_options(options, backends[0])
     pipe = build_pipeline(args, options)
     frame_sets = load_frame_sets(args.frames, args.frame_sets)
     questions = DEFAULT_QUESTIONS[: args.questions]
@@ -257,8 +293,11 @@ def run(args) -> int:
     rt = pipe.rt
     seconds = getattr(rt.engines.decoder, "compile_seconds", None)
     if seconds:
-        print(f"\ncompiled at start-up ({rt.engines.backend}): "
-              + ", ".join(f"{stage} {s:.1f} s" for stage, s in seconds.items()) + f"; total {sum(seconds.values()):.1f} s")
+        print(
+            f"\ncompiled at start-up ({rt.engines.backend}): "
+            + ", ".join(f"{stage} {s:.1f} s" for stage, s in seconds.items())
+            + f"; total {sum(seconds.values()):.1f} s"
+        )
     print("\n" + decode_step_line(rt, round(statistics.median(res.input_tokens))))
     if rt.costs is not None and rt.costs.source == "measured":
         print("\nspeculation costs measured at warm-up on this device and backend:")
@@ -275,8 +314,10 @@ def run(args) -> int:
             ["litevlm pipeline", s["model_ms"]["median"], s["model_ms"]["p90"]],
             ["transformers generate", r["median"], r["p90"]],
         ]))
-        print(f"\nspeed-up over transformers: {r['speedup_model']:.2f}x   identical answers: {r['identical_answers']}   "
-              f"(mean new tokens: ours {s['mean_new_tokens']:.1f}, transformers {r['mean_new_tokens']:.1f})")
+        print(
+            f"\nspeed-up over transformers: {r['speedup_model']:.2f}x   identical answers: {r['identical_answers']}   "
+            f"(mean new tokens: ours {s['mean_new_tokens']:.1f}, transformers {r['mean_new_tokens']:.1f})"
+        )
         print(f"query by query (paired): median {r['speedup_paired_median']:.2f}x "
               f"(min {r['speedup_paired_min']:.2f}x, max {r['speedup_paired_max']:.2f}x); "
               f"whole run (total time): {r['speedup_total']:.2f}x")

@@ -1,4 +1,4 @@
-"""`litevlm build-engines BUNDLE --precision fp16|fp8`: TensorRT engines from a bundle's ONNX graphs."""
+"""`litevlm build-engines BUNDLE --precision fp16|fp8|int8|int4`: TensorRT engines from a bundle's ONNX graphs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("build-engines", help="build TensorRT engines from an export/calibration bundle")
     p.add_argument("bundle", type=Path)
-    p.add_argument("--precision", choices=("fp16", "fp8"), default="fp16",
-                   help="fp16 from any bundle; fp8 from a `litevlm calibrate --precision fp8` bundle")
+    p.add_argument("--precision", choices=("fp16", "fp8", "int8", "int4"), default="fp16",
+                   help="fp16 from a float16 export; fp8 / int8 / int4 from a `litevlm calibrate --precision "
+                        "fp8|int8|int4` bundle (int4: symmetric weights, `litevlm quantize --symmetric`)")
     p.set_defaults(func=run)
 
 

@@ -65,6 +65,9 @@ def bench(folder: Path) -> int:
     rows.append(["total", sum(r[1] for r in rows), total_bytes / 1e6, total_hash, total_bytes / 1e6 / total_hash,
                  total_cached * 1e3, total_hash / total_cached])
     print(table(["folder", "files", "MB", "sha256 pass s", "MB/s", "cached verify ms", "ratio"], rows))
-    print(f"at {total_bytes / 1e6 / total_hash:.0f} MB/s a 4 GB checkpoint costs {4e3 / (total_bytes / 1e6 / total_hash):.1f} s "
-          f"on its first load; later loads pay the cached verify (files changed in the last 2 s are rehashed)")
+    print(
+        f"at {total_bytes / 1e6 / total_hash:.0f} MB/s a 4 GB checkpoint costs "
+        f"{4e3 / (total_bytes / 1e6 / total_hash):.1f} s "
+        f"on its first load; later loads pay the cached verify (files changed in the last 2 s are rehashed)"
+    )
     return 0

@@ -21,8 +21,10 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "fatal")
 
 
 def run(args) -> int:
-    from ..ros.node import NODE_NAME, config_dir, ros_arguments, run_node, use_large_data_profile
-    from ..ros.params_file import load_node_params
+    from ..ros.dds_env import use_large_data_profile
+    from ..ros.parameters import NODE_NAME
+    from ..ros.params_file import config_dir, load_node_params
+    from ..ros.runner import ros_arguments, run_node
 
     params = args.params or config_dir() / "drive.yaml"
     if not Path(params).is_file():
@@ -50,13 +52,19 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("drive", help="run the ROS 2 node (camera topics + queries -> answers)")
     add_node_param_flags(p)
-    p.add_argument("--namespace", default="", help="the node's namespace, e.g. /car1 (every relative topic moves with it)")
+    p.add_argument(
+        "--namespace", default="", help="the node's namespace, e.g. /car1 (every relative topic moves with it)"
+    )
     p.add_argument("--remap", action="append", default=[], metavar="FROM:=TO",
                    help="a ROS remapping rule, before the shipped ones (query:=litevlm/query ...), e.g. "
                         "cam_front/image_raw/compressed:=/front/image/compressed")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="", help="the node's log level (default info)")
-    p.add_argument("--fastdds-profile", default="", metavar="FILE|none",
-                   help="Fast DDS XML profile (default: $FASTDDS_DEFAULT_PROFILES_FILE, else config/fastdds_large_data.xml; "
-                        "none: Fast DDS defaults)")
+    p.add_argument(
+        "--fastdds-profile",
+        default="",
+        metavar="FILE|none",
+        help="Fast DDS XML profile (default: $FASTDDS_DEFAULT_PROFILES_FILE, else config/fastdds_large_data.xml; "
+        "none: Fast DDS defaults)",
+    )
     p.add_argument("--node-name", help="node name (the YAML must use the same name)")
     p.set_defaults(func=run)

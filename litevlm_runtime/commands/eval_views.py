@@ -13,7 +13,9 @@ litevlm_runtime.training.views.selection_metrics.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,8 +26,12 @@ from ..stages.view_selector import FUSION_RULES
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval-views", help="evaluate a view selector on DriveLM-format QA")
-    p.add_argument("--selector", required=True, help="view selector folder (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)")
+    p.add_argument(
+        "--selector", required=True, help="view selector folder (config.json, model.safetensors, tokenizer.json)"
+    )
+    p.add_argument(
+        "--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)"
+    )
     p.add_argument(
         "--frames",
         default="eval",
@@ -46,9 +52,6 @@ def register(subparsers) -> None:
 
 def _bench(selector, questions: list[str]) -> str:
     """Median/p90 milliseconds per single-question selection, selector vs keyword map alone."""
-    import statistics
-    import time
-
     from ..stages.view_selector import Fusion, fuse, keyword_map, tagged_cameras
 
     def keyword_only(q):
@@ -87,7 +90,9 @@ def _run(args) -> int:
         frames = set(training.get(f"{args.frames}_frames") or [])
         if not frames:
             what = "held-out" if args.frames == "eval" else "validation"
-            raise InputError(f"{args.selector}: no {what} frames recorded in its config.json (give --frames all or a list)")
+            raise InputError(
+                f"{args.selector}: no {what} frames recorded in its config.json (give --frames all or a list)"
+            )
     elif args.frames == "all":
         frames = {r.frame for r in records}
     else:

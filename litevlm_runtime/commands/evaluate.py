@@ -18,6 +18,10 @@ def register(subparsers) -> None:
     p.add_argument("--blank-images", action="store_true",
                    help="replace every image by constant grey: the text-only baseline")
     p.add_argument("--limit", type=int, help="only the first N questions")
+    p.add_argument("--accuracy-only", action="store_true",
+                   help="answer only the questions that can count for accuracy (closed-form, and each key "
+                        "frame's first: it sets the frame's graph under the challenge's rules): the same accuracy "
+                        "in less than half the time; the other metrics then cover those questions only")
     p.add_argument("--predictions", help="write per-question answers (challenge output.json fields + latency) here")
     p.add_argument("--from-predictions", help="score this predictions file instead of running a model")
     p.add_argument("--judge", help="GPT-score judge as module:attribute (see litevlm_runtime/evaluation/judge.py)")
@@ -38,6 +42,10 @@ def register(subparsers) -> None:
     p.add_argument("--constrain", action="store_true",
                    help="also answer every closed-form question (options A-D, yes/no) constrained to its choices "
                         "(derived from the question) and report accuracy and valid answers with and without")
+    p.add_argument("--compare", action="append", default=[], metavar="NAME=PREDICTIONS.json",
+                   help="compare runs' predictions on the same questions (the first is the reference): accuracy "
+                        "with its 95%% Wilson interval, the difference with a 95%% paired bootstrap over key frames, "
+                        "identical answers (evaluation/compare.py); repeatable, no model run")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -60,22 +68,25 @@ def run(args) -> int:
         print("litevlm eval: --graph-filter is deprecated: the challenge's graph filter is now the default "
               "(--lenient turns it off)", file=sys.stderr)
     rules = LENIENT if args.lenient else CHALLENGE
+    if args.compare:
+        return compare(args, rules)
     frames_root = args.frames or str(Path(args.data).parent)
     judge = load_judge(args.judge) if args.judge else None
     records = None
     if args.from_predictions:
         predictions = read_predictions(args.from_predictions)
-        questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
+        questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
         missing = [q.id for q in questions if q.id not in predictions]
         if missing:
             raise InputError(f"{args.from_predictions}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
     else:
         if not args.model:
             raise InputError("--model is required (or score a file with --from-predictions)")
+        arena: dict = {}
         records = run_model(args.model, args.data, frames_root, options_from_args(args), args.blank_images,
-                            args.limit, progress=not args.quiet)
+                            args.limit, progress=not args.quiet, accuracy_only=args.accuracy_only, info=arena)
         predictions = {r["id"]: r["answer"] for r in records}
-        questions = [q for _, qs in select(load_frames(args.data), args.limit) for q in qs]
+        questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
         if args.constrain:
             constrained = run_model(args.model, args.data, frames_root, options_from_args(args), args.blank_images,
                                     args.limit, progress=not args.quiet, constrain=True)
@@ -86,16 +97,7 @@ def run(args) -> int:
     by_template = None
     if args.by_question or args.versus:
         from ..evaluation.breakdown import accuracy_by_template
-        runs = {"this run": predictions}
-        for item in args.versus:
-            name, sep, path = item.partition("=")
-            if not sep or not name or not path:
-                raise InputError(f"--versus {item!r}: expected NAME=PREDICTIONS.json")
-            other = read_predictions(path)
-            missing = [q.id for q in questions if q.id not in other]
-            if missing:
-                raise InputError(f"--versus {path}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
-            runs[name] = other
+        runs = {"this run": predictions} | named_predictions(args.versus, questions, "--versus")
         by_template = accuracy_by_template(questions, runs, rules, args.match_threshold)
     pipeline = None
     if records is not None:
@@ -109,6 +111,7 @@ def run(args) -> int:
         if answered:
             run_info["mean_total_ms"] = sum(r["total_ms"] for r in answered) / len(answered)
             run_info["mean_cameras"] = sum(len(r["cameras"]) for r in answered) / len(answered)
+        run_info["arena"] = arena
     if args.json:
         print(json.dumps({"run": run_info, "scores": scores} | ({"by_template": by_template} if by_template else {}),
                          indent=1))
@@ -119,6 +122,42 @@ def run(args) -> int:
     if records is not None and run_info["errors"]:
         print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
               f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
+    return 0
+
+
+def named_predictions(items: list[str], questions, flag: str) -> dict[str, dict[str, str]]:
+    """NAME=PREDICTIONS.json items -> {name: predictions}, each answering every question."""
+    from ..errors import InputError
+    from ..evaluation.runner import read_predictions
+
+    runs = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InputError(f"{flag} {item!r}: expected NAME=PREDICTIONS.json")
+        preds = read_predictions(path)
+        missing = [q.id for q in questions if q.id not in preds]
+        if missing:
+            raise InputError(f"{flag} {path}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
+        runs[name] = preds
+    return runs
+
+
+def compare(args, rules) -> int:
+    """`--compare NAME=P.json ...`: the runs' accuracy side by side with intervals (compare.py)."""
+    from ..evaluation.compare import COMPARISON_HEADER, compare_runs, comparison_rows
+    from ..evaluation.data import load_frames
+    from ..evaluation.runner import select
+    from ..report import table
+
+    questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
+    runs = named_predictions(args.compare, questions, "--compare")
+    scores = compare_runs(questions, runs, rules)
+    if args.json:
+        print(json.dumps([s.__dict__ | {"accuracy": s.accuracy, "interval": s.interval} for s in scores], indent=1))
+        return 0
+    print(f"{len(questions)} questions of {args.data}; " + rules_line({"name": rules.name, "match_threshold": 16.0}))
+    print(table(COMPARISON_HEADER, comparison_rows(scores)))
     return 0
 
 
@@ -151,12 +190,20 @@ def report(run_info: dict, s: dict) -> str:
     if lang:
         rows += [[f"  {k}", lang[k], ""] for k in ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L", "CIDEr")]
     m = s["match"]
-    rows.append(["match score" + (" (F1 only)" if m and m["judge"] is None else ""), m["score"] if m else na, c["match"]])
+    rows.append(
+        ["match score" + (" (F1 only)" if m and m["judge"] is None else ""), m["score"] if m else na, c["match"]]
+    )
     gpt = s["gpt"]
     rows.append(["GPT score", gpt["score"] if gpt["available"] else "unavailable", c["gpt"]])
     f = s["final"]
     rows.append(["final, without GPT term (max 0.6)", f["without_gpt"], ""])
-    rows.append(["final, renormalized (/%.1f)" % (0.2 * len(f["terms_used"])), f["renormalized"] if f["renormalized"] is not None else na, ""])
+    rows.append(
+        [
+            "final, renormalized (/%.1f)" % (0.2 * len(f["terms_used"])),
+            f["renormalized"] if f["renormalized"] is not None else na,
+            "",
+        ]
+    )
     rows.append(["final, with GPT (challenge)", f["with_gpt"] if f["with_gpt"] is not None else na, ""])
     head = (f"DriveLM evaluation of {run_info['model'] or 'predictions'} on {run_info['data']}: "
             f"{run_info['questions']} questions, pipeline {run_info['pipeline']}, images {run_info['images']}")
@@ -182,12 +229,18 @@ def report(run_info: dict, s: dict) -> str:
     if "mean_total_ms" in run_info:
         lines.append(f"mean latency {run_info['mean_total_ms']:.1f} ms per answer, "
                      f"{run_info['mean_cameras']:.2f} cameras per question, {run_info['errors']} rejected")
+    if run_info.get("arena"):
+        a = run_info["arena"]
+        lines.append(f"arena {a['arena_bytes'] / 2**20:.1f} MiB, of which KV caches {a['kv_bytes'] / 2**20:.1f} MiB "
+                     f"(arena.kv_dtype {a['kv_dtype']}: batch regions, conversation turns, prompt prefix, draft)")
     return "\n".join(lines)
 
 
 def rules_line(rules: dict) -> str:
     if rules["name"] == "challenge":
-        text = "rules: the DriveLM challenge's evaluation.py (graph filter, exact answers, every d.d number a coordinate)"
+        text = (
+            "rules: the DriveLM challenge's evaluation.py (graph filter, exact answers, every d.d number a coordinate)"
+        )
     else:
         text = "rules: lenient (--lenient: every question, answers stripped, coordinates from <cN,CAM,x,y> tags only)"
     from ..evaluation.metrics import MATCH_THRESHOLD_PX

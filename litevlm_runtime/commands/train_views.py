@@ -16,7 +16,9 @@ def register(subparsers) -> None:
         help="train the view selector on DriveLM-format QA (runs under torchrun for DDP)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)")
+    p.add_argument(
+        "--data", action="append", required=True, metavar="QA.json", help="DriveLM-format QA file (repeatable)"
+    )
     p.add_argument("--out", help="output folder (default: <--model>/view_selector)")
     p.add_argument("--model", help="VLM folder; the selector is written beside it in <model>/view_selector")
     p.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one) to use instead of training one")
@@ -40,16 +42,33 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--max-len", type=int, default=160, help="question tokens kept (longer ones are truncated)")
-    p.add_argument("--fusion", choices=("auto",) + FUSION_RULES, default="auto",
-                   help="how the module and the keyword map combine (see view_selector.Fusion); auto: the rule and "
-                        "thresholds with the fewest cameras on the validation frames at no less recall than the keyword map")
-    p.add_argument("--tune-tolerance", type=float, default=0.02,
-                   help="auto: a setting must save more than this many cameras per validation question to beat a more cautious one")
-    p.add_argument("--threshold", type=float, default=0.4,
-                   help="keyword map: keep a camera whose keyword score reaches this (weighted: the fused-score threshold)")
+    p.add_argument(
+        "--fusion",
+        choices=("auto",) + FUSION_RULES,
+        default="auto",
+        help="how the module and the keyword map combine (see view_selector.Fusion); auto: the rule and "
+        "thresholds with the fewest cameras on the validation frames at no less recall than the keyword map",
+    )
+    p.add_argument(
+        "--tune-tolerance",
+        type=float,
+        default=0.02,
+        help="auto: a setting must save more than this many cameras per validation question to beat a more "
+             "cautious one",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.4,
+        help="keyword map: keep a camera whose keyword score reaches this (weighted: the fused-score threshold)",
+    )
     p.add_argument("--keyword-weight", type=float, default=0.4, help="weighted fusion: weight w of the keyword map")
-    p.add_argument("--add-threshold", type=float, default=0.5,
-                   help="add / add_remove: module probability at which a camera is added (a fixed --fusion; auto tunes it)")
+    p.add_argument(
+        "--add-threshold",
+        type=float,
+        default=0.5,
+        help="add / add_remove: module probability at which a camera is added (a fixed --fusion; auto tunes it)",
+    )
     p.add_argument("--remove-threshold", type=float, default=0.1,
                    help="remove / add_remove: module probability below which an uncertain camera is removed")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")

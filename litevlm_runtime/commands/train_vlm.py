@@ -14,12 +14,16 @@ def register(subparsers) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="training QA (DriveLM v1.1 JSON)")
     p.add_argument("--frames", type=Path, required=True, help="root the image_paths are relative to")
-    p.add_argument("--val", type=Path, help="held-out QA for the periodic accuracy (default: --holdout of --data's frames)")
+    p.add_argument(
+        "--val", type=Path, help="held-out QA for the periodic accuracy (default: --holdout of --data's frames)"
+    )
     p.add_argument("--val-frames", type=Path, help="image root of --val (default: --frames)")
     p.add_argument("--holdout", type=float, default=0.05, help="fraction of frames held out when no --val")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--preset", choices=PRESETS, default="bundled")
-    p.add_argument("--init", type=Path, help="continue from this checkpoint (its weights and tokenizer) instead of random weights")
+    p.add_argument(
+        "--init", type=Path, help="continue from this checkpoint (its weights and tokenizer) instead of random weights"
+    )
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--tile-size", type=int,
                    help="tile size in pixels instead of the preset's; with --init the position embedding is "
@@ -34,8 +38,12 @@ def register(subparsers) -> None:
     p.add_argument("--questions-per-visit", type=int, default=0,
                    help="random questions of each frame per pass over the data (0: all)")
     p.add_argument("--max-sequence-tokens", type=int, default=1024, help="longest packed sequence per forward")
-    p.add_argument("--loss-per", choices=("token", "sample"), default="sample",
-                   help="mean the loss over answer tokens, or over QA (short yes/no answers weigh as much as long ones)")
+    p.add_argument(
+        "--loss-per",
+        choices=("token", "sample"),
+        default="sample",
+        help="mean the loss over answer tokens, or over QA (short yes/no answers weigh as much as long ones)",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
     p.add_argument("--weight-decay", type=float, default=0.05)

@@ -4,7 +4,8 @@ Decoding masks the logits of every answer position with the tokens a grammar all
 (xgrammar: a grammar compiled once per constraint against this tokenizer's vocabulary; its
 matcher advances token by token and rolls back, which EAGLE-2 verification needs):
 
-    c = compile_constraint(rt, choices=["yes", "no"])        # or answer_schema='{"type": "object", ...}'
+    grammar = compile_constraint(rt, choices=["yes", "no"])  # or answer_schema='{"type": "object", ...}'
+    c = grammar.start()                                      # one query's matcher
     c.mask(logits [1, V]) -> masked logits ; c.advance(token)          greedy, sampling, batched rows
     c.mask_tree(tokens [T], parents [T], logits [T, V]) -> masked      EAGLE-2: each tree node under its own path
 
@@ -50,7 +51,20 @@ def choices_grammar(choices: list[str]) -> str:
     return 'root ::= " "? (' + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices) + ")"
 
 
+class ConstraintGrammar:
+    """A constraint compiled against one tokenizer's vocabulary: immutable, checked and compiled
+    once with the query's request (request.py); each answer decodes under a matcher of its own."""
+
+    def __init__(self, compiled, vocab_size: int, what: str):
+        self.compiled, self.vocab_size, self.what = compiled, vocab_size, what
+
+    def start(self) -> "Constraint":
+        return Constraint(self.compiled, self.vocab_size, self.what)
+
+
 class Constraint:
+    """One answer's grammar state (a matcher: advances token by token, rolls back)."""
+
     def __init__(self, compiled, vocab_size: int, what: str):
         self.xgr = xgr = _xgrammar()
         self.what = what
@@ -119,9 +133,9 @@ class Constraint:
         return out
 
 
-def compile_constraint(rt, choices: list[str] | None = None, answer_schema: str = "") -> Constraint | None:
-    """The constraint of one query, or None without one. A bad schema or choice list is an
-    InputError naming it."""
+def compile_constraint(rt, choices: list[str] | None = None, answer_schema: str = "") -> ConstraintGrammar | None:
+    """The compiled constraint of one query, or None without one. A bad schema or choice list is
+    an InputError naming it."""
     choices = [c for c in (choices or [])]
     if not choices and not answer_schema:
         return None
@@ -135,13 +149,13 @@ def compile_constraint(rt, choices: list[str] | None = None, answer_schema: str 
     if choices:
         if answer_schema:
             check_choices_fit(compiler, choices, answer_schema)
-        return Constraint(compiler.compile_grammar(choices_grammar(choices)), vocab, f"choices {choices}")
+        return ConstraintGrammar(compiler.compile_grammar(choices_grammar(choices)), vocab, f"choices {choices}")
     try:
         json.loads(answer_schema)
         compiled = compiler.compile_json_schema(answer_schema, any_whitespace=False)   # no runs of blanks
     except (ValueError, RuntimeError) as exc:
         raise InputError(f"answer_schema is not a usable JSON schema: {exc}") from None
-    return Constraint(compiled, vocab, "answer_schema")
+    return ConstraintGrammar(compiled, vocab, "answer_schema")
 
 
 def check_choices_fit(compiler, choices: list[str], schema: str) -> None:

@@ -25,12 +25,12 @@ the accepted path.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..options import DecodingMode, TreePolicy
-from .greedy import Decoded, Prompt, choose, step_one
+from .greedy import Decoded, Prompt, QueryDecoding, choose, step_one
 from .spec_policy import TreePolicyState
 
 
@@ -109,20 +109,36 @@ def speculative_sample(children: dict[tuple[int, int], int], samples: dict[int, 
             return path, int(torch.multinomial(r, 1, generator=gen))
 
 
-class Eagle2:
-    """One answer's EAGLE-2 decoding over the runtime `rt` (arena, engines, draft head)."""
+@dataclass
+class Progress:
+    """Where one answer's EAGLE-2 decoding stands between rounds."""
+    root: int                       # the last emitted token: not in the cache yet (the next tree's root)
+    length: int                     # target cache rows accepted so far: the root goes to this slot
+    position: int                   # the root's RoPE position
+    drafted: int                    # draft cache rows done: the pairs of slots [drafted, length) are pending
+    pending_embeds: torch.Tensor    # [length - drafted, D] each pending pair's next-token embedding
+    pending_features: torch.Tensor  # [length - drafted, D] each pending pair's target feature
+    tokens: list[int]               # the answer so far (the root last)
+    steps: int = 0                  # target decoder passes
+    rounds: list = field(default_factory=list)    # per pass: (depth, tree size, accepted) or "greedy"
+    ended: bool = False             # the end token ended the answer
 
-    def __init__(self, rt, policy: TreePolicyState):
-        self.rt, self.a, self.policy = rt, rt.arena, policy
+
+class Eagle2:
+    """One answer's EAGLE-2 decoding over the runtime `rt` (arena, engines, draft head), for the
+    query whose decoding state is `q` (its KV region, temperature, generator, constraint)."""
+
+    def __init__(self, rt, q: QueryDecoding, policy: TreePolicyState):
+        self.rt, self.q, self.a, self.policy = rt, q, rt.arena, policy
         tree = rt.options.decoding.eagle
         self.max_total, self.max_depth, self.topk = tree.total, tree.depth, tree.topk
-        self.temperature = rt.options.decoding.temperature
-        self.gen = rt.sampler
+        self.temperature = q.temperature
+        self.gen = q.sampler
         a = self.a
         if self.max_total + 1 > a.limits.tree_tokens or (self.max_depth - 1) * self.topk > a.limits.tree_tokens:
             raise ValueError(f"tree (total {self.max_total}, depth {self.max_depth}, top-k {self.topk}) exceeds "
                              f"the arena's {a.limits.tree_tokens} tree slots")
-        self.device = a.k_cache.device
+        self.device = q.region.k.device
         k = self.topk
         self.eye_k = torch.eye(k, dtype=torch.bool, device=self.device)
         self.level_ids = torch.arange(k, device=self.device)
@@ -131,13 +147,13 @@ class Eagle2:
     def draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.rt.engines.head.run(hidden).float(), dim=-1)
 
-    def draft_pending(self, emb, feat, d0: int, p: int) -> torch.Tensor:
-        """The draft over the pairs of slots d0..p-1 it has not seen (the prompt in round one):
-        returns its predicted features; the last row predicts the root's feature."""
-        a = self.a
+    def draft_pending(self, s: Progress) -> torch.Tensor:
+        """The draft over the pairs of slots [drafted, length) it has not seen (the prompt in round
+        one): returns its predicted features [length - drafted, D]; the last row predicts the root's."""
+        a, d0, p = self.a, s.drafted, s.length
         rows = p - d0
-        return self.rt.engines.draft.step(emb, feat, a.positions[d0:p], a.slots[d0:p], a.all_visible(rows, d0),
-                                          a.causal_mask(rows))
+        return self.rt.engines.draft.step(s.pending_embeds, s.pending_features, a.positions[d0:p], a.slots[d0:p],
+                                          a.all_visible(rows, d0), a.causal_mask(rows))
 
     def build_tree(self, h_root: torch.Tensor, root: int, p: int, root_pos: int, remaining: int) -> DraftTree:
         """Expand the tree level by level while the policy expects the next level to pay; keep
@@ -164,7 +180,9 @@ class Eagle2:
         f_anc = torch.zeros(k, scratch, dtype=torch.bool, device=dev)
         max_depth = min(self.max_depth, remaining)
         level = 1
-        while level < max_depth and (not self.policy.adaptive or self.policy.expand(torch.cat(score[1:]), f_score, level)):
+        while level < max_depth and (
+            not self.policy.adaptive or self.policy.expand(torch.cat(score[1:]), f_score, level)
+        ):
             level += 1
             used = (level - 2) * k                       # scratch slots taken by earlier levels
             f_anc[:, used:used + k] = self.eye_k
@@ -231,10 +249,10 @@ class Eagle2:
         t = len(tree)
         a.positions[p:p + t] = tree.depths + root_pos
         anc = tree_ancestors(tree.parents, tree.depths, self.max_depth)
-        hidden = rt.engines.decoder.step(rt.lm.embed(tree.tokens), a.positions[p:p + t], a.slots[p:p + t],
-                                         a.all_visible(t, p), anc)
+        hidden = self.q.region.decoder.step(rt.lm.embed(tree.tokens), a.positions[p:p + t], a.slots[p:p + t],
+                                            a.all_visible(t, p), anc)
         logits = rt.engines.head.run(hidden)
-        constraint = rt.constraint
+        constraint = self.q.constraint
         if constraint is not None:            # each node's row under the grammar state of its own path
             logits = constraint.mask_tree(tree.tokens, tree.parents, logits)
         if self.temperature > 0:
@@ -252,90 +270,93 @@ class Eagle2:
 
     def accept(self, path: list[int], p: int, root_pos: int) -> None:
         """Copy the accepted rows' KV from their tree slots down into place (src index >= dst)."""
-        a = self.a
+        a, region = self.a, self.q.region
         n = len(path)
         if path != list(range(n)):
             src = torch.tensor(path, device=self.device) + p
-            a.k_cache[:, :, p:p + n] = a.k_cache[:, :, src]
-            a.v_cache[:, :, p:p + n] = a.v_cache[:, :, src]
+            region.k[:, :, p:p + n] = region.k[:, :, src]
+            region.v[:, :, p:p + n] = region.v[:, :, src]
         a.positions[p:p + n] = a.slots[:n] + root_pos
 
+    def plain_step(self, s: Progress) -> list[int]:
+        """One target step for the root, no tree (the policy expects none to pay): the root enters
+        the cache and its pair joins the draft's pending ones. Returns [the next token]."""
+        rt, a = self.rt, self.a
+        t0 = time.perf_counter()
+        hidden = step_one(rt, s.root, s.length, s.position, self.q.region)
+        nxt = choose(self.q, rt.engines.head.run(hidden))
+        self.policy.observe_step(time.perf_counter() - t0)
+        a.token_ids[s.length + 1] = nxt
+        s.pending_embeds = torch.cat([s.pending_embeds, rt.lm.embed(a.token_ids[s.length + 1:s.length + 2])])
+        s.pending_features = torch.cat([s.pending_features, hidden])
+        s.length, s.root, s.position = s.length + 1, nxt, s.position + 1
+        s.steps += 1
+        s.rounds.append("greedy")
+        return [nxt]
+
+    def tree_round(self, s: Progress, remaining: int) -> list[int]:
+        """One speculative round: the draft catches up on its pending pairs, grows a tree from the
+        root, the target verifies it in one pass, the accepted rows' KV moves into place. Returns
+        the accepted tokens and the bonus (the target's own next token), which is the next root."""
+        rt, a = self.rt, self.a
+        t0 = time.perf_counter()
+        draft_features = self.draft_pending(s)
+        self.policy.observe_pending(s.length - s.drafted, time.perf_counter() - t0)
+        tree = self.build_tree(draft_features[-1:], s.root, s.length, s.position, remaining)
+        t1 = time.perf_counter()
+        path, bonus, hidden = self.verify(tree, s.length, s.position)
+        self.policy.observe_round(tree, len(path) - 1, time.perf_counter() - t1, time.perf_counter() - t0)
+        self.accept(path, s.length, s.position)
+        s.steps += 1
+        s.rounds.append((int(tree.depths.max()), len(tree), len(path) - 1))
+        accepted = tree.tokens[path[1:]]
+        # The accepted rows (root included) are the draft's next pending pairs; the bonus is the next root.
+        s.drafted, s.length = s.length, s.length + len(path)
+        a.token_ids[s.drafted + 1:s.length] = accepted
+        a.token_ids[s.length] = bonus
+        s.pending_embeds = rt.lm.embed(a.token_ids[s.drafted + 1:s.length + 1])
+        s.pending_features = hidden[path]
+        s.root, s.position = bonus, s.position + len(path)
+        return accepted.tolist() + [bonus]
+
     def decode(self, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
-        """`stop()`, checked after each pass, ends the answer early with `Decoded.resume` set
-        (greedy steps carry on from there, token for token what speculation would give)."""
+        """The answer from the prompt: per pass, a tree round or a plain step (the policy's
+        choice), its tokens emitted up to the end token or `max_new`. `stop()`, checked after each
+        pass, ends the answer early with `Decoded.resume` set (greedy steps carry on from there,
+        token for token what speculation would give)."""
         rt, a = self.rt, self.a
         eos = rt.tok.eos_ids
-        root, p, root_pos = prompt.first, prompt.length, prompt.next_pos
-        if root in eos or max_new <= 0:
+        if prompt.first in eos or max_new <= 0:
             return Decoded([], 0, 1.0)
-        out = [root]
-        if on_tokens is not None:
-            on_tokens(out)
+        p = prompt.length
+        a.token_ids[p] = prompt.first
         # Pending draft pairs: each prompt row's next input embedding (visual rows: their visual
         # embedding) with its feature.
-        d0 = 0
-        a.token_ids[p] = root
-        pend_emb = torch.cat([a.embeds[1:p], rt.lm.embed(a.token_ids[p:p + 1])])
-        pend_feat = prompt.hidden
-        steps = 0
-        rounds: list = []
+        s = Progress(root=prompt.first, length=p, position=prompt.next_pos, drafted=0,
+                     pending_embeds=torch.cat([a.embeds[1:p], rt.lm.embed(a.token_ids[p:p + 1])]),
+                     pending_features=prompt.hidden, tokens=[prompt.first])
+        if on_tokens is not None:
+            on_tokens(s.tokens)
         self.policy.start(p)
-        ended = False
-        while len(out) < max_new:
-            if not self.policy.draft_now():
-                # A plain step: the root enters the cache; its pair waits for the draft.
-                t0 = time.perf_counter()
-                hidden = step_one(rt, root, p, root_pos)
-                nxt = choose(rt, rt.engines.head.run(hidden))
-                self.policy.observe_step(time.perf_counter() - t0)
-                steps += 1
-                rounds.append("greedy")
-                a.token_ids[p + 1] = nxt
-                pend_emb = torch.cat([pend_emb, rt.lm.embed(a.token_ids[p + 1:p + 2])])
-                pend_feat = torch.cat([pend_feat, hidden])
-                p, root, root_pos = p + 1, nxt, root_pos + 1
-                if nxt in eos:
-                    ended = True
+        while len(s.tokens) < max_new:
+            new = self.tree_round(s, max_new - len(s.tokens)) if self.policy.draft_now() else self.plain_step(s)
+            emitted = len(s.tokens)
+            for token in new:
+                if token in eos or len(s.tokens) == max_new:
+                    s.ended = token in eos
                     break
-                out.append(nxt)
-                if on_tokens is not None:
-                    on_tokens(out)
-                if stop is not None and len(out) < max_new and stop():
-                    return Decoded(out, steps, len(out) / steps, rounds, resume=(root, p, root_pos))
-                continue
-            t0 = time.perf_counter()
-            h = self.draft_pending(pend_emb, pend_feat, d0, p)
-            self.policy.observe_pending(p - d0, time.perf_counter() - t0)
-            tree = self.build_tree(h[-1:], root, p, root_pos, max_new - len(out))
-            t1 = time.perf_counter()
-            path, bonus, hidden = self.verify(tree, p, root_pos)
-            self.policy.observe_round(tree, len(path) - 1, time.perf_counter() - t1, time.perf_counter() - t0)
-            steps += 1
-            self.accept(path, p, root_pos)
-            new_tokens = tree.tokens[path[1:]].tolist() + [bonus]
-            rounds.append((int(tree.depths.max()), len(tree), len(path) - 1))
-            done = False
-            for tok in new_tokens:
-                if tok in eos or len(out) == max_new:
-                    done, ended = True, tok in eos
-                    break
-                out.append(tok)
-            if on_tokens is not None:
-                on_tokens(out)
-            if done or len(out) >= max_new:
+                s.tokens.append(token)
+            if on_tokens is not None and len(s.tokens) > emitted:
+                on_tokens(s.tokens)
+            if s.ended or len(s.tokens) >= max_new:
                 break
-            d0, p = p, p + len(path)
-            a.token_ids[d0 + 1:p] = tree.tokens[path[1:]]
-            a.token_ids[p] = bonus
-            pend_emb = rt.lm.embed(a.token_ids[d0 + 1:p + 1])
-            pend_feat = hidden[path]
-            root, root_pos = bonus, root_pos + len(path)
             if stop is not None and stop():
-                return Decoded(out, steps, (len(out) - 1) / steps, rounds, resume=(root, p, root_pos))
+                return Decoded(s.tokens, s.steps, (len(s.tokens) - 1) / s.steps, s.rounds,
+                               resume=(s.root, s.length, s.position))
         # Tokens the decode passes produced (after the first, which prefill chose), the EOS that
         # ended the answer included: greedy decoding makes exactly one per pass.
-        emitted = len(out) - 1 + int(ended)
-        return Decoded(out, steps, emitted / steps if steps else 1.0, rounds)
+        emitted = len(s.tokens) - 1 + int(s.ended)
+        return Decoded(s.tokens, s.steps, emitted / s.steps if s.steps else 1.0, s.rounds)
 
 
 def speculates(rt) -> bool:
@@ -348,6 +369,6 @@ def speculates(rt) -> bool:
     return d.eagle.policy == TreePolicy.FIXED or rt.costs.speculate_this_answer(d.eagle.depth)
 
 
-def eagle2(rt, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
+def eagle2(rt, q: QueryDecoding, prompt: Prompt, max_new: int, on_tokens=None, stop=None) -> Decoded:
     """EAGLE-2 decoding of one answer (greedy-lossless; exact sampling at a temperature)."""
-    return Eagle2(rt, rt.costs.policy(rt.options.decoding.eagle)).decode(prompt, max_new, on_tokens, stop)
+    return Eagle2(rt, q, rt.costs.policy(rt.options.decoding.eagle)).decode(prompt, max_new, on_tokens, stop)

@@ -2,13 +2,14 @@
 
 from pathlib import Path
 
-from ..options import BackendName
+from ..options import BUNDLE_BACKENDS, BackendName
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, StageEngine, VisionEngine
 from .buckets import batch_sizes
 from .bundle import graphs_of, read_manifest
 from .compiled import compiled_engines
 from .cuda_graph import cuda_graph_engines
 from .onnxruntime_engine import onnxruntime_engines
+from .openvino_engine import openvino_engines
 from .tensorrt_engine import tensorrt_engines
 from .torch_engine import torch_engines
 
@@ -18,12 +19,14 @@ __all__ = ["BatchDecoderEngine", "DecoderEngine", "DraftEngine", "Engines", "Hea
 
 def make_engines(rt) -> Engines:
     """The engines of the runtime's backend (options.backend.name) over its model and arena.
-    Backends beyond torch import their runtime (onnxruntime, TensorRT, CUDA) only when chosen."""
+    Backends beyond torch import their runtime (onnxruntime, OpenVINO, TensorRT, CUDA) only when chosen."""
     name = rt.options.backend.name
     if name == BackendName.TORCH:
         return torch_engines(rt)
     if name == BackendName.ONNXRUNTIME:
         return onnxruntime_engines(rt)
+    if name == BackendName.OPENVINO:
+        return openvino_engines(rt)
     if name == BackendName.TORCH_COMPILE:
         return compiled_engines(rt)
     if name == BackendName.TENSORRT:
@@ -45,7 +48,7 @@ def batch_limit(options) -> tuple[int, str]:
     if options.fastv.ratio > 0:
         return 1, "FastV (fastv.ratio > 0) prunes with per-layer masks of one query"
     name = options.backend.name
-    if name not in (BackendName.ONNXRUNTIME, BackendName.TENSORRT):
+    if name not in BUNDLE_BACKENDS:
         return want, ""
     if not options.backend.bundle:
         return 1, f"backend {name.value} has no backend.bundle"

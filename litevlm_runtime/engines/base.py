@@ -48,20 +48,24 @@ class VisionEngine(StageEngine):
     stage = "vision"
 
     @abstractmethod
-    def run(self, pixels: torch.Tensor) -> torch.Tensor: ...
+    def run(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [n, 3, S, S] -> visual [n, tokens_per_tile, D]"""
 
 
 class DecoderEngine(StageEngine):
     stage = "decoder"
 
     @abstractmethod
-    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """embeds [T, D], positions [T], mask [T, T] -> hidden [T, D]; K/V rows stored at slots 0..T-1"""
 
     @abstractmethod
     def step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor: ...
+             mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor:
+        """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
 
     def on_region(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "DecoderEngine":
+        """k_cache, v_cache [layers, Hkv, S, hd]: another KV region of the arena"""
         raise LiteVLMError(f"{type(self).__name__} ({self.backend}) runs over one KV region only: no batching")
 
     # Whether `prefill_after` runs the rest of a prompt after a cached prefix (pipeline/prefix.py) in
@@ -85,14 +89,16 @@ class BatchDecoderEngine(StageEngine):
 
     @abstractmethod
     def step(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor: ...
+             mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor:
+        """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
 
 
 class HeadEngine(StageEngine):
     stage = "head"
 
     @abstractmethod
-    def run(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V]"""
 
 
 class DraftEngine(StageEngine):
@@ -100,7 +106,20 @@ class DraftEngine(StageEngine):
 
     @abstractmethod
     def step(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-             slots: torch.Tensor, mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor: ...
+             slots: torch.Tensor, mask_cache: torch.Tensor, mask_new: torch.Tensor) -> torch.Tensor:
+        """token_embeds [T, D], features [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T]
+        -> features [T, D]"""
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """One KV region of the arena and the decoder engine bound to it: region 0 is the cache every
+    single-query stage uses; a batch gives each of its queries one (pipeline/batching.py). Built
+    once per set of engines (Runtime.region)."""
+    index: int
+    k: torch.Tensor               # [layers, Hkv, S, D]
+    v: torch.Tensor               # [layers, Hkv, S, D]
+    decoder: DecoderEngine
 
 
 @dataclass

@@ -5,9 +5,11 @@ bound inputs and writes the bound outputs (same addresses on every call).
 
 Binding (see export.py for the graphs' tensors):
   vision   pixels -> the arena's pixels, visual -> the arena's visual tokens (zero copy)
-  decoder  k_cache, v_cache -> the arena's KV cache (read in place); embeds, positions and the two
+  decoder  k_cache, v_cache -> the arena's KV cache (read in place; a quantized cache as its codes
+           and its scales, k_cache_scale and v_cache_scale); embeds, positions and the two
            masks are copied into engine buffers; the new K/V rows come out into engine buffers
-           and are stored at their slots after the run. `prefill` runs the prefill graph, which
+           and are stored at their slots after the run (quantized there when the cache is). `prefill`
+           runs the prefill graph, which
            has no cache input (without prefill sizes the prompt runs the model's eager forward:
            torch-compile on the CPU); `step` runs the step graph over the whole static cache, or over
            the smallest bound prefix of its columns that holds the live ones (torch-compile)
@@ -32,9 +34,18 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..models.kv_cache import cache_inputs
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 from .buckets import pick, step_cache_sizes
 from .torch_engine import TorchDraft, TorchVision, prefill_eager, step_eager, store_batched
+
+
+def kv_inputs(*caches) -> dict[str, torch.Tensor]:
+    """(name, cache) pairs as a graph's inputs, in the stage modules' order: the caches (float, or a
+    quantized cache's codes), then a quantized cache's scales (name + "_scale")."""
+    parts = [cache_inputs(name, cache) for name, cache in caches]
+    return {k: v for part in parts for k, v in list(part.items())[:1]} | \
+        {k: v for part in parts for k, v in list(part.items())[1:]}
 
 
 class Runner(Protocol):
@@ -58,6 +69,7 @@ class BoundVision(VisionEngine):
         self.runners = {n: bind("vision", n, {"pixels": a.pixels[:n]}, {"visual": a.visual[:n]}) for n in self.sizes}
 
     def run(self, pixels):
+        """pixels [n, 3, S, S] -> visual [n, tokens_per_tile, D] (a view of the bound output)"""
         n = pixels.shape[0]
         bucket = pick(self.sizes, n, "vision")
         if pixels.data_ptr() != self.arena.pixels.data_ptr():
@@ -86,6 +98,8 @@ class BoundRows:
             self.mask_new[t].copy_(self.eye[t])      # valid masks before any capture/warm-up run
 
     def load(self, b: int, embeds, positions, mask_new, mask_cache=None, features=None) -> None:
+        """Copy this call's rows into bucket `b`'s static inputs: embeds [T, D], positions [T],
+        mask_new [T, T], mask_cache [T, L], features [T, D] (the draft's); padding rows masked."""
         t = embeds.shape[0]
         self.embeds[b][:t].copy_(embeds)
         if features is not None:
@@ -101,7 +115,8 @@ class BoundRows:
             old[:t, :mask_cache.shape[1]] = mask_cache
 
     def store(self, b: int, t: int, slots, k_cache, v_cache) -> None:
-        """This call's K/V rows into the cache at their slots (the graph reads the cache, never writes it)."""
+        """This call's K/V rows (bucket `b`'s first t) into k_cache, v_cache [layers, Hkv, S, hd] at
+        slots [t] (the graph reads the cache, never writes it)."""
         k_cache.index_copy_(2, slots, self.k_new[b][:, :, :t])
         v_cache.index_copy_(2, slots, self.v_new[b][:, :, :t])
 
@@ -131,12 +146,14 @@ class BoundDecoder(DecoderEngine):
         r = self.rows
         return {(t, n): self.bind("decoder", t, {"embeds": r.embeds[t], "positions": r.positions[t],
                                                  "mask_cache": r.mask_cache[t][:, :n], "mask_new": r.mask_new[t],
-                                                 "k_cache": self.k_cache[:, :, :n], "v_cache": self.v_cache[:, :, :n]},
+                                                 **kv_inputs(("k_cache", self.k_cache[:, :, :n]),
+                                                             ("v_cache", self.v_cache[:, :, :n]))},
                                   {"hidden": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]})
                 for t in self.sizes for n in self.cache_sizes}
 
     def on_region(self, k_cache, v_cache):
-        """The prefill graphs and row buffers shared (a prompt has no cache input: only where its
+        """k_cache, v_cache [layers, Hkv, S, hd]: the same graphs over another KV region. The
+        prefill graphs and row buffers shared (a prompt has no cache input: only where its
         rows are stored changes), the step graphs bound again over this region's cache, once per
         region for the engine's life (a CUDA graph is captured once, not per BatchDecoder)."""
         key = k_cache.data_ptr()
@@ -148,6 +165,7 @@ class BoundDecoder(DecoderEngine):
         return self.regions[key]
 
     def prefill(self, embeds, positions, mask):
+        """embeds [T, D], positions [T], mask [T, T] -> hidden [T, D]"""
         t = embeds.shape[0]
         if not self.prefill_sizes:
             return prefill_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, mask)
@@ -162,11 +180,13 @@ class BoundDecoder(DecoderEngine):
         return not self.prefill_sizes         # the prompt runs the model's own forward (the CPU's torch-compile)
 
     def prefill_after(self, embeds, positions, slots, mask_cache, mask_new):
+        """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
         if self.prefill_sizes:
             return super().prefill_after(embeds, positions, slots, mask_cache, mask_new)
         return step_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, slots, mask_cache, mask_new)
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
+        """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
         t = embeds.shape[0]
         b = pick(self.sizes, t, "decoder")
         n = pick(self.cache_sizes, mask_cache.shape[1], "decoder cache")
@@ -188,10 +208,11 @@ class BoundBatchDecoder(BatchDecoderEngine):
         self.runners = {
             b: bind("decoder_batch", b, {"embeds": r.embeds[b], "positions": r.positions[b],
                                          "mask_cache": r.mask_cache[b], "mask_new": r.mask_new[b],
-                                         "k_regions": a.k_regions[:b], "v_regions": a.v_regions[:b]},
+                                         **kv_inputs(("k_regions", a.k_regions[:b]), ("v_regions", a.v_regions[:b]))},
                     {"hidden": r.hidden[b], "k_new": r.k_new[b], "v_new": r.v_new[b]}) for b in self.sizes}
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
+        """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
         t = embeds.shape[0]
         b = pick(self.sizes, t, "decoder_batch")
         self.rows.load(b, embeds, positions, mask_new, mask_cache)
@@ -214,6 +235,8 @@ class BoundDraft(DraftEngine):
                     {"features_out": r.hidden[t], "k_new": r.k_new[t], "v_new": r.v_new[t]}) for t in self.sizes}
 
     def step(self, token_embeds, features, positions, slots, mask_cache, mask_new):
+        """token_embeds [T, D], features [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T]
+        -> features [T, D]"""
         t = token_embeds.shape[0]
         b = pick(self.sizes, t, "eagle_draft")
         self.rows.load(b, token_embeds, positions, mask_new, mask_cache, features)
@@ -235,6 +258,7 @@ class BoundHead(HeadEngine):
         self.runners = {t: bind("head", t, {"hidden": self.hidden[t]}, {"logits": self.logits[t]}) for t in self.sizes}
 
     def run(self, hidden):
+        """hidden [T, D] -> logits [T, V]"""
         t = hidden.shape[0]
         b = pick(self.sizes, t, "head")
         self.hidden[b][:t].copy_(hidden)
@@ -244,7 +268,8 @@ class BoundHead(HeadEngine):
 
 def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: str) -> Engines:
     """sizes: graph stage (vision, prefill, decoder, head, and eagle_draft / decoder_batch when
-    bound) -> its buckets; `decoder_cache`: the step graphs' cache-column buckets (BoundDecoder). Without eagle_draft graphs the draft head runs in eager PyTorch beside
+    bound) -> its buckets; `decoder_cache`: the step graphs' cache-column buckets (BoundDecoder). Without
+    eagle_draft graphs the draft head runs in eager PyTorch beside
     the bound stages; without decoder_batch buckets there is no batched step."""
 
     a = rt.arena
@@ -252,7 +277,9 @@ def bound_engines(rt, sizes: dict[str, tuple[int, ...]], bind: Bind, backend: st
     if rt.draft is not None:
         draft = (BoundDraft(rt, sizes["eagle_draft"], bind, backend) if sizes.get("eagle_draft")
                  else TorchDraft(rt.draft, a.draft_k, a.draft_v))
-    decoder = BoundDecoder(rt, sizes["decoder"], bind, backend, sizes.get("prefill", ()), sizes.get("decoder_cache", ()))
+    decoder = BoundDecoder(
+        rt, sizes["decoder"], bind, backend, sizes.get("prefill", ()), sizes.get("decoder_cache", ())
+    )
     batch = None
     if sizes.get("decoder_batch"):
         batch = BoundBatchDecoder(rt, sizes["decoder_batch"], bind, backend)

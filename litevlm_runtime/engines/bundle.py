@@ -54,6 +54,11 @@ def check_bundle_matches(manifest: dict, rt, bundle: Path) -> None:
         if have.get(key) != value:
             raise LiteVLMError(f"{bundle}: exported for arena {key}={have.get(key)}, this pipeline has {value} "
                                f"(re-export with the same --tiles-per-camera/--max-new-tokens)")
+    kv = have.get("kv_dtype", "float")           # (bundles exported before quantized caches: float)
+    if kv != a.limits.kv_dtype:
+        raise LiteVLMError(f"{bundle}: exported for arena.kv_dtype {kv}, this pipeline has {a.limits.kv_dtype} "
+                           f"(its step graphs take the cache in that form: re-export with --arena.kv_dtype "
+                           f"{a.limits.kv_dtype})")
     if manifest["dtype"] != rt.options.dtype:
         raise LiteVLMError(f"{bundle}: exported in {manifest['dtype']}, pipeline runs {rt.options.dtype}")
     model_dir = rt.model_dir

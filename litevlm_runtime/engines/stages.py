@@ -6,7 +6,8 @@ outputs, the form every bound backend runs (ONNX export, TensorRT, CUDA graphs, 
                                                                       k_new, v_new [layers, kv, T, hd]
   decoder     embeds [T, D], positions [T], mask_cache [T, S],
               mask_new [T, T], k_cache, v_cache [layers, kv, S, hd] -> hidden [T, D],
-                                                                      k_new, v_new [layers, kv, T, hd]
+              (+ k_cache_scale, v_cache_scale [layers, kv, S]        k_new, v_new [layers, kv, T, hd]
+              with arena.kv_dtype int8 / fp8: the codes' scales)
   decoder_batch embeds [B, D], positions [B], mask_cache [B, S],
               mask_new [B, B], k_regions, v_regions [B, layers, kv, S, hd] -> hidden [B, D],
                                                                       k_new, v_new [layers, kv, B, hd]
@@ -26,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.kv_cache import wrap
+
 
 class VisionStage(nn.Module):
     """pixels -> visual tokens (InternViT + pixel shuffle + mlp1), position table baked in."""
@@ -36,18 +39,27 @@ class VisionStage(nn.Module):
         self.register_buffer("pos_embed", pos_embed.detach().clone(), persistent=False)
 
     def forward(self, pixels):
+        """pixels [n, 3, S, S] -> visual [n, tokens_per_tile, D]"""
         return self.model.encode_images(pixels, self.pos_embed)
 
 
 class DecoderStage(nn.Module):
-    """The decoder over the static cache: cache in, new rows out (the decoder's own forward)."""
+    """The decoder over the static cache: cache in, new rows out (the decoder's own forward). A
+    quantized cache (arena.kv_dtype) comes in as codes (k_cache, v_cache) and scales (k_cache_scale,
+    v_cache_scale [layers, kv, S]) and is read dequantized (models/kv_cache.py)."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
-    def forward(self, embeds, positions, mask_cache, mask_new, k_cache, v_cache):
-        return self.lm(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
+    def forward(
+        self, embeds, positions, mask_cache, mask_new, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None
+    ):
+        """embeds [T, D], positions [T], mask_cache [T, S], mask_new [T, T], k_cache, v_cache [layers, Hkv, S, hd]
+        (8-bit codes with k/v_cache_scale [layers, Hkv, S] under arena.kv_dtype int8|fp8)
+        -> (hidden [T, D], k, v [layers, Hkv, T, hd])"""
+        return self.lm(embeds, positions, mask_new, wrap(k_cache, k_cache_scale), wrap(v_cache, v_cache_scale),
+                       mask_cache)
 
 
 class BatchDecoderStage(nn.Module):
@@ -58,10 +70,14 @@ class BatchDecoderStage(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, embeds, positions, mask_cache, mask_new, k_regions, v_regions):
+    def forward(self, embeds, positions, mask_cache, mask_new, k_regions, v_regions, k_regions_scale=None,
+                v_regions_scale=None):
         # unbind(1): layer i's [B, Hkv, S, D], one split of the regions (a transpose to
         # [layers, B, ...] would copy the whole cache in the exported graph first)
-        return self.lm(embeds, positions, mask_new, k_regions.unbind(1), v_regions.unbind(1), mask_cache)
+        """embeds [B, D], positions [B], mask_cache [B, S], mask_new [B, B], k_regions, v_regions [B, layers,
+        Hkv, S, hd] -> (hidden [B, D], k, v [layers, B, Hkv, hd])"""
+        k, v = wrap(k_regions, k_regions_scale), wrap(v_regions, v_regions_scale)
+        return self.lm(embeds, positions, mask_new, k.unbind(1), v.unbind(1), mask_cache)
 
 
 class PrefillStage(nn.Module):
@@ -73,6 +89,7 @@ class PrefillStage(nn.Module):
         self.lm = lm
 
     def forward(self, embeds, positions, mask_new):
+        """embeds [T, D], positions [T], mask_new [T, T] -> (hidden [T, D], k, v [layers, Hkv, T, hd])"""
         return self.lm(embeds, positions, mask_new)
 
 
@@ -85,6 +102,8 @@ class DraftStage(nn.Module):
         self.draft = draft
 
     def forward(self, token_embeds, features, positions, mask_cache, mask_new, k_cache, v_cache):
+        """embeds [T, D], positions [T], mask_cache [T, S], mask_new [T, T], k_cache, v_cache [layers, Hkv, S,
+        hd] -> (hidden [T, D], k, v [layers, Hkv, T, hd])"""
         return self.draft(token_embeds, features, positions, mask_new, k_cache, v_cache, mask_cache)
 
 
@@ -94,4 +113,5 @@ class HeadStage(nn.Module):
         self.head = lm.head
 
     def forward(self, hidden):
+        """hidden [T, D] -> logits [T, V]"""
         return self.head(hidden)

@@ -1,9 +1,12 @@
 """TensorRT: engines built from the bundle's ONNX graphs, and the runtime that runs them.
 
-Build (`litevlm build-engines BUNDLE --precision fp16|fp8`): one serialized engine per graph
-(stage x bucket), built with the TensorRT Python API as a strongly typed network: every tensor
-keeps the type the ONNX graph gives it, so fp16 engines come from a float16 export and FP8
-engines from a calibration bundle whose graphs carry ModelOpt's FP8 Q/DQ nodes. The manifest
+Build (`litevlm build-engines BUNDLE --precision fp16|fp8|int8|int4`): one serialized engine per
+graph (stage x bucket), built with the TensorRT Python API as a strongly typed network: every
+tensor keeps the type the ONNX graph gives it, so fp16 engines come from a float16 export, FP8 and
+INT8 engines from a calibration bundle whose graphs carry ModelOpt's Q/DQ nodes, and INT4 engines
+(weight-only) from a bundle whose decoder weights are blocked INT4 DequantizeLinear nodes
+(`calibrate --precision int4`, export/int4_onnx.py). The bundle's Q/DQ are checked against what
+TensorRT 10 builds before anything is parsed (`tensorrt_qdq_problems`: symmetric only). The manifest
 records, per precision, the TensorRT version, the GPU (name and compute capability) and each
 engine's sha256.
 
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     import tensorrt as trt
     from torch.cuda import _POOL_HANDLE  # torch's own type for graph_pool_handle()
 
-PRECISIONS = ("fp16", "fp8")
+PRECISIONS = ("fp16", "fp8", "int8", "int4")
 WORKSPACE_BYTES = 8 << 30
 
 
@@ -139,14 +142,48 @@ def build_engine(onnx_path: Path, precision: str, logger: trt.ILogger,
     return bytes(serialized)
 
 
+def tensorrt_qdq_problems(path: Path) -> list[str]:
+    """What in a graph's Q/DQ nodes TensorRT 10's strongly typed build refuses, checked from the ONNX
+    alone (no TensorRT needed): FP8 and INT4 with a nonzero zero point (its IDequantizeLayer takes
+    symmetric scales only; an asymmetric INT4 bundle runs in ONNX Runtime, not there); INT4 other
+    than a weight's blocked DequantizeLinear (weight-only) on a 2-D weight."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    problems = []
+    for n in graph.node:
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        typed = n.input[2] if len(n.input) > 2 and n.input[2] else n.input[0]
+        kind = inits[typed].data_type if typed in inits else None
+        if kind in (TensorProto.UINT4, TensorProto.FLOAT8E4M3FN, TensorProto.INT4) and len(n.input) > 2 and n.input[2]:
+            zero = inits.get(n.input[2])
+            if kind == TensorProto.UINT4 or (zero is not None and zero.data_type != TensorProto.FLOAT8E4M3FN
+                                             and numpy_helper.to_array(zero).any()):
+                problems.append(f"{n.name}: a nonzero zero point (TensorRT's dequantization is symmetric)")
+        if kind in (TensorProto.INT4, TensorProto.UINT4):
+            if n.op_type == "QuantizeLinear" or n.input[0] not in inits:
+                problems.append(f"{n.name}: INT4 only as a stored weight's DequantizeLinear (weight-only)")
+            elif len(inits[n.input[0]].dims) != 2:
+                problems.append(f"{n.name}: an INT4 weight of rank {len(inits[n.input[0]].dims)} (TensorRT: 2-D)")
+    return problems
+
+
 def build_engines(bundle: Path, precision: str, progress: Callable[[str], None] = print) -> dict[str, Any]:
     if precision not in PRECISIONS:
         raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
-    if precision == "fp8" and manifest.get("precision") != "fp8":
-        raise LiteVLMError(f"{bundle}: FP8 engines are built from FP8-quantized graphs; run "
-                           f"`litevlm calibrate --precision fp8 --out DIR` and build from DIR")
+    made = str(manifest.get("precision") or "").split("+")       # a mixed bundle: "float32+fp8"
+    if precision in ("fp8", "int8", "int4") and precision not in made:
+        raise LiteVLMError(f"{bundle}: {precision.upper()} engines are built from {precision.upper()}-quantized graphs "
+                           f"(this bundle: {manifest.get('precision') or manifest.get('dtype')}); run `litevlm "
+                           f"calibrate --precision {precision} --out DIR` and build from DIR")
+    problems = [f"{g['file']}: {why}" for g in manifest["graphs"] for why in tensorrt_qdq_problems(bundle / g["file"])]
+    if problems:
+        raise LiteVLMError(f"{bundle}: Q/DQ that TensorRT 10 cannot build: " + "; ".join(problems[:4]))
     if precision == "fp16" and manifest.get("dtype") != "float16":
         raise LiteVLMError(f"{bundle}: exported in {manifest.get('dtype')}; a strongly typed engine keeps the graph's "
                            f"types, so fp16 engines are built from a float16 export "
@@ -203,8 +240,10 @@ def check_engines(manifest: dict[str, Any], bundle: Path, precision: str, tensor
 # ------------------------------------------------------------------------------------- run
 def torch_dtypes() -> dict[trt.DataType, torch.dtype]:
     trt = import_tensorrt()
+    # (INT8 / UINT8: a quantized KV cache's codes, arena.kv_dtype int8 / fp8: models/kv_cache.py)
     return {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.BF16: torch.bfloat16,
-            trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32, trt.DataType.BOOL: torch.bool}
+            trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32, trt.DataType.BOOL: torch.bool,
+            trt.DataType.INT8: torch.int8, trt.DataType.UINT8: torch.uint8}
 
 
 class CapturedEngine:
@@ -280,5 +319,7 @@ def tensorrt_engines(rt: Any) -> Engines:
     sizes["eagle_draft"] = tuple(t for t in sizes["eagle_draft"] if any(
         g == bundle.graphs("eagle_draft")[t]["file"] for g in record["files"]))   # only draft graphs with engines
     batch = bundle.batch_graph()
-    sizes["decoder_batch"] = bundle.batch_sizes(rt.arena.limits.batch) if batch and batch["file"] in record["files"] else ()
+    sizes["decoder_batch"] = (
+        bundle.batch_sizes(rt.arena.limits.batch) if batch and batch["file"] in record["files"] else ()
+    )
     return bound_engines(rt, sizes, bind, "tensorrt")

@@ -17,11 +17,14 @@ class TorchVision(VisionEngine):
         self.model, self.pos_embed = model, pos_embed
 
     def run(self, pixels):
+        """pixels [n, 3, S, S] -> visual [n, tokens_per_tile, D]"""
         return self.model.encode_images(pixels, self.pos_embed)
 
 
 def prefill_eager(lm, k_cache, v_cache, embeds, positions, mask):
-    """The prompt through the model's own forward, its K/V rows stored at the cache's first slots
+    """embeds [T, D], positions [T], mask [T, T] -> hidden [T, D]; the K/V rows into k_cache, v_cache [layers,
+    Hkv, S, hd] at slots 0..T-1. The prompt through the model's own forward, its K/V rows stored at the
+    cache's first slots
     (also what torch-compile runs on the CPU: bound_stages.py)."""
     hidden, k, v = lm(embeds, positions, mask)
     k_cache[:, :, :k.shape[2]] = k
@@ -43,19 +46,23 @@ class TorchDecoder(DecoderEngine):
     backend = "torch"
 
     def __init__(self, lm, k_cache, v_cache):
+        """k_cache, v_cache [layers, Hkv, S, hd]: the KV region it reads and writes"""
         self.lm, self.k_cache, self.v_cache = lm, k_cache, v_cache
 
     def prefill(self, embeds, positions, mask):
+        """embeds [T, D], positions [T], mask [T, T] -> hidden [T, D]"""
         return prefill_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, mask)
 
     extends_prompt = True
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
+        """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
         return step_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, slots, mask_cache, mask_new)
 
     prefill_after = step          # the rest of a prompt is a step of many rows
 
     def on_region(self, k_cache, v_cache):
+        """k_cache, v_cache [layers, Hkv, S, hd]: the same modules over another KV region"""
         return TorchDecoder(self.lm, k_cache, v_cache)
 
 
@@ -67,6 +74,7 @@ class TorchBatchDecoder(BatchDecoderEngine):
     backend = "torch"
 
     def __init__(self, lm, k_regions, v_regions, region_ids):
+        """k_cache, v_cache [layers, Hkv, S, hd]: the KV region it reads and writes"""
         self.lm, self.k_regions, self.v_regions, self.region_ids = lm, k_regions, v_regions, region_ids
         self.sizes = tuple(range(2, k_regions.shape[0] + 1))
 
@@ -92,9 +100,11 @@ class TorchHead(HeadEngine):
     backend = "torch"
 
     def __init__(self, lm):
+        """k_cache, v_cache [layers, Hkv, S, hd]: the KV region it reads and writes"""
         self.lm = lm
 
     def run(self, hidden):
+        """hidden [T, D] -> logits [T, V]"""
         return self.lm.head(hidden)
 
 
@@ -102,9 +112,12 @@ class TorchDraft(DraftEngine):
     backend = "torch"
 
     def __init__(self, draft, k_cache, v_cache):
+        """k_cache, v_cache [1, Hkv, S, hd]: the draft head's own one-layer cache"""
         self.draft, self.k_cache, self.v_cache = draft, k_cache, v_cache
 
     def step(self, token_embeds, features, positions, slots, mask_cache, mask_new):
+        """token_embeds [T, D], features [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T]
+        -> features [T, D]"""
         live = mask_cache.shape[1]
         out, k, v = self.draft(token_embeds, features, positions, mask_new, self.k_cache[:, :, :live],
                                self.v_cache[:, :, :live], mask_cache)

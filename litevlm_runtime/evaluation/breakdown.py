@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 
+from ..objects import OBJECT_TAG
 from .metrics import ACCURACY, CHALLENGE, MATCH_THRESHOLD_PX, Question, Rules, answer_is_correct, graph_filter
 
 _OPTIONS = re.compile(r"\s*Please select the correct answer from the following options:.*$", re.S)
-_TAG = re.compile(r"<c\d+\s*,\s*CAM_[A-Z_]+\s*,\s*-?[\d.]+\s*,\s*-?[\d.]+\s*>")
 _DIRECTION = re.compile(r"\b(front left|front right|back left|back right|front|back)\b")
 _KIND = re.compile(r"(?<!ego )\b(cars?|trucks?|bus(?:es)?|pedestrians?|barriers?|traffic lights?)\b")
 _COLOUR = re.compile(r"\b(red|blue|green|yellow|white|black|orange)\b")
@@ -26,7 +26,7 @@ def question_template(question: str) -> str:
     'What colour is the OBJ to the DIR of the ego car? (choice)'."""
     choice = bool(_OPTIONS.search(question))
     text = _OPTIONS.sub("", question.strip())
-    text = _TAG.sub("<obj>", text)
+    text = OBJECT_TAG.sub("<obj>", text)
     text = _DIRECTION.sub("DIR", text)
     text = _KIND.sub("OBJ", text)
     text = _COLOUR.sub("COLOUR", text)

@@ -57,12 +57,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from ..errors import InputError
+from ..objects import OBJECT_TAG, tag_points
 
 ACCURACY, GPT, LANGUAGE, MATCH = 0, 1, 2, 3
 WEIGHTS = {"gpt": 0.4, "language": 0.2, "match": 0.2, "accuracy": 0.2}
 MATCH_THRESHOLD_PX = 16.0
 NUMBER = re.compile(r"\d+\.\d+")          # evaluation.py's coordinate parse (rule 4)
-OBJECT_TAG = re.compile(r"<c\d+\s*,\s*(CAM_[A-Z_]+)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*>")
 # Found by trying: Stanford's PTBLexer (-preserveLines) ends a line at each of these, and
 # coco-caption only replaces "\n" before joining one text per line, so a text holding one shifts
 # every later text onto the wrong reference (in the challenge's script too; replicated, and counted).
@@ -120,7 +120,7 @@ def points(text: str, coordinates: str = "numbers", odd: str = "drop") -> list[t
     prediction) loses an unpaired last number and odd="refuse" (a reference or question) raises
     OddCoordinates; coordinates="tags": the numbers of <cN,CAM_X,x,y> tags only."""
     if coordinates == "tags":
-        return [(float(x), float(y)) for _, x, y in OBJECT_TAG.findall(text)]
+        return tag_points(text)
     numbers = [float(n) for n in NUMBER.findall(text)]
     if len(numbers) % 2:
         if odd == "refuse":
@@ -262,7 +262,9 @@ def score(questions: list[Question], predictions: dict[str, str], judge: Judge |
     if missing:
         raise KeyError(f"{len(missing)} question(s) have no prediction, e.g. {missing[0]}")
     scored, skipped = graph_filter(questions, predictions, rules, match_threshold)
-    tagged = {tag: [(q, predictions[q.id]) for q in scored if tag in q.tags] for tag in (ACCURACY, GPT, LANGUAGE, MATCH)}
+    tagged = {
+        tag: [(q, predictions[q.id]) for q in scored if tag in q.tags] for tag in (ACCURACY, GPT, LANGUAGE, MATCH)
+    }
     acc, judged, lang, match = tagged[ACCURACY], tagged[GPT], tagged[LANGUAGE], tagged[MATCH]
 
     s = Scores(rules=asdict(rules) | {"match_threshold": match_threshold}, skipped_by_graph=len(skipped))

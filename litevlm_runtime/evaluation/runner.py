@@ -12,9 +12,10 @@ from PIL import Image
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..pipeline.pipeline import Pipeline
+from ..pipeline.request import QueryRequest
 from .choices import closed_form_choices
 from .data import Frame, frame_images, load_frames, resolve_image
-from .metrics import Question
+from .metrics import ACCURACY, Question
 
 BLANK_GREY = 128
 DEFAULT_SIZE = (1600, 900)
@@ -35,11 +36,21 @@ def blank_frame(root: Path, frame: Frame) -> dict[str, np.ndarray]:
     return out
 
 
-def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Question]]]:
-    """The first `limit` questions in file order, grouped by frame."""
+def accuracy_questions(frame: Frame) -> list[Question]:
+    """The questions of a frame that can count for accuracy: the closed-form ones, and the frame's
+    first question (under the challenge's rules its answer sets the frame's graph, which decides
+    which later questions are scored; metrics.py rule 2). Accuracy over them is the accuracy over
+    every question, whatever the rules."""
+    return [q for i, q in enumerate(frame.questions) if i == 0 or ACCURACY in q.tags]
+
+
+def select(frames: list[Frame], limit: int | None, accuracy_only: bool = False) -> list[tuple[Frame, list[Question]]]:
+    """The first `limit` questions in file order, grouped by frame (`accuracy_only`: of
+    accuracy_questions)."""
     out, left = [], limit
     for frame in frames:
-        qs = frame.questions if left is None else frame.questions[:left]
+        qs = accuracy_questions(frame) if accuracy_only else frame.questions
+        qs = qs if left is None else qs[:left]
         if qs:
             out.append((frame, qs))
         if left is not None:
@@ -51,19 +62,23 @@ def select(frames: list[Frame], limit: int | None) -> list[tuple[Frame, list[Que
 
 def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, options=None,
               blank_images: bool = False, limit: int | None = None, progress: bool = True,
-              constrain: bool = False) -> list[dict]:
+              constrain: bool = False, accuracy_only: bool = False, info: dict | None = None) -> list[dict]:
     """Answer every question; one record per question (the challenge's output.json fields
     id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
     (InputError) is recorded with its error and an empty answer, never dropped. `constrain`: a
     closed-form question's answer is constrained to its choices (evaluation/choices.py), which
-    the record keeps."""
+    the record keeps. `info`, when given, receives the arena's bytes (all buffers, and the KV caches
+    alone) and its arena.kv_dtype."""
     from tqdm import tqdm
 
     root = Path(frames_root)
-    work = select(load_frames(data), limit)
+    work = select(load_frames(data), limit, accuracy_only)
     if not work:
         raise InputError(f"{data}: no questions to evaluate")
     pipe = Pipeline.from_pretrained(model_dir, options)
+    if info is not None:
+        arena = pipe.rt.arena
+        info |= {"arena_bytes": arena.nbytes(), "kv_bytes": arena.kv_nbytes(), "kv_dtype": arena.limits.kv_dtype}
     records = []
     bar = tqdm(total=sum(len(qs) for _, qs in work), desc="eval", unit="q", disable=not progress)
     try:
@@ -80,7 +95,7 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
                 if choices:
                     record["choices"] = choices
                 try:
-                    ans = pipe.answer(images, q.question, frame_keys=keys, choices=choices)
+                    ans = pipe.answer(images, QueryRequest(q.question, choices=choices), frame_keys=keys)
                     record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
                                "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
                                "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,

@@ -102,7 +102,8 @@ def evaluate(selector: LoadedViewSelector | None, records: list[QARecord], fusio
 
 def format_table(rows: dict[str, dict]) -> str:
     width = max([28] + [len(name) for name in rows])
-    head = f"{'selector':<{width}} {'questions':>9} {'tagged':>6} {'recall':>7} {'q-recall':>8} {'cams kept':>9} {'all 6':>6}"
+    head = (f"{'selector':<{width}} {'questions':>9} {'tagged':>6} {'recall':>7} {'q-recall':>8} "
+            f"{'cams kept':>9} {'all 6':>6}")
     lines = [head, "-" * len(head)]
     for name, m in rows.items():
         lines.append(

@@ -65,19 +65,31 @@ IGNORABLE = {
 # Keys whose value changes the model: accepted only with the value the runtime implements
 # (absent = that value, as in every InternVL2.5 file).
 REQUIRED_VALUES = {
-    "": {"ps_version": ("v2", "InternVL2.5's pixel shuffle"), "select_layer": (-1, "features of the last ViT layer"),
-         "use_backbone_lora": (0, "merge LoRA weights before loading"), "use_llm_lora": (0, "merge LoRA weights before loading"),
-         "pad2square": (False, "InternVL2.5 squashes tiles, it does not pad")},
-    "vision_config": {"qk_normalization": (False, "InternViT-6B's qk norm is not implemented"),
-                      "norm_type": ("layer_norm", "InternViT-300M's norm"), "hidden_act": ("gelu", "InternViT's MLP"),
-                      "num_channels": (3, "RGB tiles"), "pruned_heads": ({}, "pruned heads are not implemented")},
+    "": {
+        "ps_version": ("v2", "InternVL2.5's pixel shuffle"),
+        "select_layer": (-1, "features of the last ViT layer"),
+        "use_backbone_lora": (0, "merge LoRA weights before loading"),
+        "use_llm_lora": (0, "merge LoRA weights before loading"),
+        "pad2square": (False, "InternVL2.5 squashes tiles, it does not pad"),
+    },
+    "vision_config": {
+        "qk_normalization": (False, "InternViT-6B's qk norm is not implemented"),
+        "norm_type": ("layer_norm", "InternViT-300M's norm"),
+        "hidden_act": ("gelu", "InternViT's MLP"),
+        "num_channels": (3, "RGB tiles"),
+        "pruned_heads": ({}, "pruned heads are not implemented"),
+    },
     "llm_config": {"hidden_act": ("silu", "the SwiGLU MLP"), "pruned_heads": ({}, "pruned heads are not implemented")},
 }
 LLM_REQUIRED_VALUES = {
     "internlm2": {"bias": (False, "InternVL2.5's InternLM2 has no projection biases")},
-    "qwen2": {"use_sliding_window": (False, "sliding-window attention is not implemented; InternVL2.5-1B ships it off")},
-    "qwen3": {"use_sliding_window": (False, "sliding-window attention is not implemented; InternVL3.5 ships it off"),
-              "attention_bias": (False, "Qwen3 projections without bias, as in every InternVL3.5")},
+    "qwen2": {
+        "use_sliding_window": (False, "sliding-window attention is not implemented; InternVL2.5-1B ships it off")
+    },
+    "qwen3": {
+        "use_sliding_window": (False, "sliding-window attention is not implemented; InternVL3.5 ships it off"),
+        "attention_bias": (False, "Qwen3 projections without bias, as in every InternVL3.5"),
+    },
 }
 
 

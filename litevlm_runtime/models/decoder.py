@@ -12,7 +12,9 @@ packs several prefix trees into one sequence under a block mask (no cache at all
 
 The KV cache is two plain tensors, k and v, each [layers, kv_heads, max_len, head_dim], owned by
 the memory arena; a call may pass a prefix view [:, :, :L] (eager torch reads only the live
-columns) or the whole static cache (graphs, with the dead columns masked).
+columns) or the whole static cache (graphs, with the dead columns masked). With `arena.kv_dtype`
+int8 or fp8 each is a QuantizedKV (kv_cache.py: 8-bit codes and a scale per head and row), which
+indexes the same way and which attention reads dequantized.
 """
 
 from __future__ import annotations
@@ -24,7 +26,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LLMConfig
+from .kv_cache import read as read_kv
 from .rope import RotaryTable, apply_rope  # the rest of the code imports them from here
+
+
+class Embedding(nn.Embedding):
+    """The token embedding E [V, D]. A tied LM head (InternVL3/3.5) multiplies by the same table
+    (`logits`); the low-bit forms of it (weights/lowbit.py, LowBitEmbedding) offer the same calls
+    over one quantized copy, so every reader goes through these, never through `.weight`."""
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, D] = E[ids [T]], written in place (the arena's prompt buffer)."""
+        torch.index_select(self.weight, 0, ids, out=out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> [..., V]: the tied head."""
+        return hidden @ self.weight.T
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +54,7 @@ class RMSNorm(nn.Module):
         # Upstream's order: normalise in float32, back to x's dtype, then the weight (F.rms_norm is
         # the same normalisation as one operator; its own weight product would round differently
         # in bf16/fp16).
+        """x [..., D] -> normalised x [..., D]"""
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -68,7 +86,9 @@ def in_graph() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
-CAUSAL_CHUNK_ROWS = 64     # rows per attention call of a causal prompt on the CPU (measured: 64 rows 1.28x, 128 rows 1.21x at 450 rows)
+CAUSAL_CHUNK_ROWS = (
+    64  # rows per attention call of a causal prompt on the CPU (measured: 64 rows 1.28x, 128 rows 1.21x at 450 rows)
+)
 
 
 def in_chunks(mask_new: torch.Tensor) -> bool:
@@ -97,7 +117,10 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunk
     first copy the whole static cache into the concatenation (a compiled decode step of the
     bundled model: 1.6x faster per step with the matmuls, 1.04x with SDPA, against eager in the
     same run; docs/performance.md). The numerics tests compare them (ONNX Runtime against
-    torch, 1e-4; torch-compile against torch, 1e-5)."""
+    torch, 1e-4; torch-compile against torch, 1e-5). A quantized cache (`arena.kv_dtype`,
+    kv_cache.py) is read dequantized to q's dtype; this call's own rows are attended to in float."""
+    if k_cache is not None:
+        k_cache, v_cache = read_kv(k_cache, q.dtype), read_kv(v_cache, q.dtype)
     if k_cache is not None and k_cache.dim() == 4:
         return attend_batched(q, k, v, mask_new, k_cache, v_cache, mask_cache)
     if in_graph():
@@ -193,6 +216,7 @@ class DecoderLayer(nn.Module):
     head_dim: int
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]"""
         raise NotImplementedError
 
     def query_key(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +246,7 @@ class CausalLM(nn.Module):
     def init_rope(self, max_len: int) -> None:
         """The decoder's RotaryTable for positions < max_len (the arena's max_len in a pipeline),
         on the decoder's device; the token selector and the EAGLE-2 head share it."""
-        device = self.embed.weight.device
+        device = self.norm.weight.device          # (the embedding may be a low-bit form: weights/lowbit.py)
         self.rope = RotaryTable(self.cfg, max_len).to(device)
 
     def run_layers(self, x, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,

@@ -4,7 +4,8 @@ The layer is the target family's own decoder layer with its first input norm ski
 output is not normalized, as in EAGLE), run by the same layer forward as the decoder (export form:
 its one-layer cache in, the new K/V rows out). Features are the target's last hidden states after
 the final norm; the pair (embedding of x_(t+1), feature f_t) predicts f_(t+1). The embedding
-table, the LM head and the RoPE table are the target's and are not stored with the draft (weights/draft_head.py reads and writes its folder).
+table, the LM head and the RoPE table are the target's and are not stored with the draft
+(weights/draft_head.py reads and writes its folder).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class VisionEmbeddings(nn.Module):
         return torch.cat([cls_pos, patch_pos], dim=1)
 
     def forward(self, pixels: torch.Tensor, pos_embed: torch.Tensor | None = None) -> torch.Tensor:
+        """pixels [B, 3, S, S], pos_embed [1, 1 + h*w, C] -> tokens [B, 1 + h*w, C]"""
         patches = self.patch_embedding(pixels)                 # [B, C, h, w]
         b, _, h, w = patches.shape
         patches = patches.flatten(2).transpose(1, 2)           # [B, h*w, C]
@@ -49,6 +50,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, C] -> [B, N, C]"""
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v)          # [B, H, N, D]
@@ -62,6 +64,7 @@ class VisionMLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, C] -> [B, N, C]"""
         return self.fc2(F.gelu(self.fc1(x)))
 
 
@@ -76,6 +79,7 @@ class VisionLayer(nn.Module):
         self.ls2 = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, C] -> [B, N, C]"""
         x = x + self.attn(self.norm1(x)) * self.ls1
         return x + self.mlp(self.norm2(x)) * self.ls2
 
@@ -95,6 +99,7 @@ class InternViT(nn.Module):
         self.encoder = VisionEncoder(cfg)
 
     def forward(self, pixels: torch.Tensor, pos_embed: torch.Tensor | None = None) -> torch.Tensor:
+        """pixels [B, 3, S, S], pos_embed [1, 1 + h*w, C] -> tokens [B, 1 + h*w, C]"""
         x = self.embeddings(pixels, pos_embed)
         for layer in self.encoder.layers:
             x = layer(x)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .config import LLMConfig
-from .decoder import CausalLM, DecoderLayer, RMSNorm
+from .decoder import CausalLM, DecoderLayer, Embedding, RMSNorm
 
 
 class InternLM2Attention(nn.Module):
@@ -31,7 +31,11 @@ class InternLM2FeedForward(nn.Module):
 class InternLM2Layer(DecoderLayer):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.attention = InternLM2Attention(cfg)
         self.feed_forward = InternLM2FeedForward(cfg)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -51,6 +55,7 @@ class InternLM2Layer(DecoderLayer):
 
     def qkv(self, x):
         # wqkv rows are grouped per KV head as [q_(g*h) .. q_(g*h+g-1), k_h, v_h], each head_dim rows.
+        """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]"""
         t = x.shape[0]
         group = self.num_heads // self.num_kv_heads
         packed = self.attention.wqkv(x).view(t, self.num_kv_heads, group + 2, self.head_dim)
@@ -61,7 +66,7 @@ class InternLM2Layer(DecoderLayer):
 class InternLM2Model(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(InternLM2Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

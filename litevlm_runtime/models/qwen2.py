@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from .config import LLMConfig
-from .decoder import CausalLM, DecoderLayer, RMSNorm
+from .decoder import CausalLM, DecoderLayer, Embedding, RMSNorm
 
 
 class Qwen2Attention(nn.Module):
@@ -34,7 +34,11 @@ class Qwen2MLP(nn.Module):
 class Qwen2Layer(DecoderLayer):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.self_attn = Qwen2Attention(cfg)
         self.mlp = Qwen2MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -56,6 +60,7 @@ class Qwen2Layer(DecoderLayer):
         return self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj
 
     def qkv(self, x):
+        """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]"""
         t, a = x.shape[0], self.self_attn
         return (
             a.q_proj(x).view(t, self.num_heads, self.head_dim),
@@ -67,7 +72,7 @@ class Qwen2Layer(DecoderLayer):
 class Qwen2Model(nn.Module):
     def __init__(self, cfg: LLMConfig, layer_class: type[DecoderLayer]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -97,6 +102,7 @@ class Qwen2ForCausalLM(CausalLM):
         return self.model.norm
 
     def head(self, hidden):
+        """hidden [T, D] -> logits [T, V]"""
         if self.cfg.tie_word_embeddings:
-            return hidden @ self.model.embed_tokens.weight.T
+            return self.model.embed_tokens.logits(hidden)
         return self.lm_head(hidden)

@@ -36,7 +36,11 @@ class Qwen3Layer(Qwen2Layer):
 
     def __init__(self, cfg: LLMConfig):
         nn.Module.__init__(self)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.self_attn = Qwen3Attention(cfg)
         self.mlp = Qwen2MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -45,6 +49,7 @@ class Qwen3Layer(Qwen2Layer):
     def qkv(self, x):
         # The per-head norms act here, so everything after (RoPE, the selectors' query_key probe,
         # attention, the KV cache) sees what transformers' Qwen3Attention rotates and caches.
+        """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] (each head's q, k RMS-normed)"""
         t, a = x.shape[0], self.self_attn
         return (
             a.q_norm(a.q_proj(x).view(t, self.num_heads, self.head_dim)),

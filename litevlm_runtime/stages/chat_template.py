@@ -107,8 +107,9 @@ def template_pieces(tok: Tokenizer, template: str, system: str, n_images: int, h
     return pieces, text
 
 
-def build_template_prompt(tok: Tokenizer, template: str, system: str, cameras, question: str,
-                          tokens_per_camera: int, history=()) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
+def build_template_prompt(
+    tok: Tokenizer, template: str, system: str, cameras, question: str, tokens_per_camera: int, history=()
+) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
     """The fields of prompt.Prompt (input_ids, image_spans, question_span) for `cameras` (one image
     each) and `question`, by the folder's chat template; prompt.py builds the Prompt from them
     (returned as a tuple because prompt.py imports this module, not the other way round). With

@@ -51,8 +51,11 @@ def check_image_size(camera: str, width: int, height: int, max_image_pixels: int
         raise InputError(f"{camera}: image is {width}x{height} pixels; at least "
                          f"{MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} is needed", camera=camera)
     if width * height > max_image_pixels:
-        raise InputError(f"{camera}: image is {width}x{height} = {width * height / 1e6:.1f} Mpixel, above the "
-                         f"limit of {max_image_pixels / 1e6:.1f} Mpixel (images.max_pixels); refused before decoding", camera=camera)
+        raise InputError(
+            f"{camera}: image is {width}x{height} = {width * height / 1e6:.1f} Mpixel, above the "
+            f"limit of {max_image_pixels / 1e6:.1f} Mpixel (images.max_pixels); refused before decoding",
+            camera=camera,
+        )
 
 
 def describe(exc: Exception) -> str:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
+from ..objects import OBJECT_TAG  # DriveLM object reference: <c1,CAM_BACK,1088.3,497.5> (id, camera, pixel centre)
 from ..weights.checkpoint import read_safetensors
 from ..weights.integrity import verify_model_folder
 
@@ -47,9 +48,6 @@ UNK_TOKEN = "[UNK]"
 # ---------------------------------------------------------------------------------------------
 # Object tags and the keyword map
 # ---------------------------------------------------------------------------------------------
-
-# DriveLM object reference: <c1,CAM_BACK,1088.3,497.5> (object id, camera, pixel centre).
-OBJECT_TAG = re.compile(r"<c\d+,\s*(CAM_[A-Z_]+)\s*,\s*-?[\d.]+\s*,\s*-?[\d.]+\s*>")
 
 F, FL, FR, B, BL, BR = CAMERAS
 _HALF = 0.5  # a neighbouring camera that may also see what the phrase names
@@ -113,7 +111,7 @@ _PHRASE_RE = re.compile(
 
 def tagged_cameras(text: str) -> list[str]:
     """Cameras named in `<cN,CAM_X,x,y>` object tags, in CAMERAS order (unknown names ignored)."""
-    named = set(OBJECT_TAG.findall(text))
+    named = {m.group(2) for m in OBJECT_TAG.finditer(text)}
     return [cam for cam in CAMERAS if cam in named]
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..objects import TAG_FRAME  # tags and 2d boxes in the QA are pixels of this frame (DriveLM's), at any size
 from .camera import rig, sector_camera
 from .qa import frame_qa
 from .render import background, render, render_alone
@@ -41,7 +42,6 @@ from .world import World, decide_ego, sample_world
 
 VERSION = 2                      # 2: tags in TAG_FRAME at every size (1: in the render's pixels)
 CULL_SIZE = (480, 270)           # visibility is decided at this size, whatever the output size
-TAG_FRAME = (1600, 900)          # tags and 2d boxes in the QA are pixels of this frame (DriveLM's), at any size
 MIN_VISIBLE_FRACTION = 0.5       # of the object's unoccluded footprint in its own camera
 MIN_PIXELS = {"traffic light": 6, "pedestrian": 20}   # body pixels at CULL_SIZE
 MIN_PIXELS_DEFAULT = 30

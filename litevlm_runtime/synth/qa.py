@@ -197,13 +197,35 @@ def lane_change_safe(world: World, side: str) -> bool:
 
 def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np.random.Generator
              ) -> tuple[dict, dict[int, str]]:
-    """(frame dict with key_object_infos and QA, {id(object): "cN"}). objects: (object, camera, views)."""
-    choice = _Choice(rng)
-    cam_of = {id(o): cam for o, cam, _ in objects}
+    """(frame dict with key_object_infos and QA, {id(object): "cN"}). objects: (object, camera, views).
+
+    The question groups below draw from `rng` in this order, which is what keeps a seed's
+    SynthDrive set the same: a new group goes after the others, never between them."""
     # IDs c1.. by priority; the first MAX_KEY_OBJECTS are the key objects questions name.
     ranked = sorted(objects, key=lambda t: _priority(t[0]))
+    tags, tag_text, infos = _key_object_tags(ranked[:MAX_KEY_OBJECTS])
+    f = _FrameView(world, objects, rng, [t[0] for t in ranked[:MAX_KEY_OBJECTS]], tag_text)
+
+    perception = _important_objects(f) + _objects_by_direction(f) + _group_status(f)
+    _are_there(f)
+    perception += _counts_and_colours(f) + _traffic_light(f) + _key_object_perception(f)
+    prediction = _prediction(f)
+    planning = _planning(f)
+    behaviour = [qa("Predict the behavior of the ego vehicle.", world.behaviour),
+                 f.choice("Predict the behavior of the ego vehicle.", world.behaviour, BEHAVIOURS)]
+
+    perception += _balance(f.yes_no["perception"], rng)
+    prediction = _balance(f.yes_no["prediction"], rng) + prediction
+    planning = _balance(f.yes_no["planning"], rng) + planning
+    frame = {"key_object_infos": infos,
+             "QA": {"perception": perception, "prediction": prediction, "planning": planning, "behavior": behaviour}}
+    return frame, tags
+
+
+def _key_object_tags(key: list[tuple[WorldObject, str, dict]]) -> tuple[dict, dict, dict]:
+    """({id: "cN"}, {id: "<cN,CAM_X,x,y>"}, key_object_infos) of the key objects, in priority order."""
     tags, tag_text, infos = {}, {}, {}
-    for n, (obj, cam, views) in enumerate(ranked[:MAX_KEY_OBJECTS], start=1):
+    for n, (obj, cam, views) in enumerate(key, start=1):
         x, y = views[cam].centre
         tags[id(obj)] = f"c{n}"
         tag_text[id(obj)] = f"<c{n},{cam},{x:.1f},{y:.1f}>"
@@ -212,43 +234,67 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
         infos[tag_text[id(obj)]] = {"Category": category, "Status": obj.observed_status,
                                     "Visual_description": cap(description(obj)) + ".",
                                     "2d_bbox": [round(v, 1) for v in views[cam].bbox]}
-    key = [t[0] for t in ranked[:MAX_KEY_OBJECTS]]
-    groups: dict[str, Counter] = {cam: Counter() for cam in DIRECTION}
-    status_groups: dict[tuple, list] = {}
-    for obj, cam, _ in objects:
-        groups[cam][obj.kind] += 1
-        status_groups.setdefault((cam, obj.kind), []).append(obj)
+    return tags, tag_text, infos
 
-    perception, prediction, planning, behaviour = [], [], [], []
-    yes_no: dict[str, list[tuple[str, dict]]] = {"perception": [], "prediction": [], "planning": []}
 
-    # -- perception --------------------------------------------------------------------------
-    if key:
-        phrases = [f"{article(description(o))} {where(cam_of[id(o)]).replace('ego car', 'ego vehicle')}" for o in key]
-        ids = [tag_text[id(o)] for o in key]
-        perception.append(qa(IMPORTANT_Q, f"There is {join(phrases)}. The IDs of these objects are {join(ids)}."))
-    else:
-        perception.append(qa(IMPORTANT_Q, "There are no important objects in the current scene."))
+KINDS_ORDER = list(VEHICLE_KINDS) + ["pedestrian", "barrier", "traffic light"]
 
-    kinds_order = list(VEHICLE_KINDS) + ["pedestrian", "barrier", "traffic light"]
-    occupied = [cam for cam in DIRECTION if groups[cam]]
-    empty = [cam for cam in DIRECTION if not groups[cam]]
-    listed = occupied + ([empty[rng.integers(len(empty))]] if empty else [])
+
+class _FrameView:
+    """What the question groups of one frame read: the objects the cameras show, grouped by camera
+    and kind, the key objects with their tags, and the yes/no questions collected per section
+    (balanced per template at the end)."""
+
+    def __init__(self, world: World, objects: list[tuple[WorldObject, str, dict]], rng: np.random.Generator,
+                 key: list[WorldObject], tag_text: dict[int, str]):
+        self.world, self.objects, self.rng, self.key, self.tag_text = world, objects, rng, key, tag_text
+        self.choice = _Choice(rng)
+        self.cam_of = {id(o): cam for o, cam, _ in objects}
+        self.groups: dict[str, Counter] = {cam: Counter() for cam in DIRECTION}
+        self.status_groups: dict[tuple, list] = {}
+        for obj, cam, _ in objects:
+            self.groups[cam][obj.kind] += 1
+            self.status_groups.setdefault((cam, obj.kind), []).append(obj)
+        lights = [o for o, cam, _ in objects if o.kind == "traffic light" and cam == "CAM_FRONT"]
+        self.front_light = lights[0].status if lights else None     # the state of the light ahead, if any
+        self.yes_no: dict[str, list[tuple[str, dict]]] = {"perception": [], "prediction": [], "planning": []}
+
+
+# -- perception --------------------------------------------------------------------------------
+
+def _important_objects(f: _FrameView) -> list[dict]:
+    if not f.key:
+        return [qa(IMPORTANT_Q, "There are no important objects in the current scene.")]
+    phrases = [f"{article(description(o))} {where(f.cam_of[id(o)]).replace('ego car', 'ego vehicle')}" for o in f.key]
+    ids = [f.tag_text[id(o)] for o in f.key]
+    return [qa(IMPORTANT_Q, f"There is {join(phrases)}. The IDs of these objects are {join(ids)}.")]
+
+
+def _objects_by_direction(f: _FrameView) -> list[dict]:
+    """"What are objects to the front of the ego car?" for every camera with objects and one without."""
+    out = []
+    occupied = [cam for cam in DIRECTION if f.groups[cam]]
+    empty = [cam for cam in DIRECTION if not f.groups[cam]]
+    listed = occupied + ([empty[f.rng.integers(len(empty))]] if empty else [])
     for cam in listed:
-        parts = [count_phrase(k, groups[cam][k]) for k in kinds_order if groups[cam][k]]
+        parts = [count_phrase(k, f.groups[cam][k]) for k in KINDS_ORDER if f.groups[cam][k]]
         if parts:
             verb = "There is" if parts[0].startswith("one ") else "There are"
             answer = f"{verb} {join(parts)} {where(cam)}."
         else:
             answer = f"There are no objects {where(cam)}."
-        perception.append(qa(f"What are objects {where(cam)}?", answer))
+        out.append(qa(f"What are objects {where(cam)}?", answer))
+    return out
 
-    # Status of a group: "What is the status of the cars that are to the front of the ego car?"
-    movers = [(cam, kind) for (cam, kind), objs in status_groups.items()
+
+def _group_status(f: _FrameView) -> list[dict]:
+    """Status of a group: "What is the status of the cars that are to the front of the ego car?" """
+    out = []
+    movers = [(cam, kind) for (cam, kind), objs in f.status_groups.items()
               if kind in VEHICLE_KINDS + ("pedestrian",) and len(objs) <= 3]
-    for i in rng.permutation(len(movers))[:2]:
+    for i in f.rng.permutation(len(movers))[:2]:
         cam, kind = movers[i]
-        objs = status_groups[(cam, kind)]
+        objs = f.status_groups[(cam, kind)]
         words = Counter(status_word(o) for o in objs)
         if len(objs) == 1:
             answer = f"The {kind} {where(cam)} is {status_word(objs[0])}."
@@ -259,121 +305,143 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
                 answer = f"{cap(NUMBER[len(objs)])} {PLURAL[kind]} are {next(iter(words))}."
             else:
                 answer = _status_mix(kind, words)
-        perception.append(qa(question, answer))
+        out.append(qa(question, answer))
+    return out
 
-    # Yes/no: "Are there parked trucks to the back left of the ego car?"
-    present = {(cam, o.kind, status_word(o)) for o, cam, _ in objects}
+
+def _are_there(f: _FrameView) -> None:
+    """Yes/no: "Are there parked trucks to the back left of the ego car?", one yes and its no twin."""
+    present = {(cam, o.kind, status_word(o)) for o, cam, _ in f.objects}
     vehicle_words = ["moving", "parked", "stopped"]
-    candidates = [(cam, kind, word) for cam in DIRECTION for kind in kinds_order
+    candidates = [(cam, kind, word) for cam in DIRECTION for kind in KINDS_ORDER
                   for word in ({"car": vehicle_words, "truck": vehicle_words, "bus": vehicle_words,
                                 "pedestrian": ["moving", "standing"]}.get(kind, [None]))]
     yes_c = [c for c in candidates if c in present]
     no_c = [c for c in candidates if c not in present]
-    for i in rng.permutation(len(yes_c))[:1]:
+    for i in f.rng.permutation(len(yes_c))[:1]:
         cam, kind, word = yes_c[i]
         # Its "no" twin asks about the same direction and another kind or status that is absent
         # there, else about the same kind and status elsewhere: one yes and one no per frame.
         twins = [c for c in no_c if c[0] == cam] or [c for c in no_c if c[1:] == (kind, word)]
         if not twins:
             continue
-        twin = twins[rng.integers(len(twins))]
+        twin = twins[f.rng.integers(len(twins))]
         for (c, k, w), answer in (((cam, kind, word), "Yes."), (twin, "No.")):
             noun = PLURAL[k] if w is None else f"{w} {PLURAL[k]}"
-            yes_no["perception"].append(("are_there", qa(f"Are there {noun} {where(c)}?", answer)))
+            f.yes_no["perception"].append(("are_there", qa(f"Are there {noun} {where(c)}?", answer)))
 
-    # Counts and colours, as choice questions.
-    count_pairs = [(cam, kind) for cam in DIRECTION for kind in kinds_order if kind != "traffic light"]
-    picks = [p for p in count_pairs if groups[p[0]][p[1]]]
+
+def _counts_and_colours(f: _FrameView) -> list[dict]:
+    """Counts and colours, as choice questions."""
+    out = []
+    count_pairs = [(cam, kind) for cam in DIRECTION for kind in KINDS_ORDER if kind != "traffic light"]
+    picks = [p for p in count_pairs if f.groups[p[0]][p[1]]]
     for pool in (picks, count_pairs):
         if pool:
-            cam, kind = pool[rng.integers(len(pool))]
-            n = groups[cam][kind]
+            cam, kind = pool[f.rng.integers(len(pool))]
+            n = f.groups[cam][kind]
             answer = COUNT_OPTIONS[min(n, 4)]
-            perception.append(choice(f"How many {PLURAL[kind]} are there {where(cam)}?", answer, COUNT_OPTIONS))
-    singles = [(cam, kind) for (cam, kind), objs in status_groups.items()
+            out.append(f.choice(f"How many {PLURAL[kind]} are there {where(cam)}?", answer, COUNT_OPTIONS))
+    singles = [(cam, kind) for (cam, kind), objs in f.status_groups.items()
                if len(objs) == 1 and kind in VEHICLE_KINDS + ("pedestrian",)]
-    for i in rng.permutation(len(singles))[:2]:
+    for i in f.rng.permutation(len(singles))[:2]:
         cam, kind = singles[i]
-        obj = status_groups[(cam, kind)][0]
+        obj = f.status_groups[(cam, kind)][0]
         q = (f"What colour is the {kind} {where(cam)}?" if kind != "pedestrian"
              else f"What colour is the shirt of the pedestrian {where(cam)}?")
-        perception.append(choice(q, cap(obj.colour) + ".", COLOUR_OPTIONS))
+        out.append(f.choice(q, cap(obj.colour) + ".", COLOUR_OPTIONS))
+    return out
 
-    lights = [o for o, cam, _ in objects if o.kind == "traffic light" and cam == "CAM_FRONT"]
-    yes_no["perception"].append(("=light_present", qa("Is there a traffic light in front of the ego car?",
-                                                     "Yes." if lights else "No.")))
-    state = lights[0].status if lights else None
-    perception.append(choice("What is the state of the traffic light in front of the ego car?",
-                             f"{cap(state)} light." if state else LIGHT_OPTIONS[-1], LIGHT_OPTIONS))
 
-    for obj in key:
-        t = tag_text[id(obj)]
-        perception.append(qa(f"What is the visual description of {t}?", cap(description(obj)) + "."))
-        if obj.kind in VEHICLE_KINDS + ("pedestrian",) and rng.random() < 0.6:
-            perception.append(qa(f"What is the observed status of object {t}?", obj.observed_status + "."))
+def _traffic_light(f: _FrameView) -> list[dict]:
+    f.yes_no["perception"].append(("=light_present", qa("Is there a traffic light in front of the ego car?",
+                                                        "Yes." if f.front_light else "No.")))
+    state = f.front_light
+    return [f.choice("What is the state of the traffic light in front of the ego car?",
+                     f"{cap(state)} light." if state else LIGHT_OPTIONS[-1], LIGHT_OPTIONS)]
+
+
+def _key_object_perception(f: _FrameView) -> list[dict]:
+    out = []
+    for obj in f.key:
+        t = f.tag_text[id(obj)]
+        out.append(qa(f"What is the visual description of {t}?", cap(description(obj)) + "."))
+        if obj.kind in VEHICLE_KINDS + ("pedestrian",) and f.rng.random() < 0.6:
+            out.append(qa(f"What is the observed status of object {t}?", obj.observed_status + "."))
         if obj.kind in VEHICLE_KINDS:
-            perception.append(choice(f"What is the moving status of object {t}?", STATUS_TEXT[obj.status],
-                                     MOVING_OPTIONS))
+            out.append(f.choice(f"What is the moving status of object {t}?", STATUS_TEXT[obj.status], MOVING_OPTIONS))
+    return out
 
-    # -- prediction --------------------------------------------------------------------------
-    for obj in key:
-        t = tag_text[id(obj)]
-        yes_no["prediction"].append(("sign_or_barrier", qa(
+
+# -- prediction --------------------------------------------------------------------------------
+
+def _prediction(f: _FrameView) -> list[dict]:
+    out = []
+    for obj in f.key:
+        t = f.tag_text[id(obj)]
+        f.yes_no["prediction"].append(("sign_or_barrier", qa(
             f"Is {t} a traffic sign or a road barrier?",
             "Yes." if obj.kind in ("traffic light", "barrier") else "No.")))
-        yes_no["prediction"].append(("in_path", qa(
+        f.yes_no["prediction"].append(("in_path", qa(
             f"Would {t} be in the moving direction of the ego vehicle?", "Yes." if _in_ego_path(obj) else "No.")))
         if obj.kind in VEHICLE_KINDS + ("pedestrian",):
-            yes_no["prediction"].append(("is_moving", qa(f"Is {t} moving?", "Yes." if obj.moving else "No.")))
+            f.yes_no["prediction"].append(("is_moving", qa(f"Is {t} moving?", "Yes." if obj.moving else "No.")))
             if obj.kind in VEHICLE_KINDS:
                 future = STATUS_TEXT[obj.status]
             elif obj.place == "crossing":
                 future = "Cross the road."
             else:
                 future = "Keep walking." if obj.status == "walking" else "Keep standing."
-            if rng.random() < 0.5:
-                prediction.append(qa(f"What is the future state of {t}?", future))
-    if key:
-        ordinals = ["Firstly", "Secondly", "Thirdly"]
-        sentences = []
-        for ordinal, obj in zip(ordinals, key):
-            action, _ = _action(world, obj)
-            if obj.kind == "traffic light":
-                state_text = f"a traffic light showing {obj.status}"
-            elif obj.kind == "barrier":
-                state_text = "a road barrier"
-            elif obj.kind == "pedestrian":
-                state_text = "crossing the road" if obj.place == "crossing" else f"{status_word(obj)}"
-            else:
-                state_text = {"going ahead": "going ahead", "turn left": "turning left", "turn right": "turning right",
-                              "stopped": "parked" if obj.parked else "stopped"}[obj.status]
-            sentences.append(f"{ordinal} notice that {tag_text[id(obj)]}. The object is {state_text}, "
-                             f"so the ego vehicle should {action}.")
-        prediction.append(qa(NOTICE_Q, " ".join(sentences)))
+            if f.rng.random() < 0.5:
+                out.append(qa(f"What is the future state of {t}?", future))
+    if f.key:
+        out.append(qa(NOTICE_Q, " ".join(_notice_sentence(f, ordinal, obj)
+                                         for ordinal, obj in zip(["Firstly", "Secondly", "Thirdly"], f.key))))
+    return out
 
-    # -- planning ----------------------------------------------------------------------------
-    for obj in key:
-        t = tag_text[id(obj)]
+
+def _notice_sentence(f: _FrameView, ordinal: str, obj: WorldObject) -> str:
+    action, _ = _action(f.world, obj)
+    if obj.kind == "traffic light":
+        state_text = f"a traffic light showing {obj.status}"
+    elif obj.kind == "barrier":
+        state_text = "a road barrier"
+    elif obj.kind == "pedestrian":
+        state_text = "crossing the road" if obj.place == "crossing" else f"{status_word(obj)}"
+    else:
+        state_text = {"going ahead": "going ahead", "turn left": "turning left", "turn right": "turning right",
+                      "stopped": "parked" if obj.parked else "stopped"}[obj.status]
+    return (f"{ordinal} notice that {f.tag_text[id(obj)]}. The object is {state_text}, "
+            f"so the ego vehicle should {action}.")
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+def _planning(f: _FrameView) -> list[dict]:
+    world, out = f.world, []
+    for obj in f.key:
+        t = f.tag_text[id(obj)]
         action, reason = _action(world, obj)
         reason_text = f"The reason is {reason}"
-        if rng.random() < 0.6:
-            planning.append(qa(f"What actions could the ego vehicle take based on {t}? Why take this action and "
-                               f"what's the probability?",
-                               f"The action is to {action}. {reason_text}, which has a high probability."))
-        if obj.kind != "traffic light" and rng.random() < 0.6:
-            planning.append(qa(f"What actions taken by the ego vehicle can lead to a collision with {t}?",
-                               _collision_action(world, obj)))
+        if f.rng.random() < 0.6:
+            out.append(qa(f"What actions could the ego vehicle take based on {t}? Why take this action and "
+                          f"what's the probability?",
+                          f"The action is to {action}. {reason_text}, which has a high probability."))
+        if obj.kind != "traffic light" and f.rng.random() < 0.6:
+            out.append(qa(f"What actions taken by the ego vehicle can lead to a collision with {t}?",
+                          _collision_action(world, obj)))
     for side in ("left", "right"):
-        yes_no["planning"].append(("lane_change", qa(
+        f.yes_no["planning"].append(("lane_change", qa(
             f"Is it safe for the ego vehicle to change to the {side} lane?",
             "Yes." if lane_change_safe(world, side) else "No.")))
     stop = world.ego_speed == "not moving"
     # Asked both ways round, so that the pair is always one yes and one no.
-    yes_no["planning"].append(("=stop", qa("Does the ego vehicle need to stop?", "Yes." if stop else "No.")))
-    yes_no["planning"].append(("=stop", qa("Can the ego vehicle keep going without stopping?",
-                                           "No." if stop else "Yes.")))
-    planning.append(qa("What is the traffic signal that the ego vehicle should pay attention to?",
-                       f"{cap(state)} light." if state else "None."))
+    f.yes_no["planning"].append(("=stop", qa("Does the ego vehicle need to stop?", "Yes." if stop else "No.")))
+    f.yes_no["planning"].append(("=stop", qa("Can the ego vehicle keep going without stopping?",
+                                             "No." if stop else "Yes.")))
+    state = f.front_light
+    out.append(qa("What is the traffic signal that the ego vehicle should pay attention to?",
+                  f"{cap(state)} light." if state else "None."))
     turn = world.road.curvature
     if stop:
         target, safe, danger = "Stop.", "Stop, keep stationary.", "Accelerate and go straight."
@@ -387,20 +455,10 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
     for side in ("left", "right"):
         if not lane_change_safe(world, side):
             danger = danger[:-1] + f", change to the {side} lane."
-    planning.append(qa("What is the target action of the ego vehicle?", target))
-    planning.append(qa("In this scenario, what are safe actions to take for the ego vehicle?", safe))
-    planning.append(qa("In this scenario, what are dangerous actions to take for the ego vehicle?", danger))
-
-    # -- behaviour ---------------------------------------------------------------------------
-    behaviour.append(qa("Predict the behavior of the ego vehicle.", world.behaviour))
-    behaviour.append(choice("Predict the behavior of the ego vehicle.", world.behaviour, BEHAVIOURS))
-
-    perception += _balance(yes_no["perception"], rng)
-    prediction = _balance(yes_no["prediction"], rng) + prediction
-    planning = _balance(yes_no["planning"], rng) + planning
-    frame = {"key_object_infos": infos,
-             "QA": {"perception": perception, "prediction": prediction, "planning": planning, "behavior": behaviour}}
-    return frame, tags
+    out.append(qa("What is the target action of the ego vehicle?", target))
+    out.append(qa("In this scenario, what are safe actions to take for the ego vehicle?", safe))
+    out.append(qa("In this scenario, what are dangerous actions to take for the ego vehicle?", danger))
+    return out
 
 
 def _status_mix(kind: str, words: Counter) -> str:

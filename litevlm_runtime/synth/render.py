@@ -334,11 +334,17 @@ def _draw_pedestrian(canvas: Canvas, obj: WorldObject, index: int) -> None:
     top = v - h
     body_value, detail_value = 2 * index + 1, 2 * index + 2
     hip = top + 0.53 * h
-    if obj.status == "walking":   # legs apart
-        canvas.polygon([(u - 0.22 * w, hip), (u + 0.02 * w, hip), (u - 0.38 * w, v), (u - 0.78 * w, v)], TROUSERS, detail_value)
-        canvas.polygon([(u - 0.02 * w, hip), (u + 0.22 * w, hip), (u + 0.78 * w, v), (u + 0.38 * w, v)], TROUSERS, detail_value)
-    else:                         # legs together
-        canvas.polygon([(u - 0.3 * w, hip), (u + 0.3 * w, hip), (u + 0.3 * w, v), (u - 0.3 * w, v)], TROUSERS, detail_value)
+    if obj.status == "walking":  # legs apart
+        canvas.polygon(
+            [(u - 0.22 * w, hip), (u + 0.02 * w, hip), (u - 0.38 * w, v), (u - 0.78 * w, v)], TROUSERS, detail_value
+        )
+        canvas.polygon(
+            [(u - 0.02 * w, hip), (u + 0.22 * w, hip), (u + 0.78 * w, v), (u + 0.38 * w, v)], TROUSERS, detail_value
+        )
+    else:  # legs together
+        canvas.polygon(
+            [(u - 0.3 * w, hip), (u + 0.3 * w, hip), (u + 0.3 * w, v), (u - 0.3 * w, v)], TROUSERS, detail_value
+        )
     shirt = COLOURS[obj.colour]
     canvas.polygon([(u - 0.5 * w, top + 0.17 * h), (u + 0.5 * w, top + 0.17 * h),
                     (u + 0.5 * w, hip), (u - 0.5 * w, hip)], shirt, body_value)
@@ -384,7 +390,9 @@ def outside_view(camera: Camera, obj: WorldObject) -> bool:
     its field of view (a cheap, conservative cull; most objects show in one or two of six views)."""
     L, W, H = obj.size
     z_top = LIGHT_HEAD_Z["overhead"] + 1.0 if obj.kind == "traffic light" else H
-    radius = 0.5 * math.sqrt(L * L + W * W + z_top * z_top) + (abs(obj.d - obj.mount_d) if obj.kind == "traffic light" else 0.0)
+    radius = 0.5 * math.sqrt(L * L + W * W + z_top * z_top) + (
+        abs(obj.d - obj.mount_d) if obj.kind == "traffic light" else 0.0
+    )
     x, _, z = camera.to_camera(np.array([[obj.x, obj.y, z_top / 2]]))[0]
     if z + radius < NEAR_M:
         return True

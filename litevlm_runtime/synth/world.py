@@ -116,7 +116,8 @@ class WorldObject:
     d: float
     yaw: float                  # heading in the ego frame, radians
     status: str                 # vehicles: VEHICLE_STATUS; pedestrians: walking/standing; lights: state
-    place: str                  # ego lane / same lane / oncoming lane / parking / sidewalk / crossing / roadside / overhead
+    # ego lane / same lane / oncoming lane / parking / sidewalk / crossing / roadside / overhead
+    place: str
     x: float = 0.0
     y: float = 0.0
     parked: bool = False
@@ -218,7 +219,26 @@ def _placeable(road: Road, s: float, d: float) -> bool:
 
 
 def sample_world(rng: np.random.Generator) -> World:
-    """One random scene. The caller decides the RNG (per-scene seeding keeps scenes independent)."""
+    """One random scene. The caller decides the RNG (per-scene seeding keeps scenes independent).
+
+    The parts below draw from `rng` in this order, which is what keeps a seed's SynthDrive set the
+    same: the road, the look of sky and ground, then the objects (lights, vehicles, barriers,
+    pedestrians), each placed only where the ones before left room."""
+    world = _empty_scene(rng)
+    place = _Placement(world, rng)
+    _place_traffic_lights(place)
+    _place_vehicles(place)
+    _place_barriers(place)
+    _place_pedestrians(place)
+    for obj in world.objects:
+        obj.x, obj.y = (float(v) for v in world.road.point(obj.s, obj.d))
+    decide_ego(world)
+    return world
+
+
+def _empty_scene(rng: np.random.Generator) -> World:
+    """The scene without objects: the lanes, the ego's lane and its direction (the road's
+    curvature), a zebra crossing and a traffic light ahead or not, and the look of sky and ground."""
     n_same = int(rng.choice([1, 2, 2, 3]))
     n_opposite = int(rng.choice([0, 1, 1, 2]))
     ego_lane = int(rng.integers(n_same))
@@ -232,27 +252,46 @@ def sample_world(rng: np.random.Generator) -> World:
     stop_line_s = (crosswalk_s - 1.5) if crosswalk_s is not None else (light_s - 3.0 if light_s else None)
     light_state = str(rng.choice(LIGHT_STATES, p=[0.5, 0.15, 0.35])) if has_light else None
     road = Road(n_same, n_opposite, ego_lane, CURVATURES[direction], crosswalk_s, stop_line_s)
-    world = World(road, [], sample_appearance(rng), light_state=light_state, light_s=light_s)
-    slots = _Slots()
-    colour_names = list(COLOURS)
+    return World(road, [], sample_appearance(rng), light_state=light_state, light_s=light_s)
 
-    def blocked_by_crossing(lo: float, hi: float) -> bool:
+
+class _Placement:
+    """The scene being filled: its world, the RNG, and the stretches of road already taken."""
+
+    def __init__(self, world: World, rng: np.random.Generator):
+        self.world, self.road, self.rng = world, world.road, rng
+        self.slots = _Slots()
+        self.colour_names = list(COLOURS)
+
+    def colour(self) -> str:
+        return self.colour_names[self.rng.integers(len(self.colour_names))]
+
+    def blocked_by_crossing(self, lo: float, hi: float) -> bool:
+        crosswalk_s = self.road.crosswalk_s
         if crosswalk_s is None:
             return False
         return not (hi < crosswalk_s - 3.0 or lo > crosswalk_s + 5.0)
 
-    # Traffic lights: one by the right roadside, sometimes a second over the ego lane.
-    if has_light:
-        pole_d = road.right_edge - PARKING_WIDTH - 0.6
-        world.objects.append(WorldObject("traffic light", light_state, light_s, pole_d, 0.0, light_state,
-                                         "roadside", mount_d=pole_d))
-        if rng.random() < 0.5:
-            world.objects.append(WorldObject("traffic light", light_state, light_s, 0.0, 0.0, light_state,
-                                             "overhead", mount_d=pole_d))
 
-    # Vehicles in lanes and on the parking strips.
+def _place_traffic_lights(place: _Placement) -> None:
+    """One by the right roadside, sometimes a second over the ego lane."""
+    world, road = place.world, place.road
+    if world.light_s is None:
+        return
+    pole_d = road.right_edge - PARKING_WIDTH - 0.6
+    world.objects.append(WorldObject("traffic light", world.light_state, world.light_s, pole_d, 0.0,
+                                     world.light_state, "roadside", mount_d=pole_d))
+    if place.rng.random() < 0.5:
+        world.objects.append(WorldObject("traffic light", world.light_state, world.light_s, 0.0, 0.0,
+                                         world.light_state, "overhead", mount_d=pole_d))
+
+
+def _place_vehicles(place: _Placement) -> None:
+    """Vehicles in lanes and on the parking strips: up to 4 tries per vehicle wanted."""
+    world, road, rng = place.world, place.road, place.rng
     n_vehicles = int(rng.integers(2, 9))
-    lanes = [("same", j) for j in range(n_same)] + [("oncoming", n_same + j) for j in range(n_opposite)]
+    lanes = [("same", j) for j in range(road.n_same)] + \
+        [("oncoming", road.n_same + j) for j in range(road.n_opposite)]
     for _ in range(n_vehicles * 4):
         if sum(o.kind in VEHICLE_KINDS for o in world.objects) >= n_vehicles:
             break
@@ -261,86 +300,96 @@ def sample_world(rng: np.random.Generator) -> World:
         s = float(rng.uniform(-45.0, 60.0))
         lo, hi = s - length / 2 - 2.5, s + length / 2 + 2.5
         if rng.random() < 0.22:                                   # parked on a parking strip
-            side = "right" if rng.random() < 0.6 or n_opposite == 0 else "left"
+            side = "right" if rng.random() < 0.6 or road.n_opposite == 0 else "left"
             d = road.right_edge - PARKING_WIDTH / 2 if side == "right" else road.left_edge + PARKING_WIDTH / 2
-            slot, place, yaw_base, status, parked = f"parking_{side}", "parking", 0.0, "stopped", True
+            slot, place_name, yaw_base, status, parked = f"parking_{side}", "parking", 0.0, "stopped", True
             if side == "left":
                 yaw_base = math.pi
         else:
-            direction_of_lane, j = lanes[rng.integers(len(lanes))]
-            d = road.lane_centre(j)
-            slot = f"lane_{j}"
+            lane = _vehicle_in_lane(world, rng, lanes, s)
+            if lane is None:
+                continue
+            d, slot, place_name, yaw_base, status = lane
             parked = False
-            if direction_of_lane == "same":
-                yaw_base = 0.0
-                place = "ego lane" if j == ego_lane else "same lane"
-                if j == ego_lane and abs(s) < 8.0:
-                    continue
-                ahead_of_light = light_s is not None and 0.0 < s < light_s
-                if ahead_of_light and light_state == "red":
-                    status = "stopped"
-                else:
-                    status = str(rng.choice(VEHICLE_STATUS, p=[0.4, 0.2, 0.2, 0.2]))
-                    if status == "stopped" and s < 0:               # brake lamps only show from behind
-                        status = "going ahead"
-            else:
-                yaw_base, place = math.pi, "oncoming lane"
-                status = str(rng.choice(VEHICLE_STATUS[:3], p=[0.5, 0.25, 0.25]))
-        if not slots.free(slot, lo, hi) or blocked_by_crossing(lo, hi) or not _placeable(road, s, d):
+        if not place.slots.free(slot, lo, hi) or place.blocked_by_crossing(lo, hi) or not _placeable(road, s, d):
             continue
-        if place == "ego lane" and s > 0 and light_s is not None and s > light_s - 4.0:
+        if place_name == "ego lane" and s > 0 and world.light_s is not None and s > world.light_s - 4.0:
             continue                                              # keep the light in view
         turn = {"turn left": TURN_YAW_RAD, "turn right": -TURN_YAW_RAD}.get(status, 0.0)
         yaw = float(road.heading(s)) + yaw_base + turn
-        slots.take(slot, lo, hi)
-        world.objects.append(WorldObject(kind, colour_names[rng.integers(len(colour_names))], s, d, yaw,
-                                         status, place, parked=parked))
+        place.slots.take(slot, lo, hi)
+        world.objects.append(WorldObject(kind, place.colour(), s, d, yaw, status, place_name, parked=parked))
 
-    # Barriers: on a parking strip, or closing a lane next to the ego's ahead.
+
+def _vehicle_in_lane(world: World, rng: np.random.Generator, lanes: list[tuple[str, int]], s: float
+                     ) -> tuple[float, str, str, float, str] | None:
+    """(d, slot, place, yaw_base, status) of a vehicle at s in a lane drawn from `lanes`; None
+    where the ego itself is (its own lane, |s| < 8 m)."""
+    road = world.road
+    direction_of_lane, j = lanes[rng.integers(len(lanes))]
+    d = road.lane_centre(j)
+    slot = f"lane_{j}"
+    if direction_of_lane != "same":
+        return d, slot, "oncoming lane", math.pi, str(rng.choice(VEHICLE_STATUS[:3], p=[0.5, 0.25, 0.25]))
+    place = "ego lane" if j == road.ego_lane else "same lane"
+    if j == road.ego_lane and abs(s) < 8.0:
+        return None
+    ahead_of_light = world.light_s is not None and 0.0 < s < world.light_s
+    if ahead_of_light and world.light_state == "red":
+        status = "stopped"
+    else:
+        status = str(rng.choice(VEHICLE_STATUS, p=[0.4, 0.2, 0.2, 0.2]))
+        if status == "stopped" and s < 0:               # brake lamps only show from behind
+            status = "going ahead"
+    return d, slot, place, 0.0, status
+
+
+def _place_barriers(place: _Placement) -> None:
+    """On a parking strip, or closing a lane next to the ego's ahead."""
+    world, road, rng = place.world, place.road, place.rng
     for _ in range(int(rng.choice([0, 0, 1, 2, 3]))):
         s = float(rng.uniform(-35.0, 45.0))
-        if rng.random() < 0.25 and n_same > 1:
-            j = ego_lane + (1 if ego_lane + 1 < n_same else -1)
+        if rng.random() < 0.25 and road.n_same > 1:
+            j = road.ego_lane + (1 if road.ego_lane + 1 < road.n_same else -1)
             d, slot = road.lane_centre(j) + float(rng.uniform(-0.6, 0.6)), f"lane_{j}"
         else:
             side = "right" if rng.random() < 0.6 else "left"
             d = road.right_edge - 0.8 if side == "right" else road.left_edge + 0.8
             slot = f"parking_{side}"
-        if not slots.free(slot, s - 2.5, s + 2.5) or blocked_by_crossing(s - 1, s + 1) or not _placeable(road, s, d):
+        if not place.slots.free(slot, s - 2.5, s + 2.5) or place.blocked_by_crossing(s - 1, s + 1) \
+                or not _placeable(road, s, d):
             continue
-        slots.take(slot, s - 2.5, s + 2.5)
+        place.slots.take(slot, s - 2.5, s + 2.5)
         world.objects.append(WorldObject("barrier", BARRIER_COLOUR, s, d, float(road.heading(s)), "static", "roadside"))
 
-    # Pedestrians: crossing ahead on the zebra (only when traffic must stop for them), and
-    # walking or standing on the sidewalks.
-    if crosswalk_s is not None and light_state in (None, "red") and rng.random() < 0.9:
+
+def _place_pedestrians(place: _Placement) -> None:
+    """Crossing ahead on the zebra (only when traffic must stop for them), and walking or
+    standing on the sidewalks."""
+    world, road, rng = place.world, place.road, place.rng
+    crosswalk_s = road.crosswalk_s
+    if crosswalk_s is not None and world.light_state in (None, "red") and rng.random() < 0.9:
         for _ in range(int(rng.integers(1, 4))):
             d = float(rng.uniform(road.right_edge + 0.5, road.left_edge - 0.5))
             s = crosswalk_s + float(rng.uniform(0.8, 2.2))
-            if not slots.free(f"crossing_{round(d)}", d - 1.0, d + 1.0) or not _placeable(road, s, d):
+            if not place.slots.free(f"crossing_{round(d)}", d - 1.0, d + 1.0) or not _placeable(road, s, d):
                 continue
-            slots.take(f"crossing_{round(d)}", d - 1.0, d + 1.0)
+            place.slots.take(f"crossing_{round(d)}", d - 1.0, d + 1.0)
             yaw = float(road.heading(s)) + (math.pi / 2 if rng.random() < 0.5 else -math.pi / 2)
-            world.objects.append(WorldObject("pedestrian", colour_names[rng.integers(len(colour_names))], s, d, yaw,
-                                             "walking", "crossing"))
+            world.objects.append(WorldObject("pedestrian", place.colour(), s, d, yaw, "walking", "crossing"))
     for _ in range(int(rng.integers(0, 4))):
         side = "right" if rng.random() < 0.5 else "left"
         edge = road.right_edge - PARKING_WIDTH if side == "right" else road.left_edge + PARKING_WIDTH
         offset = float(rng.uniform(0.6, SIDEWALK_WIDTH - 0.6))
         d = edge - offset if side == "right" else edge + offset
         s = float(rng.uniform(-30.0, 40.0))
-        if not slots.free(f"sidewalk_{side}", s - 1.0, s + 1.0) or not _placeable(road, s, d):
+        if not place.slots.free(f"sidewalk_{side}", s - 1.0, s + 1.0) or not _placeable(road, s, d):
             continue
-        slots.take(f"sidewalk_{side}", s - 1.0, s + 1.0)
+        place.slots.take(f"sidewalk_{side}", s - 1.0, s + 1.0)
         walking = rng.random() < 0.5
         yaw = float(road.heading(s)) + (0.0 if rng.random() < 0.5 else math.pi)
-        world.objects.append(WorldObject("pedestrian", colour_names[rng.integers(len(colour_names))], s, d, yaw,
+        world.objects.append(WorldObject("pedestrian", place.colour(), s, d, yaw,
                                          "walking" if walking else "standing", "sidewalk"))
-
-    for obj in world.objects:
-        obj.x, obj.y = (float(v) for v in road.point(obj.s, obj.d))
-    decide_ego(world)
-    return world
 
 
 def decide_ego(world: World) -> None:

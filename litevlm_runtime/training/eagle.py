@@ -178,7 +178,10 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
         out = Path(out or Path(model_dir) / "eagle")
         save_draft_head(draft, out, record)
         write_manifest(out)
-        log(f"mean accepted length on {len(held)} held-out questions: untrained {untrained:.2f} -> trained {trained:.2f}")
+        log(
+            f"mean accepted length on {len(held)} held-out questions: untrained {untrained:.2f} -> "
+            f"trained {trained:.2f}"
+        )
         log(f"wrote {out}")
     d.close()
     return record

@@ -90,11 +90,22 @@ def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> P
             mask[b:b + n, b:b + n] = torch.ones(n, n, dtype=torch.bool).tril()
             b += n
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    return PackedBatch(as_long(ids), as_long(pos), mask, as_long(visual_rows), as_long(target_rows),
-                       as_long(targets), torch.tensor(weights, dtype=torch.float64), [f for f, _ in groups], sum(len(items) for _, items in groups))
+    return PackedBatch(
+        as_long(ids),
+        as_long(pos),
+        mask,
+        as_long(visual_rows),
+        as_long(target_rows),
+        as_long(targets),
+        torch.tensor(weights, dtype=torch.float64),
+        [f for f, _ in groups],
+        sum(len(items) for _, items in groups),
+    )
 
 
-def split_into_sequences(groups: list[tuple[int, list[Encoded]]], max_tokens: int) -> list[list[tuple[int, list[Encoded]]]]:
+def split_into_sequences(
+    groups: list[tuple[int, list[Encoded]]], max_tokens: int
+) -> list[list[tuple[int, list[Encoded]]]]:
     """Consecutive groups packed greedily into sequences of at most max_tokens (a group longer than
     that is split into several groups of the same frame)."""
     pieces = []                   # (frame, QA, the length pack() gives them)
@@ -140,7 +151,9 @@ class PackedLoss(nn.Module):
         self.probe = probe
         self.probe_weight = probe_weight
 
-    def forward(self, pixels: torch.Tensor, batch: PackedBatch, visual_labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, pixels: torch.Tensor, batch: PackedBatch, visual_labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         lm = self.model.language_model
         visual = self.model.encode_images(pixels)                     # [tiles, tokens_per_tile, D]
         aux = 0.0

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..cameras import CAMERAS
@@ -52,7 +51,7 @@ from ..stages.token_selector import TokenSelector, kept_count, save_token_select
 from ..weights.checkpoint import load_model
 from ..weights.integrity import write_manifest
 from ..weights.tokenizer import Tokenizer
-from .distributed import setup, threads_per_rank
+from .distributed import Dist, setup, threads_per_rank
 from .provenance import data_provenance
 from .vlm_data import load_frames
 
@@ -235,7 +234,8 @@ def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], sele
         same = sum(a.token_ids == r.token_ids for a, r in zip(answers, reference))
         out[name] = {"identical_answers": same / max(1, len(samples)), "accuracy": accuracy(answers),
                      "kept_tokens": answers[0].kept_tokens if answers else 0}
-        log(f"  pipeline keep {keep_ratio:g} with the {name} selector: {same}/{len(samples)} answers identical to keep-all")
+        log(f"  pipeline keep {keep_ratio:g} with the {name} selector: {same}/{len(samples)} answers identical "
+            f"to keep-all")
     return out
 
 
@@ -246,13 +246,12 @@ def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], sele
 
 def train(args) -> dict | None:
     d = setup()
-    rank, world, device = d.rank, d.world, d.device
-    if world > 1 and device.type == "cpu":
+    if d.world > 1 and d.device.type == "cpu":
         torch.set_num_threads(threads_per_rank())     # the machine's cores are shared between the ranks
     if args.threads:
         torch.set_num_threads(args.threads)     # on a shared CPU, fewer threads avoid OpenMP spin contention
     try:
-        return _train(args, rank, world, device, d.log)
+        return _train(args, d)
     finally:
         d.close()
 
@@ -282,56 +281,94 @@ def split_samples(frames, args, rng: random.Random, n_val_file: int = 0) -> tupl
     return samples_of(train_idx, args.max_samples), samples_of(sorted(val_frames), args.eval_samples)
 
 
-def _train(args, rank: int, world: int, device: torch.device, log) -> dict | None:
+def _train(args, d: Dist) -> dict | None:
+    """Teacher labels for this rank's shard, the KL loop, then rank 0 evaluates the untrained and
+    trained selectors on held-out frames (and through the pipeline) and writes the selector."""
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     if not 0 < args.keep_ratio < 1:
         raise InputError(f"--keep-ratio must lie in (0, 1), got {args.keep_ratio}")
-    # DriveLM reading and image-path resolution are shared with `train vlm` (imported here so
-    # that the CLI's parser never depends on that module).
+    frames, train_samples, val_samples = _data(args, rng, d)
+    model, pipe, untrained, selector = _teacher_and_selectors(args, d)
+    d.log("labels (training shard):")
+    mine = train_samples[d.rank::d.world]          # each rank labels and trains on its own shard
+    train_data = Prepared(pipe, frames, mine, args.max_answer_tokens, d.log)
+    val_data = before = None
+    if d.rank == 0:
+        d.log("labels (held-out):")
+        val_data = Prepared(pipe, frames, val_samples, args.max_answer_tokens, d.log)
+        before = evaluate(untrained, val_data, args.keep_ratio)
+        d.log(f"untrained (layer-0 copy): held-out KL {before['kl']:.4f}  recall@{args.keep_ratio:g} "
+              f"{before[f'recall@{args.keep_ratio:g}']:.4f}")
+    history, train_s = _optimize(args, d, selector, train_data, rng)
+    if d.rank != 0:
+        return None
 
-    model_dir = Path(args.model)
+    selector.eval()
+    after = evaluate(selector, val_data, args.keep_ratio)
+    key = f"recall@{args.keep_ratio:g}"
+    d.log(f"trained: held-out KL {after['kl']:.4f}  {key} {after[key]:.4f}   "
+          f"(untrained: KL {before['kl']:.4f}  {key} {before[key]:.4f}; random choice: {args.keep_ratio:g})")
+    agreement = None
+    if args.eval_questions:
+        d.log("pipeline answers on held-out questions:")
+        agreement = pipeline_agreement(model, Path(args.model), frames, val_samples[:args.eval_questions],
+                                       {"untrained": untrained, "trained": selector}, args.keep_ratio,
+                                       args.scope, args.max_new_tokens, str(d.device), d.log)
+    record = _record(args, d.world, model, len(train_samples), len(val_samples),
+                     {"untrained": before, "trained": after, "random_recall": args.keep_ratio, "pipeline": agreement},
+                     history, train_s, t_start)
+    out = Path(args.out) if args.out else Path(args.model) / "token_selector"
+    save_token_selector(selector, out, record)
+    write_manifest(out)
+    d.log(f"wrote {out}")
+    if args.json:
+        print(json.dumps(record["metrics"], indent=2))
+    return record
+
+
+def _data(args, rng: random.Random, d: Dist) -> tuple[list, list[Sample], list[Sample]]:
+    """(key frames, training samples, held-out samples); --val's frames follow --data's."""
     frames = load_frames(args.data, args.frames)
     n_val_file = 0
     if args.val:
         val = load_frames(args.val, args.val_frames or args.frames)
         frames, n_val_file = frames + val, len(val)
     train_samples, val_samples = split_samples(frames, args, rng, n_val_file)
-    log(f"data: {len(train_samples)} training QA, {len(val_samples)} held-out QA "
-        f"({len(frames)} key frames; split by frame); world size {world}")
+    d.log(f"data: {len(train_samples)} training QA, {len(val_samples)} held-out QA "
+          f"({len(frames)} key frames; split by frame); world size {d.world}")
+    return frames, train_samples, val_samples
 
-    model = load_model(model_dir).to(device)
+
+def _teacher_and_selectors(args, d: Dist) -> tuple[torch.nn.Module, Pipeline, TokenSelector, TokenSelector]:
+    """The frozen teacher (the full model, through the pipeline that encodes and lays out the
+    prompts), the untrained layer-0 copy kept for comparison, and the selector to train (only its
+    score parameters trainable)."""
+    model = load_model(Path(args.model)).to(d.device)
     model.requires_grad_(False)
-    pipe = Pipeline.from_model(model, Tokenizer(model_dir), options_from_flat({
-        "pipeline": "baseline", "device": str(device), "max_new_tokens": args.max_new_tokens}))
+    pipe = Pipeline.from_model(model, Tokenizer(Path(args.model)), options_from_flat({
+        "pipeline": "baseline", "device": str(d.device), "max_new_tokens": args.max_new_tokens}))
     untrained = TokenSelector.from_decoder(pipe.rt.lm, args.reduce).eval()
     selector = TokenSelector.from_decoder(pipe.rt.lm, args.reduce)
     selector.requires_grad_(False)
     trainable = selector.score_parameters()
     for param in trainable:
         param.requires_grad_(True)
-    log(f"selector: copy of decoder layer 0 ({sum(p.numel() for p in trainable) / 1e6:.2f} M trainable parameters), "
-        f"reduce {args.reduce}; teacher: answer->visual attention of layers "
-        f"{model.cfg.llm.num_hidden_layers // 2}..{model.cfg.llm.num_hidden_layers - 1}")
+    d.log(f"selector: copy of decoder layer 0 ({sum(p.numel() for p in trainable) / 1e6:.2f} M trainable parameters), "
+          f"reduce {args.reduce}; teacher: answer->visual attention of layers "
+          f"{model.cfg.llm.num_hidden_layers // 2}..{model.cfg.llm.num_hidden_layers - 1}")
+    return model, pipe, untrained, selector
 
-    log("labels (training shard):")
-    mine = train_samples[rank::world]          # each rank labels and trains on its own shard
-    train_data = Prepared(pipe, frames, mine, args.max_answer_tokens, log)
-    val_data = None
-    if rank == 0:
-        log("labels (held-out):")
-        val_data = Prepared(pipe, frames, val_samples, args.max_answer_tokens, log)
-        before = evaluate(untrained, val_data, args.keep_ratio)
-        log(f"untrained (layer-0 copy): held-out KL {before['kl']:.4f}  recall@{args.keep_ratio:g} "
-            f"{before[f'recall@{args.keep_ratio:g}']:.4f}")
 
-    loss_module = SelectorLoss(selector)
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-        loss_module = DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
+def _optimize(args, d: Dist, selector: TokenSelector, train_data: Prepared, rng: random.Random
+              ) -> tuple[list[dict], float]:
+    """AdamW with cosine decay to 0 over --steps; each step --batch samples drawn at random (each
+    rank its share, from its own shard). Returns (loss history, seconds)."""
+    trainable = selector.score_parameters()
+    loss_module = d.wrap(SelectorLoss(selector))
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
-    per_rank = max(1, args.batch // world)
+    per_rank = max(1, args.batch // d.world)
     history = []
     window, window_t0, train_t0 = [], time.monotonic(), time.monotonic()
     for step in range(args.steps):
@@ -345,58 +382,38 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
             # Under DDP, gradients are all-reduced once per step (on the last sample's backward) and
             # averaged over ranks: the gradient of the global batch mean.
             last = j == len(batch) - 1
-            with loss_module.no_sync() if world > 1 and not last else contextlib.nullcontext():
+            with loss_module.no_sync() if d.world > 1 and not last else contextlib.nullcontext():
                 loss = loss_module(embeds, torch.arange(s.length, device=embeds.device), s) / per_rank
                 loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(trainable, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if world > 1:
-            t = torch.tensor([total], dtype=torch.float64)
-            dist.all_reduce(t)
-            total = float(t) / world
-        window.append(total)
+        window.append(d.mean(total))
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean_step = (time.monotonic() - train_t0) / (step + 1)
-            log(f"step {step + 1:5d}/{args.steps}  loss {sum(window) / len(window):.4f}  lr {lr:.2e}  "
-                f"{(time.monotonic() - window_t0) / len(window):.2f} s/step  ETA {mean_step * (args.steps - step - 1):.0f} s")
+            d.log(f"step {step + 1:5d}/{args.steps}  loss {sum(window) / len(window):.4f}  lr {lr:.2e}  "
+                  f"{(time.monotonic() - window_t0) / len(window):.2f} s/step  "
+                  f"ETA {mean_step * (args.steps - step - 1):.0f} s")
             history.append({"step": step + 1, "loss": sum(window) / len(window)})
             window, window_t0 = [], time.monotonic()
-    train_s = time.monotonic() - train_t0
-    if rank != 0:
-        return None
+    return history, time.monotonic() - train_t0
 
-    selector.eval()
-    after = evaluate(selector, val_data, args.keep_ratio)
-    key = f"recall@{args.keep_ratio:g}"
-    log(f"trained: held-out KL {after['kl']:.4f}  {key} {after[key]:.4f}   "
-        f"(untrained: KL {before['kl']:.4f}  {key} {before[key]:.4f}; random choice: {args.keep_ratio:g})")
-    agreement = None
-    if args.eval_questions:
-        log("pipeline answers on held-out questions:")
-        questions = val_samples[:args.eval_questions]
-        agreement = pipeline_agreement(model, model_dir, frames, questions,
-                                       {"untrained": untrained, "trained": selector}, args.keep_ratio,
-                                       args.scope, args.max_new_tokens, str(device), log)
-    out = Path(args.out) if args.out else model_dir / "token_selector"
-    record = {
+
+def _record(args, world: int, model, n_train: int, n_val: int, metrics: dict, history: list[dict],
+            train_s: float, t_start: float) -> dict:
+    """The selector's config.json: the command, settings, data hashes, metrics and loss history."""
+    layers = model.cfg.llm.num_hidden_layers
+    return {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
         "world_size": world, "torch": torch.__version__,
-        "model": str(model_dir), "data": data_provenance(args.data),
+        "model": str(Path(args.model)), "data": data_provenance(args.data),
         "val_data": data_provenance(args.val) if args.val else None,
-        "teacher_layers": [model.cfg.llm.num_hidden_layers // 2, model.cfg.llm.num_hidden_layers - 1],
+        "teacher_layers": [layers // 2, layers - 1],
         "loss": "per-camera KL(teacher answer->visual attention || selector question->visual attention)",
-        "train_samples": len(train_samples), "held_out_samples": len(val_samples),
-        "metrics": {"untrained": before, "trained": after, "random_recall": args.keep_ratio,
-                    "pipeline": agreement},
+        "train_samples": n_train, "held_out_samples": n_val,
+        "metrics": metrics,
         "train_seconds": round(train_s, 1), "total_seconds": round(time.monotonic() - t_start, 1),
         "history": history,
     }
-    save_token_selector(selector, out, record)
-    write_manifest(out)
-    log(f"wrote {out}")
-    if args.json:
-        print(json.dumps(record["metrics"], indent=2))
-    return record

@@ -25,13 +25,12 @@ import argparse
 import math
 import random
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -53,7 +52,7 @@ from ..stages.view_selector import (
     train_tokenizer,
 )
 from ..weights.integrity import write_manifest
-from .distributed import setup
+from .distributed import Dist, setup
 from .provenance import data_provenance, reproduce_command
 
 # ---------------------------------------------------------------------------------------------
@@ -126,11 +125,13 @@ def split_by_frame(records: list[QARecord], holdout: float | list[str], fold: in
     else:
         n_eval = int(holdout) if holdout >= 1 else max(1, round(holdout * len(frames)))
         if n_eval >= len(frames):
-            raise InputError(f"holding out {holdout} frames leaves no training frame (the data has {len(frames)} frames)")
+            raise InputError(f"holding out {holdout} frames leaves no training frame "
+                             f"(the data has {len(frames)} frames)")
         random.Random(seed).shuffle(frames)
         n_folds = len(frames) // n_eval
         if not 0 <= fold < n_folds:
-            raise InputError(f"--fold {fold} out of range: {len(frames)} frames in blocks of {n_eval} give folds 0..{n_folds - 1}")
+            raise InputError(f"--fold {fold} out of range: {len(frames)} frames in blocks of {n_eval} "
+                             f"give folds 0..{n_folds - 1}")
         held = set(frames[fold * n_eval : (fold + 1) * n_eval])
     kept = [r for r in records if (r.source, r.frame) not in held]
     held_out = [r for r in records if (r.source, r.frame) in held]
@@ -153,7 +154,8 @@ class QuestionDataset(Dataset):
 # Choosing the fusion rule on validation frames
 # ---------------------------------------------------------------------------------------------
 
-GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98)
+GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95,
+        0.98)
 # The module removes a camera only when confident it is not needed: at most a 30% probability.
 # (Measured: with higher thresholds even the untrained module, near 0.5 everywhere, removes, and
 # a validation frame cannot tell luck from skill there.)
@@ -171,7 +173,8 @@ def fusion_candidates(base: Fusion, rules: tuple[str, ...] = FUSION_RULES) -> li
         elif rule == "remove":
             out += [replace(base, rule=rule, remove_threshold=t) for t in REMOVE_GRID]
         elif rule == "add_remove":
-            out += [replace(base, rule=rule, add_threshold=a, remove_threshold=r) for r in REMOVE_GRID for a in GRID if r < a]
+            out += [replace(base, rule=rule, add_threshold=a, remove_threshold=r)
+                    for r in REMOVE_GRID for a in GRID if r < a]
         else:
             out += [replace(base, rule=rule, keyword_weight=w) for w in sorted(GRID, reverse=True)]
     return out
@@ -240,35 +243,75 @@ def train(args) -> dict | None:
     # makes them far slower (measured on a loaded 2-core machine: 2 s vs 35 s per epoch).
     torch.set_num_threads(args.threads)
     d = setup(args.device)
-    rank, world, device = d.rank, d.world, d.device
     try:
-        return _train(args, rank, world, device, d.log)
+        return _train(args, d)
     finally:
         d.close()
 
 
-def _train(args, rank: int, world: int, device: torch.device, log) -> dict | None:
-    out_dir = Path(args.out) if args.out else Path(args.model) / "view_selector"
+@dataclass
+class _Splits:
+    """Three disjoint sets of key frames: training, validation (chooses the fusion rule and its
+    thresholds) and evaluation (never trained or tuned on); plus --eval-data (other scenes)."""
+    train: list[QARecord]
+    val: list[QARecord]
+    val_frames: list[str]
+    eval: list[QARecord]
+    eval_frames: list[str]
+    extra_eval: list[QARecord]       # --eval-data files: never trained on
+
+
+def _train(args, d: Dist) -> dict | None:
+    """Data splits, tokenizer, model; the epochs; then rank 0 tunes the fusion rule on the
+    validation frames, compares trained and untrained selectors, and writes the selector."""
+    splits = _split_data(args, d)
+    torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts them)
+    tokenizer = _tokenizer_for(args, [r.question for r in splits.train], d.rank, d.world)
+    cfg = _model_config(args, tokenizer.get_vocab_size())
+    model = ViewSelector(cfg).to(d.device)
+    initial_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+    start = time.monotonic()
+    history = _train_epochs(args, d, model, tokenizer, cfg.max_len, splits.train, start)
+    result = None
+    if d.rank == 0:
+        model.eval()
+        tuning = _tune_on_validation(args, model, tokenizer, cfg, splits, d)
+        untrained_model = ViewSelector(cfg)
+        untrained_model.load_state_dict(initial_state)
+        metrics = _compare(LoadedViewSelector(model, tokenizer, d.device),
+                           LoadedViewSelector(untrained_model, tokenizer, d.device), splits)
+        settings = _settings(args, splits, d.world, tuning, history, start)
+        out_dir = Path(args.out) if args.out else Path(args.model) / "view_selector"
+        save_view_selector(out_dir, model, tokenizer, {"training": settings, "metrics": metrics})
+        write_manifest(out_dir)
+        d.log(f"wrote {out_dir}/ (config.json, model.safetensors, tokenizer.json)")
+        _report(args, metrics, splits, d.log)
+        result = metrics
+    if d.world > 1:
+        dist.barrier()
+    return result
+
+
+def _split_data(args, d: Dist) -> _Splits:
     records = load_qa(args.data)
-    # Three disjoint sets of key frames: evaluation (never trained or tuned on), validation
-    # (chooses the fusion rule and its thresholds) and training.
     rest, eval_records, eval_frames = split_by_frame(records, args.frames_holdout, args.fold, args.seed)
     train_records, val_records, val_frames = split_by_frame(rest, args.val_frames, 0, args.seed)
     if args.fusion == "auto" and not val_records:
-        raise InputError("train views: --fusion auto chooses the rule on validation frames; give --val-frames or a fixed --fusion")
-    # Separate evaluation files (other scenes, another data set) are never trained on.
+        raise InputError("train views: --fusion auto chooses the rule on validation frames; "
+                         "give --val-frames or a fixed --fusion")
     extra_eval = load_qa(args.eval_data) if args.eval_data else []
-    log(
+    d.log(
         f"view selector: {len(records)} questions from {len(args.data)} file(s); training on "
         f"{len(train_records)} ({len({r.frame for r in train_records})} frames), validating on "
         f"{len(val_records)} ({len(val_frames)} frames), evaluating on {len(eval_records)} "
-        f"({len(eval_frames)} held-out frames); world size {world}, device {device}"
+        f"({len(eval_frames)} held-out frames); world size {d.world}, device {d.device}"
     )
+    return _Splits(train_records, val_records, val_frames, eval_records, eval_frames, extra_eval)
 
-    torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts them)
-    tokenizer = _tokenizer_for(args, [r.question for r in train_records], rank, world)
-    cfg = ViewSelectorConfig(
-        vocab_size=tokenizer.get_vocab_size(),
+
+def _model_config(args, vocab_size: int) -> ViewSelectorConfig:
+    return ViewSelectorConfig(
+        vocab_size=vocab_size,
         width=args.width,
         layers=args.layers,
         heads=args.heads,
@@ -280,12 +323,18 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         add_threshold=args.add_threshold,
         remove_threshold=args.remove_threshold,
     )
-    model = ViewSelector(cfg).to(device)
-    initial_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
 
-    dataset = QuestionDataset(train_records, args.answer_tags)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed) if world > 1 else None
+
+def _train_epochs(args, d: Dist, model: ViewSelector, tokenizer, max_len: int, records: list[QARecord],
+                  start: float) -> list[float]:
+    """AdamW with linear warm-up then cosine decay (the usual schedule for a small transformer
+    from scratch) on the per-camera BCE; every rank its shard under torchrun. Returns the mean
+    loss of each epoch."""
+    device = d.device
+    ddp_model = d.wrap(model)
+    dataset = QuestionDataset(records, args.answer_tags)
+    sampler = DistributedSampler(dataset, num_replicas=d.world, rank=d.rank, shuffle=True, seed=args.seed) \
+        if d.world > 1 else None
     loader = DataLoader(
         dataset,
         batch_size=args.batch_size,
@@ -297,13 +346,8 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     total_steps = args.epochs * len(loader)
     warmup = max(1, total_steps // 20)
-    # Linear warm-up then cosine decay: the usual schedule for a small transformer from scratch.
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)),
-    )
-
-    start = time.monotonic()
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5
+                                                 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
     history = []
     for epoch in range(args.epochs):
         if sampler is not None:
@@ -311,7 +355,7 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
         ddp_model.train()
         loss_sum = torch.zeros(2, device=device)  # (sum of per-question losses, questions)
         for questions, labels in loader:
-            ids, pad = encode_batch(tokenizer, questions, cfg.max_len)
+            ids, pad = encode_batch(tokenizer, questions, max_len)
             logits = ddp_model(ids.to(device), pad.to(device))
             # Per-camera BCE summed over cameras, averaged over questions.
             loss = F.binary_cross_entropy_with_logits(logits, labels.to(device), reduction="none").sum(-1).mean()
@@ -319,82 +363,88 @@ def _train(args, rank: int, world: int, device: torch.device, log) -> dict | Non
             loss.backward()
             optimizer.step()
             schedule.step()
-            loss_sum += torch.stack([loss.detach() * len(questions), torch.tensor(float(len(questions)), device=device)])
-        if world > 1:
+            loss_sum += torch.stack([loss.detach() * len(questions),
+                                     torch.tensor(float(len(questions)), device=device)])
+        if d.world > 1:
             dist.all_reduce(loss_sum)
         epoch_loss = (loss_sum[0] / loss_sum[1]).item()
         history.append(round(epoch_loss, 5))
         if epoch == 0 or (epoch + 1) % max(1, args.epochs // 10) == 0 or epoch + 1 == args.epochs:
-            log(f"  epoch {epoch + 1:>3}/{args.epochs}  loss {epoch_loss:.4f}  lr {schedule.get_last_lr()[0]:.2e}  {time.monotonic() - start:.1f}s")
+            d.log(f"  epoch {epoch + 1:>3}/{args.epochs}  loss {epoch_loss:.4f}  lr {schedule.get_last_lr()[0]:.2e}  "
+                  f"{time.monotonic() - start:.1f}s")
+    return history
 
-    result = None
-    if rank == 0:
 
-        model.eval()
-        tuning = None
-        if val_records:
-            probs = LoadedViewSelector(model, tokenizer, device).module_probs([r.question for r in val_records])
-            rules = FUSION_RULES if args.fusion == "auto" else (args.fusion,)
-            chosen, table, floor = tune_fusion(val_records, probs, cfg.fusion(), rules, args.tune_tolerance)
-            if args.fusion == "auto":
-                cfg.fusion_rule, cfg.keyword_weight = chosen.rule, chosen.keyword_weight
-                cfg.add_threshold, cfg.remove_threshold = chosen.add_threshold, chosen.remove_threshold
-            tuning = {"keyword map": floor, "rules": table, "chosen": asdict(cfg.fusion()), "tolerance": args.tune_tolerance}
-            log(f"\nvalidation ({', '.join(val_frames)}): the best setting of each fusion rule whose recall is at least the keyword map's")
-            log(format_table({"keyword map only": floor, **{
-                ("* " if rule == cfg.fusion_rule else "  ") + Fusion(**row["fusion"]).describe()
-                + ("" if row["feasible"] else " (loses recall)"): row["metrics"] for rule, row in table.items()}}))
-        trained = LoadedViewSelector(model, tokenizer, device)
-        untrained_model = ViewSelector(cfg)
-        untrained_model.load_state_dict(initial_state)
-        untrained = LoadedViewSelector(untrained_model, tokenizer, device)
-        metrics = {"train": compare(trained, untrained, train_records)}
-        if val_records:
-            metrics["val"] = compare(trained, untrained, val_records)
-        if eval_records:
-            metrics["eval"] = compare(trained, untrained, eval_records)
-        if extra_eval:
-            metrics["eval_data"] = compare(trained, untrained, extra_eval)
-        settings = {
-            "command": reproduce_command(args, "views", repeated=("data", "eval_data")),
-            "data_files": [str(p) for p in args.data],
-            "data": [data_provenance(Path(p)) for p in args.data],  # hashes, and SynthDrive's generator settings
-            "frames_holdout": args.frames_holdout,
-            "fold": args.fold,
-            "eval_frames": eval_frames,
-            "val_frames": val_frames,
-            "train_frames": len({(r.source, r.frame) for r in train_records}),
-            "train_questions": len(train_records),
-            "val_questions": len(val_records),
-            "eval_questions": len(eval_records),
-            "eval_data_files": [str(p) for p in args.eval_data or []],
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "lr": args.lr,
-            "weight_decay": args.weight_decay,
-            "seed": args.seed,
-            "world_size": world,
-            "labels": "tags in Q + keyword cameras with score 1.0 + tags in A (policy answer_tags); none -> all cameras",
-            "answer_tags": args.answer_tags,
-            "fusion": args.fusion,
-            "fusion_tuning": tuning,
-            "loss_history": history,
-            "train_seconds": round(time.monotonic() - start, 2),
-            "tokenizer_source": args.tokenizer or "trained on the training questions",
-        }
-        save_view_selector(out_dir, model, tokenizer, {"training": settings, "metrics": metrics})
-        write_manifest(out_dir)
-        log(f"wrote {out_dir}/ (config.json, model.safetensors, tokenizer.json)")
-        for split, rows in metrics.items():
-            where = {
-                "train": "training frames",
-                "val": "validation frames " + ", ".join(val_frames),
-                "eval": "held-out frames " + ", ".join(eval_frames),
-                "eval_data": "--eval-data " + " ".join(str(p) for p in args.eval_data or []),
-            }[split]
-            log(f"\n{split} ({where}):")
-            log(format_table(rows))
-        result = metrics
-    if world > 1:
-        dist.barrier()
-    return result
+def _tune_on_validation(args, model: ViewSelector, tokenizer, cfg: ViewSelectorConfig, splits: _Splits,
+                        d: Dist) -> dict | None:
+    """With validation frames: the best setting of each fusion rule (tune_fusion); --fusion auto
+    writes the chosen one into cfg. Returns the tuning record (None without validation frames)."""
+    if not splits.val:
+        return None
+    probs = LoadedViewSelector(model, tokenizer, d.device).module_probs([r.question for r in splits.val])
+    rules = FUSION_RULES if args.fusion == "auto" else (args.fusion,)
+    chosen, table, floor = tune_fusion(splits.val, probs, cfg.fusion(), rules, args.tune_tolerance)
+    if args.fusion == "auto":
+        cfg.fusion_rule, cfg.keyword_weight = chosen.rule, chosen.keyword_weight
+        cfg.add_threshold, cfg.remove_threshold = chosen.add_threshold, chosen.remove_threshold
+    d.log(f"\nvalidation ({', '.join(splits.val_frames)}): the best setting of each fusion rule whose recall is "
+          f"at least the keyword map's")
+    d.log(format_table({"keyword map only": floor, **{
+        ("* " if rule == cfg.fusion_rule else "  ") + Fusion(**row["fusion"]).describe()
+        + ("" if row["feasible"] else " (loses recall)"): row["metrics"] for rule, row in table.items()}}))
+    return {"keyword map": floor, "rules": table, "chosen": asdict(cfg.fusion()), "tolerance": args.tune_tolerance}
+
+
+def _compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, splits: _Splits) -> dict:
+    """Trained vs untrained (same fusion) vs the keyword map, on each split there is."""
+    metrics = {"train": compare(trained, untrained, splits.train)}
+    if splits.val:
+        metrics["val"] = compare(trained, untrained, splits.val)
+    if splits.eval:
+        metrics["eval"] = compare(trained, untrained, splits.eval)
+    if splits.extra_eval:
+        metrics["eval_data"] = compare(trained, untrained, splits.extra_eval)
+    return metrics
+
+
+def _settings(args, splits: _Splits, world: int, tuning: dict | None, history: list[float], start: float) -> dict:
+    """The training record written into the selector's config.json."""
+    return {
+        "command": reproduce_command(args, "views", repeated=("data", "eval_data")),
+        "data_files": [str(p) for p in args.data],
+        "data": [data_provenance(Path(p)) for p in args.data],  # hashes, and SynthDrive's generator settings
+        "frames_holdout": args.frames_holdout,
+        "fold": args.fold,
+        "eval_frames": splits.eval_frames,
+        "val_frames": splits.val_frames,
+        "train_frames": len({(r.source, r.frame) for r in splits.train}),
+        "train_questions": len(splits.train),
+        "val_questions": len(splits.val),
+        "eval_questions": len(splits.eval),
+        "eval_data_files": [str(p) for p in args.eval_data or []],
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "seed": args.seed,
+        "world_size": world,
+        "labels": "tags in Q + keyword cameras with score 1.0 + tags in A (policy answer_tags); none -> all cameras",
+        "answer_tags": args.answer_tags,
+        "fusion": args.fusion,
+        "fusion_tuning": tuning,
+        "loss_history": history,
+        "train_seconds": round(time.monotonic() - start, 2),
+        "tokenizer_source": args.tokenizer or "trained on the training questions",
+    }
+
+
+def _report(args, metrics: dict, splits: _Splits, log) -> None:
+    for split, rows in metrics.items():
+        where = {
+            "train": "training frames",
+            "val": "validation frames " + ", ".join(splits.val_frames),
+            "eval": "held-out frames " + ", ".join(splits.eval_frames),
+            "eval_data": "--eval-data " + " ".join(str(p) for p in args.eval_data or []),
+        }[split]
+        log(f"\n{split} ({where}):")
+        log(format_table(rows))

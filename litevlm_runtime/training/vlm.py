@@ -47,6 +47,7 @@ Two options serve the LiteVLM pipeline and the vision tower:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import itertools
@@ -57,18 +58,21 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..models.config import ModelConfig
 from ..models.internvl import InternVL
 from ..options import options_from_flat
 from ..pipeline.pipeline import Pipeline
+from ..pipeline.request import QueryRequest
 from ..stages.preprocess import Normalizer
 from ..stages.prompt import model_layout, write_layout
 from ..stages.view_selector import load_view_selector
@@ -76,7 +80,7 @@ from ..weights.checkpoint import load_model, write_checkpoint
 from ..weights.presets import preset
 from ..weights.random_init import init_weights
 from ..weights.tokenizer import Tokenizer, train_bpe_tokenizer
-from .distributed import setup, threads_per_rank
+from .distributed import Dist, setup, threads_per_rank
 from .packing import PackedLoss, pack, split_into_sequences
 from .provenance import data_provenance, reproduce_command
 from .schedule import learning_rate, learning_rate_at
@@ -101,73 +105,8 @@ RECORD_FILE = "training_record.json"
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: DriveLM v1.1 files -> key frames with their six image paths and QA
+# Held-out evaluation
 # ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Encoding: prompts exactly as Pipeline.prompt_ids builds them, answers + <|im_end|>
-# ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing: prefix trees side by side under one boolean mask
-# ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Schedule and held-out evaluation
-# ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_questions: int,
@@ -190,7 +129,7 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
                                options_from_flat(settings))
     by_category: dict[str, list[int]] = {}
     for frame, qa in items:
-        ans = pipe.answer(frame.images, qa.question, max_new_tokens=8)
+        ans = pipe.answer(frame.images, QueryRequest(qa.question, max_new_tokens=8))
         by_category.setdefault(qa.category, []).append(int(ans.text.strip() == qa.answer.strip()))
     hits = [h for v in by_category.values() for h in v]
     return {"accuracy": sum(hits) / len(hits), "questions": len(hits),
@@ -207,23 +146,46 @@ def _set_threads(requested: int | None) -> None:
     torch.set_num_threads(requested or threads_per_rank())
 
 
-
-
-
-
 def train(args) -> dict | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: torch sees no CUDA GPU here (use --device cpu or auto)")
     d = setup(None if args.device == "auto" else args.device)   # a GPU per rank (NCCL), else CPU (gloo)
-    rank, world = d.rank, d.world
     _set_threads(args.threads)
     try:
-        return _train(args, rank, world, d.log, d.device)
+        return _train(args, d)
     finally:
         d.close()
 
 
-def _train(args, rank: int, world: int, log, device: torch.device = torch.device("cpu")) -> dict | None:
+def _train(args, d: Dist) -> dict | None:
+    """Prepare the data, the tokenizer, the model and its optimizer; optimize; rank 0 writes the
+    checkpoint and the training record. Every rank runs these steps in this order, and the
+    seeded RNGs are drawn in it: keep the order, and the same seed gives the same run."""
+    bf16 = _check_flags(args, d.device)
+    t_start = time.monotonic()
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)      # the data order: the same on every rank
+    data = _prepare_data(args, d, rng)
+    model = _build_model(args, data.cfg, d, bf16)
+    inputs = _step_inputs(args, data.frames, data.cfg, model, d)
+    select = _view_selection(args, d.log)
+    view_rng = np.random.default_rng([args.seed, d.rank, 7])    # per rank: must not disturb the shared data order
+    loss_module = d.wrap(PackedLoss(model, inputs.probe, args.vision_weight))
+    run = _Run(args, d, data, model, loss_module, _optimizer(args, model, inputs.probe), _run_length(args, data, d),
+               inputs, (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext)
+    batches = _step_batches(args, data, d, run.length.per_step, rng, select, view_rng)
+    # On a GPU the next steps are packed on a thread while this one runs (same order, one producer).
+    if d.device.type != "cpu":
+        batches = prefetch(batches, depth=2)
+    progress, last_eval, steps_done = _optimize(run, batches)
+    if d.rank != 0:
+        return None
+    run.save_checkpoint()
+    return _write_record(run, bf16, progress, last_eval, steps_done, t_start)
+
+
+def _check_flags(args, device: torch.device) -> bool:
+    """Refuse settings that cannot work before anything runs; returns whether to train in bf16 autocast."""
     if not 0.0 <= args.selected_views <= 1.0:
         raise InputError(f"--selected-views {args.selected_views}: a fraction, 0 to 1")
     if args.time_budget is not None and args.time_budget <= 0:
@@ -231,10 +193,28 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     bf16 = args.precision == "bfloat16" or (args.precision == "auto" and device.type == "cuda")
     if bf16 and device.type != "cuda":
         raise InputError("--precision bfloat16 is for GPUs (bf16 autocast on the CPU is slower than float32)")
-    save_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.save_dtype]
-    t_start = time.monotonic()
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+    return bf16
+
+
+@dataclass
+class _Data:
+    """The run's data, prepared once, the same on every rank."""
+    frames: list[Frame]                # training key frames
+    val_frames: list[Frame]            # held-out key frames (never trained on)
+    work: Path                         # the run's own folder: its tokenizer.json
+    tok: Tokenizer
+    cfg: ModelConfig                   # the model's, with the tokenizer's vocabulary
+    system: str                        # the system message of the prompt
+    layout: str                        # the prompt layout the model is trained (and later asked) in
+    encoded: list[list[Encoded]]       # per training frame, its QA with answers within --max-answer-tokens
+    skipped: int                       # QA left out: answer longer than --max-answer-tokens
+
+    def encode(self, qa, cameras) -> Encoded:
+        """One QA on these cameras only (the prompt the view selector's pipeline builds)."""
+        return encode_qa(self.tok, self.system, self.cfg.tokens_per_tile, qa, cameras, self.layout)
+
+
+def _prepare_data(args, d: Dist, rng: np.random.Generator) -> _Data:
     frames = load_frames(args.data, args.frames)
     if args.val:
         val_frames = load_frames(args.val, args.val_frames or args.frames)
@@ -244,34 +224,14 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
         n_val = max(1, int(round(args.holdout * len(frames)))) if len(frames) > 1 else 0
         val_frames = [frames[i] for i in sorted(order[:n_val])]
         frames = [frames[i] for i in sorted(order[n_val:])]
-    cfg_probe = preset(args.preset)
-    system = cfg_probe.system_message
-
-    # The tokenizer: byte-level BPE on the training text (rank 0 trains it, every rank reads it),
-    # or the --init checkpoint's own when training continues from one.
-    out = Path(args.out)
+    system = preset(args.preset).system_message
     work = Path(tempfile.mkdtemp(prefix="litevlm_vlm_"))
-    tok_file = work / "tokenizer.json"
-    if args.init:
-        tok_file.write_bytes((Path(args.init) / "tokenizer.json").read_bytes())
-        payload = [tok_file.read_text()]
-    elif rank == 0:
-        corpus = [system] + [f"{c}: " for c in CAMERAS]
-        corpus += [t for f in frames for qa in f.qa for t in (qa.question, qa.answer)]
-        train_bpe_tokenizer(corpus, args.vocab_size, tok_file)
-        payload = [tok_file.read_text()]
-    else:
-        payload = [None]
-    if world > 1:
-        dist.broadcast_object_list(payload, src=0)
-        tok_file.write_text(payload[0])
-    tok = Tokenizer(work)
+    tok = _tokenizer(args, frames, system, work, d)
     cfg = preset(args.preset, vocab_size=tok.vocab_size)
     if args.decoder_layers:
         cfg = with_decoder_layers(cfg, args.decoder_layers)
     if args.tile_size:
         cfg = with_tile_size(cfg, args.tile_size, keep_position_grid=bool(args.init))
-    tokens_per_camera = cfg.tokens_per_tile
     layout = model_layout(args.init)[0] if args.init else SCRATCH_LAYOUT
 
     encoded: list[list[Encoded]] = []
@@ -279,17 +239,41 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
     for f in frames:
         items = []
         for qa in f.qa:
-            e = encode_qa(tok, system, tokens_per_camera, qa, layout=layout)
+            e = encode_qa(tok, system, cfg.tokens_per_tile, qa, layout=layout)
             if len(e.answer) > args.max_answer_tokens + 1:
                 skipped += 1
                 continue
             items.append(e)
         encoded.append(items)
-    n_samples = sum(len(x) for x in encoded)
-    log(f"data: {n_samples} QA over {len(frames)} training frames ({skipped} skipped: answer > "
-        f"{args.max_answer_tokens} tokens), {sum(len(f.qa) for f in val_frames)} QA over {len(val_frames)} "
-        f"held-out frames; tokenizer vocab {tok.vocab_size}")
+    d.log(f"data: {sum(len(x) for x in encoded)} QA over {len(frames)} training frames ({skipped} skipped: answer > "
+          f"{args.max_answer_tokens} tokens), {sum(len(f.qa) for f in val_frames)} QA over {len(val_frames)} "
+          f"held-out frames; tokenizer vocab {tok.vocab_size}")
+    return _Data(frames, val_frames, work, tok, cfg, system, layout, encoded, skipped)
 
+
+def _tokenizer(args, frames: list[Frame], system: str, work: Path, d: Dist) -> Tokenizer:
+    """Byte-level BPE on the training text (rank 0 trains it, every rank reads it), or the --init
+    checkpoint's own when training continues from one; written to work/tokenizer.json."""
+    tok_file = work / "tokenizer.json"
+    if args.init:
+        tok_file.write_bytes((Path(args.init) / "tokenizer.json").read_bytes())
+        payload = [tok_file.read_text()]
+    elif d.rank == 0:
+        corpus = [system] + [f"{c}: " for c in CAMERAS]
+        corpus += [t for f in frames for qa in f.qa for t in (qa.question, qa.answer)]
+        train_bpe_tokenizer(corpus, args.vocab_size, tok_file)
+        payload = [tok_file.read_text()]
+    else:
+        payload = [None]
+    if d.world > 1:
+        dist.broadcast_object_list(payload, src=0)
+        tok_file.write_text(payload[0])
+    return Tokenizer(work)
+
+
+def _build_model(args, cfg: ModelConfig, d: Dist, bf16: bool) -> InternVL:
+    """Random weights (seeded), or --init's checkpoint (grown to --decoder-layers), on the device
+    in float32: the master weights (bf16 only inside autocast)."""
     if args.init:
         model = load_model(args.init)
         model.train()
@@ -299,219 +283,326 @@ def _train(args, rank: int, world: int, log, device: torch.device = torch.device
             before = model.cfg.llm.num_hidden_layers
             model = grow_decoder(model, args.decoder_layers, args.seed)
             if args.decoder_layers > before:
-                log(f"grew the decoder from {before} to {args.decoder_layers} layers: trained layers at "
-                    f"{grown_layer_positions(before, args.decoder_layers)}, the others start as identities")
+                d.log(f"grew the decoder from {before} to {args.decoder_layers} layers: trained layers at "
+                      f"{grown_layer_positions(before, args.decoder_layers)}, the others start as identities")
         if model.cfg != cfg:
             raise InputError(f"--init {args.init}: its config differs from --preset {args.preset}")
     else:
         model = InternVL(cfg, max_len=4096)    # RoPE for positions < 4096 (a packed branch is shorter)
         init_weights(model, args.seed)
-    model.to(device)                   # float32 master weights; bf16 only inside autocast
+    model.to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
-    where = f"{device}{' (bf16 autocast)' if bf16 else ''}" if device.type == "cuda" else \
+    where = f"{d.device}{' (bf16 autocast)' if bf16 else ''}" if d.device.type == "cuda" else \
         f"cpu, {torch.get_num_threads()} threads/rank"
-    log(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, tile {cfg.force_image_size}, "
-        f"{tokens_per_camera} visual tokens per camera; world size {world}, {where}")
+    d.log(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, tile {cfg.force_image_size}, "
+          f"{cfg.tokens_per_tile} visual tokens per camera; world size {d.world}, {where}")
+    return model
 
-    def save_checkpoint() -> None:
-        write_checkpoint(out, model, tok_file, dtype=save_dtype)
-        write_layout(out, layout)   # the layout the prompts were built in, for every later load
 
+class _StepInputs:
+    """A packed batch's tensors on the training device: the normalised tiles of its frames' cameras
+    (each tile decoded and resized once, then cached; only the normalisation runs per step) and,
+    with --vision-labels, the probe's labels of their visual tokens."""
+
+    def __init__(self, cache: TileCache, device: torch.device, labels: torch.Tensor | None = None,
+                 probe: VisionProbe | None = None):
+        """labels: uint8 [frames, cameras, grid * grid, len(LABELS)] (load_vision_labels)."""
+        self.cache, self.device, self.labels, self.probe = cache, device, labels, probe
+        self.normalize = Normalizer(torch.float32, device)
+
+    def __call__(self, batch) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+        """(pixels, the batch on the device, visual labels or None) of a PackedBatch."""
+        return pixels_for(self.cache, batch.frames, self.normalize, self.device), batch.to(self.device), \
+            self.visual_labels(batch.frames)
+
+    def visual_labels(self, keys: list) -> torch.Tensor | None:
+        """[visual tokens of the batch's tiles, len(LABELS)], in the batch's tile order."""
+        if self.labels is None:
+            return None
+        return torch.cat([self.labels[f][list(cams)].reshape(-1, len(LABELS))
+                          for f, cams in map(frame_and_cameras, keys)]).to(self.device, non_blocking=True)
+
+
+def _step_inputs(args, frames: list[Frame], cfg: ModelConfig, model: InternVL, d: Dist) -> _StepInputs:
+    """The tile cache (filled up front by a pool of threads on a GPU, whose steps outrun one
+    decoding thread) and, with --vision-labels, the labels and the probe that learns them."""
     cache = TileCache(frames, cfg.force_image_size)
     decode_threads = args.decode_threads if args.decode_threads is not None else \
-        ((os.cpu_count() or 1) if device.type == "cuda" else 0)
+        ((os.cpu_count() or 1) if d.device.type == "cuda" else 0)
     if decode_threads:
         t0 = time.monotonic()
-        cache.fill_all(decode_threads, lambda n, total: log(f"decoding frames: {n}/{total}"))
-        log(f"decoded {len(frames)} frames x {len(CAMERAS)} cameras on {decode_threads} threads "
-            f"in {time.monotonic() - t0:.0f} s")
-    normalize = Normalizer(torch.float32, device)
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        cache.fill_all(decode_threads, lambda n, total: d.log(f"decoding frames: {n}/{total}"))
+        d.log(f"decoded {len(frames)} frames x {len(CAMERAS)} cameras on {decode_threads} threads "
+              f"in {time.monotonic() - t0:.0f} s")
+    if not args.vision_labels:
+        return _StepInputs(cache, d.device)
+    grid = int(round(cfg.tokens_per_tile ** 0.5))
+    labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
+    torch.manual_seed(args.seed)
+    probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0)).to(d.device)
+    d.log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
+          f"{float(labels.float().mean()):.4f} positive")
+    return _StepInputs(cache, d.device, labels, probe)
 
-    probe = labels = None
-    if args.vision_labels:
-        grid = int(round(tokens_per_camera ** 0.5))
-        labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
-        torch.manual_seed(args.seed)
-        probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0)).to(device)
-        log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
-            f"{float(labels.float().mean()):.4f} positive")
-    select = None
-    if args.view_selector:
-        selector = load_view_selector(args.view_selector)
-        memo: dict[str, list[str]] = {}
-        select = lambda q: memo[q] if q in memo else memo.setdefault(q, selector.select(q))  # noqa: E731
-        log(f"view selection: {args.selected_views:.0%} of QA see only the cameras {args.view_selector} selects")
-    view_rng = np.random.default_rng([args.seed, rank, 7])    # per rank: must not disturb the shared data order
 
-    def visual_labels_for(keys: list) -> torch.Tensor | None:
-        if labels is None:
-            return None
-        return torch.cat([labels[f][list(cams)].reshape(-1, len(LABELS))
-                          for f, cams in map(frame_and_cameras, keys)]).to(device, non_blocking=True)
+def _view_selection(args, log):
+    """With --view-selector: question -> the cameras the selector picks (memoised), else None."""
+    if not args.view_selector:
+        return None
+    selector = load_view_selector(args.view_selector)
+    memo: dict[str, list[str]] = {}
+    log(f"view selection: {args.selected_views:.0%} of QA see only the cameras {args.view_selector} selects")
+    return lambda q: memo[q] if q in memo else memo.setdefault(q, selector.select(q))
 
-    loss_module = PackedLoss(model, probe, args.vision_weight)
-    if world > 1:
-        loss_module = DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
+
+def _optimizer(args, model: InternVL, probe: VisionProbe | None) -> torch.optim.AdamW:
+    """AdamW; no weight decay on biases, norms and embeddings."""
     params = list(model.named_parameters()) + (list(probe.named_parameters(prefix="probe")) if probe else [])
     decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
 
+
+@dataclass
+class _Length:
+    """How long the run is: `total` steps, or a time budget (then the learning-rate schedule runs
+    on the fraction of the budget spent)."""
+    per_step: int                      # frame groups per optimizer step (global)
+    total: int | None                  # steps; None with a time budget
+    warmup: int                        # steps of warm-up (with a time budget: --warmup is a fraction of it)
+    budget_s: float | None
+    peak_lr: float
+    warmup_fraction: float
+
+    def learning_rate(self, step: int, spent: float) -> float:
+        if self.total:
+            return learning_rate(step, self.total, self.peak_lr, self.warmup)
+        return learning_rate_at(spent, self.peak_lr, self.warmup_fraction)
+
+    def is_last(self, step: int, spent: float) -> bool:
+        return spent >= 1.0 if self.budget_s else step + 1 == self.total
+
+
+def _run_length(args, data: _Data, d: Dist) -> _Length:
     per_step = args.frames_per_step
-    if per_step < world:
-        raise InputError(f"--frames-per-step {per_step} is less than the world size {world}")
-    per_frame = [min(len(x), args.questions_per_visit or len(x)) for x in encoded]
+    if per_step < d.world:
+        raise InputError(f"--frames-per-step {per_step} is less than the world size {d.world}")
+    per_frame = [min(len(x), args.questions_per_visit or len(x)) for x in data.encoded]
     steps_per_epoch = math.ceil(sum(math.ceil(n / args.questions_per_frame) for n in per_frame) / per_step)
     budget_s = None if args.time_budget is None else 60.0 * args.time_budget
     total = None if budget_s else (args.steps or max(1, int(round(args.epochs * steps_per_epoch))))
     warmup = max(1, int(args.warmup * (total or 1)))
     length = f"{args.time_budget:g} min" if budget_s else f"{total} steps"
-    log(f"training: {length} of {per_step} frame groups (<= {args.questions_per_frame} questions each), "
-        f"{steps_per_epoch} steps per epoch, lr {args.lr} warm-up "
-        f"{f'{args.warmup:.0%} of the time' if budget_s else warmup}")
+    d.log(f"training: {length} of {per_step} frame groups (<= {args.questions_per_frame} questions each), "
+          f"{steps_per_epoch} steps per epoch, lr {args.lr} warm-up "
+          f"{f'{args.warmup:.0%} of the time' if budget_s else warmup}")
+    return _Length(per_step, total, warmup, budget_s, args.lr, args.warmup)
 
+
+def _step_batches(args, data: _Data, d: Dist, per_step: int, rng: np.random.Generator, select,
+                  view_rng: np.random.Generator):
+    """Per step: the global target count the loss is normalised by, and this rank's packed
+    sequences. Every rank draws the same global groups (same seed) and keeps its share."""
     per_sample = args.loss_per == "sample"
+    pending: list[tuple[int, list[Encoded]]] = []
+    while True:
+        while len(pending) < per_step:
+            pending += epoch_groups(data.encoded, args.questions_per_frame, rng, args.questions_per_visit)
+        groups, pending = pending[:per_step], pending[per_step:]
+        mine = groups[d.rank::d.world]
+        if select is not None:
+            mine = split_by_views(mine, select, args.selected_views, view_rng, data.encode)
+        # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
+        n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
+        # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
+        # over a packed sequence is dense (T x T under the mask), so very long packs waste time
+        # on masked-out pairs; gradients of the sequences accumulate.
+        yield n_targets_global, [pack(seq, per_sample) for seq in split_into_sequences(mine, args.max_sequence_tokens)]
 
-    def step_batches():
-        """Per step: the global target count the loss is normalised by, and this rank's packed
-        sequences. Every rank draws the same global groups (same seed) and keeps its share."""
-        pending: list[tuple[int, list[Encoded]]] = []
-        while True:
-            while len(pending) < per_step:
-                pending += epoch_groups(encoded, args.questions_per_frame, rng, args.questions_per_visit)
-            groups, pending = pending[:per_step], pending[per_step:]
-            mine = groups[rank::world]
-            if select is not None:
-                mine = split_by_views(mine, select, args.selected_views, view_rng,
-                                      lambda qa, cams: encode_qa(tok, system, tokens_per_camera, qa, cams, layout))
-            # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
-            n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
-            # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
-            # over a packed sequence is dense (T x T under the mask), so very long packs waste time
-            # on masked-out pairs; gradients of the sequences accumulate.
-            yield n_targets_global, [pack(seq, per_sample) for seq in split_into_sequences(mine, args.max_sequence_tokens)]
 
-    # On a GPU the next steps are packed on a thread while this one runs (same order, one producer).
-    batches = step_batches() if device.type == "cpu" else prefetch(step_batches(), depth=2)
+@dataclass
+class _Run:
+    """What the optimization loop works with, built once by `_train`."""
+    args: argparse.Namespace
+    d: Dist
+    data: _Data
+    model: InternVL
+    loss_module: torch.nn.Module       # PackedLoss (model + probe), DDP-wrapped under torchrun
+    opt: torch.optim.Optimizer
+    length: _Length
+    inputs: _StepInputs
+    amp: Callable[[], contextlib.AbstractContextManager]   # the forward's autocast (bf16 on a GPU) or none
 
-    history = []
-    loss_sum = tok_sum = samples_done = probe_sum = 0
-    window_t0 = time.monotonic()
-    window_samples = 0
-    train_t0 = time.monotonic()
+    def save_checkpoint(self) -> None:
+        out = Path(self.args.out)
+        save_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.args.save_dtype]
+        write_checkpoint(out, self.model, self.data.work / "tokenizer.json", dtype=save_dtype)
+        write_layout(out, self.data.layout)   # the layout the prompts were built in, for every later load
+
+
+def _optimization_step(run: _Run, n_targets_global: int, packed: list) -> tuple[list[float], float]:
+    """Forward and backward over this rank's packed sequences (gradients accumulate; DDP
+    all-reduces on the last one), clip, step. Returns this rank's sums [answer loss, targets,
+    samples, probe loss] and the gradient norm before clipping."""
+    world, device = run.d.world, run.d.device
+    loss_sum_local = torch.zeros((), device=device)
+    probe_sum_local = torch.zeros((), device=device)
+    n_targets_local = n_samples_local = 0
+    for i, batch in enumerate(packed):
+        sync = contextlib.nullcontext() if (world == 1 or i == len(packed) - 1) else run.loss_module.no_sync()
+        with sync:
+            with run.amp():     # autocast covers the forward only; backward runs in the forward's dtypes
+                seq_loss = run.loss_module(*run.inputs(batch))
+            # Normalised by the global token count, times world because DDP averages over
+            # ranks: the gradient equals that of one process seeing the whole global batch.
+            (seq_loss * (world / n_targets_global)).backward()
+        probe_part = getattr(run.loss_module.module if world > 1 else run.loss_module, "last_probe_loss", 0.0)
+        probe_sum_local += probe_part
+        loss_sum_local += seq_loss.detach() - probe_part
+        n_targets_local += float(batch.weights.sum())
+        n_samples_local += batch.samples
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.args.clip))
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    return [float(loss_sum_local), float(n_targets_local), float(n_samples_local), float(probe_sum_local)], grad_norm
+
+
+class _Progress:
+    """The sums since the last log line, the history the record keeps, and the clocks (held-out
+    checks are kept out of the time budget and of the samples/s figure)."""
+
+    def __init__(self, log, has_probe: bool):
+        self.log, self.has_probe = log, has_probe
+        self.history: list[dict] = []
+        self.loss_sum = self.tok_sum = self.samples_done = self.probe_sum = 0
+        self.window_t0 = time.monotonic()
+        self.window_samples = 0
+        self.train_t0 = time.monotonic()
+        self.eval_s = 0.0
+
+    def training_clock(self) -> float:
+        """Seconds of training so far, held-out checks excluded."""
+        return time.monotonic() - self.train_t0 - self.eval_s
+
+    def add(self, stats: torch.Tensor) -> None:
+        """stats: the global [answer loss, targets, samples, probe loss, clock] of one step."""
+        self.loss_sum += stats[0].item()
+        self.probe_sum += stats[3].item()
+        self.tok_sum += stats[1].item()
+        self.samples_done += int(stats[2].item())
+        self.window_samples += int(stats[2].item())
+
+    def report(self, step: int, length: _Length, stats: torch.Tensor, grad_norm: float, lr: float) -> None:
+        """The log line and history entry of the steps since the last one; starts a new window."""
+        elapsed = time.monotonic() - self.window_t0
+        rate = self.window_samples / max(elapsed, 1e-9)
+        if length.budget_s:
+            eta = max(0.0, length.budget_s - stats[4].item())
+        else:
+            eta = self.training_clock() / (step + 1) * (length.total - step - 1)
+        loss = self.loss_sum / max(self.tok_sum, 1)
+        probe_text = f"  probe {self.probe_sum / max(self.tok_sum, 1):.4f}" if self.has_probe else ""
+        self.log(f"step {step + 1:5d}/{length.total or '~'}  loss {loss:.4f}{probe_text}  grad {grad_norm:.2f}  "
+                 f"lr {lr:.2e}  {rate:.1f} samples/s  ETA {eta / 60:.1f} min")
+        self.history.append({"step": step + 1, "loss": loss, "samples": self.samples_done,
+                             "elapsed_s": time.monotonic() - self.train_t0}
+                            | ({"probe_loss": self.probe_sum / max(self.tok_sum, 1)} if self.has_probe else {}))
+        self.loss_sum = self.tok_sum = self.probe_sum = 0
+        self.window_t0, self.window_samples = time.monotonic(), 0
+
+    def held_out_done(self, t0: float) -> None:
+        """A held-out check that began at t0 has ended: its time counts neither as training nor in samples/s."""
+        self.window_t0 = time.monotonic()
+        self.eval_s += self.window_t0 - t0
+
+
+def _optimize(run: _Run, batches) -> tuple[_Progress, dict, int]:
+    """The training loop: (progress with its history, the last held-out result, steps taken)."""
+    args, d = run.args, run.d
+    progress = _Progress(d.log, run.inputs.probe is not None)
     last_eval: dict = {}
-    eval_s = 0.0                 # held-out checks, kept out of the time budget
     spent = 0.0                  # fraction of the time budget spent, as rank 0 measured it
     for step in itertools.count():
         n_targets_global, packed = next(batches)
-        lr = learning_rate(step, total, args.lr, warmup) if total else learning_rate_at(spent, args.lr, args.warmup)
-        for g in opt.param_groups:
+        lr = run.length.learning_rate(step, spent)
+        for g in run.opt.param_groups:
             g["lr"] = lr
-        loss_sum_local = torch.zeros((), device=device)
-        probe_sum_local = torch.zeros((), device=device)
-        n_targets_local = n_samples_local = 0
-        for i, batch in enumerate(packed):
-            sync = contextlib.nullcontext() if (world == 1 or i == len(packed) - 1) else loss_module.no_sync()
-            with sync:
-                with amp():     # autocast covers the forward only; backward runs in the forward's dtypes
-                    seq_loss = loss_module(pixels_for(cache, batch.frames, normalize, device), batch.to(device),
-                                           visual_labels_for(batch.frames))
-                # Normalised by the global token count, times world because DDP averages over
-                # ranks: the gradient equals that of one process seeing the whole global batch.
-                (seq_loss * (world / n_targets_global)).backward()
-            probe_part = getattr(loss_module.module if world > 1 else loss_module, "last_probe_loss", 0.0)
-            probe_sum_local += probe_part
-            loss_sum_local += seq_loss.detach() - probe_part
-            n_targets_local += float(batch.weights.sum())
-            n_samples_local += batch.samples
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+        local, grad_norm = _optimization_step(run, n_targets_global, packed)
         # Rank 0's clock decides the budget for every rank (the sum carries it: the others add 0),
         # so that all ranks take the same learning rate and stop at the same step.
-        clock = time.monotonic() - train_t0 - eval_s if rank == 0 else 0.0
-        stats = torch.tensor([float(loss_sum_local), float(n_targets_local), float(n_samples_local),
-                              float(probe_sum_local), clock], dtype=torch.float64, device=device)
-        if world > 1:
+        clock = progress.training_clock() if d.rank == 0 else 0.0
+        stats = torch.tensor([*local, clock], dtype=torch.float64, device=d.device)
+        if d.world > 1:
             dist.all_reduce(stats)
         stats = stats.cpu()
-        if budget_s:
-            spent = stats[4].item() / budget_s
-        last = spent >= 1.0 if budget_s else step + 1 == total
-        loss_sum += stats[0].item()
-        probe_sum += stats[3].item()
-        tok_sum += stats[1].item()
-        samples_done += int(stats[2].item())
-        window_samples += int(stats[2].item())
+        if run.length.budget_s:
+            spent = stats[4].item() / run.length.budget_s
+        last = run.length.is_last(step, spent)
+        progress.add(stats)
         if (step + 1) % args.log_every == 0 or last:
-            elapsed = time.monotonic() - window_t0
-            rate = window_samples / max(elapsed, 1e-9)
-            if budget_s:
-                eta = max(0.0, budget_s - stats[4].item())
-            else:
-                eta = (time.monotonic() - train_t0 - eval_s) / (step + 1) * (total - step - 1)
-            loss = loss_sum / max(tok_sum, 1)
-            probe_text = f"  probe {probe_sum / max(tok_sum, 1):.4f}" if probe is not None else ""
-            log(f"step {step + 1:5d}/{total or '~'}  loss {loss:.4f}{probe_text}  grad {grad_norm:.2f}  "
-                f"lr {opt.param_groups[0]['lr']:.2e}  {rate:.1f} samples/s  ETA {eta / 60:.1f} min")
-            history.append({"step": step + 1, "loss": loss, "samples": samples_done,
-                            "elapsed_s": time.monotonic() - train_t0}
-                           | ({"probe_loss": probe_sum / max(tok_sum, 1)} if probe is not None else {}))
-            loss_sum = tok_sum = probe_sum = 0
-            window_t0, window_samples = time.monotonic(), 0
-        if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-            model.eval()
+            progress.report(step, run.length, stats, grad_norm, lr)
+        if d.rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             t0 = time.monotonic()
-            save_checkpoint()   # the latest weights survive an interrupted run
-            last_eval = held_out_accuracy(model, work, val_frames, args.eval_questions, args.seed, layout=layout)
-            if args.view_selector:
-                last_eval["selected_views"] = held_out_accuracy(model, work, val_frames, args.eval_questions,
-                                                                args.seed, args.view_selector, layout)
-            model.train()
-            last_eval["step"] = step + 1
-            history.append({"step": step + 1, "held_out": last_eval})
-            cats = " ".join(f"{k} {v:.3f}" for k, v in last_eval.get("by_category", {}).items())
-            acc = last_eval["accuracy"]
-            sel = last_eval.get("selected_views", {}).get("accuracy")
-            sel_text = "" if sel is None else f"; with selected views {sel:.4f}"
-            log(f"  held-out accuracy {'n/a' if acc is None else f'{acc:.4f}'} on {last_eval['questions']} "
-                f"closed-form questions ({cats}){sel_text} [{time.monotonic() - t0:.0f} s]")
-            window_t0 = time.monotonic()   # keep eval time out of the samples/s figure
-            eval_s += window_t0 - t0
+            last_eval = _held_out_check(run, step)
+            progress.history.append({"step": step + 1, "held_out": last_eval})
+            progress.held_out_done(t0)
         if last:
-            break
+            return progress, last_eval, step + 1
 
-    steps_done = step + 1
-    train_s = time.monotonic() - train_t0
-    if rank != 0:
-        return None
-    save_checkpoint()
+
+def _held_out_check(run: _Run, step: int) -> dict:
+    """Save the checkpoint (the latest weights survive an interrupted run), then held-out accuracy
+    through the pipeline: on six cameras, and with --view-selector on the cameras it selects."""
+    args, model, data = run.args, run.model, run.data
+    model.eval()
+    t0 = time.monotonic()
+    run.save_checkpoint()
+    result = held_out_accuracy(model, data.work, data.val_frames, args.eval_questions, args.seed, layout=data.layout)
+    if args.view_selector:
+        result["selected_views"] = held_out_accuracy(model, data.work, data.val_frames, args.eval_questions,
+                                                     args.seed, args.view_selector, data.layout)
+    model.train()
+    result["step"] = step + 1
+    cats = " ".join(f"{k} {v:.3f}" for k, v in result.get("by_category", {}).items())
+    acc = result["accuracy"]
+    sel = result.get("selected_views", {}).get("accuracy")
+    sel_text = "" if sel is None else f"; with selected views {sel:.4f}"
+    run.d.log(f"  held-out accuracy {'n/a' if acc is None else f'{acc:.4f}'} on {result['questions']} "
+              f"closed-form questions ({cats}){sel_text} [{time.monotonic() - t0:.0f} s]")
+    return result
+
+
+def _write_record(run: _Run, bf16: bool, progress: _Progress, last_eval: dict, steps_done: int,
+                  t_start: float) -> dict:
+    """The provenance record beside the checkpoint: the command that reproduces the run, its
+    settings, data hashes, model, the loss history and the last held-out result."""
+    args, d, data, history = run.args, run.d, run.data, progress.history
+    out = Path(args.out)
+    train_s = time.monotonic() - progress.train_t0
     record = {
         # With a time budget the run's length is the budget: --epochs/--steps were not used.
         "command": reproduce_command(args, "vlm", skip=("epochs", "steps") if args.time_budget is not None else ()),
         "argv": " ".join(shlex.quote(a) for a in sys.argv),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-        "world_size": world,
-        "device": str(device) if device.type == "cpu" else f"{device}: {torch.cuda.get_device_name(device)}",
+        "world_size": d.world,
+        "device": str(d.device) if d.device.type == "cpu" else f"{d.device}: {torch.cuda.get_device_name(d.device)}",
         "precision": "bfloat16 autocast" if bf16 else "float32",
         "saved_dtype": args.save_dtype,
         "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__,
         "data": data_provenance(args.data),
-        "val_data": data_provenance(args.val) if args.val else {"held_out_frames": [f.key for f in val_frames]},
-        "model": {"preset": args.preset, "parameters": n_params, "config": cfg.to_dict(),
-                  "tokenizer_vocab": tok.vocab_size},
-        "train_qa": n_samples, "train_frames": len(frames), "skipped_long_answers": skipped,
+        "val_data": data_provenance(args.val) if args.val else {"held_out_frames": [f.key for f in data.val_frames]},
+        "model": {"preset": args.preset, "parameters": sum(p.numel() for p in run.model.parameters()),
+                  "config": data.cfg.to_dict(), "tokenizer_vocab": data.tok.vocab_size},
+        "train_qa": sum(len(x) for x in data.encoded), "train_frames": len(data.frames),
+        "skipped_long_answers": data.skipped,
         "steps": steps_done,
-        "final": {"loss": history[-1]["loss"] if history and "loss" in history[-1] else
-                  next((h["loss"] for h in reversed(history) if "loss" in h), None),
+        "final": {"loss": next((h["loss"] for h in reversed(history) if "loss" in h), None),
                   "held_out": last_eval, "train_seconds": round(train_s, 1),
                   "total_seconds": round(time.monotonic() - t_start, 1)},
         "history": history,
     }
     (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    log(f"wrote {out} ({train_s / 60:.1f} min training); record in {out / RECORD_FILE}")
+    d.log(f"wrote {out} ({train_s / 60:.1f} min training); record in {out / RECORD_FILE}")
     return record
