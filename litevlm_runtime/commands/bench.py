@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from ..bench.roofline import decode_step_line
@@ -74,9 +75,6 @@ def register(subparsers) -> None:
 
 
 def run_ablation_command(args) -> int:
-    import json
-    import sys
-
     from ..bench.ablation import ablation_plot, ablation_table, run_ablation
     from ..errors import InputError
 
@@ -170,8 +168,6 @@ def run_costs_command(args) -> int:
 
 
 def run_roofline_command(args) -> int:
-    import sys
-
     from ..bench.roofline import roofline_table, run_roofline
 
     options = pipeline_options(args)
@@ -193,8 +189,6 @@ def run_roofline_command(args) -> int:
 
 
 def run_budget_command(args) -> int:
-    import sys
-
     from ..bench.budget import budget_table, run_budget_bench
     from ..errors import InputError
 
@@ -207,8 +201,6 @@ def run_budget_command(args) -> int:
 
 
 def run_contention_command(args) -> int:
-    import sys
-
     from ..bench.benchmark import DEFAULT_QUESTIONS
     from ..bench.contention import contention_table, parse_configs, run_contention
     from ..errors import InputError
@@ -241,8 +233,6 @@ def run_memory_command(args) -> int:
 
 
 def run(args) -> int:
-    import sys
-
     from ..bench.benchmark import DEFAULT_QUESTIONS, run_benchmark
 
     if args.memory:
@@ -326,7 +316,6 @@ def run(args) -> int:
 
 def run_backends(args, options, backends) -> int:
     """Several backends side by side: one table, a speed-up column against the first."""
-    import sys
 
     from ..bench.backends import build_runs, compare_backends, comparison_table
     from ..bench.benchmark import DEFAULT_QUESTIONS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -21,8 +22,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    import logging
-
     from ..engines.buckets import default_buckets, parse_buckets
     from ..export.exporter import export_bundle
     from ..pipeline.pipeline import Pipeline

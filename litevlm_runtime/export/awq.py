@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -99,7 +100,6 @@ def quantize_model(model_dir: Path, options, kind: str, out: Path | None = None,
     manifest. `int8_above` > 0 (int4): a layer whose INT4 output error, relative to its output's
     mean square on the calibration rows, exceeds it is stored in per-channel INT8 instead (mixed
     precision for the layers INT4 hurts most; the kernels run either)."""
-    from dataclasses import replace
 
     if kind not in KINDS:
         raise InputError(f"--weights {kind!r}: one of {', '.join(KINDS)}")

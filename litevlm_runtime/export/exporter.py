@@ -22,8 +22,9 @@ stage's bucket graphs, so more buckets cost graph bytes, not weight bytes.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -297,8 +298,6 @@ OPTIONAL_STAGES = {
 
 
 def optional_stage_status() -> dict[str, str]:
-    import importlib.util
-
     status = {}
     for stage, module in OPTIONAL_STAGES.items():
         found = importlib.util.find_spec(module) is not None
@@ -383,7 +382,6 @@ def verify_bundle(rt, bundle: Path, seed: int = 0) -> list[dict]:
     PyTorch stage, on the same random inputs; returns the relative errors
     max |onnx - torch| / max |torch| of each output (decoder: hidden states and the stored K/V;
     the batched step at each batch bucket the runtime binds, and once with a padding row)."""
-    from dataclasses import replace
 
 
     a = rt.arena
