@@ -25,6 +25,10 @@ verification is lossless, so they differ only where bf16 rounding flips a near t
 torch batched; and the per-bucket table: one batched step of 1..4 rows over a 600-column context,
 eager vs captured, ms per query.
 
+Last, issue 36's low-bit matmuls at the preset's decoder shapes (gpu_lowbit.py): FP8 E4M3 through
+torch._scaled_mm and the project's INT4 form, each against its float64 reference (pass/fail within
+1e-2) and timed against the 16-bit matmul (--skip-lowbit leaves them out).
+
 Run: scripts/gpu_check.sh   (under 5 minutes on one data-centre GPU)
 On a machine without CUDA it stops with a clear message; `--allow-cpu --preset tiny` runs the
 same script with capture off (what the CPU test suite checks).
@@ -43,6 +47,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from gpu_lowbit import lowbit_check  # noqa: E402  (scripts/, beside this file)
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS  # noqa: E402
 from litevlm_runtime.pipeline.answer import STAGES  # noqa: E402
@@ -235,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--node", action="store_true", help="also the ROS 2 node over DDS on the GPU (needs rclpy)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (capture off): tests the script")
+    ap.add_argument("--skip-lowbit", action="store_true", help="leave out the FP8 / INT4 matmuls (gpu_lowbit.py)")
     args = ap.parse_args(argv)
 
     from litevlm_runtime.engines.cuda_graph import cuda_graph_engines
@@ -315,8 +322,12 @@ def main(argv=None) -> int:
     ok = batched_check(pipes, frame_sets, questions, tokens, cuda) and ok
     if args.node:
         ok = node_check(args) and ok
+    if not args.skip_lowbit:
+        print(f"\nFP8 and INT4 matmuls at {args.preset}'s decoder shapes (gpu_lowbit.py):")
+        ok = lowbit_check(args.preset, device, repeats=20 if cuda else 1) and ok
     print(f"total {time.perf_counter() - t0:.0f} s")
-    print("PASS" if ok else "FAIL: captured graphs changed the tokens (or nothing ran batched)")
+    print("PASS" if ok else "FAIL: captured graphs changed the tokens (or nothing ran batched, or a low-bit "
+          "matmul was off its reference)")
     return 0 if ok else 1
 
 

@@ -78,6 +78,7 @@ def test_gpu_check_script_logic_on_cpu():
     assert "cuda graph == static eager (capture changes nothing): 2/2" in r.stdout
     assert "batched cuda graph == batched static eager (capture changes nothing): 2/2" in r.stdout
     assert "torch-cudagraph 2/2" in r.stdout and "vs rows x 1-row step" in r.stdout     # both ran batched steps
+    assert "low-bit matmuls within 0.01 of their float64 references: yes" in r.stdout
     assert "PASS" in r.stdout
 
 
