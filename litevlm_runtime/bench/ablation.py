@@ -98,7 +98,6 @@ def run_ablation(model_dir: Path, data: Path, frames_root: Path, base_options, l
 
 
 def ablation_table(result: dict) -> str:
-
     headers = ["pipeline", "cams", "ViT ms", "in tok", "prefill ms", "ms/tok", "acc len", "decode ms",
                "select ms", "total ms", "speed-up", "accuracy", "final*"]
     rows = [[r["pipeline"], f"{r['cameras']:.1f}", r["stage_ms"]["vision"], f"{r['input_tokens']:.0f}",

@@ -24,7 +24,6 @@ from ..report import table
 
 def run_budget_bench(model_dir: Path, data: Path, frames_root: Path, options, limit: int | None = None,
                      fractions: tuple[float, ...] = (0.5,), progress=print) -> dict:
-
     pipe = Pipeline.from_pretrained(model_dir, options)
     pipe.warm_up()
     work = select(load_frames(data), limit)
@@ -62,7 +61,6 @@ def run_budget_bench(model_dir: Path, data: Path, frames_root: Path, options, li
 
 
 def budget_table(result: dict) -> str:
-
     rows = []
     for r in result["rows"]:
         rows.append(["none" if not r["budget_ms"] else f"{r['budget_ms']:.1f}",

@@ -344,7 +344,6 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
 
 
 def roofline_table(result: dict) -> str:
-
     out = [f"model {result['model']}  backend {result['backend']}  {result['dtype']}  {result['threads']} thread(s)  "
            f"median of {result['rounds']} alternating rounds  1-min load average {result['load'][0]:.2f} before, "
            f"{result['load'][1]:.2f} after",

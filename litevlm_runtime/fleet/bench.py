@@ -60,7 +60,6 @@ def _mean(bags, key: str) -> float:
 
 def scaling(make_config: Callable, sizes: list[int], out: Path, rounds: int = 1,
             versus_bag_eval: bool = False) -> tuple[str, dict]:
-
     out = Path(out)
     results: dict[int, list[dict]] = {n: [] for n in sizes}
     answers = {}

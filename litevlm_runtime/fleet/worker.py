@@ -79,7 +79,6 @@ class BagEvaluator:
     """The model of one worker process, and bag after bag evaluated on it."""
 
     def __init__(self, params: dict, threads: int = 0, ground_truth: list[str] | tuple = ()):
-
         self.params = dict(params)
         if threads and not self.params.get("backend.threads"):
             self.params["backend.threads"] = threads      # the pool's share of the cores, not all of them

@@ -230,7 +230,6 @@ def load_views(options: PipelineOptions, model_dir: Path | None):
 
 
 def load_tokens(options: PipelineOptions, model_dir: Path | None, lm, dtype):
-
     mode = options.tokens.mode
     if mode == TokenMode.OFF:
         return None

@@ -108,7 +108,6 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
                 samples: int | None = 400, holdout: int = 20, epochs: int = 4, lr: float = 1e-3,
                 noise: float = 0.05, seed: int = 0, max_new_tokens: int = 48, threads: int | None = None,
                 tree: dict | None = None, log=print) -> dict:
-
     d = setup("cpu")                   # the target and draft run on the CPU pipeline here
     torch.manual_seed(seed)
     tree = tree or {"total": 60, "depth": 6, "topk": 10}
