@@ -72,7 +72,7 @@ inline void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t i) {
   if (R * row_bytes <= PREFETCH_TILE_MAX) {
     const uint8_t* p = tile + R * row_bytes + i * (R * STEP);
     for (int j = 0; j < R * STEP; j += 64) prefetch_line(p + j);
-  } else {
+  } else if ((i * STEP) % 64 == 0) {        // a line per row once per 64 bytes of it
     const int64_t pos = i * STEP + PREFETCH_BYTES;
     const uint8_t* p = tile + (pos < row_bytes ? pos : pos + (R - 1) * row_bytes);
     for (int r = 0; r < R; ++r) prefetch_line(p + r * row_bytes);
@@ -269,8 +269,16 @@ void fp16_rows(const uint16_t* w, int64_t n0, int64_t K, const float* x, int64_t
 constexpr int TILE_ROWS = 4;     // weight rows per kernel call: 4 accumulators + 4 group accumulators
 constexpr int64_t CHUNK_TILES = 16;   // tiles a thread takes at a time (64 rows: 48 KB of int4 codes at K = 1536)
 // Weights smaller than this run on the calling thread alone: waking a sleeping (passive) OpenMP
-// thread costs tens of microseconds, as long as one thread takes to stream this much.
+// thread costs tens of microseconds, as long as one thread takes to stream this much (the dequantized
+// tiles of large calls use it).
 constexpr int64_t PARALLEL_MIN_BYTES = 256 << 10;
+// The same for the small-call (decode) kernels, higher: with the prefetch one thread streams int4 at
+// 15-19 GB/s here (a plain 1-thread sum: 16-20 GB/s, 2 threads 17-23), so a second thread can
+// save little on a call of a few MB, while a fan-out cost 20-40 us per call (1.2 MB int4 q/o
+// projections: 75-100 us per call on 2 threads, 50-80 us on one). At 2 MB the decoder's q/k/v/o
+// (int4) run on one thread, the MLP and the head on all: 1.23x on a 2B step's int4 matmuls, 1.05x
+// int8 (whose q/o, 2.4 MB, stay parallel), against 256 KB in the same run beside the test suite.
+constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 
 // Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out
 // to torch's threads in chunks taken from a counter rather than in fixed halves: on a shared CPU a
@@ -280,7 +288,7 @@ template <typename Tile, typename One>
 void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
   const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
   std::atomic<int64_t> next{0};
-  const int64_t threads = weight_bytes < PARALLEL_MIN_BYTES ? 1 : at::get_num_threads();
+  const int64_t threads = weight_bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
