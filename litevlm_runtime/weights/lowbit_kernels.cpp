@@ -6,8 +6,8 @@
 //   int4: the activation rows are quantized to int8 per block of 64 (scale = max|x| / 127, round to
 //         nearest), then int4 codes x int8 with vpmaddubsw (unsigned codes x signed activations, exact
 //         in int16: 4 * 15 * 127 < 2^15 for the two products of a block summed) and vpmaddwd,
-//         accumulated in float32 per block, per group scaled, the zero point subtracted once per
-//         group through the group's activation sum (llama.cpp's Q4_0 x Q8_0 scheme, with a zero
+//         accumulated in float32 per block, per group scaled, the zero points subtracted once per
+//         row through the activations' group sums (llama.cpp's Q4_0 x Q8_0 scheme, with a zero
 //         point, a group of G and 64-element activation blocks: one 32-byte load of codes each).
 //   int8: the same with signed int8 weights, activation blocks of 32 (vpsignb moves the weight's
 //         sign onto the activation).
@@ -88,7 +88,8 @@ void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K
   // In AVX2, 8 elements at a time, with the scalar version's operations element by element (the
   // product with pre_quant_scale, the IEEE division by the block's scale, round half to even as
   // nearbyint does in the default rounding mode): the same codes, bit for bit. Written so because
-  // the scalar loop (a division per element) cost ~5 cycles an element, ~0.7 ms of a 2B decode step.
+  // the scalar loop (a division per element) costs several cycles an element (estimated ~0.5-1 ms of
+  // a 2B decode step's ~510k activation elements).
   const int64_t nb = K / block;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   alignas(32) float v[QBLOCK4];
