@@ -16,6 +16,11 @@ within every round and condition (order reversed every other round), all kept in
 
 from __future__ import annotations
 
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+# (libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it: sorted after torch, the
+# package's PASSIVE came too late and these measurements ran with spinning threads)
 import argparse
 import os
 import statistics
@@ -23,7 +28,6 @@ import time
 
 import torch
 
-import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when idle (threads.py)
 from litevlm_runtime.bench.contention import Hog
 from litevlm_runtime.bench.roofline import decode_step
 from litevlm_runtime.options import options_from_flat

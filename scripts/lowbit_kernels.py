@@ -31,6 +31,11 @@ Candidates (those whose library is missing are listed as such):
 
 from __future__ import annotations
 
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+# (libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it: sorted after torch, the
+# package's PASSIVE came too late and these measurements ran with spinning threads)
 import argparse
 import math
 import os
@@ -40,7 +45,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when idle (threads.py)
 from litevlm_runtime.report import table
 from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.cpuinfo import read_cpuinfo

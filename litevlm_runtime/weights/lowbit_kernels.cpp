@@ -6,8 +6,8 @@
 //   int4: the activation rows are quantized to int8 per block of 64 (scale = max|x| / 127, round to
 //         nearest), then int4 codes x int8 with vpmaddubsw (unsigned codes x signed activations, exact
 //         in int16: 4 * 15 * 127 < 2^15 for the two products of a block summed) and vpmaddwd,
-//         accumulated in float32 per block, per group scaled, the zero point subtracted once per
-//         group through the group's activation sum (llama.cpp's Q4_0 x Q8_0 scheme, with a zero
+//         accumulated in float32 per block, per group scaled, the zero points subtracted once per
+//         row through the activations' group sums (llama.cpp's Q4_0 x Q8_0 scheme, with a zero
 //         point, a group of G and 64-element activation blocks: one 32-byte load of codes each).
 //   int8: the same with signed int8 weights, activation blocks of 32 (vpsignb moves the weight's
 //         sign onto the activation).
@@ -45,34 +45,89 @@ inline float hsum(__m256 v) {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+// Software prefetch of the weights a tile reads next. Why: a tile reads R weight rows side by side,
+// i.e. R streams a row length apart, and the hardware prefetcher follows such interleaved streams
+// poorly: without this the int4 kernel read 4-6 GB/s from memory on 2 threads where a plain sum over
+// the same bytes read 15-19 GB/s, although it ran at ~16 GB/s per thread with the weights in cache
+// (it was waiting on memory, not computing). Two schemes (measured at InternVL3-2B's shapes, 2
+// threads, against the kernel without prefetch in the same run):
+//  - a small tile (R rows <= PREFETCH_TILE_MAX bytes, so that it and the next one fit in the 32 KB
+//    L1 together; K = 1536: 3-12 KB): the next tile's R rows are contiguous, so step i of this
+//    tile fetches the i-th slice of it. The prefetches walk one sequential stream, which the
+//    hardware prefetcher picks up too: 2-2.3x (int4 reached 14-18 GB/s, the plain sum's rate).
+//  - a large tile (K = 8960, the down projection: 18-72 KB; the next tile would push this one out
+//    of L1): each row's own stream PREFETCH_BYTES ahead, crossing at a row's end into the row R
+//    further on (the next tile's): 1.2-2x there, where the next-tile scheme gained 1.0-1.1x.
+// A prefetch past the end of the weights (the last tile) does not fault.
+// prefetcht0 is an asm statement: g++ 12 at -O1 and above deleted every _mm_prefetch of this
+// two-scheme function (none left in the object code) while it kept those of a one-scheme version;
+// an asm volatile statement stays where it is written.
+inline void prefetch_line(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+
+constexpr int64_t PREFETCH_BYTES = 1024;
+constexpr int64_t PREFETCH_TILE_MAX = 16 << 10;
+// Called at step i of a tile of R rows at `tile` (row_bytes apart) that reads STEP bytes of each row per step.
+template <int R, int STEP>
+inline void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t i) {
+  if (R * row_bytes <= PREFETCH_TILE_MAX) {
+    const uint8_t* p = tile + R * row_bytes + i * (R * STEP);
+    for (int j = 0; j < R * STEP; j += 64) prefetch_line(p + j);
+  } else if ((i * STEP) % 64 == 0) {        // a line per row once per 64 bytes of it
+    const int64_t pos = i * STEP + PREFETCH_BYTES;
+    const uint8_t* p = tile + (pos < row_bytes ? pos : pos + (R - 1) * row_bytes);
+    for (int r = 0; r < R; ++r) prefetch_line(p + r * row_bytes);
+  }
+}
+
 // Activations [M, K] (times pre_quant_scale when given) -> int8 per block of `block`: xq [M, K]
 // (in int4 order when `int4_order`: each block's even elements first, then its odd ones, as one
 // 32-byte load of codes splits into low and high nibbles), dx [M, K/block] (the block's scale,
 // max|x| / 127), bsum [M, K/block] (the block's sum of codes, for the zero point).
 void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K, int block, bool int4_order,
                           int8_t* xq, float* dx, int32_t* bsum) {
+  // In AVX2, 8 elements at a time, with the scalar version's operations element by element (the
+  // product with pre_quant_scale, the IEEE division by the block's scale, round half to even as
+  // nearbyint does in the default rounding mode): the same codes, bit for bit. Written so because
+  // the scalar loop (a division per element) costs several cycles an element (estimated ~0.5-1 ms of
+  // a 2B decode step's ~510k activation elements).
   const int64_t nb = K / block;
-  std::vector<float> v(block);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  alignas(32) float v[QBLOCK4];
+  alignas(32) int32_t q[QBLOCK4];
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     for (int64_t b = 0; b < nb; ++b) {
-      float amax = 0.f;
-      for (int i = 0; i < block; ++i) {
-        const int64_t k = b * block + i;
-        v[i] = pqs ? xm[k] * pqs[k] : xm[k];
-        amax = std::fmax(amax, std::fabs(v[i]));
+      const int64_t k0 = b * block;
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < block; i += 8) {
+        __m256 xv = _mm256_loadu_ps(xm + k0 + i);
+        if (pqs) xv = _mm256_mul_ps(xv, _mm256_loadu_ps(pqs + k0 + i));
+        _mm256_store_ps(v + i, xv);
+        amax = _mm256_max_ps(_mm256_and_ps(xv, abs_mask), amax);   // a NaN element is skipped, as by fmax
       }
-      const float d = amax / 127.0f;
-      int8_t* out = xq + m * K + b * block;
-      int32_t sum = 0;
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float d = _mm_cvtss_f32(h) / 127.0f;
+      __m256i sum = _mm256_setzero_si256();
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int i = 0; i < block; i += 8) {
+        const __m256i qi = d > 0.f ? _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_load_ps(v + i), dv),
+                                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+                                   : _mm256_setzero_si256();
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), qi);
+        sum = _mm256_add_epi32(sum, qi);
+      }
+      int8_t* out = xq + m * K + k0;
       for (int i = 0; i < block; ++i) {
-        const int q = d > 0.f ? static_cast<int>(std::nearbyint(v[i] / d)) : 0;
         const int pos = int4_order ? (i % 2 ? block / 2 + i / 2 : i / 2) : i;
-        out[pos] = static_cast<int8_t>(q);
-        sum += q;
+        out[pos] = static_cast<int8_t>(q[i]);
       }
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
       dx[m * nb + b] = d;
-      bsum[m * nb + b] = sum;
+      bsum[m * nb + b] = _mm_cvtsi128_si32(s4);
     }
   }
 }
@@ -94,31 +149,60 @@ QuantizedRows quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>
   return r;
 }
 
+// The activations' sum per weight group (int4's zero point): gx[m, g] = sum over the group's blocks
+// of block scale x block sum of codes, i.e. the group's sum of dequantized activations. Once per
+// call, shared by every weight row (it was recomputed per tile inside the group loop).
+std::vector<float> group_sums(const QuantizedRows& a, int64_t M, int64_t K, int64_t G) {
+  const int64_t ng = K / G, nb = K / QBLOCK4, bpg = G / QBLOCK4;
+  std::vector<float> gx(M * ng);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      float sum = 0.f;
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) sum += a.dx[m * nb + b] * static_cast<float>(a.bsum[m * nb + b]);
+      gx[m * ng + g] = sum;
+    }
+  return gx;
+}
+
+// One weight row's zero-point term: sum over its groups of scale x zero x the activations' group
+// sum, 8 groups at a time (scales widened by F16C, zeros by vpmovzxbd). Once per row after its
+// group loop, where a scalar update per group and row had cost ~5 instructions per 64 weights.
+inline float zero_point_term(const uint16_t* s, const uint8_t* z, const float* gx, int64_t ng) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8) {
+    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g)));
+    const __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(sv, zv), _mm256_loadu_ps(gx + g), acc);
+  }
+  float t = hsum(acc);
+  for (; g < ng; ++g) t += half_to_float(s[g]) * static_cast<float>(z[g]) * gx[g];
+  return t;
+}
+
 // y[m, n0 + r] for R weight rows n0.. and every activation row m: int4 codes x int8 activations.
 // Per block of 64 weights and row: one 32-byte load of codes, its low nibbles (the block's even k)
 // and high nibbles (odd k) against the two halves of the reordered activation block, both
-// products summed in int16 (4 * 15 * 127 < 2^15), widened once, scaled once.
+// products summed in int16 (4 * 15 * 127 < 2^15), widened once, scaled once; per group the
+// weight scale; per row the zero point (zero_point_term, over the activations' group sums gx).
 template <int R>
 void int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0, int64_t K, int64_t G,
-               const QuantizedRows& a, int64_t M, float* y, int64_t ldy) {
+               const QuantizedRows& a, const float* gx, int64_t M, float* y, int64_t ldy) {
   const int64_t ng = K / G, nb = K / QBLOCK4, bpg = G / QBLOCK4, row_bytes = K / 2;
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
   for (int64_t m = 0; m < M; ++m) {
     const int8_t* xq = a.xq.data() + m * K;
     const float* dx = a.dx.data() + m * nb;
-    const int32_t* bs = a.bsum.data() + m * nb;
     __m256 acc[R];
-    float zc[R];
-    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); zc[r] = 0.f; }
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
       __m256 ag[R];
       for (int r = 0; r < R; ++r) ag[r] = _mm256_setzero_ps();
-      float xsum = 0.f;                       // the group's sum of dequantized activations
       for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
         const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QBLOCK4));
         const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QBLOCK4 + 32));
         const __m256 d = _mm256_set1_ps(dx[b]);
-        xsum += dx[b] * static_cast<float>(bs[b]);
+        if (m == 0) prefetch_ahead<R, QBLOCK4 / 2>(codes + n0 * row_bytes, row_bytes, b);
         for (int r = 0; r < R; ++r) {
           const __m256i v = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(codes + (n0 + r) * row_bytes + b * (QBLOCK4 / 2)));
@@ -127,13 +211,11 @@ void int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zero
           ag[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), d, ag[r]);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const float s = half_to_float(scales[(n0 + r) * ng + g]);
-        acc[r] = _mm256_fmadd_ps(ag[r], _mm256_set1_ps(s), acc[r]);
-        zc[r] += s * static_cast<float>(zeros[(n0 + r) * ng + g]) * xsum;
-      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(ag[r], _mm256_set1_ps(half_to_float(scales[(n0 + r) * ng + g])), acc[r]);
     }
-    for (int r = 0; r < R; ++r) y[m * ldy + n0 + r] = hsum(acc[r]) - zc[r];
+    for (int r = 0; r < R; ++r)
+      y[m * ldy + n0 + r] = hsum(acc[r]) - zero_point_term(scales + (n0 + r) * ng, zeros + (n0 + r) * ng, gx + m * ng, ng);
   }
 }
 
@@ -150,6 +232,7 @@ void int8_rows(const int8_t* codes, const float* scales, int64_t n0, int64_t K, 
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QBLOCK8));
       const __m256 d = _mm256_set1_ps(dx[b]);
+      if (m == 0) prefetch_ahead<R, QBLOCK8>(reinterpret_cast<const uint8_t*>(codes + n0 * K), K, b);
       for (int r = 0; r < R; ++r) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (n0 + r) * K + b * QBLOCK8));
         // |w| (unsigned) x sign(w) * x (signed): exact in int16 (2 * 127 * 127 < 2^15)
@@ -170,6 +253,7 @@ void fp16_rows(const uint16_t* w, int64_t n0, int64_t K, const float* x, int64_t
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
       const __m256 xv = _mm256_loadu_ps(xm + k);
+      if (m == 0) prefetch_ahead<R, 16>(reinterpret_cast<const uint8_t*>(w + n0 * K), 2 * K, k / 8);
       for (int r = 0; r < R; ++r) {
         const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + r) * K + k)));
         acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
@@ -186,8 +270,16 @@ void fp16_rows(const uint16_t* w, int64_t n0, int64_t K, const float* x, int64_t
 constexpr int TILE_ROWS = 4;     // weight rows per kernel call: 4 accumulators + 4 group accumulators
 constexpr int64_t CHUNK_TILES = 16;   // tiles a thread takes at a time (64 rows: 48 KB of int4 codes at K = 1536)
 // Weights smaller than this run on the calling thread alone: waking a sleeping (passive) OpenMP
-// thread costs tens of microseconds, as long as one thread takes to stream this much.
+// thread costs tens of microseconds, as long as one thread takes to stream this much (the dequantized
+// tiles of large calls use it).
 constexpr int64_t PARALLEL_MIN_BYTES = 256 << 10;
+// The same for the small-call (decode) kernels, higher: with the prefetch one thread streams int4 at
+// 15-19 GB/s here (a plain 1-thread sum: 16-20 GB/s, 2 threads 17-23), so a second thread can
+// save little on a call of a few MB, while a fan-out cost 20-40 us per call (1.2 MB int4 q/o
+// projections: 75-100 us per call on 2 threads, 50-80 us on one). At 2 MB the decoder's q/k/v/o
+// (int4) run on one thread, the MLP and the head on all: 1.23x on a 2B step's int4 matmuls, 1.05x
+// int8 (whose q/o, 2.4 MB, stay parallel), against 256 KB in the same run beside the test suite.
+constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 
 // Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out
 // to torch's threads in chunks taken from a counter rather than in fixed halves: on a shared CPU a
@@ -197,7 +289,7 @@ template <typename Tile, typename One>
 void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
   const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
   std::atomic<int64_t> next{0};
-  const int64_t threads = weight_bytes < PARALLEL_MIN_BYTES ? 1 : at::get_num_threads();
+  const int64_t threads = weight_bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
@@ -303,10 +395,11 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
                       [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); });
   }
   const QuantizedRows a = quantize_rows(x, pqs, QBLOCK4, true);
+  const std::vector<float> gx = group_sums(a, M, K, G);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  over_rows(N, N * K / 2, [&](int64_t n) { int4_rows<TILE_ROWS>(c, s, z, n, K, G, a, M, yp, N); },
-            [&](int64_t n) { int4_rows<1>(c, s, z, n, K, G, a, M, yp, N); });
+  over_rows(N, N * K / 2, [&](int64_t n) { int4_rows<TILE_ROWS>(c, s, z, n, K, G, a, gx.data(), M, yp, N); },
+            [&](int64_t n) { int4_rows<1>(c, s, z, n, K, G, a, gx.data(), M, yp, N); });
   return y;
 }
 
