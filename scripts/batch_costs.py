@@ -18,6 +18,10 @@ torch-only comparison, are left out), e.g. ONNX Runtime's batched step graph:
 
 from __future__ import annotations
 
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+# (libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it)
 import argparse
 import statistics
 import time
@@ -25,7 +29,6 @@ import time
 import numpy as np
 import torch
 
-import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when idle (threads.py)
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.decoding.greedy import step_one

@@ -20,6 +20,10 @@ batched step makes decoding cheaper, nothing else.
 
 from __future__ import annotations
 
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+# (libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it)
 import argparse
 import statistics
 import sys
@@ -28,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-import litevlm_runtime  # noqa: F401  (before torch work: the OpenMP wait policy, threads.py)
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.frames import load_frame_sets

@@ -19,6 +19,10 @@ there, else random. `--memory`: the arena's bytes under serving.max_turns / serv
 
 from __future__ import annotations
 
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+# (libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it)
 import argparse
 import statistics
 import time
@@ -28,7 +32,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import litevlm_runtime  # noqa: F401 - first, so that torch's threads sleep when idle (threads.py)
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.options import options_from_flat

@@ -13,6 +13,10 @@ the operators' share).
 
 from __future__ import annotations
 
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+# (libgomp reads OMP_WAIT_POLICY once, when `import torch` loads it)
 import argparse
 import statistics
 import sys
@@ -22,7 +26,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import litevlm_runtime  # noqa: F401  (before torch: the OpenMP wait policy, threads.py)
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.commands.bench import load_frame_sets
 from litevlm_runtime.decoding.greedy import QueryDecoding, choose, step_one
