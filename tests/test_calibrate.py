@@ -286,7 +286,7 @@ def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
 def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
     """`calibrate --precision fp8 --fp8-decode`: ModelOpt's GEMV detection off, so the one-row
     decode step (every generated token after the first) gets FP8 Q/DQ on all its weight products
-    (2 layers x q/k/v/o + MLP = 10 here; by default none, the test above), each pair executed by
+    (2 layers x wqkv, wo, w1, w3, w2 = 10 here; by default none, the test above), each pair executed by
     ONNX Runtime exactly as its E4M3 rounding; the batched step then follows it, with its scales."""
     import onnx
 
@@ -306,7 +306,7 @@ def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
     assert [i.name for i in quantized.graph.input] == [i["name"] for i in one["inputs"]]
 
     r = check_graph(tmp_path / one["file"], steps[:2], bundle / one["file"])
-    # a pair per weight; products reading the same activation share its pair (2 layers x 4 inputs)
+    # a pair per weight; w1 and w3 read the same activation and share its pair (2 layers x 4)
     assert r.pairs.get("fp8 weight", 0) == 10 and r.pairs.get("fp8 activation", 0) == 8, r.pairs
     assert r.mismatches == 0 and r.worst_quanta == 0.0            # every pair: its E4M3 rounding, exactly
     assert 0 < r.vs_float < 0.5                                   # quantized, and still the same step
