@@ -224,29 +224,16 @@ def test_fp8_qdq_graph_for_tensorrt(calibrated, tmp_path):
     assert [i.name for i in model.graph.input] == ["pixels"] and [o.name for o in model.graph.output] == ["visual"]
 
 
-def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
-    """FP8 (what TensorRT on the car runs): ModelOpt leaves the 1-row step's GEMV-shaped
-    products unquantized, so the batched step stays as exported too; against a step that has
-    FP8 products (the 8-row tree step), the batched step gets exactly those products, with
-    that step's activation scales."""
-    import onnx
-    from onnx import numpy_helper
+def decode_steps(bundle, calls: int = 4):
+    """(the bundle's manifest, a Recorder holding `calls` one-row decode steps of decoder_1 with
+    random embeddings and caches and growing histories)."""
+    from litevlm_runtime.export.calibration import Recorder
 
-    from litevlm_runtime.export.calibration import (
-        Recorder,
-        activation_scales,
-        fit_sample,
-        quantize_batched_step,
-        quantize_graph,
-    )
-
-    _, bundle, _, _, _ = calibrated
     manifest = json.loads((bundle / "manifest.json").read_text())
-    graph = {(g["stage"], g["bucket"]): g for g in manifest["graphs"]}
-    one, tree, batch = graph[("decoder", 1)], graph[("decoder", 8)], graph[("decoder_batch", 4)]
+    one = next(g for g in manifest["graphs"] if g["stage"] == "decoder" and g["bucket"] == 1)
     shapes = {i["name"]: i["shape"] for i in one["inputs"]}
-    rng, recorder = np.random.default_rng(0), Recorder(per_graph=4)
-    for n in range(4):
+    rng, recorder = np.random.default_rng(0), Recorder(per_graph=calls)
+    for n in range(calls):
         mask = np.zeros(shapes["mask_cache"], dtype=bool)
         mask[0, :5 + n] = True
         recorder.record(
@@ -260,6 +247,23 @@ def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
                 "v_cache": torch.randn(shapes["v_cache"]),
             },
         )
+    return manifest, recorder
+
+
+def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
+    """FP8 (what TensorRT on the car runs): ModelOpt leaves the 1-row step's GEMV-shaped
+    products unquantized, so the batched step stays as exported too; against a step that has
+    FP8 products (the 8-row tree step), the batched step gets exactly those products, with
+    that step's activation scales."""
+    import onnx
+    from onnx import numpy_helper
+
+    from litevlm_runtime.export.calibration import activation_scales, fit_sample, quantize_batched_step, quantize_graph
+
+    _, bundle, _, _, _ = calibrated
+    manifest, recorder = decode_steps(bundle)
+    graph = {(g["stage"], g["bucket"]): g for g in manifest["graphs"]}
+    one, tree, batch = graph[("decoder", 1)], graph[("decoder", 8)], graph[("decoder_batch", 4)]
     steps = recorder.samples[one["file"]]
     quantize_graph(bundle / one["file"], tmp_path / one["file"], "fp8", steps, "max")
     assert activation_scales(onnx.load(str(tmp_path / one["file"]), load_external_data=False).graph) == {}
@@ -277,3 +281,37 @@ def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
     for weight, (scale, zero) in ours.items():
         assert value(dst, scale) == value(src, theirs[weight][0])
         assert next(t for t in dst.initializer if t.name == zero).data_type == onnx.TensorProto.FLOAT8E4M3FN
+
+
+def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
+    """`calibrate --precision fp8 --fp8-decode`: ModelOpt's GEMV detection off, so the one-row
+    decode step (every generated token after the first) gets FP8 Q/DQ on all its weight products
+    (2 layers x wqkv, wo, w1, w3, w2 = 10 here; by default none, the test above), each pair executed by
+    ONNX Runtime exactly as its E4M3 rounding; the batched step then follows it, with its scales."""
+    import onnx
+
+    from litevlm_runtime.export.calibration import activation_scales, calibrate, quantize_batched_step, quantize_graph
+    from litevlm_runtime.export.qdq import check_graph
+
+    bundle = exported_bundle(tmp_path_factory.getbasetemp())
+    manifest, recorder = decode_steps(bundle)
+    graph = {(g["stage"], g["bucket"]): g for g in manifest["graphs"]}
+    one, batch = graph[("decoder", 1)], graph[("decoder_batch", 4)]
+    steps = recorder.samples[one["file"]]
+    quantize_graph(bundle / one["file"], tmp_path / one["file"], "fp8", steps, "max", fp8_decode=True)
+    quantized = onnx.load(str(tmp_path / one["file"]), load_external_data=False)
+    assert len(activation_scales(quantized.graph)) == 10
+    zero_points = [t for t in quantized.graph.initializer if t.name.endswith("zero_point")]
+    assert zero_points and all(t.data_type == onnx.TensorProto.FLOAT8E4M3FN for t in zero_points)
+    assert [i.name for i in quantized.graph.input] == [i["name"] for i in one["inputs"]]
+
+    r = check_graph(tmp_path / one["file"], steps[:2], bundle / one["file"])
+    # a pair per weight; w1 and w3 read the same activation and share its pair (2 layers x 4)
+    assert r.pairs.get("fp8 weight", 0) == 10 and r.pairs.get("fp8 activation", 0) == 8, r.pairs
+    assert r.mismatches == 0 and r.worst_quanta == 0.0            # every pair: its E4M3 rounding, exactly
+    assert 0 < r.vs_float < 0.5                                   # quantized, and still the same step
+
+    _, source = quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, "fp8", "max")
+    assert "activation scales of decoder_1.onnx (10 products)" in source
+    with pytest.raises(InputError, match="--fp8-decode"):
+        calibrate(bundle, tmp_path / "qa.json", "int8", tmp_path / "out", None, fp8_decode=True)

@@ -44,6 +44,10 @@ def register(subparsers) -> None:
     p.add_argument("--keep-float", default="", metavar="REGEX",
                    help="weight products to leave in float: a regular expression on weight names (a mixed "
                         "configuration; `--sensitivity` prints the one for its most sensitive layers)")
+    p.add_argument("--fp8-decode", action="store_true",
+                   help="with --precision fp8: the one-row decode step (decoder_1, and with it the batched step) "
+                        "in FP8 too, as TensorRT runs it when the step is built with FP8 GEMMs; by default "
+                        "ModelOpt leaves such GEMV-shaped products float (its enable_gemv_detection_for_trt)")
     p.add_argument("--name", default="", help="the new bundle's folder under --out (default: the precision)")
     p.add_argument("--sensitivity", action="store_true",
                    help="instead of calibrating: quantize one layer/stage part at a time (fp8 and int4) in PyTorch "
@@ -92,7 +96,8 @@ def run(args) -> int:
                                  buckets=buckets, frames_root=args.frames_root, calib_questions=args.calib_questions,
                                  eval_questions=args.eval_questions, samples_per_graph=args.samples, method=args.method,
                                  progress=say, stages=tuple(s for s in args.stages.split(",") if s),
-                                 keep_float=args.keep_float, name=args.name, quantized=args.quantized)
+                                 keep_float=args.keep_float, name=args.name, quantized=args.quantized,
+                                 fp8_decode=args.fp8_decode)
     made = (f"ModelOpt {manifest['calibration']['modelopt']}" if "modelopt" in manifest.get("calibration", {})
             else f"weights {manifest.get('quantization', {}).get('weights')}")
     print(

@@ -238,9 +238,10 @@ def weight_nodes(path: Path, only: set[str] | None = None, keep_float: str = "")
 
 def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str, np.ndarray]],
                    method: str = "entropy", export_dtype: str = "float32", weights_file: str | None = None,
-                   only: set[str] | None = None, keep_float: str = "") -> None:
+                   only: set[str] | None = None, keep_float: str = "", fp8_decode: bool = False) -> None:
     """`only`: quantize just the products of these weights (the batched step: those quantized in
-    the single decode step), whatever their shape; `keep_float`: see weight_nodes."""
+    the single decode step), whatever their shape; `keep_float`: see weight_nodes; `fp8_decode`:
+    FP8 also where a product has one row (see _quantize)."""
     try:
         from modelopt.onnx.quantization import quantize
     except ImportError as exc:
@@ -265,7 +266,8 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
             shutil.copy2(src, work)
             for weights in own:
                 shutil.copy2(weights, Path(scratch) / weights.name)
-            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype, only, keep_float)
+            _quantize(quantize, work, dst, precision, samples, method, model_bytes, export_dtype, only, keep_float,
+                      fp8_decode)
     except Exception as exc:
         raise LiteVLMError(
             f"{src.name}: ModelOpt {precision} quantization failed: {exc}\n{chatter.getvalue()[-2000:]}"
@@ -274,7 +276,8 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
         raise LiteVLMError(f"{src.name}: ModelOpt wrote no quantized graph")
 
 
-def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype, only=None, keep_float=""):
+def _quantize(quantize, src, dst, precision, samples, method, model_bytes, export_dtype, only=None, keep_float="",
+              fp8_decode=False):
     nodes = weight_nodes(src, only, keep_float)
     if not nodes:
         raise LiteVLMError(f"{Path(src).name}: no weight product left to quantize")
@@ -291,7 +294,11 @@ def _quantize(quantize, src, dst, precision, samples, method, model_bytes, expor
         use_external_data_format=model_bytes > (1 << 31) - (1 << 28),
         # ModelOpt skips GEMV-shaped products (a decode step's T=1 rows) because TensorRT
         # runs them no faster in INT8; on the CPU they are the memory-bound part INT8 helps.
-        enable_gemv_detection_for_trt=(precision == "fp8" and only is None),
+        # FP8 keeps ModelOpt's default (the one-row step `decoder_1` stays float, as TensorRT
+        # builds it from such a bundle) unless `fp8_decode`: then its products are FP8 too, what
+        # TensorRT runs if the step is built with FP8 GEMMs (and what the accuracy of an FP8
+        # decode measures). `only` (the batched step) never needs it: its products are named.
+        enable_gemv_detection_for_trt=(precision == "fp8" and only is None and not fp8_decode),
     )
 
 
@@ -486,7 +493,8 @@ def quantize_bundle(src_bundle: Path, out: Path, precision: str, recorder: Recor
         else:
             samples, source = samples_for(g, manifest, recorder)
             quantize_graph(src_bundle / g["file"], out / g["file"], precision, samples, calibration_info["method"],
-                           manifest["dtype"], g.get("weights"), keep_float=keep_float)
+                           manifest["dtype"], g.get("weights"), keep_float=keep_float,
+                           fp8_decode=calibration_info.get("fp8_decode", False))
         entry = dict(g, sha256=sha256_file(out / g["file"]), calibration_samples=len(samples), precision=precision,
                      calibration_source=source, calibration_calls=recorder.calls.get(g["file"], 0))
         entry.pop("weights", None)
@@ -670,18 +678,21 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
               buckets=None, frames_root: Path | None = None, calib_questions: int = 16, eval_questions: int = 16,
               samples_per_graph: int = 16, method: str | None = None, progress=print,
               stages: tuple[str, ...] = QUANTIZED_STAGES, keep_float: str = "", name: str = "",
-              quantized: Path | None = None) -> tuple[dict, AccuracyReport]:
+              quantized: Path | None = None, fp8_decode: bool = False) -> tuple[dict, AccuracyReport]:
     """`stages`: which of QUANTIZED_STAGES to quantize (the others stay as exported); `keep_float`: a
     regular expression of weight names whose products stay float (a mixed configuration, e.g. the
     layers the sensitivity report ranks first); `name`: the bundle's folder under `out` (default:
     the precision). int4: the decoder's weights stored by `litevlm quantize --symmetric` in
     `quantized` written into the graphs (export/int4_onnx.py), or without it ModelOpt's INT4 AWQ
-    from the recorded traffic (`int4_bundle`)."""
+    from the recorded traffic (`int4_bundle`). `fp8_decode` (fp8 only): the one-row decode step
+    `decoder_1` (and with it the batched step) in FP8 too; ModelOpt leaves GEMV-shaped products
+    float by default."""
     from dataclasses import replace
-
 
     if precision not in PRECISIONS:
         raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if fp8_decode and precision != "fp8":
+        raise InputError(f"--fp8-decode is for --precision fp8 ({precision} quantizes the one-row step already)")
     out = Path(out)
     queries = load_queries(data, frames_root)
     calib, held_out = split_queries(queries, calib_questions, eval_questions)
@@ -716,6 +727,8 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
             raise LiteVLMError(f"calibration method {method!r}: one of {', '.join(METHODS)}")
         info = {"data": str(data), "questions": len(calib), "samples_per_graph": samples_per_graph, "method": method,
                 "quantized_stages": list(stages), "keep_float": keep_float}
+        if fp8_decode:
+            info["fp8_decode"] = True
         manifest = quantize_bundle(Path(bundle), quant_dir, precision, recorder, info, progress)
     # FP8 Q/DQ runs in ONNX Runtime too (its CPU QuantizeLinear/DequantizeLinear take float8e4m3fn;
     # `calibrate --check` proves every pair): every precision is measured against the float graphs.
