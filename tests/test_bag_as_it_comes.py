@@ -8,6 +8,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -106,17 +107,25 @@ def damaged_bags(tmp_path: Path) -> dict[str, Path]:
 
 def test_damaged_bags_end_with_one_line_naming_the_bag(tmp_path, tiny_model):
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=2)
+    runs = []
     for kind, bag in damaged_bags(tmp_path).items():
-        commands = [["bag", "eval", str(bag), "--out", str(tmp_path / f"{kind}.jsonl"), "--params", str(params)]]
+        runs.append((kind, bag, ["bag", "eval", str(bag), "--out", str(tmp_path / f"{kind}.jsonl"), "--params",
+                                 str(params)]))
         if kind in ("mcap_truncated", "mcap_hole", "db3_rotten_rows"):       # found while publishing, not at open
-            commands.append(["bag", "replay", str(bag), "--params", str(params), "--no-wait"])
-        for cmd in commands:
-            r = subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", *cmd], capture_output=True, text=True,
-                               cwd=ROOT, timeout=120, env=ros_env(domain_id(28)))
-            err = r.stderr.strip().splitlines()
-            assert r.returncode == 2, (kind, cmd[1], r.returncode, r.stderr[-2000:])
-            assert len(err) == 1 and err[0].startswith(f"litevlm bag: error: {bag}"), (kind, cmd[1], r.stderr)
-            assert "Traceback" not in r.stderr
+            runs.append((kind, bag, ["bag", "replay", str(bag), "--params", str(params), "--no-wait"]))
+
+    def run(cmd):
+        return subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", *cmd], capture_output=True, text=True,
+                              cwd=ROOT, timeout=240, env=ros_env(domain_id(28)))
+
+    # Independent commands, most of each one's time its start-up: three at a time.
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, [cmd for _, _, cmd in runs]))
+    for (kind, bag, cmd), r in zip(runs, results):
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (kind, cmd[1], r.returncode, r.stderr[-2000:])
+        assert len(err) == 1 and err[0].startswith(f"litevlm bag: error: {bag}"), (kind, cmd[1], r.stderr)
+        assert "Traceback" not in r.stderr
 
 
 @pytest.mark.slow      # 1-3 min; test_bag_tools_agree replays twice beside busy processes in CI
