@@ -3,7 +3,10 @@ accuracy change against the unquantized model on held-out questions."""
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .ask import add_pipeline_args, pipeline_options
@@ -60,8 +63,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    import logging
-
     from ..engines.buckets import default_buckets, parse_buckets
     from ..export.calibration import calibrate
 
@@ -136,8 +137,6 @@ def check(args, options, say) -> int:
 def sensitivity(args, options, say) -> int:
     """`--sensitivity`: the per-unit table (and PNG), the most sensitive units and the --keep-float
     expression that keeps them in float."""
-    import json
-    from dataclasses import replace
 
     from ..export.calibration import load_queries, split_queries
     from ..export.sensitivity import (

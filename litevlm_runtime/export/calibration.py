@@ -21,11 +21,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
+import re
 import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -219,7 +223,6 @@ def weight_nodes(path: Path, only: set[str] | None = None, keep_float: str = "")
     come from caches that are mostly masked-out or empty at calibration time and INT8 there
     ruins the decoder (measured: prefill hidden states off by 75% relative with them, see the
     calibration tests)."""
-    import re
 
     import onnx
 
@@ -247,8 +250,6 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
     except ImportError as exc:
         raise LiteVLMError(f"NVIDIA ModelOpt's ONNX quantization is not importable ({exc}); "
                            f"pip install nvidia-modelopt onnx-graphsurgeon lief (see requirements.txt)") from None
-    import contextlib
-    import io
 
     own = [src.parent / weights_file] if weights_file else list(src.parent.glob("*.weights"))
     model_bytes = src.stat().st_size + sum(f.stat().st_size for f in own)
@@ -257,7 +258,6 @@ def quantize_graph(src: Path, dst: Path, precision: str, samples: list[dict[str,
     chatter = io.StringIO()
     # ModelOpt may rewrite its input graph in place (shape inference, opset updates): quantize a
     # copy in a scratch folder so that the source bundle keeps matching its manifest.
-    import tempfile
 
     try:
         with tempfile.TemporaryDirectory(dir=dst.parent) as scratch, \
@@ -547,7 +547,6 @@ def drivelm_accuracy(queries: list[Query], answers: dict[str, list[str]]) -> dic
 
 def evaluate(model_dir: Path, options, fp32_bundle: Path, quant_bundle: Path, precision: str,
              queries: list[Query], progress=print) -> AccuracyReport:
-    from dataclasses import replace
 
 
     report = AccuracyReport(questions=0)
@@ -640,7 +639,6 @@ def check_bundle(model_dir: Path, data: Path, quant_bundle: Path, options, frame
     bundle's buckets, as calibration records them): each Q/DQ pair against the float8/int8/int4
     rounding recomputed in numpy, the graph against onnx's reference evaluator and against the
     unquantized graph of the bundle it was calibrated from."""
-    from dataclasses import replace
 
     from .qdq import check_graph
 
@@ -687,7 +685,6 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
     from the recorded traffic (`int4_bundle`). `fp8_decode` (fp8 only): the one-row decode step
     `decoder_1` (and with it the batched step) in FP8 too; ModelOpt leaves GEMV-shaped products
     float by default."""
-    from dataclasses import replace
 
     if precision not in PRECISIONS:
         raise LiteVLMError(f"--precision {precision!r}: one of {', '.join(PRECISIONS)}")

@@ -24,6 +24,10 @@ its own AWQ scales: a prompt and a decode step multiplying different weights).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,7 +143,6 @@ def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress
     """A new bundle in `out`: the fp32/fp16 export `src_bundle` with every decoder product (prompt,
     decode steps, batched step, LM head) replaced by the INT4 weights stored in `quantized`
     (`litevlm quantize` / modelopt_int4_weights); other graphs copied. Returns the manifest."""
-    import shutil
 
     import onnx
 
@@ -197,10 +200,6 @@ def modelopt_int4_weights(graph_path: Path, rt, samples: list[dict[str, np.ndarr
     project's format (symmetric: stored code = int4 + 8; pre_quant_scale from its Mul, or 1/scale
     folded into a norm's weight, which the project's format cannot hold: refused) -> out. Returns
     the stored manifest."""
-    import contextlib
-    import io
-    import shutil
-    import tempfile
 
     import onnx
     from modelopt.onnx.quantization import quantize

@@ -57,8 +57,10 @@ safetensors file.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -298,8 +300,6 @@ def save_quantized(out, weights: dict[str, Int4Weight | Int8Weight], manifest: d
     """Write `weights` (module name -> form) as <out>/quantized.safetensors and the manifest beside it
     (`manifest` gives kind, method, source, calibration...; FORMAT, modules and the file's sha256
     are added). Returns the manifest written."""
-    import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
 
@@ -326,7 +326,6 @@ def save_quantized(out, weights: dict[str, Int4Weight | Int8Weight], manifest: d
 def load_quantized(folder) -> tuple[dict, dict[str, Int4Weight | Int8Weight]]:
     """(manifest, module name -> form) of a folder `save_quantized` wrote, its file checked against
     the manifest's sha256 and every module's tensors against the manifest's shapes."""
-    from pathlib import Path
 
     from ..errors import CheckpointError, read_json
     from .checkpoint import read_safetensors
