@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpu_lowbit import lowbit_check  # noqa: E402  (scripts/, beside this file)
+from gpu_lowbit import lowbit_check, timed_ms  # noqa: E402  (scripts/, beside this file)
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS  # noqa: E402
 from litevlm_runtime.pipeline.answer import STAGES  # noqa: E402
@@ -157,25 +157,6 @@ def serve_together(pipe, frame_sets, questions) -> dict:
 
 def median_ms(answers, stage: str) -> float:
     return statistics.median(a.stage_ms[stage] for a in answers)
-
-
-def timed_ms(fn, repeats: int, cuda: bool) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 @torch.inference_mode()

@@ -50,9 +50,10 @@ def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 
 
-def timed_ms(fn, cuda: bool, repeats: int) -> float:
-    """Median ms of fn() (CUDA events on a GPU, after two warm-up calls)."""
-    fn(), fn()
+def timed_ms(fn, repeats: int, cuda: bool) -> float:
+    """Median ms of fn() after three warm-up calls (CUDA events on a GPU); gpu_check.py uses it too."""
+    for _ in range(3):
+        fn()
     times = []
     for _ in range(repeats):
         if cuda:
@@ -60,12 +61,12 @@ def timed_ms(fn, cuda: bool, repeats: int) -> float:
             start.record()
             fn()
             end.record()
-            torch.cuda.synchronize()
+            end.synchronize()
             times.append(start.elapsed_time(end))
         else:
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t) * 1e3)
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -87,8 +88,8 @@ def fp8_row(x: torch.Tensor, w: torch.Tensor, cuda: bool, repeats: int) -> tuple
     got = fp8()
     ref = (xq.double() * sx.double()) @ (wq.double() * sw.double()).t()
     exact = x.double() @ w.double().t()
-    return relative(got, ref), relative(got, exact), timed_ms(fp8, cuda, repeats), timed_ms(lambda: x @ w.t(), cuda,
-                                                                                             repeats)
+    dense_ms = timed_ms(lambda: x @ w.t(), repeats, cuda)
+    return relative(got, ref), relative(got, exact), timed_ms(fp8, repeats, cuda), dense_ms
 
 
 def int4_row(x: torch.Tensor, w: torch.Tensor, cuda: bool, repeats: int) -> tuple[float, float, float, float]:
@@ -99,8 +100,8 @@ def int4_row(x: torch.Tensor, w: torch.Tensor, cuda: bool, repeats: int) -> tupl
     got = q(x)
     ref = x.double() @ effective_weight(q.weight_form(), torch.float64).t()
     exact = x.double() @ w.double().t()
-    return relative(got, ref), relative(got, exact), timed_ms(lambda: q(x), cuda, repeats), timed_ms(lambda: x @ w.t(),
-                                                                                                    cuda, repeats)
+    dense_ms = timed_ms(lambda: x @ w.t(), repeats, cuda)
+    return relative(got, ref), relative(got, exact), timed_ms(lambda: q(x), repeats, cuda), dense_ms
 
 
 def lowbit_check(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, rows=(1, 256),
