@@ -230,10 +230,11 @@ class Rig:
             pub.publish(msg)
         return stamp
 
-    def ask(self, query_id: str, text: str) -> None:
+    def ask(self, query_id: str, text: str, **fields) -> None:
+        """Publish a Query stamped now; `fields`: its other fields (priority, follow_up_of, ...)."""
         from litevlm_msgs.msg import Query
 
-        msg = Query(id=query_id, text=text)
+        msg = Query(id=query_id, text=text, **fields)
         msg.header.stamp = self.client.node.get_clock().now().to_msg()
         self.query.publish(msg)
 

@@ -16,7 +16,7 @@ QUESTIONS = ["What is in front of the ego vehicle?", "Is there a pedestrian behi
 def test_batched_answers_over_dds_equal_one_at_a_time(tmp_path):
     import json
 
-    from litevlm_msgs.msg import Answer, Query
+    from litevlm_msgs.msg import Answer
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
 
@@ -55,9 +55,7 @@ def test_batched_answers_over_dds_equal_one_at_a_time(tmp_path):
         rig.frames(seed=5)
         client.spin_for(0.1)
         for qid, extra in (("c0", {"choices": ["Yes.", "No."]}), ("c1", {"answer_schema": "{not json"})):
-            msg = Query(id=qid, text="Is there a pedestrian in front of the ego car?", **extra)
-            msg.header.stamp = client.node.get_clock().now().to_msg()
-            rig.query.publish(msg)
+            rig.ask(qid, "Is there a pedestrian in front of the ego car?", **extra)
         assert client.spin_until(lambda: len(answers) == len(QUESTIONS) + 2, 120), node.text()[-2000:]
         client.spin_for(0.5)
     finally:

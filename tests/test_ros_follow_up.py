@@ -45,7 +45,7 @@ def upstream_digest(model_dir, cameras: list[str], tokens_per_camera: int, histo
 
 
 def test_follow_up_and_sampling_over_dds(tmp_path):
-    from litevlm_msgs.msg import Answer, Query
+    from litevlm_msgs.msg import Answer
 
     from litevlm_runtime.bundled import DEFAULT_MODEL
     from litevlm_runtime.cameras import CAMERAS
@@ -58,11 +58,6 @@ def test_follow_up_and_sampling_over_dds(tmp_path):
     node = Proc(["drive", "--params", str(tmp_path / "p.yaml")], ros_env(domain), tmp_path / "node.log")
     client = RosClient(domain)
 
-    def ask(query_id, text, **fields):
-        msg = Query(id=query_id, text=text, **fields)
-        msg.header.stamp = client.node.get_clock().now().to_msg()
-        rig.query.publish(msg)
-
     def answered(*ids):
         return lambda: {a.query_id for a in rig.answers} >= set(ids)
 
@@ -73,19 +68,19 @@ def test_follow_up_and_sampling_over_dds(tmp_path):
         client.spin_for(0.5)
         rig.frames(seed=5)
         client.spin_for(0.3)
-        ask("q1", Q1)
+        rig.ask("q1", Q1)
         assert client.spin_until(answered("q1"), 120), node.text()[-2000:]
         rig.frames(seed=6)                                  # newer frames: the follow-up is about seed 5's
         client.spin_for(0.3)
-        ask("q2", Q2, follow_up_of="q1")
+        rig.ask("q2", Q2, follow_up_of="q1")
         for i, q in enumerate(OTHERS):
-            ask(f"b{i}", q)
-        ask("q3", Q2, follow_up_of="nope")
-        ask("q4", Q1, temperature=-1.0)
+            rig.ask(f"b{i}", q)
+        rig.ask("q3", Q2, follow_up_of="nope")
+        rig.ask("q4", Q1, temperature=-1.0)
         assert client.spin_until(answered("q2", "b0", "b1", "q3", "q4"), 120), node.text()[-2000:]
         rig.frames(seed=5)
         client.spin_for(0.3)
-        ask("s1", OTHERS[1], temperature=1.5, seed=9)
+        rig.ask("s1", OTHERS[1], temperature=1.5, seed=9)
         assert client.spin_until(answered("s1"), 120), node.text()[-2000:]
         client.spin_for(0.3)
     finally:

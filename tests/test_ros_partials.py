@@ -26,7 +26,7 @@ def params_with(path, **overrides):
 
 
 def test_partials_then_the_final_answer_equal_to_the_unstreamed_one(tmp_path):
-    from litevlm_msgs.msg import Answer, AnswerPartial, Query
+    from litevlm_msgs.msg import Answer, AnswerPartial
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
     from litevlm_runtime.bundled import DEFAULT_MODEL
@@ -56,9 +56,7 @@ def test_partials_then_the_final_answer_equal_to_the_unstreamed_one(tmp_path):
         client.spin_for(0.5)                              # nothing may follow the final partial
         rig.frames(seed=3)                                # fresh frames (the first set may be stale by now)
         client.spin_for(0.3)
-        budgeted = Query(id="p2", text=QUESTION, budget_ms=60_000.0)     # a Query's own budget reaches the pipeline
-        budgeted.header.stamp = client.node.get_clock().now().to_msg()
-        rig.query.publish(budgeted)
+        rig.ask("p2", QUESTION, budget_ms=60_000.0)     # a Query's own budget reaches the pipeline
         assert client.spin_until(lambda: len(answers) == 2, 120), node.text()[-2000:]
         client.spin_for(0.5)
     finally:

@@ -14,7 +14,6 @@ HIGH = "Is there a pedestrian in front of the ego car?"
 
 
 def test_a_high_priority_query_overtakes_a_burst(tmp_path, tiny_model):
-    from litevlm_msgs.msg import Query
 
     from litevlm_runtime.cameras import CAMERAS
     from litevlm_runtime.pipeline.pipeline import Pipeline
@@ -34,20 +33,15 @@ def test_a_high_priority_query_overtakes_a_burst(tmp_path, tiny_model):
         rig.frames(seed=7)
         client.spin_for(0.3)
 
-        def ask(qid: str, text: str, priority: int) -> None:
-            msg = Query(id=qid, text=text, priority=priority)
-            msg.header.stamp = client.node.get_clock().now().to_msg()
-            rig.query.publish(msg)
-
         for i, q in enumerate(LOW):
-            ask(f"low{i}", q, 0)
+            rig.ask(f"low{i}", q, priority=0)
         client.spin_for(0.05)
         rig.frames(seed=7)          # a later frame set: the questions' own set is complete (frame_match as_asked)
         # The high-priority question goes out once the burst's first answer is back, whatever this
         # machine's speed: then two lows run and the rest wait in the queue.
         assert client.spin_until(lambda: len(rig.answers) >= 1, 120), node.text()[-3000:]
         answered_before = len(rig.answers)
-        ask("high", HIGH, 200)
+        rig.ask("high", HIGH, priority=200)
         client.spin_for(0.05)
         rig.frames(seed=7)
         assert client.spin_until(lambda: len(rig.answers) == len(LOW) + 1, 240), node.text()[-3000:]
