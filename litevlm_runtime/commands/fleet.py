@@ -208,23 +208,24 @@ class _Refusing(argparse.ArgumentParser):
         raise InputError(f"fleet submit: the command for the job is malformed: {message}")
 
 
-def _submission_parser() -> argparse.ArgumentParser:
-    """The parser a submitted command line must pass (the job runs `litevlm fleet` with it)."""
-    parser = _Refusing(prog="litevlm fleet")
-    sub = parser.add_subparsers(dest="fleet_command", required=True)
+def _add_job_commands(sub) -> None:
+    """The sub-commands a job can run: the CLI's and the submission check's one list."""
     _add_eval(sub)
     _add_compare(sub)
     _add_regress(sub)
+
+
+def _submission_parser() -> argparse.ArgumentParser:
+    """The parser a submitted command line must pass (the job runs `litevlm fleet` with it)."""
+    parser = _Refusing(prog="litevlm fleet")
+    _add_job_commands(parser.add_subparsers(dest="fleet_command", required=True))
     return parser
 
 
 def register(subparsers) -> None:
     fleet = subparsers.add_parser("fleet", help="regression over many bags on Ray: eval, compare, bench")
     sub = fleet.add_subparsers(dest="fleet_command", required=True)
-
-    _add_eval(sub)
-    _add_compare(sub)
-    _add_regress(sub)
+    _add_job_commands(sub)
 
     p = sub.add_parser("submit", help="run a fleet command as a Ray job on the cluster (Ray Jobs API)")
     p.add_argument("--address", help="the Jobs API (the dashboard): http://HEAD:8265; default: RAY_API_SERVER_ADDRESS, "
