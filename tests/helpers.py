@@ -93,3 +93,11 @@ def ros2_msgdef(msgtype: str, extra: dict[str, str] | None = None) -> str:
         pkg, _, short = name.split("/")
         parts.append("=" * 80 + f"\nMSG: {pkg}/{short}\n" + texts[name])
     return "\n".join(parts)
+
+
+def relative_error(got, ref) -> float:
+    """max |got - ref| / max |ref|, in float64 (the tests' one measure of a tensor's distance)."""
+    import torch
+
+    with torch.no_grad():
+        return float((got.double() - ref.double()).abs().max() / ref.double().abs().max())

@@ -10,18 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from export_fixtures import BUNDLE_BACKENDS, MAX_NEW_TOKENS, exported_bundle, lively_checkpoint, pipelines
-from helpers import random_frames
+from helpers import random_frames, relative_error
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.errors import LiteVLMError
 from litevlm_runtime.pipeline.request import QueryRequest
 
 TOLERANCE = 1e-4
-
-
-@torch.no_grad()
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from batching_fixtures import serve
 from export_fixtures import MAX_NEW_TOKENS, lively_checkpoint
-from helpers import options, random_frames
+from helpers import options, random_frames, relative_error
 
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
 from litevlm_runtime.engines.compiled import compile_counters
@@ -28,10 +28,6 @@ TOLERANCE = 1e-5
 # One batch bucket of 3 (serving.max_batch 3): 2 queries run in it with a padding row. Step
 # graphs over the first 64 and 160 cache columns and over the whole cache.
 BUCKETS = "vision=6;prefill=256;step=1,8;head=1,8;batch=3;cache=64,160"
-
-
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
 @pytest.fixture(scope="module")
