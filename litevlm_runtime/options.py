@@ -211,6 +211,14 @@ class Backend(_Validated):
         "decode steps stay float32): weights/lowbit.py, weights/bf16.py",
         choices=("float", "int8", "int4", "int4-rtn", "fp16", "bf16"),
     )
+    lowbit_prefill: str = setting(
+        "auto",
+        "GEMM of the int4/int8/fp16 weight forms' calls of many rows (prefill, vision-free stages): float32 (each "
+        "weight tile dequantized to float32, the float32 GEMM) | bfloat16 (tiles and input rounded to bfloat16, the "
+        "bfloat16 GEMM: the numerics of backend.weights bf16) | auto (bfloat16 where the CPU has bfloat16 units, "
+        "avx512_bf16 or amx_bf16; float32 elsewhere): weights/lowbit.py",
+        choices=("auto", "float32", "bfloat16"),
+    )
     quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "
                                  "--out`; '': <model folder>/quantized-int4)")
     gemm: str = setting("auto", "float32 GEMM kernel of the CPU linears: torch (F.linear: MKL on x86 wheels) | onednn "

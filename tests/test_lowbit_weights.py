@@ -12,6 +12,10 @@ Tolerances (stated in weights/lowbit.py):
     within sum_k |dequant(W)[n, k]| * scale_k / 2 (+ the 1e-5) of the float-activation product.
   - fp16 small calls and every large call (dequantized tiles + float GEMM): float64 x @ dequant(W).T
     within 1e-5 of the largest |output|.
+  - large calls through the bfloat16 GEMM (backend.lowbit_prefill bfloat16): float64 x_b @ W_b.T,
+    x_b and W_b = dequant(W) rounded to bfloat16 (as torch rounds), within 2^-8 of each |output| (its
+    one bfloat16 rounding) + 1e-5 of the largest (float32 accumulation).
+  - the int4 small-call kernel's AVX-512 VNNI loop and its AVX2 loop: each within the bounds above.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from litevlm_runtime.weights.lowbit import (
     Int8Linear,
     LowBitEmbedding,
     embedding_as_linear,
+    set_prefill_gemm,
 )
 from litevlm_runtime.weights.quantize import (
     awq_quantize,
@@ -149,10 +154,20 @@ def test_activation_rounding_is_reproduced_exactly(block):
                  <= dx.repeat_interleave(block, 1) / 2 * (1 + 1e-6)).all())
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def int4_loop(request):
+    """The int4 small-call kernel's AVX-512 VNNI loop (where the CPU has it) or its AVX2 loop."""
+    on = ops.use_avx512(request.param == "avx512")
+    if request.param == "avx512" and not on:
+        pytest.skip("no AVX-512 VNNI on this CPU: the int4 kernel runs its AVX2 loop (tested)")
+    yield request.param
+    ops.use_avx512(True)
+
+
 @needs_kernels
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 70])
-def test_int4_kernel_matches_float64(rows, symmetric):
+def test_int4_kernel_matches_float64(rows, symmetric, int4_loop):
     w, x = weights(203, 384, seed=rows), torch.randn(rows, 384)           # 203: tiles of 4 and a tail
     pqs = torch.rand(384) + 0.5
     qw = quantize_int4(w, 128, symmetric, pre_quant_scale=pqs)
@@ -163,6 +178,53 @@ def test_int4_kernel_matches_float64(rows, symmetric):
     else:
         ref = (x.double() * pqs.double()) @ deq.T
         assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@needs_kernels
+def test_int4_group_of_64_runs_the_avx2_loop_on_any_cpu():
+    """The AVX-512 loop takes two activation blocks per step, so a group of 64 (one block) runs the AVX2
+    loop: the same bounds."""
+    w, x = weights(37, 256, seed=5), torch.randn(2, 256)
+    qw = quantize_int4(w, 64)
+    y = ops.int4_linear(x, qw.codes, qw.scales, qw.zeros, None, 64, GEMV_MAX_ROWS, 1 << 16)
+    check_small_call(y, x, dequantize_int4(qw, torch.float64), block=64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["int4", "int8", "fp16"])
+def test_bfloat16_prefill_is_the_bfloat16_product_of_the_same_weights(form):
+    """Large calls with prefill_bf16: the product of the bfloat16-rounded activations and dequantized
+    weights (torch's rounding), float32 accumulation, each output rounded to bfloat16 once."""
+    w, x = weights(203, 384, seed=11), torch.randn(GEMV_MAX_ROWS + 9, 384) * 3
+    pqs = torch.rand(384) + 0.5
+    if form == "int4":
+        qw = quantize_int4(w, 128, pre_quant_scale=pqs)
+        args = (qw.codes, qw.scales, qw.zeros, qw.pre_quant_scale, 128, GEMV_MAX_ROWS, 1 << 16)
+        call, deq, xs = ops.int4_linear, dequantize_int4(qw, torch.float32), x * pqs
+    elif form == "int8":
+        qw = quantize_int8(w)
+        args = (qw.codes, qw.scales, GEMV_MAX_ROWS, 1 << 16)
+        call, deq, xs = ops.int8_linear, dequantize_int8(qw, torch.float32), x
+    else:
+        h = w.half()
+        args, call, deq, xs = (h, GEMV_MAX_ROWS, 1 << 16), ops.fp16_linear, h.float(), x
+    y = call(x, *args, True)
+    ref = xs.bfloat16().double() @ deq.bfloat16().double().T
+    err = (y.double() - ref).abs()
+    assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5 * float(ref.abs().max())).all())
+    assert torch.equal(y, y.bfloat16().float())                              # rounded to bfloat16, once
+    y32 = call(x, *args, False)                                              # and the float32 tiles: not so
+    assert not torch.equal(y32, y32.bfloat16().float())
+
+
+def test_prefill_gemm_setting_reaches_every_low_bit_form():
+    model = nn.Sequential(Int8Linear(nn.Linear(64, 32)), nn.Linear(32, 8), Fp16Linear(nn.Linear(32, 32)))
+    assert set_prefill_gemm([model, None], "bfloat16") == "bfloat16"
+    assert model[0].prefill_bf16 and model[2].prefill_bf16
+    assert set_prefill_gemm([model], "float32") == "float32" and not model[0].prefill_bf16
+    assert set_prefill_gemm([model], "auto") in ("float32", "bfloat16")
+    with pytest.raises(ValueError, match="lowbit_prefill 'fp8'"):
+        set_prefill_gemm([model], "fp8")
 
 
 @needs_kernels

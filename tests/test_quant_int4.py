@@ -53,14 +53,15 @@ def int4(tmp_path_factory):
     return model, bundle, folder, work / "bundle", manifest
 
 
-def engines(model, int4_bundle, folder, kernel: bool):
+def engines(model, int4_bundle, folder, kernel: bool, prefill: str = "float32"):
     from litevlm_runtime.pipeline.pipeline import Pipeline
     from litevlm_runtime.weights.lowbit import LowBitLinear
 
     ort = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, backend__name="onnxruntime",
                                                   backend__bundle=str(int4_bundle), serving__max_batch=2))
     pt = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS, backend__weights="int4",
-                                                 backend__quantized=str(folder), serving__max_batch=2))
+                                                 backend__quantized=str(folder), serving__max_batch=2,
+                                                 backend__lowbit_prefill=prefill))
     for m in pt.rt.model.modules():
         if isinstance(m, LowBitLinear):
             m.kernel = m.kernel and kernel          # False: the reference path (dequantize, F.linear)
@@ -136,6 +137,9 @@ def test_onnxruntime_equals_the_torch_int4_path(int4):
     assert rel(fast["prefill"], want["prefill"]) < 1e-5              # many rows: exact float activations
     for stage in ("step 1", "step 5", "batched step", "head"):       # few rows: int8 activations (lowbit.py)
         assert rel(fast[stage], want[stage]) < 0.2 * rel(plain[stage], want[stage]), stage
+    # the bfloat16 prompt GEMM (backend.lowbit_prefill bfloat16): its rounding is far below INT4's
+    bf16, _ = engines(model, out, folder, kernel=True, prefill="bfloat16")
+    assert rel(stage_outputs(bf16)["prefill"], want["prefill"]) < 0.1 * rel(plain["prefill"], want["prefill"])
 
 
 def test_greedy_answers_agree(int4):

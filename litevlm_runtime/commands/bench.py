@@ -278,7 +278,9 @@ def run(args) -> int:
     rows = [[stage, v["median"], v["p90"]] for stage, v in s["stages"].items()]
     print(f"model {args.model}  queries {s['queries']}  mean new tokens {s['mean_new_tokens']:.1f}  "
           f"device {options.device} {options.dtype}  pipeline {pipe.rt.options.label()}  backend "
-          f"{pipe.rt.engines.backend}  weights {options.backend.weights}  float32 GEMM {pipe.rt.gemm}\n")
+          f"{pipe.rt.engines.backend}  weights {options.backend.weights}"
+          + (f" (prompt GEMM {pipe.rt.weights.prefill})" if pipe.rt.weights and pipe.rt.weights.prefill else "")
+          + f"  float32 GEMM {pipe.rt.gemm}\n")
     print(table(["stage", "median ms", "p90 ms"], rows))
     rt = pipe.rt
     seconds = getattr(rt.engines.decoder, "compile_seconds", None)

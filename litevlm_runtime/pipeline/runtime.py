@@ -200,7 +200,8 @@ class Runtime:
             rt.fastv = FastV(lm, arena, options.fastv.k, options.fastv.ratio)
         if options.backend.weights != "float":          # after the selector/draft copied what they need
             rt.weights = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft),
-                                         quantized=options.backend.quantized, model_dir=model_dir)
+                                         quantized=options.backend.quantized, model_dir=model_dir,
+                                         prefill=options.backend.lowbit_prefill)
         rt.gemm = resolve_gemm(options.backend.gemm, device, dtype)
         if rt.gemm == "onednn":                         # the linears no weight form took (weights/gemm.py)
             use_onednn([model, rt.token_selector, rt.draft])

@@ -120,6 +120,8 @@ def diagnostic_array(node) -> DiagnosticArray:
         # the weight form the linears run in (backend.weights), else the parameter
         "weights": (pipeline.rt.weights.kind if pipeline.rt.weights else "float") if pipeline
         else node.get_parameter("backend.weights").value,
+        # the low-bit forms' prompt GEMM that ran (backend.lowbit_prefill's auto resolved), "" for other weights
+        "lowbit_prefill": (pipeline.rt.weights.prefill or "") if pipeline and pipeline.rt.weights else "",
         "device": node.get_parameter("device").value,
         "dtype": node.get_parameter("dtype").value,
         "configure_error": node.config_error,

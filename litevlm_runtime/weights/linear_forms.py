@@ -24,10 +24,11 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
-from .lowbit import Fp16Linear, Int4Linear, Int8Linear, LowBitEmbedding, embedding_as_linear
+from .lowbit import Fp16Linear, Int4Linear, Int8Linear, LowBitEmbedding, embedding_as_linear, set_prefill_gemm
 from .quantize import GROUP_SIZE, Int4Weight, Int8Weight, load_quantized
 
 WEIGHT_KINDS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")
+LOWBIT_KINDS = ("int8", "int4", "int4-rtn", "fp16")       # the forms of lowbit.py (the others: float, bf16.py)
 DECODER_KINDS = ("int8", "int4", "int4-rtn", "fp16")      # the forms of the decoder's linears (and tied head)
 QUANTIZED_DIR = "quantized-int4"                          # the default folder of `int4` in a model folder
 log = logging.getLogger("litevlm.weights")
@@ -169,6 +170,7 @@ class LinearForms:
                 forms.pop("float")
                 setattr(parent, name, forms[wanted[key][0]])
         self.kind = "float" if keep_float else None
+        self.prefill: str | None = None   # the low-bit forms' many-row GEMM (set_prefill_gemm), None for the others
 
     def use(self, kind: str) -> None:
         if kind not in WEIGHT_KINDS:
@@ -192,9 +194,10 @@ def quantized_folder(setting: str, model_dir: str | Path | None) -> Path | None:
 
 
 def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path | None = None,
-                    model_dir: str | Path | None = None) -> LinearForms:
+                    model_dir: str | Path | None = None, prefill: str = "auto") -> LinearForms:
     """Replace the linears `kind` names by their `kind` form, in place, at load. `quantized`: the
-    folder of stored weights (`int4`)."""
+    folder of stored weights (`int4`); `prefill`: the low-bit forms' many-row GEMM
+    (backend.lowbit_prefill: auto | float32 | bfloat16)."""
     if kind == "bf16" and cpu_has_bf16_units() is False:
         log.warning("backend.weights bf16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
                     "emulates them, several times slower than float32 here; use backend.weights float",
@@ -209,6 +212,7 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
         stored = Quantized(folder, model_dir)
     forms = LinearForms(model, [kind], extra, keep_float=False, quantized=stored)
     forms.use(kind)
+    forms.prefill = set_prefill_gemm([model, *extra], prefill) if kind in LOWBIT_KINDS else None
     return forms
 
 

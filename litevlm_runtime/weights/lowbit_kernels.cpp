@@ -1,6 +1,7 @@
-// Low-bit weight matmuls for x86 CPUs with AVX2 + FMA + F16C (lowbit_kernels.py builds and loads
-// this file; quantize.py defines the formats). Written here because no maintained library measured
-// faster on this CPU class (AVX2 only, no AVX-512/VNNI): docs/performance.md has the candidates table.
+// Low-bit weight matmuls for x86 CPUs with AVX2 + FMA + F16C, and an int4 loop for AVX-512 VNNI
+// chosen at run time (lowbit_kernels.py builds and loads this file; quantize.py defines the formats).
+// Written here because no maintained library measured faster on this CPU class (AVX2 Zen 3; on Zen 4
+// the same holds): docs/performance.md has the candidates table.
 //
 // Small calls (decode steps, small trees: memory-bound, one pass over the weights):
 //   int4: the activation rows are quantized to int8 per block of 64 (scale = max|x| / 127, round to
@@ -13,8 +14,9 @@
 //         sign onto the activation).
 //   fp16: float activations, fp16 weights widened in registers (vcvtph2ps) and FMA: exact products.
 // Large calls (prefill: compute-bound): the weights are dequantized tile by tile (a few MB, cache
-//   resident) into a scratch buffer and multiplied by the float GEMM at::mm runs (MKL/oneDNN): exact
-//   float activations, and the weights read from memory at their low-bit size.
+//   resident) into a scratch buffer and multiplied by the GEMM at::mm runs (MKL/oneDNN): float32
+//   (exact float activations) or, with prefill_bf16, bfloat16 (tiled_gemm_bf16); the weights are
+//   read from memory at their low-bit size.
 // Threads: at::parallel_for (torch's own OpenMP pool, so torch.set_num_threads and the passive wait
 //   policy of threads.py apply); compiled with -fopenmp but linked to no OpenMP library of its own,
 //   so its parallel regions run on the runtime libtorch already loaded. Small calls share their rows
@@ -219,6 +221,62 @@ void int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zero
   }
 }
 
+// The same product on CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later; `use_avx512`), two
+// activation blocks per step: one 64-byte load holds the codes of blocks b and b+1, and vpdpbusd
+// multiplies unsigned codes by signed activations and sums each four products straight into int32
+// (the AVX2 loop's vpmaddubsw + vpaddw + vpmaddwd in one instruction, no int16 stage). Lanes 0-7
+// carry block b, lanes 8-15 block b+1, so each is scaled by its own activation scale as before:
+// the same integers, the same float32 operations per block, summed in another order (within 1e-5
+// of the float64 product, as the AVX2 loop). Why: the AVX2 loop ran the int4 matmuls of a 2B
+// decode step at ~17 GB/s of codes on 2 threads, below what memory delivers here (28-50 GB/s):
+// it was bound by its instruction count, not by memory. Needs an even number of blocks per group.
+#define LITEVLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+template <int R>
+LITEVLM_AVX512 void int4_rows_avx512(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0,
+                                     int64_t K, int64_t G, const QuantizedRows& a, const float* gx, int64_t M, float* y,
+                                     int64_t ldy) {
+  const int64_t ng = K / G, nb = K / QBLOCK4, bpg = G / QBLOCK4, row_bytes = K / 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = a.xq.data() + m * K;
+    const float* dx = a.dx.data() + m * nb;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      __m512 ag[R];
+      for (int r = 0; r < R; ++r) ag[r] = _mm512_setzero_ps();
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; b += 2) {
+        // blocks b, b+1 of the activations, each [even k | odd k] (int4 order) -> evens of both, odds of both
+        const __m512i x0 = _mm512_loadu_si512(xq + b * QBLOCK4), x1 = _mm512_loadu_si512(xq + (b + 1) * QBLOCK4);
+        const __m512i xe = _mm512_shuffle_i64x2(x0, x1, 0x44), xo = _mm512_shuffle_i64x2(x0, x1, 0xEE);
+        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(dx[b]), _mm256_set1_ps(dx[b + 1]), 1);
+        if (m == 0) prefetch_ahead<R, QBLOCK4>(codes + n0 * row_bytes, row_bytes, b / 2);
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_loadu_si512(codes + (n0 + r) * row_bytes + b * (QBLOCK4 / 2));
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          const __m512i p32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+          ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p32), d, ag[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(ag[r], _mm512_set1_ps(half_to_float(scales[(n0 + r) * ng + g])), acc[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      y[m * ldy + n0 + r] =
+          _mm512_reduce_add_ps(acc[r]) - zero_point_term(scales + (n0 + r) * ng, zeros + (n0 + r) * ng, gx + m * ng, ng);
+  }
+}
+
+// Whether the int4 small-call kernel takes its AVX-512 VNNI loop: where the CPU has it, unless
+// switched off (`use_avx512(false)`: the tests compare both loops on such a CPU, the benchmarks time them).
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+std::atomic<bool> avx512_int4{cpu_has_avx512_vnni()};
+
 template <int R>
 void int8_rows(const int8_t* codes, const float* scales, int64_t n0, int64_t K, const QuantizedRows& a, int64_t M,
                float* y, int64_t ldy) {
@@ -361,6 +419,56 @@ at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, D
   return y;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) rounds finite
+// values (the weights are finite: quantize.py checks), 8 at a time in AVX2.
+inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + k));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, bias), odd), 16);
+    // packus interleaves the two 128-bit lanes: [r0-3 r0-3 | r4-7 r4-7] -> r0-7 in the low half
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm256_castsi256_si128(p));
+  }
+  for (; k < n; ++k) {
+    uint32_t b;
+    std::memcpy(&b, src + k, 4);
+    dst[k] = static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+  }
+}
+
+// tiled_gemm on a CPU with bfloat16 units (`prefill_bf16`): the tile dequantized to float32 a row at
+// a time (in L1) and rounded to bfloat16, the activations rounded to bfloat16 once, and oneDNN's
+// bfloat16 GEMM (products exact, float32 accumulation, each output rounded to bfloat16 once, handed
+// back in float32): the numerics of `backend.weights bf16` (weights/bf16.py) over the low-bit
+// weights. Why: on such a CPU that GEMM ran 2.5-3.8x faster than the float32 one at a 2B model's
+// prefill shapes (256 rows, 2 threads, Zen 4), which pays for the dequantization and more, where the
+// float32 tiles left low-bit prefill 1.1-1.4x slower than float's. Each tile's product goes to a
+// contiguous buffer, then into y's columns.
+template <typename Dequant>
+at::Tensor tiled_gemm_bf16(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, Dequant dequant) {
+  const int64_t M = x.size(0);
+  const at::Tensor xb = x.to(at::kBFloat16);
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor scratch = at::empty({std::min(tile, N), K}, xb.options());
+  uint16_t* s = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t n1 = std::min(N, n0 + tile);
+    const int64_t grain = std::max<int64_t>(8, PARALLEL_MIN_BYTES / (K * 2));
+    at::parallel_for(n0, n1, grain, [&](int64_t b, int64_t e) {
+      std::vector<float> row(K);
+      for (int64_t n = b; n < e; ++n) {
+        dequant(n, n + 1, row.data());
+        to_bf16(row.data(), s + (n - n0) * K, K);
+      }
+    });
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(xb, scratch.narrow(0, 0, n1 - n0).t()));
+  }
+  return y;
+}
+
 int64_t tile_rows(int64_t K, int64_t tile_bytes) {
   return std::max<int64_t>(16, (tile_bytes / (K * 4)) / 16 * 16);
 }
@@ -375,7 +483,7 @@ void check_rows(const at::Tensor& x, int64_t K, const char* what) {
 // ------------------------------------------------------------------------------ operators
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const c10::optional<at::Tensor>& pqs, int64_t group_size, int64_t gemv_max_rows,
-                       int64_t tile_bytes) {
+                       int64_t tile_bytes, bool prefill_bf16) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = group_size;
   TORCH_CHECK(G % QBLOCK4 == 0 && K % G == 0, "int4_linear: group size ", G, " must be a multiple of 64 dividing K=",
               K);
@@ -391,20 +499,25 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const uint8_t* z = zeros.data_ptr<uint8_t>();
   if (M > gemv_max_rows) {
     const at::Tensor xs = pqs ? x * *pqs : x;
-    return tiled_gemm(xs, N, K, tile_rows(K, tile_bytes),
-                      [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); });
+    auto dequant = [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); };
+    return prefill_bf16 ? tiled_gemm_bf16(xs, N, K, tile_rows(K, tile_bytes), dequant)
+                        : tiled_gemm(xs, N, K, tile_rows(K, tile_bytes), dequant);
   }
   const QuantizedRows a = quantize_rows(x, pqs, QBLOCK4, true);
   const std::vector<float> gx = group_sums(a, M, K, G);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  over_rows(N, N * K / 2, [&](int64_t n) { int4_rows<TILE_ROWS>(c, s, z, n, K, G, a, gx.data(), M, yp, N); },
-            [&](int64_t n) { int4_rows<1>(c, s, z, n, K, G, a, gx.data(), M, yp, N); });
+  if (avx512_int4 && G % (2 * QBLOCK4) == 0)
+    over_rows(N, N * K / 2, [&](int64_t n) { int4_rows_avx512<TILE_ROWS>(c, s, z, n, K, G, a, gx.data(), M, yp, N); },
+              [&](int64_t n) { int4_rows_avx512<1>(c, s, z, n, K, G, a, gx.data(), M, yp, N); });
+  else
+    over_rows(N, N * K / 2, [&](int64_t n) { int4_rows<TILE_ROWS>(c, s, z, n, K, G, a, gx.data(), M, yp, N); },
+              [&](int64_t n) { int4_rows<1>(c, s, z, n, K, G, a, gx.data(), M, yp, N); });
   return y;
 }
 
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, int64_t gemv_max_rows,
-                       int64_t tile_bytes) {
+                       int64_t tile_bytes, bool prefill_bf16) {
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(K % QBLOCK8 == 0, "int8_linear: K=", K, " must be a multiple of 32");
   TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat && codes.is_contiguous(),
@@ -414,9 +527,11 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const int64_t M = x.size(0);
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  if (M > gemv_max_rows)
-    return tiled_gemm(x, N, K, tile_rows(K, tile_bytes),
-                      [&](int64_t b, int64_t e, float* out) { dequant_int8_rows(c, s, b, e, K, out); });
+  if (M > gemv_max_rows) {
+    auto dequant = [&](int64_t b, int64_t e, float* out) { dequant_int8_rows(c, s, b, e, K, out); };
+    return prefill_bf16 ? tiled_gemm_bf16(x, N, K, tile_rows(K, tile_bytes), dequant)
+                        : tiled_gemm(x, N, K, tile_rows(K, tile_bytes), dequant);
+  }
   const QuantizedRows a = quantize_rows(x, c10::nullopt, QBLOCK8, false);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -425,7 +540,8 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   return y;
 }
 
-at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t gemv_max_rows, int64_t tile_bytes) {
+at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t gemv_max_rows, int64_t tile_bytes,
+                       bool prefill_bf16) {
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.is_contiguous(), "fp16_linear: weight float16 contiguous");
   TORCH_CHECK(K % 8 == 0, "fp16_linear: K=", K, " must be a multiple of 8");
@@ -433,9 +549,11 @@ at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t g
   check_rows(x, K, "fp16_linear");
   const int64_t M = x.size(0);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::Half>());
-  if (M > gemv_max_rows)
-    return tiled_gemm(x, N, K, tile_rows(K, tile_bytes),
-                      [&](int64_t b, int64_t e, float* out) { dequant_fp16_rows(w, b, e, K, out); });
+  if (M > gemv_max_rows) {
+    auto dequant = [&](int64_t b, int64_t e, float* out) { dequant_fp16_rows(w, b, e, K, out); };
+    return prefill_bf16 ? tiled_gemm_bf16(x, N, K, tile_rows(K, tile_bytes), dequant)
+                        : tiled_gemm(x, N, K, tile_rows(K, tile_bytes), dequant);
+  }
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -459,12 +577,20 @@ std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x_, const c10:
   return {xq, dx};
 }
 
+// Turn the int4 AVX-512 VNNI loop on or off; returns whether it is on after the call (never on a CPU without it).
+bool use_avx512(bool enable) {
+  avx512_int4 = enable && cpu_has_avx512_vnni();
+  return avx512_int4;
+}
+
 TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? pre_quant_scale, int group_size, "
-        "int gemv_max_rows, int tile_bytes) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int gemv_max_rows, int tile_bytes) -> Tensor");
-  m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes) -> Tensor");
+        "int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int gemv_max_rows, int tile_bytes, "
+        "bool prefill_bf16=False) -> Tensor");
+  m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");
   m.def("quantize_activations(Tensor x, Tensor? pre_quant_scale, int block) -> Tensor[]");
+  m.def("use_avx512(bool enable) -> bool", &use_avx512);
 }
 
 TORCH_LIBRARY_IMPL(litevlm_lowbit, CPU, m) {

@@ -7,7 +7,9 @@ no bfloat16 units), torch 2.13's `_weight_int4pack_mm_for_cpu` / `_weight_int8pa
 torchao's CPU layouts (which call them) were not faster than the float32 matmul on a decode step's
 one row (docs/performance.md: the candidates table, `scripts/lowbit_kernels.py`); llama.cpp's
 ggml kernels are what reach the memory floor there, and this is that scheme (int4 x int8 with
-vpmaddubsw) for the project's format (quantize.py), on torch's own thread pool.
+vpmaddubsw) for the project's format (quantize.py), on torch's own thread pool. Where the CPU has
+AVX-512 VNNI (Zen 4, Ice Lake and later), the int4 decode loop uses vpdpbusd instead, chosen at run
+time (`torch.ops.litevlm_lowbit.use_avx512(False)` turns it off: the tests run both loops).
 
 The build: one translation unit, `g++ -O3 -mavx2 -mfma -mf16c -fopenmp` (about 20-40 s on two
 cores), into ~/.cache/litevlm/kernels/lowbit-<digest of the source, torch version and flags>/
@@ -131,15 +133,15 @@ def _register_fakes() -> None:
     ops = torch.ops.litevlm_lowbit
 
     @torch.library.register_fake("litevlm_lowbit::int4_linear")
-    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes):
+    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::int8_linear")
-    def _(x, codes, scales, gemv_max_rows, tile_bytes):
+    def _(x, codes, scales, gemv_max_rows, tile_bytes, prefill_bf16=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::fp16_linear")
-    def _(x, weight, gemv_max_rows, tile_bytes):
+    def _(x, weight, gemv_max_rows, tile_bytes, prefill_bf16=False):
         return x.new_empty(x.shape[0], weight.shape[0])
 
     del ops
