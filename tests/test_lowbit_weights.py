@@ -39,6 +39,7 @@ from litevlm_runtime.weights.lowbit import (
     LowBitEmbedding,
     embedding_as_linear,
     set_prefill_gemm,
+    small_ops_on_one_thread,
 )
 from litevlm_runtime.weights.quantize import (
     awq_quantize,
@@ -364,6 +365,30 @@ def test_tied_head_pipeline_quantizes_every_decoder_weight(qwen3_tied, kind):
     assert 1 <= len(got.token_ids) <= 6 and got.text.strip() != ""
     if kind == "fp16":      # fp16 weights of a std-0.1 model: far within the logits' margins here
         assert got.token_ids == want.token_ids
+
+
+@needs_kernels
+@torch.inference_mode()
+def test_decode_step_with_torch_ops_on_one_thread_is_the_same_step(qwen3_tied):
+    """The torch engine's decode step over low-bit kernels runs torch's own operators on one thread
+    (small_ops_on_one_thread): the same hidden rows as with every operator on torch's threads (within
+    1e-6 of the largest: reductions may split differently), and the thread counts restored after."""
+    from litevlm_runtime.engines.torch_engine import step_eager
+
+    pipe = Pipeline.from_pretrained(qwen3_tied, options(max_new_tokens=2, pipeline="baseline",
+                                                        backend__weights="int4-rtn", backend__threads=2))
+    rt, a = pipe.rt, pipe.rt.arena
+    x = torch.randn(3, rt.cfg.llm.hidden_size)
+    args = (x, a.positions[40:43], a.slots[40:43], a.all_visible(3, 40), a.causal_mask(3))
+    threads = torch.get_num_threads()
+    want = step_eager(rt.lm, a.k_cache.clone(), a.v_cache.clone(), *args)
+    got = rt.engines.decoder.step(*args)
+    assert torch.get_num_threads() == threads and ops.set_small_call_threads(0) == 0
+    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    with pytest.raises(RuntimeError, match="boom"), small_ops_on_one_thread():
+        assert threads == 1 or torch.get_num_threads() == 1
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == threads
 
 
 def test_quantize_command_stores_awq_weights_the_pipeline_loads(qwen3_tied, synth, tmp_path, capsys):

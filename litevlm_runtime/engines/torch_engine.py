@@ -7,6 +7,7 @@ after their graph has run: bound_stages.py).
 
 from __future__ import annotations
 
+from ..weights.lowbit import GEMV_MAX_ROWS, runs_kernels, small_ops_on_one_thread
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 
 
@@ -42,6 +43,11 @@ def step_eager(lm, k_cache, v_cache, embeds, positions, slots, mask_cache, mask_
     return hidden
 
 
+def few_rows_on_kernels(lm, embeds) -> bool:
+    """A call the low-bit kernels run as small calls (decode steps, small trees: lowbit.py), on the CPU."""
+    return embeds.shape[0] <= GEMV_MAX_ROWS and embeds.device.type == "cpu" and runs_kernels(lm.layers[0])
+
+
 class TorchDecoder(DecoderEngine):
     backend = "torch"
 
@@ -57,7 +63,8 @@ class TorchDecoder(DecoderEngine):
 
     def step(self, embeds, positions, slots, mask_cache, mask_new):
         """embeds [T, D], positions [T], slots [T], mask_cache [T, L], mask_new [T, T] -> hidden [T, D]"""
-        return step_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, slots, mask_cache, mask_new)
+        with small_ops_on_one_thread(few_rows_on_kernels(self.lm, embeds)):
+            return step_eager(self.lm, self.k_cache, self.v_cache, embeds, positions, slots, mask_cache, mask_new)
 
     prefill_after = step          # the rest of a prompt is a step of many rows
 
@@ -84,7 +91,8 @@ class TorchBatchDecoder(BatchDecoderEngine):
         b, live = embeds.shape[0], mask_cache.shape[1]
         k_view = self.k_regions[:b, :, :, :live].transpose(0, 1)          # [layers, B, Hkv, L, D]
         v_view = self.v_regions[:b, :, :, :live].transpose(0, 1)
-        hidden, k, v = self.lm(embeds, positions, mask_new, k_view, v_view, mask_cache)
+        with small_ops_on_one_thread(few_rows_on_kernels(self.lm, embeds)):
+            hidden, k, v = self.lm(embeds, positions, mask_new, k_view, v_view, mask_cache)
         store_batched(self.k_regions, self.v_regions, self.region_ids[:b], slots, k, v)
         return hidden
 

@@ -343,16 +343,30 @@ constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 // to torch's threads in chunks taken from a counter rather than in fixed halves: on a shared CPU a
 // thread the scheduler has put aside leaves its chunks to the others instead of holding the whole
 // call back (a fixed split waits for the slowest thread's half).
+// Threads of the small-call kernels when set (> 0), else torch's (at::get_num_threads()): a decode
+// step can then run torch's own small operators (norms, RoPE, attention over one row, the cache
+// copy) on one thread, as lowbit.py's decode_threads does, and these kernels on several.
+std::atomic<int64_t> small_call_threads{0};
+
 template <typename Tile, typename One>
 void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
   const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
   std::atomic<int64_t> next{0};
-  const int64_t threads = weight_bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : at::get_num_threads();
+  const int64_t own = small_call_threads.load();
+  const int64_t threads = weight_bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
-  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+  auto work = [&]() {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
       for (int64_t t = c * CHUNK_TILES; t < std::min(tiles, (c + 1) * CHUNK_TILES); ++t) tile(t * TILE_ROWS);
-  });
+  };
+  if (team == 1) {
+    work();
+  } else {
+    // the same OpenMP runtime at::parallel_for uses, with the team size given here: the calling
+    // thread's own torch thread count may be 1 (small_call_threads)
+#pragma omp parallel num_threads(team)
+    work();
+  }
   for (int64_t n = tiles * TILE_ROWS; n < N; ++n) one(n);
 }
 
@@ -591,6 +605,10 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");
   m.def("quantize_activations(Tensor x, Tensor? pre_quant_scale, int block) -> Tensor[]");
   m.def("use_avx512(bool enable) -> bool", &use_avx512);
+  m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
+    TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
+    return small_call_threads.exchange(threads);
+  });
 }
 
 TORCH_LIBRARY_IMPL(litevlm_lowbit, CPU, m) {
