@@ -11,6 +11,7 @@ from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cli import main
 from litevlm_runtime.ros.params_file import load_node_params
+from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +98,11 @@ def test_node_serves_a_backend_from_drive_yaml_over_dds(tmp_path, sample_bag, bu
     assert (section["backend"]["name"], section["backend"]["weights"]) == ("torch", "float")   # the shipped file
     if served == "openvino":
         section["backend"].update(name="openvino", bundle=str(bundle))
-        expected, diagnosed = torch_answers, ("openvino", "float")
+        expected, diagnosed = torch_answers, ("openvino", "float", "")
     else:
         section["backend"].update(weights="int4")
-        expected, diagnosed = int4_answers, ("torch", "int4")
+        # backend.lowbit_prefill's shipped auto, resolved on this CPU (weights/lowbit.py)
+        expected, diagnosed = int4_answers, ("torch", "int4", "bfloat16" if cpu_has_bf16_units() else "float32")
     params = tmp_path / "drive.yaml"
     params.write_text(yaml.safe_dump(doc))
 
@@ -120,7 +122,8 @@ def test_node_serves_a_backend_from_drive_yaml_over_dds(tmp_path, sample_bag, bu
                              served=answered)
     finally:
         client.close()
-    assert (values()["backend"], values()["weights"], values()["state"]) == (*diagnosed, "active")
+    assert (values()["backend"], values()["weights"], values()["lowbit_prefill"], values()["state"]) == \
+        (*diagnosed, "active")
     by_id = {r["query_id"]: r for r in rows}
     assert sorted(by_id) == sorted(r.query_id for r in expected)
     for want in expected:
