@@ -165,6 +165,29 @@ def test_asymmetric_int4_runs_in_onnxruntime_but_not_tensorrt(int4, tmp_path):
     assert all(rel(got[s], want[s]) < 1e-5 for s in want)
 
 
+def test_keep_float_leaves_the_matched_products_float(int4, tmp_path):
+    """`calibrate --precision int4 --keep-float REGEX` (a mixed configuration): the products whose
+    weight name the expression matches keep their float weights, in every decoder graph."""
+    import onnx
+
+    from litevlm_runtime.export.int4_onnx import write_int4_bundle
+    from litevlm_runtime.export.qdq import count_pairs, qdq_pairs
+    from litevlm_runtime.pipeline.pipeline import Pipeline
+
+    model, bundle, folder, _, _ = int4
+    rt = Pipeline.from_pretrained(model, options(max_new_tokens=MAX_NEW_TOKENS)).rt
+    manifest = write_int4_bundle(rt, bundle, folder, tmp_path / "bundle", progress=lambda m: None,
+                                 keep_float=r"^lm\.model\.layers\.0\.")
+    assert manifest["quantization"]["keep_float"] == r"^lm\.model\.layers\.0\."
+    for g in manifest["graphs"]:
+        if g["stage"] not in ("prefill", "decoder", "decoder_batch"):
+            continue
+        model_proto = onnx.load(str(tmp_path / "bundle" / g["file"]), load_external_data=False)
+        assert count_pairs(qdq_pairs(model_proto)) == {f"int4 weight (block {GROUP})": 5}, g["file"]  # layer 1 only
+        floats = {t.name for t in model_proto.graph.initializer}
+        assert "lm.model.layers.0.attention.wqkv.weight" in floats, g["file"]
+
+
 def test_pack_int4_is_onnx_packing():
     from onnx import TensorProto, helper, numpy_helper
 

@@ -578,7 +578,7 @@ def evaluate(model_dir: Path, options, fp32_bundle: Path, quant_bundle: Path, pr
 
 
 def int4_bundle(rt, bundle: Path, manifest: dict, recorder: Recorder, quant_dir: Path, quantized: Path | None,
-                progress=print) -> dict:
+                progress=print, keep_float: str = "") -> dict:
     """The INT4 bundle: `quantized` (the project's stored weights) written into the graphs; without
     it, ModelOpt's INT4 AWQ-lite of the prompt graph that saw the most traffic (its weights then serve
     every decoder graph, and the LM head, which that graph does not hold, is quantized round to
@@ -601,7 +601,7 @@ def int4_bundle(rt, bundle: Path, manifest: dict, recorder: Recorder, quant_dir:
         weights[head] = quantize_int4(rt.lm.head.weight, made["group_size"], symmetric=True)
         made.pop("modules"), made.pop("files"), made.pop("format")
         save_quantized(quantized, weights, dict(made, module_info={head: {"method": "rtn (the LM head)"}}))
-    return write_int4_bundle(rt, bundle, quantized, quant_dir, progress)
+    return write_int4_bundle(rt, bundle, quantized, quant_dir, progress, keep_float=keep_float)
 
 
 def mix_bundles(base: Path, donor: Path, stages: tuple[str, ...], out: Path) -> dict:
@@ -717,7 +717,8 @@ def calibrate(model_dir: Path, data: Path, precision: str, out: Path, options, b
     if quant_dir.exists():
         shutil.rmtree(quant_dir)
     if precision == "int4":
-        manifest = int4_bundle(pipe.rt, Path(bundle), src.manifest, recorder, quant_dir, quantized, progress)
+        manifest = int4_bundle(pipe.rt, Path(bundle), src.manifest, recorder, quant_dir, quantized, progress,
+                               keep_float=keep_float)
     else:
         method = method or ("max" if precision == "fp8" else "entropy")
         if method not in METHODS:

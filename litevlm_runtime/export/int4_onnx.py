@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import shutil
 import tempfile
 import time
@@ -139,10 +140,13 @@ def graph_weight_names(rt) -> dict[str, str]:
     return out
 
 
-def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress=print) -> dict:
+def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress=print,
+                      keep_float: str = "") -> dict:
     """A new bundle in `out`: the fp32/fp16 export `src_bundle` with every decoder product (prompt,
     decode steps, batched step, LM head) replaced by the INT4 weights stored in `quantized`
-    (`litevlm quantize` / modelopt_int4_weights); other graphs copied. Returns the manifest."""
+    (`litevlm quantize` / modelopt_int4_weights); other graphs copied. `keep_float`: a regular
+    expression on the graphs' weight names (re.search, as `calibrate --keep-float` for int8/fp8):
+    the products it matches keep their float weights (a mixed configuration). Returns the manifest."""
 
     import onnx
 
@@ -156,9 +160,12 @@ def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress
     if qmanifest.get("weights") not in ("int4", "int4-rtn"):
         raise LiteVLMError(f"{quantized}: holds {qmanifest.get('weights')} weights; the INT4 bundle needs int4")
     names = graph_weight_names(rt)
-    by_graph_name = {g: stored[m] for g, m in names.items() if m in stored and isinstance(stored[m], Int4Weight)}
+    skip = re.compile(keep_float) if keep_float else None
+    by_graph_name = {g: stored[m] for g, m in names.items() if m in stored and isinstance(stored[m], Int4Weight)
+                     and not (skip and skip.search(g))}
     if not by_graph_name:
-        raise LiteVLMError(f"{quantized}: none of its modules is a product of {src_bundle}'s decoder graphs")
+        raise LiteVLMError(f"{quantized}: none of its modules is a product of {src_bundle}'s decoder graphs"
+                           + (f" outside --keep-float {keep_float!r}" if keep_float else ""))
     out.mkdir(parents=True, exist_ok=True)
     shared: dict[str, SharedWeights] = {}
     graphs, symmetric_all = [], True
@@ -189,7 +196,7 @@ def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress
                     quantization={"weights": str(quantized), "format": qmanifest["format"],
                                   "method": qmanifest.get("method"), "group_size": qmanifest.get("group_size"),
                                   "symmetric": symmetric_all, "source_bundle": str(src_bundle),
-                                  "modules": len(by_graph_name)})
+                                  "modules": len(by_graph_name), "keep_float": keep_float})
     write_manifest(out, manifest)
     return manifest
 
