@@ -28,7 +28,6 @@ from .lowbit import Fp16Linear, Int4Linear, Int8Linear, LowBitEmbedding, embeddi
 from .quantize import GROUP_SIZE, Int4Weight, Int8Weight, load_quantized
 
 WEIGHT_KINDS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")
-LOWBIT_KINDS = ("int8", "int4", "int4-rtn", "fp16")       # the forms of lowbit.py (the others: float, bf16.py)
 DECODER_KINDS = ("int8", "int4", "int4-rtn", "fp16")      # the forms of the decoder's linears (and tied head)
 QUANTIZED_DIR = "quantized-int4"                          # the default folder of `int4` in a model folder
 log = logging.getLogger("litevlm.weights")
@@ -212,7 +211,7 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
         stored = Quantized(folder, model_dir)
     forms = LinearForms(model, [kind], extra, keep_float=False, quantized=stored)
     forms.use(kind)
-    forms.prefill = set_prefill_gemm([model, *extra], prefill) if kind in LOWBIT_KINDS else None
+    forms.prefill = set_prefill_gemm([model, *extra], prefill) if kind in DECODER_KINDS else None
     return forms
 
 

@@ -17,8 +17,9 @@ How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels
                             a reused buffer and multiplied by a GEMM (`backend.lowbit_prefill`):
                             float32 (exact float activations over the same quantized weights, the
                             same GEMM as float) or, where the CPU has bfloat16 units (the default
-                            there), bfloat16 tiles and activations through the bfloat16 GEMM:
-                            2.3x faster than float32's prompt at a 2B model's shapes on Zen 4, and
+                            there), bfloat16 tiles and activations through the bfloat16 GEMM (the
+                            prompt at 0.55-0.61x float32's time at InternVL3-2B's shapes on Zen 4,
+                            scripts/peers.py; docs/performance.md section 6), and
                             the numerics of `backend.weights bf16` (input and output rounded to
                             bfloat16, products exact, float32 accumulation)
 Anything else (a GPU, float16/bfloat16 pipelines, an ONNX export trace, no kernels): the reference

@@ -15,12 +15,13 @@
 //   fp16: float activations, fp16 weights widened in registers (vcvtph2ps) and FMA: exact products.
 // Large calls (prefill: compute-bound): the weights are dequantized tile by tile (a few MB, cache
 //   resident) into a scratch buffer and multiplied by the GEMM at::mm runs (MKL/oneDNN): float32
-//   (exact float activations) or, with prefill_bf16, bfloat16 (tiled_gemm_bf16); the weights are
-//   read from memory at their low-bit size.
-// Threads: at::parallel_for (torch's own OpenMP pool, so torch.set_num_threads and the passive wait
-//   policy of threads.py apply); compiled with -fopenmp but linked to no OpenMP library of its own,
-//   so its parallel regions run on the runtime libtorch already loaded. Small calls share their rows
-//   out in chunks from a counter (over_rows), so a descheduled thread does not hold a step back.
+//   (exact float activations) or, with prefill_bf16, bfloat16 (tiled_gemm); the weights are read
+//   from memory at their low-bit size.
+// Threads: torch's own OpenMP pool (at::parallel_for, and over_rows' parallel region), so
+//   torch.set_num_threads and the passive wait policy of threads.py apply; compiled with -fopenmp but
+//   linked to no OpenMP library of its own, so its parallel regions run on the runtime libtorch
+//   already loaded. Small calls share their rows out in chunks from a counter (over_rows), so a
+//   descheduled thread does not hold a step back, on torch's thread count or set_small_call_threads'.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -227,9 +228,10 @@ void int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zero
 // (the AVX2 loop's vpmaddubsw + vpaddw + vpmaddwd in one instruction, no int16 stage). Lanes 0-7
 // carry block b, lanes 8-15 block b+1, so each is scaled by its own activation scale as before:
 // the same integers, the same float32 operations per block, summed in another order (within 1e-5
-// of the float64 product, as the AVX2 loop). Why: the AVX2 loop ran the int4 matmuls of a 2B
-// decode step at ~17 GB/s of codes on 2 threads, below what memory delivers here (28-50 GB/s):
-// it was bound by its instruction count, not by memory. Needs an even number of blocks per group.
+// of the float64 product, as the AVX2 loop). Measured alone at a 2B model's shapes (2 threads, Zen
+// 4, the loops alternating): 1.07-1.16x per matrix; over a whole decode step within the run-to-run
+// spread, since the step then reads its weights from memory at ~19 GB/s whichever loop computes
+// (docs/performance.md section 6). Needs an even number of blocks per group.
 #define LITEVLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 template <int R>
 LITEVLM_AVX512 void int4_rows_avx512(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0,
@@ -345,7 +347,7 @@ constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 // call back (a fixed split waits for the slowest thread's half).
 // Threads of the small-call kernels when set (> 0), else torch's (at::get_num_threads()): a decode
 // step can then run torch's own small operators (norms, RoPE, attention over one row, the cache
-// copy) on one thread, as lowbit.py's decode_threads does, and these kernels on several.
+// copy) on one thread, as lowbit.py's small_ops_on_one_thread does, and these kernels on several.
 std::atomic<int64_t> small_call_threads{0};
 
 template <typename Tile, typename One>
@@ -413,26 +415,6 @@ void dequant_fp16_rows(const uint16_t* w, int64_t n0, int64_t n1, int64_t K, flo
                        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k))));
 }
 
-// y [M, N] = x [M, K] @ W.T with W dequantized `tile` rows at a time into a reused scratch buffer
-// (parallel over its rows) and multiplied by at::mm into y's columns (MKL writes the strided slice).
-template <typename Dequant>
-at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, Dequant dequant) {
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor scratch = at::empty({std::min(tile, N), K}, x.options());
-  float* s = scratch.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += tile) {
-    const int64_t n1 = std::min(N, n0 + tile);
-    // (a tile smaller than PARALLEL_MIN_BYTES of float32 is dequantized by the calling thread alone)
-    const int64_t grain = std::max<int64_t>(8, PARALLEL_MIN_BYTES / (K * 4));
-    at::parallel_for(n0, n1, grain, [&](int64_t b, int64_t e) { dequant(b, e, s + (b - n0) * K); });
-    at::Tensor w = scratch.narrow(0, 0, n1 - n0);
-    at::Tensor out = y.narrow(1, n0, n1 - n0);
-    at::mm_out(out, x, w.t());
-  }
-  return y;
-}
-
 // float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) rounds finite
 // values (the weights are finite: quantize.py checks), 8 at a time in AVX2.
 inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
@@ -453,32 +435,44 @@ inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
-// tiled_gemm on a CPU with bfloat16 units (`prefill_bf16`): the tile dequantized to float32 a row at
-// a time (in L1) and rounded to bfloat16, the activations rounded to bfloat16 once, and oneDNN's
+// y [M, N] = x [M, K] @ W.T with W dequantized `tile` rows at a time into a reused scratch buffer
+// (parallel over its rows) and multiplied by at::mm into y's columns: float32 (MKL writes the
+// strided slice), or with `bf16` (`prefill_bf16`, a CPU with bfloat16 units) each row dequantized to
+// float32 in L1 and rounded to bfloat16, the activations rounded to bfloat16 once, and oneDNN's
 // bfloat16 GEMM (products exact, float32 accumulation, each output rounded to bfloat16 once, handed
-// back in float32): the numerics of `backend.weights bf16` (weights/bf16.py) over the low-bit
-// weights. Why: on such a CPU that GEMM ran 2.5-3.8x faster than the float32 one at a 2B model's
-// prefill shapes (256 rows, 2 threads, Zen 4), which pays for the dequantization and more, where the
-// float32 tiles left low-bit prefill 1.1-1.4x slower than float's. Each tile's product goes to a
-// contiguous buffer, then into y's columns.
+// back in float32; its product goes to a contiguous buffer, then into y's columns): the numerics of
+// `backend.weights bf16` (weights/bf16.py) over the low-bit weights. Why bfloat16: on such a CPU
+// that GEMM ran 2.5-3.8x faster than the float32 one at a 2B model's prefill shapes (256 rows, 2
+// threads, Zen 4), which pays for the dequantization and more, where the float32 tiles left
+// low-bit prefill 1.1-1.4x slower than float's.
 template <typename Dequant>
-at::Tensor tiled_gemm_bf16(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, Dequant dequant) {
+at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, bool bf16, Dequant dequant) {
   const int64_t M = x.size(0);
-  const at::Tensor xb = x.to(at::kBFloat16);
+  const at::Tensor xg = bf16 ? x.to(at::kBFloat16) : x;          // the GEMM's input
   at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor scratch = at::empty({std::min(tile, N), K}, xb.options());
-  uint16_t* s = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  at::Tensor scratch = at::empty({std::min(tile, N), K}, xg.options());
+  // (a tile smaller than PARALLEL_MIN_BYTES is dequantized by the calling thread alone)
+  const int64_t grain = std::max<int64_t>(8, PARALLEL_MIN_BYTES / (K * scratch.element_size()));
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t n1 = std::min(N, n0 + tile);
-    const int64_t grain = std::max<int64_t>(8, PARALLEL_MIN_BYTES / (K * 2));
     at::parallel_for(n0, n1, grain, [&](int64_t b, int64_t e) {
+      if (!bf16) {
+        dequant(b, e, scratch.data_ptr<float>() + (b - n0) * K);
+        return;
+      }
+      uint16_t* s = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
       std::vector<float> row(K);
       for (int64_t n = b; n < e; ++n) {
         dequant(n, n + 1, row.data());
         to_bf16(row.data(), s + (n - n0) * K, K);
       }
     });
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(xb, scratch.narrow(0, 0, n1 - n0).t()));
+    const at::Tensor w = scratch.narrow(0, 0, n1 - n0);
+    at::Tensor out = y.narrow(1, n0, n1 - n0);
+    if (bf16)
+      out.copy_(at::mm(xg, w.t()));
+    else
+      at::mm_out(out, xg, w.t());
   }
   return y;
 }
@@ -513,9 +507,8 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const uint8_t* z = zeros.data_ptr<uint8_t>();
   if (M > gemv_max_rows) {
     const at::Tensor xs = pqs ? x * *pqs : x;
-    auto dequant = [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); };
-    return prefill_bf16 ? tiled_gemm_bf16(xs, N, K, tile_rows(K, tile_bytes), dequant)
-                        : tiled_gemm(xs, N, K, tile_rows(K, tile_bytes), dequant);
+    return tiled_gemm(xs, N, K, tile_rows(K, tile_bytes), prefill_bf16,
+                      [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); });
   }
   const QuantizedRows a = quantize_rows(x, pqs, QBLOCK4, true);
   const std::vector<float> gx = group_sums(a, M, K, G);
@@ -541,11 +534,9 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const int64_t M = x.size(0);
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  if (M > gemv_max_rows) {
-    auto dequant = [&](int64_t b, int64_t e, float* out) { dequant_int8_rows(c, s, b, e, K, out); };
-    return prefill_bf16 ? tiled_gemm_bf16(x, N, K, tile_rows(K, tile_bytes), dequant)
-                        : tiled_gemm(x, N, K, tile_rows(K, tile_bytes), dequant);
-  }
+  if (M > gemv_max_rows)
+    return tiled_gemm(x, N, K, tile_rows(K, tile_bytes), prefill_bf16,
+                      [&](int64_t b, int64_t e, float* out) { dequant_int8_rows(c, s, b, e, K, out); });
   const QuantizedRows a = quantize_rows(x, c10::nullopt, QBLOCK8, false);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -563,11 +554,9 @@ at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t g
   check_rows(x, K, "fp16_linear");
   const int64_t M = x.size(0);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::Half>());
-  if (M > gemv_max_rows) {
-    auto dequant = [&](int64_t b, int64_t e, float* out) { dequant_fp16_rows(w, b, e, K, out); };
-    return prefill_bf16 ? tiled_gemm_bf16(x, N, K, tile_rows(K, tile_bytes), dequant)
-                        : tiled_gemm(x, N, K, tile_rows(K, tile_bytes), dequant);
-  }
+  if (M > gemv_max_rows)
+    return tiled_gemm(x, N, K, tile_rows(K, tile_bytes), prefill_bf16,
+                      [&](int64_t b, int64_t e, float* out) { dequant_fp16_rows(w, b, e, K, out); });
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
