@@ -1,11 +1,12 @@
 """Decode steps with each decoder weight form (`backend.weights`), quiet and beside N busy processes,
 in one process: ms per token (p50, p99, p99/p50) per form and condition, and the forms' speed-ups
 over one another. The issue-35 bars it checks: int4 decode >= 1.5x int8's; beside 2 busy
-processes, int4's p99/p50 no worse than the float path's (the passive OpenMP threads every form runs on).
+processes, int4's p99/p50 no worse than the float path's (the passive threads every form runs on),
+per step and per window of as many steps as take one float step (the same span of time).
 
     python scripts/lowbit_decode.py [--preset internvl3-2b] [--weights int4-rtn,int8,fp16,float]
                                     [--threads 2] [--hog 2] [--hog-kind spin] [--steps 20] [--rounds 3]
-                                    [--context 256] [--model DIR --set backend.quantized=DIR]
+                                    [--context 256] [--model DIR --set backend.quantized=DIR] [--omp]
 
 A step is what greedy decoding pays per token (bench/roofline.py `decode_step`: the decoder over
 `context` cached rows through the torch engine, the LM head, the argmax). The forms alternate
@@ -34,7 +35,8 @@ from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
 from litevlm_runtime.timing import percentile
 from litevlm_runtime.weights.cpuinfo import read_cpuinfo
-from litevlm_runtime.weights.linear_forms import LinearForms, Quantized, quantized_folder
+from litevlm_runtime.weights import lowbit_kernels
+from litevlm_runtime.weights.linear_forms import DECODER_KINDS, LinearForms, Quantized, quantized_folder
 
 
 def build(args):
@@ -63,6 +65,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a pipeline setting")
+    ap.add_argument("--omp", action="store_true",
+                    help="also run each low-bit form's kernels in OpenMP regions instead of their own helpers "
+                         "(rows '<form> omp'; lowbit_kernels.cpp RowPool)")
     args = ap.parse_args()
     kinds = [w for w in args.weights.split(",") if w]
     pipe = build(args)
@@ -74,41 +79,59 @@ def main() -> None:
     forms = LinearForms(rt.model, kinds, quantized=quantized, keep_float="float" in kinds)
     forms.use(kinds[0])
     step = decode_step(rt, args.context)
-    samples = {(k, c): [] for k in kinds for c in ("quiet", "loaded")}
+    # (label, form, whether the kernels' own helpers run the small calls)
+    variants = [(k, k, True) for k in kinds]
+    if args.omp:
+        variants += [(f"{k} omp", k, False) for k in kinds if k in DECODER_KINDS]
+    labels = [label for label, _, _ in variants]
+    row_pool = torch.ops.litevlm_lowbit.use_row_pool if lowbit_kernels.load() else (lambda on: on)
+    samples = {(k, c): [] for k in labels for c in ("quiet", "loaded")}
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         for cond in ("quiet", "loaded"):
             with Hog(args.hog if cond == "loaded" else 0, args.hog_kind):
-                for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                    forms.use(kind)
+                for kind, form, pool in (variants if r % 2 == 0 else variants[::-1]):
+                    forms.use(form)
+                    row_pool(pool)
                     step()                                   # warm: first call after a swap
                     for _ in range(args.steps):
                         t0 = time.perf_counter()
                         step()
                         samples[(kind, cond)].append((time.perf_counter() - t0) * 1000)
+                    row_pool(True)
             print(f"[round {r + 1}/{args.rounds}, {cond}] " + "  ".join(
-                f"{k} {statistics.median(samples[(k, cond)]):.1f} ms" for k in kinds), flush=True)
+                f"{k} {statistics.median(samples[(k, cond)]):.1f} ms" for k in labels), flush=True)
     vendor, flags = read_cpuinfo() or ("?", [])
     print(f"\n{rt.name}: decode step over {args.context} cached rows, {torch.get_num_threads()} thread(s), "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}; {args.rounds} rounds x {args.steps} steps per "
           f"form and condition, forms alternating; loaded = beside {args.hog} {args.hog_kind} processes; "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; {vendor}, "
           f"{' '.join(f for f in ('avx2', 'fma', 'f16c', 'avx512f') if f in flags)}\n")
+    # The same spread over the same span of time: a step of 50 ms feels a scheduler slice that a
+    # 600 ms one averages out, so each form's steps are also summed in windows of as many steps as
+    # take one float step (quiet p50s), within each round's run of --steps, and that sum's p99/p50 is
+    # the steadiness of the tokens a user waits for over that time.
+    quiet = {k: statistics.median(samples[(k, "quiet")]) for k in labels}
+    span = quiet.get("float")
     rows = []
-    for kind in kinds:
+    for kind in labels:
+        k = max(1, round(span / quiet[kind])) if span else 1
         for cond in ("quiet", "loaded"):
             v = samples[(kind, cond)]
             p50, p99 = statistics.median(v), percentile(v, 99)
-            rows.append([kind, cond, p50, p99, f"{p99 / p50:.2f}", min(v), max(v)])
-    print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms"], rows))
+            sums = [sum(v[b + i:b + i + k]) for b in range(0, len(v), args.steps)
+                    for i in range(0, args.steps - k + 1, k)]
+            rows.append([kind, cond, p50, p99, f"{p99 / p50:.2f}", min(v), max(v), k, len(sums),
+                         f"{percentile(sums, 99) / statistics.median(sums):.2f}"])
+    print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms",
+                 "window (steps)", "windows", "window p99/p50"], rows))
     ratios = []
-    for i, a in enumerate(kinds):
-        for b in kinds[i + 1:]:
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
             p50 = {c: (statistics.median(samples[(b, c)]), statistics.median(samples[(a, c)]))
                    for c in ("quiet", "loaded")}
             ratios.append([f"{a} vs {b}"] + [f"{p50[c][0] / p50[c][1]:.2f}x" for c in ("quiet", "loaded")])
     print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], ratios))
-
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,8 @@ Tolerances (stated in weights/lowbit.py):
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -248,9 +250,12 @@ def test_int8_and_fp16_kernels_match_float64(rows):
 
 @needs_kernels
 def test_rows_shared_across_threads_give_the_one_thread_result():
-    """Weights above the kernels' 256 KB threshold are split into row chunks across threads: every
-    output is still computed by one thread in one order, so the result is the same to the bit."""
-    w, x = weights(1030, 1024), torch.randn(2, 1024)                       # int4 codes: 515 KB
+    """Weights above the kernels' 2 MB small-call threshold are split into row chunks across
+    threads (the kernels' own helpers, or an OpenMP region with use_row_pool(False)): every output
+    is still computed by one thread in one order, so the result is the same to the bit, also with
+    more helpers than before, with two callers at once (the second runs alone), and in a forked
+    child (which has none of its parent's helper threads)."""
+    w, x = weights(2104, 2048), torch.randn(2, 2048)               # int4 codes 2.1 MB, int8 4.3 MB
     q4, q8, h = quantize_int4(w, 128), quantize_int8(w), w.half()
     calls = [lambda: ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 128, GEMV_MAX_ROWS, 1 << 20),
              lambda: ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20),
@@ -259,13 +264,32 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
     try:
         torch.set_num_threads(1)
         one = [call() for call in calls]
+        results = {}
+        for pool in (True, False):
+            ops.use_row_pool(pool)
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                results[(pool, n)] = [call() for _ in range(3) for call in calls][-3:]
+        ops.use_row_pool(True)
         torch.set_num_threads(2)
-        two = [call() for call in calls]
+        with ThreadPoolExecutor(2) as callers:
+            at_once = list(callers.map(lambda i: calls[i % 3](), range(12)))
+        with multiprocessing.get_context("fork").Pool(1) as child:
+            forked = child.apply(_calls_in_a_child, (x, q4, q8, h))
     finally:
+        ops.use_row_pool(True)
         torch.set_num_threads(threads)
-    for a, b in zip(one, two):
-        assert torch.equal(a, b)
-    check_small_call(two[0], x, dequantize_int4(q4, torch.float64), block=64)
+    for got in [*results.values(), at_once[-3:], at_once[:3], forked]:
+        for a, b in zip(one, got):
+            assert torch.equal(a, b)
+    check_small_call(one[0], x, dequantize_int4(q4, torch.float64), block=64)
+
+
+def _calls_in_a_child(x, q4, q8, h):
+    torch.set_num_threads(2)
+    return [ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 128, GEMV_MAX_ROWS, 1 << 20),
+            ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20),
+            ops.fp16_linear(x, h, GEMV_MAX_ROWS, 1 << 20)]
 
 
 @torch.inference_mode()

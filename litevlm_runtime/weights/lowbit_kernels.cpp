@@ -17,11 +17,12 @@
 //   resident) into a scratch buffer and multiplied by the GEMM at::mm runs (MKL/oneDNN): float32
 //   (exact float activations) or, with prefill_bf16, bfloat16 (tiled_gemm); the weights are read
 //   from memory at their low-bit size.
-// Threads: torch's own OpenMP pool (at::parallel_for, and over_rows' parallel region), so
-//   torch.set_num_threads and the passive wait policy of threads.py apply; compiled with -fopenmp but
-//   linked to no OpenMP library of its own, so its parallel regions run on the runtime libtorch
-//   already loaded. Small calls share their rows out in chunks from a counter (over_rows), so a
-//   descheduled thread does not hold a step back, on torch's thread count or set_small_call_threads'.
+// Threads: as many as torch.set_num_threads (or set_small_call_threads) says. Large calls run on
+//   torch's own OpenMP pool (at::parallel_for; compiled with -fopenmp but linked to no OpenMP
+//   library of its own, so its regions run on the runtime libtorch already loaded, with the passive
+//   wait policy of threads.py). Small calls share their rows out in chunks from a counter to the
+//   caller and this file's own sleeping helpers (RowPool), and wait only for chunks a running
+//   helper has taken, so a descheduled thread does not hold a step back.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,8 +31,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -350,24 +356,123 @@ constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 // copy) on one thread, as lowbit.py's small_ops_on_one_thread does, and these kernels on several.
 std::atomic<int64_t> small_call_threads{0};
 
+// The helpers of the small-call kernels, used instead of an OpenMP region (use_row_pool). Why our
+// own: an OpenMP region ends at a barrier that waits for every thread of its team, also one that
+// has not started yet; beside busy processes a woken thread can wait a scheduler slice for a core,
+// and a 50 ms decode step of ~200 such calls feels it (p99/p50 1.9 beside 2 busy processes, where
+// the float step's 600 ms averaged it out: docs/performance.md). Here the caller takes chunks like
+// the helpers and waits only for chunks a helper has taken, never for a helper that has not woken:
+// one that wakes late finds nothing left. Helpers sleep between calls (the passive policy of
+// threads.py). Which thread computes a chunk never changes its numbers.
+class RowPool {
+ public:
+  // Run work(chunk) for chunk in [0, chunks) on the caller and up to `helpers` helper threads.
+  void run(int64_t chunks, int64_t helpers, const std::function<void(int64_t)>& work) {
+    std::unique_lock<std::mutex> one_call(caller_, std::try_to_lock);
+    if (!one_call || chunks > static_cast<int64_t>(FIELD)) {   // another thread's call is running: alone
+      for (int64_t c = 0; c < chunks; ++c) work(c);
+      return;
+    }
+    while (threads_ < helpers) std::thread([this, i = threads_++] { serve(i); }).detach();
+    job_.store(&work, std::memory_order_relaxed);
+    wanted_.store(helpers, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    gen_ = (gen_ + 1) & GEN_MASK;
+    state_.store(pack(gen_, chunks, 0), std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      posted_ = gen_;
+    }
+    cv_.notify_all();
+    int64_t mine = 0;
+    for (int64_t c; (c = claim(gen_)) >= 0; ++mine) work(c);
+    // what is left was taken by helpers that are running it: wait for them, no longer
+    for (int spins = 0; done_.load(std::memory_order_acquire) + mine < chunks; ++spins) {
+      if (spins < 2000) _mm_pause(); else std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr uint64_t BITS = 20, FIELD = (uint64_t(1) << BITS) - 1, GEN_MASK = (uint64_t(1) << 24) - 1;
+  static uint64_t pack(uint64_t gen, uint64_t n, uint64_t next) { return gen << 40 | n << 20 | next; }
+
+  // The next chunk of job `gen`, or -1. The job's size travels in the same word as the counter, so
+  // a helper reading the word of a finished job never takes a chunk of the next one.
+  int64_t claim(uint64_t gen) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t n = (s >> 20) & FIELD, next = s & FIELD;
+      if ((s >> 40) != gen || next >= n) return -1;
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) return static_cast<int64_t>(next);
+    }
+  }
+
+  void serve(int64_t index) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return posted_ != seen; });
+        seen = posted_;
+      }
+      if (index >= wanted_.load(std::memory_order_relaxed)) continue;
+      const uint64_t gen = seen;
+      const std::function<void(int64_t)>* work = job_.load(std::memory_order_relaxed);
+      // `work` belongs to `gen` whenever claim succeeds: the caller replaces it only after every
+      // chunk of `gen` is done, and a chunk is claimed before it is done
+      for (int64_t c; (c = claim(gen)) >= 0;) {
+        (*work)(c);
+        done_.fetch_add(1, std::memory_order_release);
+      }
+    }
+  }
+
+  std::mutex caller_, m_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int64_t> done_{0}, wanted_{0};
+  std::atomic<const std::function<void(int64_t)>*> job_{nullptr};
+  uint64_t gen_ = 0, posted_ = 0;
+  int64_t threads_ = 0;
+
+ public:
+  const pid_t pid = getpid();
+};
+
+// Never destroyed: its detached helpers wait on it until the process ends. A forked child has none
+// of its parent's threads (and maybe a mutex a helper held): it starts a pool of its own.
+RowPool& row_pool() {
+  static std::atomic<RowPool*> pool{nullptr};
+  RowPool* p = pool.load(std::memory_order_acquire);
+  if (p == nullptr || p->pid != getpid()) {
+    RowPool* fresh = new RowPool();
+    if (!pool.compare_exchange_strong(p, fresh)) delete fresh;   // another thread got there first
+    p = pool.load(std::memory_order_acquire);
+  }
+  return *p;
+}
+
+std::atomic<bool> row_pool_on{true};
+
 template <typename Tile, typename One>
 void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
   const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
-  std::atomic<int64_t> next{0};
   const int64_t own = small_call_threads.load();
   const int64_t threads = weight_bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
-  auto work = [&]() {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
-      for (int64_t t = c * CHUNK_TILES; t < std::min(tiles, (c + 1) * CHUNK_TILES); ++t) tile(t * TILE_ROWS);
+  auto chunk = [&](int64_t c) {
+    for (int64_t t = c * CHUNK_TILES; t < std::min(tiles, (c + 1) * CHUNK_TILES); ++t) tile(t * TILE_ROWS);
   };
   if (team == 1) {
-    work();
+    for (int64_t c = 0; c < chunks; ++c) chunk(c);
+  } else if (row_pool_on.load()) {
+    row_pool().run(chunks, team - 1, chunk);
   } else {
     // the same OpenMP runtime at::parallel_for uses, with the team size given here: the calling
     // thread's own torch thread count may be 1 (small_call_threads)
+    std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(team)
-    work();
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) chunk(c);
   }
   for (int64_t n = tiles * TILE_ROWS; n < N; ++n) one(n);
 }
@@ -594,6 +699,7 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");
   m.def("quantize_activations(Tensor x, Tensor? pre_quant_scale, int block) -> Tensor[]");
   m.def("use_avx512(bool enable) -> bool", &use_avx512);
+  m.def("use_row_pool(bool enable) -> bool", [](bool enable) { return row_pool_on.exchange(enable); });
   m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
     TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
     return small_call_threads.exchange(threads);
