@@ -15,6 +15,8 @@ round needs is alive; each row's peak RSS is in the table).
          openvino  an IR converted from the same weights, stateful KV cache, fp16 weights, and
                   NNCF int8 / int4 (group 128) weight compression
   table  decode ms/token per round (the mean over the N steps of that round), the best round,
+         p50 / p99 of every step of every round (with --hog N each row runs beside N busy
+         processes: the steadiness of each engine's threads on a shared CPU),
          prefill seconds (range over rounds), bytes a decode step reads (weights + KV cache at
          the mean context), the floor those bytes allow at the memory bandwidth measured in
          the same run (bench/roofline.py's STREAM-like kernels at the same thread count,
@@ -313,6 +315,7 @@ class RowResult:
     ids: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_ms: float = 0.0          # mean ms per greedy step over the round's N steps
+    step_ms: list[float] = field(default_factory=list)     # each of those steps
     weight_bytes: int = 0           # bytes of weights one decode step reads
     kv_bytes_per_column: int = 0    # bytes of KV cache per cached position a step reads
     load_s: float = 0.0
@@ -331,17 +334,18 @@ def drive(res: RowResult, start, step, prompt: list[int], tokens: int, forced: l
     the greedy id after it; `step(token, position)` (one row over the cache) -> the next greedy
     id. A warm-up of the same prompt and two steps first (first-call costs: an engine's kernels
     for a new shape, allocations), then the prompt timed (prefill_s) and `tokens` steps timed
-    (decode_ms: their mean)."""
+    (decode_ms: their mean; step_ms: each)."""
     token = start(prompt)
     for position in range(len(prompt), len(prompt) + 2):
         token = step(token, position)
     t0 = time.perf_counter()
     res.ids.append(start(prompt))
     res.prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
     for position in range(len(prompt), len(prompt) + tokens):
+        t0 = time.perf_counter()
         res.ids.append(step(fed(res.ids, forced), position))
-    res.decode_ms = (time.perf_counter() - t0) * 1000 / tokens
+        res.step_ms.append((time.perf_counter() - t0) * 1000)
+    res.decode_ms = sum(res.step_ms) / tokens
     return res
 
 
@@ -616,6 +620,8 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 def summarize(results: dict[tuple[str, str], list[dict]], bandwidth: list[tuple[float, float]], prompt_len: int,
               tokens: int) -> tuple[str, dict]:
     """The table of issue 35, plus each row's bytes per token, floor and fraction of it."""
+    from litevlm_runtime.timing import percentile
+
     best_bw = max(b for _, b in bandwidth)
     ref_key = reference_row(list(results))
     ref_ids = results[ref_key][0]["ids"] if results[ref_key] and not results[ref_key][0]["skipped"] else []
@@ -624,7 +630,7 @@ def summarize(results: dict[tuple[str, str], list[dict]], bandwidth: list[tuple[
     for (engine, weights), runs in results.items():
         done = [r for r in runs if not r["skipped"]]
         if not done:
-            rows.append([engine, weights, f"skipped: {runs[0]['skipped']}"] + [""] * 7)
+            rows.append([engine, weights, f"skipped: {runs[0]['skipped']}"] + [""] * 9)
             continue
         per_round = [r["decode_ms"] for r in done]
         best = min(per_round)
@@ -634,14 +640,19 @@ def summarize(results: dict[tuple[str, str], list[dict]], bandwidth: list[tuple[
         forced = [r for r in done if r.get("forced")] or done
         same = "(the reference)" if (engine, weights) == ref_key else agreement(forced[0], ref_ids) if ref_ids else "-"
         stable = all(r["ids"] == forced[0]["ids"] for r in forced)
+        steps = [m for r in done for m in r.get("step_ms", [])]
+        p50, p99 = (percentile(steps, 50), percentile(steps, 99)) if steps else (float("nan"),) * 2
         rows.append([engine, weights, ", ".join(f"{m:.0f}" for m in per_round), f"{best:.0f}",
+                     f"{p50:.0f} / {p99:.0f}", f"{p99 / p50:.2f}",
                      f"{min(prefill):.1f}-{max(prefill):.1f}", f"{nbytes / 1e6:,.0f}", f"{floor:.0f}",
                      f"{floor / best:.2f}", same + ("" if stable else " (ids vary between rounds)"),
                      f"{max(r['peak_rss_gb'] for r in done):.1f}"])
         summary[f"{engine} {weights}"] = {"decode_ms": per_round, "best_ms": best, "prefill_s": prefill,
                                           "bytes_per_token": nbytes, "floor_ms": floor, "fraction": floor / best,
+                                          "step_p50_ms": p50, "step_p99_ms": p99,
                                           "ids_equal_prefix": same, "peak_rss_gb": max(r["peak_rss_gb"] for r in done)}
-    headers = ["engine", "weights", "decode ms/token (rounds)", "best", f"prefill {prompt_len} tokens, s",
+    headers = ["engine", "weights", "decode ms/token (rounds)", "best", "step p50 / p99 ms", "p99/p50",
+               f"prefill {prompt_len} tokens, s",
                "MB read per token", "floor ms", "fraction of floor (best)", f"argmax = {ref_key[0]} {ref_key[1]}'s",
                "peak RSS GB"]
     return table(rows, headers), summary
@@ -674,6 +685,8 @@ def run_all(args) -> int:
     the last; the table at the end (and --json)."""
     import random
 
+    from litevlm_runtime.bench.contention import Hog
+
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     log = work / "peers.log"
@@ -699,9 +712,10 @@ def run_all(args) -> int:
             if results[(engine, weights)] and results[(engine, weights)][0]["skipped"]:
                 continue
             force = (engine, weights) != reference and (work / "reference.json").is_file()
-            out = child(["--step", "run", "--row", f"{engine}:{weights}", "--work", str(args.work),
-                         "--tokens", str(args.tokens), "--threads", str(args.threads)] + (["--force"] if force else []),
-                        log)
+            with Hog(args.hog, "spin"):          # the row beside --hog busy processes (0: none)
+                out = child(["--step", "run", "--row", f"{engine}:{weights}", "--work", str(args.work),
+                             "--tokens", str(args.tokens), "--threads", str(args.threads)]
+                            + (["--force"] if force else []), log)
             results[(engine, weights)].append(out)
             if (engine, weights) == reference and not out["skipped"] and not (work / "reference.json").is_file():
                 (work / "reference.json").write_text(json.dumps(out["ids"]))
@@ -714,7 +728,8 @@ def run_all(args) -> int:
     peak = max([p for _, p in prep_peaks] + [r["peak_rss_gb"] for runs in results.values() for r in runs] + [0.0])
     head = (
         f"{cpu_line()}\n{args.threads} threads; prompt {args.prompt} ids, then {args.tokens} greedy steps; "
-        f"{args.rounds} alternating rounds; 1-min load average {min(loads):.2f}-{max(loads):.2f}\n"
+        f"{args.rounds} alternating rounds; 1-min load average {min(loads):.2f}-{max(loads):.2f}"
+        + (f"; every row beside {args.hog} busy processes (spin)" if args.hog else "") + "\n"
         f"memory bandwidth ({args.threads} threads, 2 GiB working set, between rounds): read "
         + ", ".join(f"{r:.1f}" for r, _ in bandwidth)
         + " GB/s; best of read/copy/triad "
@@ -769,6 +784,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="greedy decode steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hog", type=int, default=0,
+                   help="run every row beside this many busy processes (litevlm bench --contention's hogs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=HF_CONFIG["num_hidden_layers"],
                    help="decoder layers (default InternVL3-2B's 28; fewer: a quick check of the set-up)")
