@@ -34,8 +34,8 @@ from litevlm_runtime.bench.roofline import decode_step
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
 from litevlm_runtime.timing import percentile
-from litevlm_runtime.weights.cpuinfo import read_cpuinfo
 from litevlm_runtime.weights import lowbit_kernels
+from litevlm_runtime.weights.cpuinfo import read_cpuinfo
 from litevlm_runtime.weights.linear_forms import DECODER_KINDS, LinearForms, Quantized, quantized_folder
 
 
