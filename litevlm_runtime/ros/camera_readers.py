@@ -34,6 +34,11 @@ class CameraReaders:
         self.topics: tuple[str, ...] = DEFAULT_CAMERA_TOPICS   # the configured camera_topics
         self.max_pixels = 0                   # images.max_pixels (the node sets it at configure)
         self.subs: dict[str, list] = {}      # camera -> [its configured topic's, the raw fallback's]
+        # camera -> its configured topic's resolved name, kept as a string: renew() destroys a
+        # subscription on the tick's thread while /diagnostics, on another executor thread, may be
+        # reading the names, and a destroyed subscription's topic_name raises (InvalidHandle; once
+        # that ended the node's spin when a bag's publishers left)
+        self.resolved: dict[str, str] = {}
         self.to_renew: set[str] = set()      # cameras whose reader a departed publisher left holding memory
 
     def subscribe(self, topics) -> list[str]:
@@ -46,23 +51,26 @@ class CameraReaders:
         for subs in self.subs.values():
             for sub in subs:
                 self.node.destroy_subscription(sub)
-        self.subs = {}
+        self.subs, self.resolved = {}, {}
 
     def topic_names(self) -> list[str]:
         """Each camera's configured topic, resolved once subscribed."""
-        return [self.subs[c][0].topic_name if c in self.subs else t for c, t in zip(CAMERAS, self.topics)]
+        return [self.resolved.get(c, t) for c, t in zip(CAMERAS, self.topics)]
 
     def _subscribe(self, cam: str, topic: str) -> list:
         """The camera's subscription to `topic`; with the shipped camera_topics also to the raw
         image_raw beside its image_raw/compressed, taken only while the compressed one has no
         publisher (what `bag eval` does with a bag's topics)."""
-        subs = [self._subscription(cam, topic, None)]
+        # after namespace and remaps (as /diagnostics shows it)
+        self.resolved[cam] = self.node.resolve_topic_name(topic)
+        subs = [self._subscription(cam, self.resolved[cam], None)]
         if self.topics == DEFAULT_CAMERA_TOPICS and topic.endswith(COMPRESSED):
-            subs.append(self._subscription(cam, topic[:-len(COMPRESSED)], subs[0]))
+            raw = self.node.resolve_topic_name(topic[:-len(COMPRESSED)])
+            subs.append(self._subscription(cam, raw, self.resolved[cam]))
         return subs
 
-    def _subscription(self, cam: str, topic: str, preferred):
-        topic = self.node.resolve_topic_name(topic)      # after namespace and remaps (as /diagnostics shows it)
+    def _subscription(self, cam: str, topic: str, preferred: str | None):
+        """`topic` resolved; `preferred`: the resolved topic whose publishers take precedence."""
         events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info),
                                             matched=lambda info, c=cam: self._on_matched(c, info))
         return self.node.create_subscription(message_type_of(topic), topic,
@@ -93,8 +101,8 @@ class CameraReaders:
         frame above images.max_pixels is refused from its header before it is copied or stored;
         every frame's header is checked (frame_health) so that a camera sending undecodable
         frames shows on /diagnostics whether or not a query selects it. A fallback frame (raw,
-        `preferred` the compressed subscription) is dropped while the compressed topic is served."""
-        if preferred is not None and self.node.count_publishers(preferred.topic_name) > 0:
+        `preferred` the compressed topic's name) is dropped while the compressed topic is served."""
+        if preferred is not None and self.node.count_publishers(preferred) > 0:
             return
         frames = self.server.frames
         refused = too_large(camera, msg, self.max_pixels, frames.max_bytes)

@@ -82,6 +82,7 @@ class DriveNode(LifecycleNodeMixin, Node):
         LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
         self.refused = declare_parameters(self)           # start values refused (or unknown): configure fails on them
         self.config_error = ""
+        self.callback_errors, self.last_callback_error = 0, ""   # callbacks that raised (runner.py)
         self.settings = NodeSettings()                      # configure replaces it by the validated values
         self.model_name = model_label(str(self.get_parameter("model_dir").value))
         # ~/explanation: each explained answer's picture, computed after the answer is out (serving/explainer.py);

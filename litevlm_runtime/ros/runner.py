@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import rclpy
 from rclpy.duration import Duration
@@ -127,6 +128,21 @@ def drive_lifecycle(node: DriveNode) -> None:
     node.get_logger().info(f"ready ({node.state})")
 
 
+def spin_once_surviving_callbacks(node: DriveNode, executor) -> None:
+    """One spin of the executor. rclpy's MultiThreadedExecutor re-raises a callback's exception
+    in spin_once, which would end the node (drain, exit) on the first bug in any timer or
+    subscription callback, with every later query unanswered: the exception is logged with its
+    traceback and counted on /diagnostics, and the node goes on serving."""
+    try:
+        executor.spin_once(timeout_sec=0.1)
+    except ExternalShutdownException:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any callback's: logged, counted, serving goes on
+        node.callback_errors += 1
+        node.last_callback_error = f"{type(exc).__name__}: {exc}"
+        node.get_logger().error("a callback raised; the node goes on serving:\n" + traceback.format_exc())
+
+
 def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = True) -> int:
     """Start the node with these command-line arguments and spin until SIGINT or SIGTERM, or until
     a lifecycle `shutdown` finalized it; then drain (drain_and_close) and end the process. With
@@ -145,7 +161,7 @@ def run_node(args: list[str], node_name: str = NODE_NAME, self_drive: bool = Tru
         if self_drive:
             threading.Thread(target=drive_lifecycle, args=(node,), name="litevlm-lifecycle", daemon=True).start()
         while not stop.is_set() and not node.finalized.is_set() and executor.context.ok():
-            executor.spin_once(timeout_sec=0.1)
+            spin_once_surviving_callbacks(node, executor)
             node.between_spins()
         why = "finalized (lifecycle shutdown)" if node.finalized.is_set() else "signal"
         node.get_logger().info(f"stopping: draining the request queue ({why})")
