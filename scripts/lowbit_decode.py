@@ -115,13 +115,13 @@ def main() -> None:
     span = quiet.get("float")
     rows = []
     for kind in labels:
-        k = max(1, round(span / quiet[kind])) if span else 1
+        window = max(1, round(span / quiet[kind])) if span else 1
         for cond in ("quiet", "loaded"):
             v = samples[(kind, cond)]
             p50, p99 = statistics.median(v), percentile(v, 99)
-            sums = [sum(v[b + i:b + i + k]) for b in range(0, len(v), args.steps)
-                    for i in range(0, args.steps - k + 1, k)]
-            rows.append([kind, cond, p50, p99, f"{p99 / p50:.2f}", min(v), max(v), k, len(sums),
+            sums = [sum(v[b + i:b + i + window]) for b in range(0, len(v), args.steps)
+                    for i in range(0, args.steps - window + 1, window)]
+            rows.append([kind, cond, p50, p99, f"{p99 / p50:.2f}", min(v), max(v), window, len(sums),
                          f"{percentile(sums, 99) / statistics.median(sums):.2f}"])
     print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms",
                  "window (steps)", "windows", "window p99/p50"], rows))
@@ -132,6 +132,7 @@ def main() -> None:
                    for c in ("quiet", "loaded")}
             ratios.append([f"{a} vs {b}"] + [f"{p50[c][0] / p50[c][1]:.2f}x" for c in ("quiet", "loaded")])
     print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], ratios))
+
 
 if __name__ == "__main__":
     main()

@@ -137,8 +137,8 @@ def diagnostic_array(node) -> DiagnosticArray:
         "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
         "publish_failed": s["publish_failed"],
         # callbacks that raised and were survived (runner.py spin_once_surviving_callbacks): a bug to report
-        "callback_errors": getattr(node, "callback_errors", 0),
-        "last_callback_error": getattr(node, "last_callback_error", ""),
+        "callback_errors": node.callback_errors,
+        "last_callback_error": node.last_callback_error,
         "conversations": s["conversations"],
         "frame_delay_ms.p50": f"{s['frame_delay_ms'][0]:.2f}",
         "frame_delay_ms.p90": f"{s['frame_delay_ms'][1]:.2f}",

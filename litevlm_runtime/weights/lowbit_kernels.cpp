@@ -347,10 +347,6 @@ constexpr int64_t PARALLEL_MIN_BYTES = 256 << 10;
 // int8 (whose q/o, 2.4 MB, stay parallel), against 256 KB in the same run beside the test suite.
 constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 
-// Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out
-// to torch's threads in chunks taken from a counter rather than in fixed halves: on a shared CPU a
-// thread the scheduler has put aside leaves its chunks to the others instead of holding the whole
-// call back (a fixed split waits for the slowest thread's half).
 // Threads of the small-call kernels when set (> 0), else torch's (at::get_num_threads()): a decode
 // step can then run torch's own small operators (norms, RoPE, attention over one row, the cache
 // copy) on one thread, as lowbit.py's small_ops_on_one_thread does, and these kernels on several.
@@ -452,8 +448,14 @@ RowPool& row_pool() {
   return *p;
 }
 
+// Whether over_rows shares its chunks through RowPool (the default) or an OpenMP region (the
+// comparison `lowbit_decode.py --omp` measures; use_row_pool).
 std::atomic<bool> row_pool_on{true};
 
+// Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out
+// to the calling thread and its helpers in chunks taken from a counter rather than in fixed halves:
+// on a shared CPU a thread the scheduler has put aside leaves its chunks to the others instead of
+// holding the whole call back (a fixed split waits for the slowest thread's half).
 template <typename Tile, typename One>
 void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
   const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
