@@ -130,28 +130,34 @@ class RosClient:
         self.spin_until(lambda: False, seconds)
 
     def call(self, srv_type, name: str, request, timeout: float = 30.0, resend_s: float | None = 5.0):
-        """One service call, as the ros2 CLI makes it: wait for the service, call, wait for the answer.
+        """One service call, as the ros2 CLI makes it: wait for the service, call, wait for the answer
+        (`ask` on a client made for this call)."""
+        client = self.node.create_client(srv_type, name)
+        try:
+            return self.ask(client, request, timeout, resend_s)
+        finally:
+            self.node.destroy_client(client)
+
+    def ask(self, client, request, timeout: float = 30.0, resend_s: float | None = 5.0, unless=lambda: False):
+        """The answer to `request` on a service client the caller keeps; None when `unless()` turned
+        true before it came.
 
         `service_is_ready` can turn true before the server's reply writer has matched this
         client's reply reader; a request sent in that window is served and its reply is lost
         (seen once in CI: get_state unanswered for 30 s). Idempotent calls are therefore sent
         again every `resend_s` until one is answered; resend_s=None sends once, after a grace
         period for discovery to finish (for change_state, which must not run twice)."""
-        client = self.node.create_client(srv_type, name)
-        try:
-            end = time.time() + timeout
-            assert self.spin_until(client.service_is_ready, timeout), f"service {name} not available"
-            if resend_s is None:
-                self.spin_for(1.0)
-            while True:
-                future = client.call_async(request)
-                attempt = timeout if resend_s is None else min(resend_s, max(end - time.time(), 0.0))
-                if self.spin_until(future.done, attempt):
-                    return future.result()
-                client.remove_pending_request(future)
-                assert resend_s is not None and time.time() < end, f"no answer from {name}"
-        finally:
-            self.node.destroy_client(client)
+        end = time.time() + timeout
+        assert self.spin_until(client.service_is_ready, timeout), f"service {client.srv_name} not available"
+        if resend_s is None:
+            self.spin_for(1.0)
+        while True:
+            future = client.call_async(request)
+            attempt = timeout if resend_s is None else min(resend_s, max(end - time.time(), 0.0))
+            if self.spin_until(lambda: future.done() or unless(), attempt):
+                return future.result() if future.done() else None
+            client.remove_pending_request(future)
+            assert resend_s is not None and time.time() < end, f"no answer from {client.srv_name}"
 
     # `ros2 lifecycle set|get NODE ...`
     def lifecycle_set(self, node: str, transition: str) -> bool:

@@ -37,21 +37,18 @@ def test_services_answer_while_configure_runs_and_shutdown_ends_the_process(tmp_
         assert client.spin_until(lambda: get_state.service_is_ready() and params_list.service_is_ready(), 30)
         seen, delays = [], []
         while not configured.done():
+            # asked again every 5 s: a reply can be lost while discovery finishes (RosClient.ask);
+            # None: configure ended before any reply (services blocked by it answer only then)
             t0 = time.monotonic()
-            state = get_state.call_async(GetState.Request())
-            # A generous wait: CI's loaded 2 cores once kept a reply 5 s. Services blocked by
-            # the transition would answer only after it ended, which the count of replies
-            # saying "configuring" below catches; how fast they answer is the machine's business.
-            assert client.spin_until(lambda: state.done() or configured.done(), 60.0)
-            if not state.done():        # configure ended first; the reply follows
-                assert client.spin_until(state.done, 30.0)
+            state = client.ask(get_state, GetState.Request(), timeout=120, unless=configured.done)
+            if state is None:
+                break
             delays.append(time.monotonic() - t0)
-            seen.append(state.result().current_state.label)
-            if seen[-1] == "configuring" and len([s for s in seen if s == "configuring"]) == 2:
-                listed = params_list.call_async(ListParameters.Request())
-                assert client.spin_until(lambda: listed.done() or configured.done(), 60.0)
-                assert listed.done(), "list_parameters blocked until configure ended"
-                assert "model_dir" in listed.result().result.names
+            seen.append(state.current_state.label)
+            if seen[-1] == "configuring" and seen.count("configuring") == 2:
+                listed = client.ask(params_list, ListParameters.Request(), timeout=120, unless=configured.done)
+                assert listed is not None and not configured.done(), "list_parameters blocked until configure ended"
+                assert "model_dir" in listed.result.names
             client.spin_for(0.2)
         assert configured.result().success, node.text()[-3000:]
         # Answered while configure ran (its replies name the transition state), not after it. How
