@@ -29,8 +29,8 @@ def domain_id(k: int) -> int:
     the bag tools agreeing, 18 lifecycle services, 19 explanations, 22 batching, 23 follow-ups,
     24..31 reconfigure, memory, bags as they come, shutdown, the real launch, 32 partials, 33 and
     37 the node serving OpenVINO and int4 (test_node_backends), 36 priority, 40..44 the soak/peak
-    harness. Concurrent suites on one machine (the pid's residue picks one of four blocks of 50)
-    collide only if their pids do mod 4."""
+    harness, 45..46 callback faults, 47 a lost change_state reply. Concurrent suites on one
+    machine (the pid's residue picks one of four blocks of 50) collide only if their pids do mod 4."""
     if not 1 <= k < 50:
         raise ValueError(f"domain_id({k}): k is 1..49 (one per test)")
     return 1 + (os.getpid() % 4) * 50 + k
@@ -170,7 +170,28 @@ class RosClient:
             req.transition.label = transition
         else:
             req.transition.id = known
-        return self.call(ChangeState, f"{node}/change_state", req, timeout=300, resend_s=None).success
+        # change_state must not be sent twice, so a lost reply (the discovery race `ask` describes:
+        # the server drops a reply its writer has not matched in time) would leave nothing to go on.
+        # The node also publishes every transition on `transition_event`: when its final event (into
+        # a primary state) has come and the reply has not followed within 5 s, the outcome is read
+        # from the event: success leaves the state the transition started from, failure returns to it.
+        from lifecycle_msgs.msg import State, TransitionEvent
+
+        before = self.lifecycle_get(node)
+        ended: list[tuple[float, str]] = []
+
+        def on_event(event):
+            if event.goal_state.id < State.TRANSITION_STATE_CONFIGURING:
+                ended.append((time.time(), event.goal_state.label))
+        events = self.node.create_subscription(TransitionEvent, f"{node}/transition_event", on_event, 10)
+        client = self.node.create_client(ChangeState, f"{node}/change_state")
+        try:
+            reply = self.ask(client, req, timeout=300, resend_s=None,
+                             unless=lambda: bool(ended) and time.time() - ended[-1][0] > 5.0)
+            return reply.success if reply is not None else ended[-1][1] != before
+        finally:
+            self.node.destroy_client(client)
+            self.node.destroy_subscription(events)
 
     def lifecycle_get(self, node: str) -> str:
         from lifecycle_msgs.srv import GetState

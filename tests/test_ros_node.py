@@ -243,6 +243,40 @@ def test_a_misspelt_key_in_the_params_file_fails_configure(tmp_path, tiny_model)
         node.stop()
 
 
+def test_a_lost_change_state_reply_is_read_from_the_transition_events(tmp_path, tiny_model, monkeypatch):
+    """RosClient.lifecycle_set sends change_state once; when its reply is lost (DDS discovery
+    under load) it reads the outcome from the node's transition events. Every change_state reply
+    is dropped here (the request still reaches the node): a failed configure, a fixed one and a
+    cleanup still read as the node's state says."""
+    from rclpy.task import Future
+
+    ask = RosClient.ask
+
+    def reply_lost(self, client, request, *args, **kwargs):
+        if client.srv_name.endswith("/change_state"):
+            send = client.call_async
+            client.call_async = lambda req: (send(req), Future())[1]
+        return ask(self, client, request, *args, **kwargs)
+
+    monkeypatch.setattr(RosClient, "ask", reply_lost)
+    domain = domain_id(47)
+    params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, queue_size=0)
+    node = start_node(tmp_path, domain, "/", params)
+    client = RosClient(domain)
+    name = "/litevlm_drive"
+    try:
+        assert not client.lifecycle_set(name, "configure")
+        assert client.lifecycle_get(name) == "unconfigured" and "queue_size" in node.text()
+        assert client.param_set(name, "queue_size", 2).successful
+        assert client.lifecycle_set(name, "configure")
+        assert client.lifecycle_get(name) == "inactive"
+        assert client.lifecycle_set(name, "cleanup")
+        assert client.lifecycle_get(name) == "unconfigured" and node.alive()
+    finally:
+        client.close()
+        node.stop()
+
+
 def test_live_queue_change_keeps_queued_queries(tiny_model):
     """apply_live shrinks the queue in place: queued queries are kept and served, none
     answered; QueryServer.apply_settings (configure) rebuilds the queue and answers those
