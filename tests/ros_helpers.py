@@ -154,9 +154,11 @@ class RosClient:
         while True:
             future = client.call_async(request)
             attempt = timeout if resend_s is None else min(resend_s, max(end - time.time(), 0.0))
-            if self.spin_until(lambda: future.done() or unless(), attempt):
-                return future.result() if future.done() else None
-            client.remove_pending_request(future)
+            if self.spin_until(lambda: future.done() or unless(), attempt) and future.done():
+                return future.result()
+            client.remove_pending_request(future)          # unanswered: a late reply has no one to reach
+            if unless():
+                return None
             assert resend_s is not None and time.time() < end, f"no answer from {client.srv_name}"
 
     # `ros2 lifecycle set|get NODE ...`
