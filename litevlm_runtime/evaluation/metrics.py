@@ -98,7 +98,8 @@ class Question:
     question: str
     answer: str                   # reference
     tags: tuple[int, ...]
-    category: str = ""
+    category: str = ""            # its DriveLM section, or "motion" when it needs time (frames > 1; data.py)
+    frames: int = 1               # frame sets its answer is defined over: the key frame and frames - 1 before it
 
 
 def derive_tags(question: str, answer: str) -> tuple[int, ...]:
