@@ -26,7 +26,7 @@ from litevlm_runtime.synth.render import render
 from litevlm_runtime.synth.sheet import sequence_sheet
 from litevlm_runtime.synth.world import LANE_WIDTH, VEHICLE_KINDS, decide_ego, sample_world
 
-SEED, SCENES, K, STRIDE, W, H = 41, 8, 4, 0.5, 320, 180
+SEED, SCENES, K, STRIDE, W, H = 43, 8, 4, 0.5, 320, 180
 TAG = re.compile(r"<(c\d+),CAM_[A-Z_]+,[\d.]+,[\d.]+>")
 DRIVELM_ITEM = {"Q", "A", "C", "con_up", "con_down", "cluster", "layer"}
 
@@ -117,6 +117,7 @@ def _recomputed(obj: dict, ego: list[dict], curvature: float) -> dict:
     span = b["t_s"] - a["t_s"]
     moving = math.hypot(b["x"] - a["x"], b["y"] - a["y"]) / span > 0.5
     out = {"moving": moving}
+    turn = 0.0
     if obj["kind"] in VEHICLE_KINDS:
         rel = [math.radians(p["yaw_deg"]) - curvature * max(p["s"], 0.0) for p in (a, b)]
         turn = math.degrees(math.atan2(math.sin(rel[1] - rel[0]), math.cos(rel[1] - rel[0]))) / span
@@ -126,12 +127,25 @@ def _recomputed(obj: dict, ego: list[dict], curvature: float) -> dict:
         out["status"] = "walking" if moving else "standing"
     closing = (math.hypot(b["x"] - ego[-1]["x"], b["y"]) - math.hypot(a["x"] - ego[0]["x"], a["y"])) / span
     out["approaching"] = True if closing < -1.5 else False if (closing > 1.5 or abs(closing) < 1.0) else None
-    lateral = (b["d"] - a["d"]) / span
-    if abs(lateral) >= 0.5:
-        ends = sorted((b["d"], b["d"] + 3.0 * lateral))
-        out["crosses_ego_lane"] = ends[0] < LANE_WIDTH / 2 and ends[1] > -LANE_WIDTH / 2
+    # Going on as the last step and the window's turn show, in small time steps (not the closed form).
+    c = track[-2]
+    step = b["t_s"] - c["t_s"]
+    speed = math.hypot(b["s"] - c["s"], b["d"] - c["d"]) / step
+    rate = 0.0
+    if obj["kind"] in VEHICLE_KINDS:
+        rate = math.radians(turn) if abs(turn) > 1e-9 else 0.0
+    course = math.atan2(b["d"] - c["d"], b["s"] - c["s"]) + rate * step / 2
+    d, path = b["d"], [b["d"]]
+    for i in range(3000):                     # 3 s in 1 ms steps, midpoint rule
+        d += 0.001 * speed * math.sin(course + rate * 0.001 * (i + 0.5))
+        path.append(d)
+    if abs(b["d"]) < LANE_WIDTH / 2:
+        lateral = speed * math.sin(course)
+        out["crosses_ego_lane"] = True if abs(lateral) >= 0.5 else False if abs(lateral) < 0.1 else None
     else:
-        out["crosses_ego_lane"] = False if abs(lateral) < 0.1 else None
+        nearest = min(abs(x) for x in path)
+        out["crosses_ego_lane"] = True if nearest < LANE_WIDTH / 2 - 0.3 else \
+            False if nearest >= LANE_WIDTH / 2 + 0.3 else None
     return out
 
 
@@ -186,6 +200,7 @@ def test_labels_are_recomputed_from_the_positions_at_the_k_steps(motion_set):
                 assert _chosen(q, a) == want
                 checked["do_next"] += 1
     assert checked["moving"] >= SCENES and checked["status"] >= SCENES and checked["approaching"] >= 2
+    assert checked["crossing"] >= 2 and checked["do_next"] >= 1
     assert {"stopped", "walking", "standing"} <= statuses and statuses & {"going ahead", "turn left", "turn right"}
 
 
@@ -347,3 +362,18 @@ def test_single_frame_set_is_byte_for_byte_what_it_was(tmp_path):
     for name, digest in SINGLE_FRAME_2029.items():
         assert hashlib.sha256((tmp_path / "s" / name).read_bytes()).hexdigest() == digest, name
     assert not any(capture_us(p) for p in (tmp_path / "s" / "samples").rglob("*.jpg"))
+
+
+def test_one_frame_baseline_reads_only_what_one_frame_shows(motion_set):
+    """The one-frame baseline (synth/one_frame.py) answers every closed-form motion question from
+    key-frame facts that hold no motion (no status, speed or track), and counts every one."""
+    from litevlm_runtime.synth.one_frame import compare, motion_rows
+
+    rows = motion_rows(motion_set)
+    frames = [f for split in ("train", "val") for f in load_frames(motion_set / f"{split}.json")]
+    assert len(rows) == sum(q.category == MOTION and 0 in q.tags for f in frames for q in f.questions) > 0
+    shown = {value for _, facts, *_ in rows for value in facts.values()}
+    assert not shown & {"moving", "stopped", "going ahead", "turn left", "turn right", "walking", "standing"}
+    pytest.importorskip("sklearn")
+    table = compare(motion_set, motion_set)
+    assert table[-1]["questions"] == len(rows) == sum(r["questions"] for r in table[:-1])

@@ -23,8 +23,9 @@ def register(subparsers) -> None:
     p.add_argument("--stride", type=float, default=0.5,
                    help="seconds between time steps with --frames (default 0.5: DriveLM's key frames are 2 Hz)")
     p.add_argument("--sheet", metavar="PNG",
-                   help="with --frames: also draw the first scene's six cameras over time, with each key object's "
+                   help="with --frames: also draw one scene's six cameras over time, with each key object's "
                         "ground-truth position at every step, into this PNG")
+    p.add_argument("--sheet-scene", type=int, default=0, metavar="N", help="the scene --sheet draws (default 0)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -48,6 +49,6 @@ def run(args) -> int:
                     stride=args.stride)
     if args.sheet:
         from ..synth.sheet import sequence_sheet
-        info["sheet"] = str(sequence_sheet(args.out, args.sheet))
+        info["sheet"] = str(sequence_sheet(args.out, args.sheet, scene=args.sheet_scene))
     print(json.dumps(info))
     return 0

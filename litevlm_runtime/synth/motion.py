@@ -22,9 +22,11 @@ thresholds far from the drawn values, so a label is never a coin toss at a bound
               pedestrians: walking when moving, else standing
   approaching the distance to the ego shrinks faster than APPROACH_MPS (True), grows faster than
               APPROACH_MPS or stays within STEADY_MPS (False); in between: None, not asked
-  crosses_ego_lane  moving across the road faster than CROSSING_MPS and, kept up for HORIZON_S,
-              inside or through the ego lane (True); across-road speed under STILL_LATERAL_MPS
-              (False); in between: None, not asked
+  crosses_ego_lane  its path over the next HORIZON_S, at the speed, direction of travel and turn
+              rate the poses show (the last step's chord, the window's turn: the motion it was
+              drawn with), enters the ego lane from outside it (True; within GRAZE_M of its edge
+              without entering: None), or, inside it, it moves across the road faster than
+              CROSSING_MPS (True) or slower than STILL_LATERAL_MPS (False; in between: None)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ STEADY_MPS = 1.0
 CROSSING_MPS = 0.5
 STILL_LATERAL_MPS = 0.1
 HORIZON_S = 3.0
+GRAZE_M = 0.3
 
 EGO_FOOTPRINT = (5.6, 2.9, -1.0)      # length, width (the ego's 4.6 x 1.9 plus 0.5 m), centre behind the rig
 CLEARANCE_M = 0.3                     # objects' footprints, inflated by this, never overlap at any step
@@ -83,7 +86,7 @@ class Labels:
     status: str | None                 # VEHICLE_STATUS for vehicles, walking/standing for pedestrians
     closing_mps: float                 # d(distance to the ego)/dt over the window; negative: approaching
     approaching: bool | None
-    lateral_mps: float                 # d(d)/dt over the window (left positive)
+    lateral_mps: float                 # d(d)/dt at the key frame (left positive)
     crosses_ego_lane: bool | None
 
 
@@ -185,13 +188,34 @@ def labels(kind: str, poses: list[Pose], ego_xs: list[float], curvature: float) 
     closing = (dist[1] - dist[0]) / span
     approaching = True if closing < -APPROACH_MPS else (
         False if closing > APPROACH_MPS or abs(closing) < STEADY_MPS else None)
-    lateral = (last.d - first.d) / span
-    if abs(lateral) >= CROSSING_MPS:
-        lo, hi = sorted((last.d, last.d + lateral * HORIZON_S))
-        crosses = lo < LANE_WIDTH / 2 and hi > -LANE_WIDTH / 2
+    lateral, path = _path_ahead(kind, poses, curvature)
+    half = LANE_WIDTH / 2
+    if abs(last.d) < half:
+        crosses = True if abs(lateral) >= CROSSING_MPS else (False if abs(lateral) < STILL_LATERAL_MPS else None)
     else:
-        crosses = False if abs(lateral) < STILL_LATERAL_MPS else None
+        nearest = min(abs(d) for d in path)
+        crosses = True if nearest < half - GRAZE_M else (False if nearest >= half + GRAZE_M else None)
     return Labels(moving, status, closing, approaching, lateral, crosses)
+
+
+def _path_ahead(kind: str, poses: list[Pose], curvature: float) -> tuple[float, list[float]]:
+    """(across-road speed now, d over the next HORIZON_S in 0.01 s steps) of an object going on as
+    its poses show: the speed and direction of travel of the last step's chord (the tangent at the
+    step's middle), turning at the rate its heading against the lane turned over the window."""
+    before, last = poses[-2], poses[-1]
+    step = last.t - before.t
+    speed = math.hypot(last.s - before.s, last.d - before.d) / step
+    rate = 0.0
+    if kind in VEHICLE_KINDS:
+        turned = [p.yaw - curvature * max(p.s, 0.0) for p in (poses[0], last)]
+        rate = _wrap(turned[1] - turned[0]) / (last.t - poses[0].t)
+    course = math.atan2(last.d - before.d, last.s - before.s) + rate * step / 2
+    ahead = [0.01 * i for i in range(round(HORIZON_S / 0.01) + 1)]
+    if rate:
+        path = [last.d - speed / rate * (math.cos(course + rate * t) - math.cos(course)) for t in ahead]
+    else:
+        path = [last.d + speed * t * math.sin(course) for t in ahead]
+    return speed * math.sin(course), path
 
 
 def _set_status(world: World, obj: WorldObject) -> None:

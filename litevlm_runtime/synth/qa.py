@@ -496,17 +496,23 @@ def _motion(f: _FrameView) -> list[dict]:
     lane (yes/no, balanced per frame with the others of their template), and what the ego should
     do next because of the vehicle it follows. Labels that fall between the thresholds of
     motion.labels are None and not asked. Returns the planning questions; the yes/no ones join
-    the frame's prediction questions."""
+    the frame's prediction questions (python -m litevlm_runtime.synth.one_frame measures how much
+    of them one frame's layout still tells)."""
     for obj in f.key:
         found = obj.motion.labels if obj.motion is not None else None
         if obj.kind not in VEHICLE_KINDS + ("pedestrian",) or found is None:
             continue
         t = f.tag_text[id(obj)]
+        # Balanced per frame within what one frame shows that ties to the answer: a standing object
+        # ahead of a moving ego comes closer, an oncoming vehicle ahead too; only pedestrians on
+        # the crossing and vehicles turn across the road.
+        side = ("ahead" if obj.s > 0 else "behind") + (" oncoming" if obj.place == "oncoming lane" else "")
         if found.approaching is not None:
-            f.yes_no["prediction"].append(("approaching", f.timed(qa(
+            f.yes_no["prediction"].append((f"approaching {side}", f.timed(qa(
                 f"Is {t} approaching the ego vehicle?", "Yes." if found.approaching else "No."))))
         if found.crosses_ego_lane is not None:
-            f.yes_no["prediction"].append(("crosses_ego_lane", f.timed(qa(
+            who = obj.place if obj.kind == "pedestrian" else "vehicle"
+            f.yes_no["prediction"].append((f"crosses_ego_lane {who}", f.timed(qa(
                 f"Will {t} cross the lane of the ego vehicle?", "Yes." if found.crosses_ego_lane else "No."))))
     answer = _do_next(f.world)
     return [f.timed(f.choice(DO_NEXT_Q, answer, DO_NEXT_OPTIONS))] if answer else []
