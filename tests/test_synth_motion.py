@@ -18,12 +18,12 @@ from PIL import Image
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import MOTION, frame_images_over_time, load_frames
+from litevlm_runtime.evaluation.motion_sheet import sequence_sheet
 from litevlm_runtime.frames import capture_us
 from litevlm_runtime.synth import motion
 from litevlm_runtime.synth.camera import rig
 from litevlm_runtime.synth.generate import build_scene, cull, generate
 from litevlm_runtime.synth.render import render
-from litevlm_runtime.synth.sheet import sequence_sheet
 from litevlm_runtime.synth.world import LANE_WIDTH, VEHICLE_KINDS, decide_ego, sample_world
 
 SEED, SCENES, K, STRIDE, W, H = 43, 8, 4, 0.5, 320, 180
@@ -365,9 +365,9 @@ def test_single_frame_set_is_byte_for_byte_what_it_was(tmp_path):
 
 
 def test_one_frame_baseline_reads_only_what_one_frame_shows(motion_set):
-    """The one-frame baseline (synth/one_frame.py) answers every closed-form motion question from
+    """The one-frame baseline (evaluation/one_frame.py) answers every closed-form motion question from
     key-frame facts that hold no motion (no status, speed or track), and counts every one."""
-    from litevlm_runtime.synth.one_frame import compare, motion_rows
+    from litevlm_runtime.evaluation.one_frame import compare, motion_rows
 
     rows = motion_rows(motion_set)
     frames = [f for split in ("train", "val") for f in load_frames(motion_set / f"{split}.json")]

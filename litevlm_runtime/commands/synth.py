@@ -48,7 +48,7 @@ def run(args) -> int:
                     workers=args.workers, progress=not args.quiet, sizes=sizes, frames=args.frames,
                     stride=args.stride)
     if args.sheet:
-        from ..synth.sheet import sequence_sheet
+        from ..evaluation.motion_sheet import sequence_sheet
         info["sheet"] = str(sequence_sheet(args.out, args.sheet, scene=args.sheet_scene))
     print(json.dumps(info))
     return 0

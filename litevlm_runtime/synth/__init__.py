@@ -6,5 +6,4 @@ render.py  PIL rendering of one camera view + an object-ID mask
 qa.py      DriveLM v1.1 questions and answers from a world and what each camera shows
 motion.py  scenes in motion: every object's motion, its poses at K time steps, labels from the poses
 generate.py  the `litevlm synth` driver: scenes -> JPEGs + train/val QA + ground truth
-sheet.py   a picture of one scene in motion: six cameras x K time steps, ground-truth marks
 """

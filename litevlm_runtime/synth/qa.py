@@ -496,7 +496,7 @@ def _motion(f: _FrameView) -> list[dict]:
     lane (yes/no, balanced per frame with the others of their template), and what the ego should
     do next because of the vehicle it follows. Labels that fall between the thresholds of
     motion.labels are None and not asked. Returns the planning questions; the yes/no ones join
-    the frame's prediction questions (python -m litevlm_runtime.synth.one_frame measures how much
+    the frame's prediction questions (python -m litevlm_runtime.evaluation.one_frame measures how much
     of them one frame's layout still tells)."""
     for obj in f.key:
         found = obj.motion.labels if obj.motion is not None else None

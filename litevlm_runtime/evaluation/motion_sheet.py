@@ -1,6 +1,6 @@
 """A picture of one SynthDrive scene in motion: its six cameras (rows) at its K time steps
 (columns, oldest first), read back through the frame-set loader a K-frame question uses
-(evaluation.data.frame_images_over_time), with each key object's ground-truth position at every
+(data.frame_images_over_time), with each key object's ground-truth position at every
 step (its track in ground_truth.json, projected into the cameras) marked by its tag, and its
 motion labels listed underneath. Where a mark sits on the object in every column, the rendered
 sequence and the ground truth the questions come from agree."""
@@ -14,15 +14,14 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import InputError
-from .camera import NEAR_M, rig
+from ..synth.camera import NEAR_M, rig
+from .data import frame_images_over_time, load_frames
 
 ROWS = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT", "CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
 MARK = (255, 0, 255)
 
 
 def sequence_sheet(set_dir: str | Path, out: str | Path, scene: int = 0, tile_width: int = 400) -> Path:
-    from ..evaluation.data import frame_images_over_time, load_frames
-
     set_dir = Path(set_dir)
     info = json.loads((set_dir / "synthdrive.json").read_text())
     frames, stride = info.get("frames", 1), info.get("stride_s")

@@ -6,7 +6,7 @@ fitted on another set, beside the per-template majority answer. A question that 
 the majority there; where the forest beats it, one frame's layout tells part of the answer
 (physics does: a standing object ahead of a moving ego comes closer).
 
-    python -m litevlm_runtime.synth.one_frame TRAIN_SET TEST_SET
+    python -m litevlm_runtime.evaluation.one_frame TRAIN_SET TEST_SET
 
 (sets made with `litevlm synth --frames K`; scikit-learn, which is not among the runtime's
 requirements, fits the forest)."""
@@ -19,11 +19,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..evaluation.breakdown import question_template
-from ..evaluation.data import MOTION, load_frames
-from ..evaluation.metrics import ACCURACY
 from ..objects import OBJECT_TAG
-from .world import VEHICLE_KINDS
+from ..synth.world import VEHICLE_KINDS
+from .breakdown import question_template
+from .data import MOTION, load_frames
+from .metrics import ACCURACY
 
 OPTION = re.compile(r"([A-D])\. ([^.]+\.)")
 
