@@ -108,7 +108,7 @@ def test_compare_per_category_moves_only_the_category_that_changed(motion_qa, tm
     args = ["eval", "--data", str(motion_qa), "--lenient", "--compare", f"four={tmp_path / 'four.json'}",
             "--compare", f"one={tmp_path / 'one.json'}"]
     assert main(args + ["--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     assert out[1]["by_category"]["motion"]["delta"] == -1.0 and out[1]["by_category"]["planning"]["delta"] == 0.0
     assert main(args) == 0
     assert "category motion:" in capsys.readouterr().out

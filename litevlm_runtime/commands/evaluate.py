@@ -156,7 +156,9 @@ def compare(args, rules) -> int:
     # The same comparison per question category (a DriveLM section, or motion: questions that need time).
     by_category = {c: compare_runs(questions, runs, rules, category=c) for c in sorted({q.category for q in questions})}
 
-    def fields(s):
+    def fields(s):      # a category without closed-form questions has no accuracy: null, not NaN (not JSON)
+        if not s.scored:
+            return s.__dict__ | {"accuracy": None, "interval": None}
         return s.__dict__ | {"accuracy": s.accuracy, "interval": s.interval}
     if args.json:
         print(json.dumps([fields(s) | {"by_category": {c: fields(per[i]) for c, per in by_category.items()}}
