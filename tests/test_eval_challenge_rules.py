@@ -229,7 +229,7 @@ def test_eval_from_predictions_on_edge_answers(tmp_path, capsys, flags, rules_na
 
     # Per category and per template: exactly the questions the rules scored.
     by_object = want["per_object"]
-    cat = s["per_category"]
+    cat = s["by_category"]
     assert cat["perception"]["questions"] == n_frames + len(by_object[1])
     assert cat["prediction"]["questions"] == len(by_object[2])
     assert cat["planning"]["questions"] == len(by_object[3])

@@ -177,8 +177,8 @@ def test_graph_filter_skips_questions_about_missed_objects(questions):
     s = score(questions, PREDICTIONS)
     assert s.skipped_by_graph == 1 and s.counts["scored"] == 9
     assert s.counts["language"] == 5
-    assert s.per_category["perception"] == {"questions": 3, "skipped_by_graph": 1, "accuracy_questions": 2,
-                                            "accuracy": 0.5}
+    assert s.by_category["perception"] == {"questions": 3, "skipped_by_graph": 1, "accuracy_questions": 2,
+                                           "correct": 1, "accuracy": 0.5}
     assert score(questions, PREDICTIONS, rules=LENIENT).skipped_by_graph == 0
 
 

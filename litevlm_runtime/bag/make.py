@@ -1,11 +1,18 @@
 """Making bags from DriveLM-layout folders (real nuScenes frames + DriveLM QA, or SynthDrive
 rendered in the same layout): six camera streams at their capture times and each key frame's
-questions asked shortly after its frame set."""
+questions asked shortly after its frame set.
+
+Sequences: a scene's frame sets go into the bag in stamp order at their capture times (nuScenes'
+and SynthDrive-in-motion's file names carry them, frames.py), so a bag of a SynthDrive set made
+with `--frames K --stride S` holds each key frame's K - 1 earlier frame sets S apart before it:
+replayed into the node, the frame store has the history a K-frame question needs. In a scene with
+QA, only its key frames (the frames with QA) are asked questions; the frame sets before them are
+history. Scenes are `scene_gap_s` apart, longer than a question's history window, so no history
+reaches into the scene before."""
 
 from __future__ import annotations
 
 import io
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
@@ -13,6 +20,7 @@ from typing import Iterable
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..evaluation.data import load_frames
+from ..frames import capture_us, scene_of
 from ..pipeline.request import QueryRequest
 from ..serving.images import raw_encoding as check_encoding
 from .io import BagContents, CameraFrame, raw_frame
@@ -22,7 +30,6 @@ GENERIC_QUESTIONS = (
     "What are the important objects in the current scene?",
     "What should the ego vehicle do next?",
 )
-CAPTURE_US = re.compile(r"__(\d{16})\.(jpg|jpeg|png)$", re.IGNORECASE)
 
 
 def _downscale(data: bytes, max_width: int | None) -> bytes:
@@ -91,11 +98,11 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
         for path in sorted((samples / cam).iterdir()):
             if path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
                 continue
-            m = CAPTURE_US.search(path.name)
+            stamp_us = capture_us(path)
             # nuScenes: the log name before "__" is the scene; rendered frames have no capture
             # time and all go on one synthetic timeline, in file-name order.
-            scene = path.name.split("__")[0] if (m and "__" in path.name) else "~synthetic"
-            scenes[scene][cam].append((int(m.group(1)) * 1000 if m else None, path))
+            scene = scene_of(path) if stamp_us is not None else "~synthetic"
+            scenes[scene][cam].append((stamp_us * 1000 if stamp_us is not None else None, path))
     contents = BagContents()
     cursor_ns = None          # where the next scene starts on the bag's timeline
     n_sets = 0
@@ -110,6 +117,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
             raise InputError(f"{folder}: scene {scene!r} has different frame counts per camera: "
                              + ", ".join(f"{c} {len(v)}" for c, v in per_cam.items()))
         n = counts.pop()
+        with_qa = has_qa(scene)         # then only its key frames are asked; the sets between are history
         first = min((t for v in per_cam.values() for t, _ in v if t is not None), default=None)
         base = 1_700_000_000 * 10**9 if cursor_ns is None else cursor_ns
         shift = 0 if (cursor_ns is None and first is not None) else (base - (first or 0))
@@ -131,7 +139,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
                     contents.frames[cam].append(CameraFrame(t, data, fmt))
             set_ns = max(stamps.values())
             front = per_cam["CAM_FRONT"][k][1].name
-            qs = questions.get(front) or list(GENERIC_QUESTIONS)
+            qs = questions.get(front, []) if with_qa else list(GENERIC_QUESTIONS)
             for j, text in enumerate(qs[:questions_per_frame]):
                 t = set_ns + int((query_delay_s + j * query_spacing_s) * 1e9)
                 contents.queries.append(QueryRequest(text, stamp_ns=t, query_id=f"f{n_sets}q{j}"))

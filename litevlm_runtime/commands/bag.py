@@ -36,7 +36,8 @@ def cmd_make(args) -> int:
 
     src = args.from_drivelm or args.from_synth
     contents = drivelm_contents(src, max_frames=args.max_frames, questions_per_frame=args.questions_per_frame,
-                                max_width=args.max_width, query_delay_s=args.query_delay, raw_encoding=args.raw)
+                                max_width=args.max_width, query_delay_s=args.query_delay, raw_encoding=args.raw,
+                                scene_gap_s=args.scene_gap)
     write_bag(contents, args.out, storage=args.storage)
     n_frames = sum(len(v) for v in contents.frames.values())
     print(f"wrote {args.out}: {n_frames} camera frames ({n_frames // 6} sets), {len(contents.queries)} queries, "
@@ -313,7 +314,9 @@ def _make_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-drivelm", type=Path, metavar="DIR", help="DriveLM folder (samples/CAM_X/*.jpg + QA json)")
     src.add_argument("--from-synth", type=Path, metavar="DIR",
-                     help="SynthDrive output folder (the same DriveLM layout; frames on a 2 Hz timeline)")
+                     help="SynthDrive output folder (the same DriveLM layout; a single-frame set's frames on a 2 Hz "
+                          "timeline, a set made with --frames K as sequences: each key frame's K - 1 earlier frame "
+                          "sets at their capture times, --stride apart, asked nothing; docs/motion.md)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
     p.add_argument("--max-frames", type=int, help="at most this many six-camera frame sets")
@@ -326,6 +329,10 @@ def _make_parser(sub) -> None:
                         "nv21 (docs/ros.md lists them all)")
     p.add_argument("--query-delay", type=float, default=0.2,
                    help="seconds after a frame set that its first question comes")
+    p.add_argument("--scene-gap", type=float, default=2.0,
+                   help="seconds between one scene's last frame set or question and the next scene's first frame "
+                        "set (default 2; keep it longer than the history a question may ask for, frames x stride, "
+                        "so that none reaches into the scene before)")
     p.set_defaults(func=cmd_make)
 
 

@@ -153,11 +153,22 @@ def compare(args, rules) -> int:
     questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
     runs = named_predictions(args.compare, questions, "--compare")
     scores = compare_runs(questions, runs, rules)
+    # The same comparison per question category (a DriveLM section, or motion: questions that need time).
+    by_category = {c: compare_runs(questions, runs, rules, category=c) for c in sorted({q.category for q in questions})}
+
+    def fields(s):      # a category without closed-form questions has no accuracy: null, not NaN (not JSON)
+        if not s.scored:
+            return s.__dict__ | {"accuracy": None, "interval": None}
+        return s.__dict__ | {"accuracy": s.accuracy, "interval": s.interval}
     if args.json:
-        print(json.dumps([s.__dict__ | {"accuracy": s.accuracy, "interval": s.interval} for s in scores], indent=1))
+        print(json.dumps([fields(s) | {"by_category": {c: fields(per[i]) for c, per in by_category.items()}}
+                          for i, s in enumerate(scores)], indent=1))
         return 0
     print(f"{len(questions)} questions of {args.data}; " + rules_line({"name": rules.name, "match_threshold": 16.0}))
     print(table(COMPARISON_HEADER, comparison_rows(scores)))
+    for c, per in by_category.items():
+        print(f"\ncategory {c}:")
+        print(table(COMPARISON_HEADER, comparison_rows(per)))
     return 0
 
 
@@ -224,7 +235,7 @@ def report(run_info: dict, s: dict) -> str:
                          f"coordinates, so every later question naming an object there is skipped (the challenge's "
                          f"test file begins each frame with 'What are the important objects...'; --lenient scores all)")
     per = [[cat, v["questions"], v["skipped_by_graph"], v["accuracy_questions"],
-            v["accuracy"] if v["accuracy"] is not None else na] for cat, v in s["per_category"].items()]
+            v["accuracy"] if v["accuracy"] is not None else na] for cat, v in s["by_category"].items()]
     lines.append(table(["category", "scored", "skipped", "choice+yes/no", "accuracy"], per, floatfmt="{:.4f}"))
     if "mean_total_ms" in run_info:
         lines.append(f"mean latency {run_info['mean_total_ms']:.1f} ms per answer, "

@@ -16,6 +16,16 @@ def register(subparsers) -> None:
                                    "e.g. 480x270,800x450,1600x900; instead of --width/--height")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="share of scenes (the last ones) written to val.json (default 0.1)")
+    p.add_argument("--frames", type=int, default=1,
+                   help="time steps per scene (default 1: one frame set, as before); K > 1: every scene in motion, "
+                        "rendered at K steps --stride apart, the key frame last, with motion questions that need "
+                        "time (docs/motion.md)")
+    p.add_argument("--stride", type=float, default=0.5,
+                   help="seconds between time steps with --frames (default 0.5: DriveLM's key frames are 2 Hz)")
+    p.add_argument("--sheet", metavar="PNG",
+                   help="with --frames: also draw one scene's six cameras over time, with each key object's "
+                        "ground-truth position at every step, into this PNG")
+    p.add_argument("--sheet-scene", type=int, default=0, metavar="N", help="the scene --sheet draws (default 0)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -32,7 +42,13 @@ def run(args) -> int:
             raise InputError(f"--sizes {args.sizes!r}: expected WxH[,WxH...], e.g. 480x270,1600x900") from None
         if any(len(size) != 2 for size in sizes):
             raise InputError(f"--sizes {args.sizes!r}: expected WxH[,WxH...], e.g. 480x270,1600x900")
+    if args.sheet and args.frames < 2:
+        raise InputError("--sheet draws a scene over time: it needs --frames K with K > 1")
     info = generate(args.out, args.scenes, args.seed, args.width, args.height, args.val_fraction,
-                    workers=args.workers, progress=not args.quiet, sizes=sizes)
+                    workers=args.workers, progress=not args.quiet, sizes=sizes, frames=args.frames,
+                    stride=args.stride)
+    if args.sheet:
+        from ..evaluation.motion_sheet import sequence_sheet
+        info["sheet"] = str(sequence_sheet(args.out, args.sheet, scene=args.sheet_scene))
     print(json.dumps(info))
     return 0

@@ -10,6 +10,10 @@ challenge's graph filter decides per frame which questions count (rule 2 of metr
 answer to a frame's first question changes which of its later questions are scored), and because
 a frame's questions share its images; the percentile interval of 10,000 resamples is reported.
 Also: how many answers are identical to the reference's, token for token as text.
+
+`category` restricts the counts to the questions of one category (Question.category: a DriveLM
+section, or motion) while the graph filter still runs over every question of the frame, as the
+totals' does: a category's figures are a split of the totals', never a rescoring.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
     return (centre - half, centre + half)
 
 
-def per_frame(questions: list[Question], predictions: dict[str, str], rules: Rules) -> dict[str, tuple[int, int]]:
-    """frame -> (correct, scored) over the closed-form questions the rules score in that frame."""
+def per_frame(questions: list[Question], predictions: dict[str, str], rules: Rules,
+              category: str | None = None) -> dict[str, tuple[int, int]]:
+    """frame -> (correct, scored) over the closed-form questions the rules score in that frame
+    (of `category` only, when given)."""
     scored, _ = graph_filter(questions, predictions, rules)
     out = {q.frame: (0, 0) for q in questions}
     for q in scored:
-        if ACCURACY in q.tags:
+        if ACCURACY in q.tags and (category is None or q.category == category):
             c, n = out[q.frame]
             out[q.frame] = (c + int(answer_is_correct(predictions[q.id], q.answer, rules)), n + 1)
     return out
@@ -66,11 +72,12 @@ class RunScore:
 
 
 def compare_runs(questions: list[Question], runs: dict[str, dict[str, str]], rules: Rules = CHALLENGE,
-                 resamples: int = 10_000, seed: int = 0) -> list[RunScore]:
-    """Every run scored; the first is the reference the others are compared against."""
+                 resamples: int = 10_000, seed: int = 0, category: str | None = None) -> list[RunScore]:
+    """Every run scored (on the questions of `category` only, when given); the first is the
+    reference the others are compared against."""
     names = list(runs)
     frames = sorted({q.frame for q in questions})
-    counts = {name: per_frame(questions, preds, rules) for name, preds in runs.items()}
+    counts = {name: per_frame(questions, preds, rules, category) for name, preds in runs.items()}
     table = {name: np.array([counts[name][f] for f in frames], dtype=np.int64) for name in names}   # [frames, 2]
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(frames), size=(resamples, len(frames)))
@@ -78,8 +85,9 @@ def compare_runs(questions: list[Question], runs: dict[str, dict[str, str]], rul
     out = []
     for name in names:
         c, n = table[name].sum(0)
-        same = sum(runs[name][q.id] == runs[ref][q.id] for q in questions)
-        score = RunScore(name, int(c), int(n), same, len(questions))
+        mine_q = [q for q in questions if category is None or q.category == category]
+        same = sum(runs[name][q.id] == runs[ref][q.id] for q in mine_q)
+        score = RunScore(name, int(c), int(n), same, len(mine_q))
         if name != ref:
             mine, theirs = table[name][picks].sum(1), table[ref][picks].sum(1)        # [resamples, 2]
             deltas = mine[:, 0] / np.maximum(mine[:, 1], 1) - theirs[:, 0] / np.maximum(theirs[:, 1], 1)

@@ -1,6 +1,12 @@
 """The one DriveLM reader: DriveLM v1.1 QA files (real DriveLM or SynthDrive) into key frames,
 their questions and their six image files. Evaluation, every trainer, calibration and `bag make`
-read DriveLM data through it, so a question is numbered and an image path resolved one way."""
+read DriveLM data through it, so a question is numbered and an image path resolved one way.
+
+Two optional additions to DriveLM's layout carry time (docs/motion.md): a key frame's
+"timestamp" (microseconds, as nuScenes' sample; else read from its CAM_FRONT file name, as real
+DriveLM's image names carry it), and a QA item's "frames": K, a question whose answer is defined
+over the key frame and the K - 1 frame sets before it. Such a question's category is "motion"
+(MOTION), whatever DriveLM section it sits in; `frame_images_over_time` finds its frame sets."""
 
 from __future__ import annotations
 
@@ -10,9 +16,11 @@ from pathlib import Path
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..frames import TimedFrameSet, capture_us, frames_over_time
 from .metrics import Question, derive_tags
 
 CATEGORIES = ("perception", "prediction", "planning", "behavior")
+MOTION = "motion"                     # the category of a question that needs time (its item's "frames" > 1)
 
 
 @dataclass
@@ -21,6 +29,11 @@ class Frame:
     token: str
     image_paths: dict[str, str]       # as written in the file
     questions: list[Question]
+    timestamp_us: int | None = None   # its "timestamp", else CAM_FRONT's capture time from its file name
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def load_frames(path: str | Path) -> list[Frame]:
@@ -58,9 +71,19 @@ def load_frames(path: str | Path) -> list[Frame]:
                                          f"(and A, when given)")
                     answer = item.get("A", "")
                     tags = tuple(item["tag"]) if isinstance(item.get("tag"), list) else derive_tags(item["Q"], answer)
+                    needs = item.get("frames", 1)
+                    if not _positive_int(needs):
+                        raise InputError(f"{path}: frame {frame_token}, {category} item {i}: \"frames\" must be a "
+                                         f"whole number of frame sets, at least 1 (got {needs!r})")
                     questions.append(Question(f"{scene_token}_{frame_token}_{i}", frame_token, item["Q"], answer,
-                                              tags, category))
-            frames.append(Frame(scene_token, frame_token, dict(paths), questions))
+                                              tags, MOTION if needs > 1 else category, needs))
+            stamp = frame.get("timestamp")
+            if stamp is None and isinstance(paths.get("CAM_FRONT"), str):
+                stamp = capture_us(paths["CAM_FRONT"])
+            elif stamp is not None and not (_positive_int(stamp)):
+                raise InputError(f"{path}: frame {frame_token}: \"timestamp\" must be microseconds, a whole "
+                                 f"positive number (got {stamp!r})")
+            frames.append(Frame(scene_token, frame_token, dict(paths), questions, stamp))
     return frames
 
 
@@ -93,3 +116,14 @@ def frame_images(root: str | Path, frame: Frame) -> dict[str, Path]:
     if missing:
         raise InputError(f"frame {frame.token}: no image path for {', '.join(missing)}")
     return {cam: resolve_image(Path(root), frame.image_paths[cam], cam) for cam in CAMERAS}
+
+
+def frame_images_over_time(root: str | Path, frame: Frame, frames: int, stride_s: float | None = 0.5,
+                           tolerance_s: float | None = None) -> list[TimedFrameSet]:
+    """A key frame's `frames` frame sets, oldest first, the key frame's own images last: the
+    files of the same scene `stride_s` apart before it (frames.frames_over_time: matched by the
+    capture times in their names; an InputError names the camera and time step without one)."""
+    try:
+        return frames_over_time(frame_images(root, frame), frames, stride_s, tolerance_s)
+    except InputError as exc:
+        raise InputError(f"frame {frame.token}: {exc}") from None

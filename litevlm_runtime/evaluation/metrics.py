@@ -98,7 +98,8 @@ class Question:
     question: str
     answer: str                   # reference
     tags: tuple[int, ...]
-    category: str = ""
+    category: str = ""            # its DriveLM section, or "motion" when it needs time (frames > 1; data.py)
+    frames: int = 1               # frame sets its answer is defined over: the key frame and frames - 1 before it
 
 
 def derive_tags(question: str, answer: str) -> tuple[int, ...]:
@@ -229,9 +230,18 @@ class Scores:
     match: dict | None = None             # f1, judge (0..100 or None), score (0..1)
     gpt: dict = field(default_factory=dict)
     final: dict = field(default_factory=dict)
-    per_category: dict = field(default_factory=dict)
+    # Per question category (Question.category: DriveLM's section, or "motion" for a question that
+    # needs time): the same questions the totals count, split, so that over the categories the
+    # counts add up to counts["scored"], counts["accuracy"] and the skipped, and correct /
+    # accuracy_questions to the accuracy.
+    by_category: dict = field(default_factory=dict)
     skipped_by_graph: int = 0
     frames_without_graph: int = 0         # first reference names no point: later object questions all skipped
+
+    @property
+    def per_category(self) -> dict:
+        """The name by_category had before it counted `motion` (fleet/compare.py reads it)."""
+        return self.by_category
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -249,10 +259,14 @@ def _judged(judge: Judge, items: list[tuple[Question, str]]) -> float:
     return total / len(items)
 
 
+def _correct(items: list[tuple[Question, str]], rules: Rules) -> int:
+    return sum(answer_is_correct(p, q.answer, rules) for q, p in items)
+
+
 def _accuracy(items: list[tuple[Question, str]], rules: Rules) -> float | None:
     if not items:
         return None
-    return sum(1.0 if answer_is_correct(p, q.answer, rules) else 0.0 for q, p in items) / len(items)
+    return _correct(items, rules) / len(items)
 
 
 def score(questions: list[Question], predictions: dict[str, str], judge: Judge | None = None,
@@ -311,10 +325,11 @@ def score(questions: list[Question], predictions: dict[str, str], judge: Judge |
     }
     for category in sorted({q.category for q in questions}):
         items = [(q, p) for q, p in acc if q.category == category]
-        s.per_category[category] = {
+        s.by_category[category] = {
             "questions": sum(q.category == category for q in scored),
             "skipped_by_graph": sum(q.category == category for q in skipped),
             "accuracy_questions": len(items),
+            "correct": _correct(items, rules),
             "accuracy": _accuracy(items, rules),
         }
     return s

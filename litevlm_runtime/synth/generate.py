@@ -18,12 +18,21 @@ Output layout (DIR):
                            object: kind, colour, status, distance, cameras with pixel centre and box
   samples/CAM_X/*.jpg      the images
   synthdrive.json          how the set was made (seed, scenes, size, version)
+
+In motion (`frames` K > 1, `stride` S seconds; motion.py, docs/motion.md): each scene is rendered
+at K time steps S apart, the key frame last, as nuScenes names its camera files:
+samples/CAM_X/synthdrive-s<seed>-<index>__CAM_X__<capture time, 16-digit microseconds>.jpg. The QA
+is the key frame's; its frame carries "timestamp" (microseconds, as nuScenes' sample) and every
+question whose answer needs time carries "frames": K. ground_truth.json adds each object's pose at
+every step and its motion labels, and the ego's; synthdrive.json adds frames and stride_s. A
+single-frame set (K = 1) is exactly what it was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -35,6 +44,7 @@ import numpy as np
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..objects import TAG_FRAME  # tags and 2d boxes in the QA are pixels of this frame (DriveLM's), at any size
+from . import motion
 from .camera import rig, sector_camera
 from .qa import frame_qa
 from .render import background, render, render_alone
@@ -46,6 +56,12 @@ MIN_VISIBLE_FRACTION = 0.5       # of the object's unoccluded footprint in its o
 MIN_PIXELS = {"traffic light": 6, "pedestrian": 20}   # body pixels at CULL_SIZE
 MIN_PIXELS_DEFAULT = 30
 JPEG_QUALITY = 92
+# Capture times of scenes in motion: scene i starts at SEQUENCE_EPOCH_US + i * SCENE_SPACING_US (a
+# 2023 date, so stamps have nuScenes' 16 digits), its steps `stride` apart.
+SEQUENCE_EPOCH_US = 1_700_000_000_000_000
+SCENE_SPACING_US = 100_000_000
+MAX_FRAMES = 16
+MAX_WINDOW_S = 60.0               # (frames - 1) * stride: a scene's steps stay within its spacing
 
 
 def token(*parts) -> str:
@@ -112,27 +128,54 @@ def _views(mask: np.ndarray, n_objects: int) -> dict[int, View]:
     return out
 
 
-def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | None) -> dict:
-    """Sample, cull, render and describe scene `index`; write its JPEGs when out_dir is given."""
+def capture_times_us(index: int, frames: int, stride_us: int) -> list[int]:
+    """The capture times of scene `index`'s steps in motion, oldest first (the key frame last)."""
+    start = SEQUENCE_EPOCH_US + index * SCENE_SPACING_US
+    return [start + k * stride_us for k in range(frames)]
+
+
+def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | None, frames: int = 1,
+                stride_us: int = 500_000) -> dict:
+    """Sample, cull, render and describe scene `index`; write its JPEGs when out_dir is given.
+    frames > 1: the scene in motion, rendered at `frames` steps `stride_us` microseconds apart."""
     rng = np.random.default_rng([seed, index])
     world = sample_world(rng)
+    steps = motion.times(frames, stride_us)
+    if frames > 1:            # its own stream: the layout is the single-frame scene's
+        motion.assign(world, np.random.default_rng([seed, index, 3]), steps)
     cull(world)
-    scene_token = token("synthdrive", VERSION, seed, index, "scene")
-    frame_token = token("synthdrive", VERSION, seed, index, "frame")
+    in_motion = ("frames", frames, "stride_us", stride_us) if frames > 1 else ()
+    if frames > 1:
+        motion.settle(world, steps)
+    scene_token = token("synthdrive", VERSION, seed, index, "scene", *in_motion)
+    frame_token = token("synthdrive", VERSION, seed, index, "frame", *in_motion)
+    stamps = capture_times_us(index, frames, stride_us)
     cams = rig(width, height)
     base = background(world, width, height)
     views: dict[str, dict[int, View]] = {}
     image_paths = {}
     images = {}
-    for name in CAMERAS:
-        image, mask = render(world, cams[name], base.copy())
-        views[name] = _views(mask, len(world.objects))
-        rel = f"samples/{name}/synthdrive-s{seed}-{index:06d}__{name}.jpg"
-        image_paths[name] = rel
-        images[name] = image
-        if out_dir is not None:
-            path = Path(out_dir) / rel
-            image.save(path, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    sequence = []                     # in motion: every step's {camera: (path, image)}, oldest first
+    for step in range(frames):
+        shown = motion.snapshot(world, step, steps) if frames > 1 else world
+        key = step == frames - 1
+        at_step = {}
+        for name in CAMERAS:
+            image, mask = render(shown, cams[name], base.copy())
+            if frames > 1:
+                rel = f"samples/{name}/synthdrive-s{seed}-{index:06d}__{name}__{stamps[step]:016d}.jpg"
+            else:
+                rel = f"samples/{name}/synthdrive-s{seed}-{index:06d}__{name}.jpg"
+            if key:
+                views[name] = _views(mask, len(world.objects))
+                image_paths[name] = rel
+                images[name] = image
+            at_step[name] = (rel, image)
+            if out_dir is not None:
+                path = Path(out_dir) / rel
+                image.save(path, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+        if frames > 1:
+            sequence.append(at_step)
     if (width, height) == TAG_FRAME:
         tag_views = views
     else:                              # the QA's views: the object masks of a render at TAG_FRAME
@@ -150,8 +193,10 @@ def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | N
         objects.append((obj, primary, seen_in))
         rendered.append({cam: views[cam][i] for cam in CAMERAS if i in views[cam]})
     qa_rng = np.random.default_rng([seed, index, 1])
-    frame, tags = frame_qa(world, objects, qa_rng)
+    frame, tags = frame_qa(world, objects, qa_rng, frames)
     frame["image_paths"] = image_paths
+    if frames > 1:
+        frame["timestamp"] = stamps[-1]
     gt_objects = []
     for (obj, primary, _), seen_in in zip(objects, rendered):
         gt_objects.append({
@@ -163,7 +208,7 @@ def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | N
             "cameras": {cam: {"centre": [round(v.centre[0], 1), round(v.centre[1], 1)],
                               "bbox": [round(b, 1) for b in v.bbox], "pixels": v.pixels}
                         for cam, v in seen_in.items()},
-        })
+        } | (_motion_truth(obj) if frames > 1 else {}))
     road = world.road
     ground_truth = {
         "scene_token": scene_token, "index": index,
@@ -174,11 +219,34 @@ def build_scene(seed: int, index: int, width: int, height: int, out_dir: str | N
         "image_size": [width, height],
         "objects": gt_objects,
     }
+    if frames > 1:
+        ground_truth["ego"] |= {"speed_mps": motion.EGO_SPEED_MPS[world.ego_speed],
+                                "track": [{"t_s": t, "x": round(x, 3), "y": 0.0}
+                                          for t, x in zip(steps, motion.ego_xs(world, steps))]}
+        ground_truth |= {"frames": frames, "stride_s": stride_us / 1e6,
+                         "sequence": [{"timestamp": stamp, "t_s": t,
+                                       "image_paths": {cam: rel for cam, (rel, _) in at_step.items()}}
+                                      for stamp, t, at_step in zip(stamps, steps, sequence)]}
     scene = {"scene_description": describe(world), "key_frames": {frame_token: frame}}
     return {"index": index, "scene_token": scene_token, "frame_token": frame_token, "scene": scene,
             "ground_truth": ground_truth,
             # In-memory callers (tests) get the world and images; workers writing files send neither back.
-            "world": None if out_dir else world, "images": None if out_dir else images}
+            "world": None if out_dir else world, "images": None if out_dir else images,
+            "sequence": None if out_dir or frames == 1 else [{cam: im for cam, (_, im) in at_step.items()}
+                                                             for at_step in sequence]}
+
+
+def _motion_truth(obj) -> dict:
+    """An object's motion in ground_truth.json: its labels and its pose at every step (key frame
+    coordinates, oldest first), from which the labels are recomputed (motion.labels)."""
+    m = obj.motion
+    found = m.labels
+    return {"motion": {"status": found.status, "moving": found.moving, "approaching": found.approaching,
+                       "crosses_ego_lane": found.crosses_ego_lane, "closing_mps": round(found.closing_mps, 3),
+                       "lateral_mps": round(found.lateral_mps, 3), "speed_mps": round(m.speed, 3),
+                       "yaw_rate_deg_s": round(math.degrees(m.yaw_rate), 3)},
+            "track": [{"t_s": p.t, "x": round(p.x, 4), "y": round(p.y, 4), "s": round(p.s, 4), "d": round(p.d, 4),
+                       "yaw_deg": round(math.degrees(p.yaw), 4), "legs_apart": p.legs_apart} for p in m.poses]}
 
 
 def describe(world: World) -> str:
@@ -208,11 +276,18 @@ def scene_size(seed: int, index: int, sizes: list[tuple[int, int]]) -> tuple[int
 
 def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, height: int = 900,
              val_fraction: float = 0.1, workers: int | None = None, progress: bool = True,
-             sizes: list[tuple[int, int]] | None = None) -> dict:
+             sizes: list[tuple[int, int]] | None = None, frames: int = 1, stride: float = 0.5) -> dict:
     """`sizes`: render each scene at one of these (width, height), drawn per scene, instead of
-    width x height: the same scenes and questions, at mixed resolutions."""
+    width x height: the same scenes and questions, at mixed resolutions. `frames` > 1: every scene
+    in motion, at that many time steps `stride` seconds apart (module docstring)."""
     if scenes < 1:
         raise InputError("--scenes must be at least 1")
+    if not 1 <= frames <= MAX_FRAMES:
+        raise InputError(f"--frames {frames}: expected 1 .. {MAX_FRAMES} time steps per scene")
+    stride_us = round(stride * 1e6)
+    if frames > 1 and not (stride_us >= 1000 and (frames - 1) * stride <= MAX_WINDOW_S):
+        raise InputError(f"--stride {stride:g}: expected at least 0.001 s, and (frames - 1) x stride at most "
+                         f"{MAX_WINDOW_S:g} s")
     sizes = list(sizes) if sizes else [(width, height)]
     for w, h in sizes:
         if w < 64 or h < 36 or w > 8192 or h > 8192:
@@ -228,12 +303,14 @@ def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, hei
             stale.unlink()
     info = {"generator": "SynthDrive", "version": VERSION, "seed": seed, "scenes": scenes, "width": sizes[0][0],
             "height": sizes[0][1]} | ({"sizes": [f"{w}x{h}" for w, h in sizes]} if len(sizes) > 1 else {}) | \
-           {"tag_frame": f"{TAG_FRAME[0]}x{TAG_FRAME[1]}", "complete": False}
+           {"tag_frame": f"{TAG_FRAME[0]}x{TAG_FRAME[1]}", "complete": False} | \
+           ({"frames": frames, "stride_s": stride_us / 1e6} if frames > 1 else {})
     (out / "synthdrive.json").write_text(json.dumps(info, indent=1))    # marks the folder as ours at once
     n_val = int(round(scenes * val_fraction))
     n_train = scenes - n_val
     workers = max(1, min(workers or os.cpu_count() or 1, scenes))
-    jobs = [(seed, i, *scene_size(seed, i, sizes), str(out)) for i in range(scenes)]
+    jobs = [(seed, i, *scene_size(seed, i, sizes), str(out)) + ((frames, stride_us) if frames > 1 else ())
+            for i in range(scenes)]
     train, val, truth = {}, {}, {}
     n_qa = {"train": 0, "val": 0}
     start = time.perf_counter()

@@ -9,6 +9,13 @@ options: A. ... D. ...") and are answered by the letter; yes/no answers are "Yes
 within a frame a yes/no question template about several objects keeps as many "Yes." as "No."
 answers, so that a model that does not look at the images cannot score by guessing the common
 answer.
+
+A scene in motion (motion.py, `litevlm synth --frames K`) is asked the same questions, their
+answers decided by what the objects do over the K steps, plus motion questions of its own
+(`_motion`: approaching, crossing the ego lane, what the ego should do next). Every question whose
+answer depends on how objects move carries `"frames": K`, the one addition to DriveLM's item
+layout: the answer is defined over the key frame and the K - 1 frame sets before it, and
+evaluation counts it in the category `motion` (docs/motion.md).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections import Counter
 
 import numpy as np
 
+from .motion import APPROACH_MPS, STEADY_MPS
 from .world import EGO_DIRECTIONS, EGO_SPEEDS, LANE_WIDTH, PLURAL, VEHICLE_KINDS, World, WorldObject
 
 DIRECTION = {"CAM_FRONT": "front", "CAM_FRONT_LEFT": "front left", "CAM_FRONT_RIGHT": "front right",
@@ -32,6 +40,9 @@ STATUS_TEXT = {"going ahead": "Going ahead.", "turn left": "Turn left.", "turn r
 COLOUR_OPTIONS = ["Red.", "Blue.", "Green.", "Yellow.", "White.", "Black."]
 COUNT_OPTIONS = ["None.", "One.", "Two.", "Three.", "More than three."]
 LIGHT_OPTIONS = ["Red light.", "Yellow light.", "Green light.", "There is no traffic light."]
+DO_NEXT_OPTIONS = ["Stop.", "Slow down.", "Keep going at the same speed.", "Speed up."]
+DO_NEXT_Q = "What should the ego vehicle do next?"
+LEAD_RANGE_M = 40.0                  # a vehicle ahead in the ego lane within this is the one the ego follows
 BEHAVIOURS = [f"The ego vehicle is {d}. The ego vehicle is {s}." for d in EGO_DIRECTIONS for s in EGO_SPEEDS
               if s != "not moving"] + ["The ego vehicle is going straight. The ego vehicle is not moving."]
 OPTIONS_PROMPT = " Please select the correct answer from the following options:"
@@ -129,6 +140,9 @@ def _balance(items: list[tuple[str, dict]], rng: np.random.Generator) -> list[di
     return [item for _, item in items if id(item) in keep_ids]
 
 
+# Where an object is, never what it does, decides which objects are key objects and their order
+# (c1, c2, ...): a parking strip holds only parked vehicles in a single-frame scene, and a moving
+# one too in a scene in motion, whose tags must not tell which.
 def _in_ego_path(obj: WorldObject) -> bool:
     if obj.kind == "traffic light":
         return True
@@ -136,7 +150,7 @@ def _in_ego_path(obj: WorldObject) -> bool:
         return False
     if obj.kind == "pedestrian":
         return obj.place == "crossing"
-    return abs(obj.d) < LANE_WIDTH / 2 and not obj.parked
+    return abs(obj.d) < LANE_WIDTH / 2 and obj.place != "parking"
 
 
 def _priority(obj: WorldObject) -> float:
@@ -147,7 +161,7 @@ def _priority(obj: WorldObject) -> float:
         return 1.0 + obj.distance / 100
     if _in_ego_path(obj):
         return 2.0 + obj.distance / 100
-    if obj.s > 0 and not obj.parked:
+    if obj.s > 0 and obj.place != "parking":
         return 3.0 + obj.distance / 100
     return 4.0 + obj.distance / 100
 
@@ -175,7 +189,7 @@ def _collision_action(world: World, obj: WorldObject) -> str:
         return "Accelerate and go straight."
     if obj.kind in VEHICLE_KINDS and abs(obj.d) < LANE_WIDTH / 2 and obj.s < 0:
         return "Back up."
-    if obj.kind in VEHICLE_KINDS + ("barrier",) and not obj.parked and -20.0 < obj.s < 20.0:
+    if obj.kind in VEHICLE_KINDS + ("barrier",) and obj.place != "parking" and -20.0 < obj.s < 20.0:
         if abs(obj.d - LANE_WIDTH) < LANE_WIDTH / 2 and road.ego_lane + 1 < road.n_same + road.n_opposite:
             return "Change to the left lane."
         if abs(obj.d + LANE_WIDTH) < LANE_WIDTH / 2 and road.ego_lane > 0:
@@ -195,16 +209,17 @@ def lane_change_safe(world: World, side: str) -> bool:
     return True
 
 
-def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np.random.Generator
-             ) -> tuple[dict, dict[int, str]]:
+def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np.random.Generator,
+             frames: int = 1) -> tuple[dict, dict[int, str]]:
     """(frame dict with key_object_infos and QA, {id(object): "cN"}). objects: (object, camera, views).
+    frames > 1: a scene in motion over that many steps (objects carry motion.Motion).
 
     The question groups below draw from `rng` in this order, which is what keeps a seed's
     SynthDrive set the same: a new group goes after the others, never between them."""
     # IDs c1.. by priority; the first MAX_KEY_OBJECTS are the key objects questions name.
     ranked = sorted(objects, key=lambda t: _priority(t[0]))
     tags, tag_text, infos = _key_object_tags(ranked[:MAX_KEY_OBJECTS])
-    f = _FrameView(world, objects, rng, [t[0] for t in ranked[:MAX_KEY_OBJECTS]], tag_text)
+    f = _FrameView(world, objects, rng, [t[0] for t in ranked[:MAX_KEY_OBJECTS]], tag_text, frames)
 
     perception = _important_objects(f) + _objects_by_direction(f) + _group_status(f)
     _are_there(f)
@@ -213,6 +228,8 @@ def frame_qa(world: World, objects: list[tuple[WorldObject, str, dict]], rng: np
     planning = _planning(f)
     behaviour = [qa("Predict the behavior of the ego vehicle.", world.behaviour),
                  f.choice("Predict the behavior of the ego vehicle.", world.behaviour, BEHAVIOURS)]
+    if frames > 1:
+        planning += _motion(f)
 
     perception += _balance(f.yes_no["perception"], rng)
     prediction = _balance(f.yes_no["prediction"], rng) + prediction
@@ -246,8 +263,9 @@ class _FrameView:
     (balanced per template at the end)."""
 
     def __init__(self, world: World, objects: list[tuple[WorldObject, str, dict]], rng: np.random.Generator,
-                 key: list[WorldObject], tag_text: dict[int, str]):
+                 key: list[WorldObject], tag_text: dict[int, str], frames: int = 1):
         self.world, self.objects, self.rng, self.key, self.tag_text = world, objects, rng, key, tag_text
+        self.frames = frames
         self.choice = _Choice(rng)
         self.cam_of = {id(o): cam for o, cam, _ in objects}
         self.groups: dict[str, Counter] = {cam: Counter() for cam in DIRECTION}
@@ -258,6 +276,13 @@ class _FrameView:
         lights = [o for o, cam, _ in objects if o.kind == "traffic light" and cam == "CAM_FRONT"]
         self.front_light = lights[0].status if lights else None     # the state of the light ahead, if any
         self.yes_no: dict[str, list[tuple[str, dict]]] = {"perception": [], "prediction": [], "planning": []}
+
+    def timed(self, item: dict) -> dict:
+        """Mark a question whose answer depends on how objects move: in a scene in motion it is
+        defined over `frames` frame sets (DriveLM's item plus "frames"); a single frame's is left as is."""
+        if self.frames > 1:
+            item["frames"] = self.frames
+        return item
 
 
 # -- perception --------------------------------------------------------------------------------
@@ -305,7 +330,7 @@ def _group_status(f: _FrameView) -> list[dict]:
                 answer = f"{cap(NUMBER[len(objs)])} {PLURAL[kind]} are {next(iter(words))}."
             else:
                 answer = _status_mix(kind, words)
-        out.append(qa(question, answer))
+        out.append(f.timed(qa(question, answer)))
     return out
 
 
@@ -328,7 +353,8 @@ def _are_there(f: _FrameView) -> None:
         twin = twins[f.rng.integers(len(twins))]
         for (c, k, w), answer in (((cam, kind, word), "Yes."), (twin, "No.")):
             noun = PLURAL[k] if w is None else f"{w} {PLURAL[k]}"
-            f.yes_no["perception"].append(("are_there", qa(f"Are there {noun} {where(c)}?", answer)))
+            item = qa(f"Are there {noun} {where(c)}?", answer)
+            f.yes_no["perception"].append(("are_there", item if w is None else f.timed(item)))
 
 
 def _counts_and_colours(f: _FrameView) -> list[dict]:
@@ -367,9 +393,10 @@ def _key_object_perception(f: _FrameView) -> list[dict]:
         t = f.tag_text[id(obj)]
         out.append(qa(f"What is the visual description of {t}?", cap(description(obj)) + "."))
         if obj.kind in VEHICLE_KINDS + ("pedestrian",) and f.rng.random() < 0.6:
-            out.append(qa(f"What is the observed status of object {t}?", obj.observed_status + "."))
+            out.append(f.timed(qa(f"What is the observed status of object {t}?", obj.observed_status + ".")))
         if obj.kind in VEHICLE_KINDS:
-            out.append(f.choice(f"What is the moving status of object {t}?", STATUS_TEXT[obj.status], MOVING_OPTIONS))
+            out.append(f.timed(f.choice(f"What is the moving status of object {t}?", STATUS_TEXT[obj.status],
+                                        MOVING_OPTIONS)))
     return out
 
 
@@ -385,7 +412,8 @@ def _prediction(f: _FrameView) -> list[dict]:
         f.yes_no["prediction"].append(("in_path", qa(
             f"Would {t} be in the moving direction of the ego vehicle?", "Yes." if _in_ego_path(obj) else "No.")))
         if obj.kind in VEHICLE_KINDS + ("pedestrian",):
-            f.yes_no["prediction"].append(("is_moving", qa(f"Is {t} moving?", "Yes." if obj.moving else "No.")))
+            f.yes_no["prediction"].append(("is_moving", f.timed(qa(f"Is {t} moving?",
+                                                                   "Yes." if obj.moving else "No."))))
             if obj.kind in VEHICLE_KINDS:
                 future = STATUS_TEXT[obj.status]
             elif obj.place == "crossing":
@@ -393,7 +421,7 @@ def _prediction(f: _FrameView) -> list[dict]:
             else:
                 future = "Keep walking." if obj.status == "walking" else "Keep standing."
             if f.rng.random() < 0.5:
-                out.append(qa(f"What is the future state of {t}?", future))
+                out.append(f.timed(qa(f"What is the future state of {t}?", future)))
     if f.key:
         out.append(qa(NOTICE_Q, " ".join(_notice_sentence(f, ordinal, obj)
                                          for ordinal, obj in zip(["Firstly", "Secondly", "Thirdly"], f.key))))
@@ -459,6 +487,62 @@ def _planning(f: _FrameView) -> list[dict]:
     out.append(qa("In this scenario, what are safe actions to take for the ego vehicle?", safe))
     out.append(qa("In this scenario, what are dangerous actions to take for the ego vehicle?", danger))
     return out
+
+
+# -- motion (scenes in motion only) --------------------------------------------------------------
+
+def _motion(f: _FrameView) -> list[dict]:
+    """Questions only time answers: is a key object approaching the ego, will it cross the ego
+    lane (yes/no, balanced per frame with the others of their template), and what the ego should
+    do next because of the vehicle it follows. Labels that fall between the thresholds of
+    motion.labels are None and not asked. Returns the planning questions; the yes/no ones join
+    the frame's prediction questions (python -m litevlm_runtime.evaluation.one_frame measures how much
+    of them one frame's layout still tells)."""
+    for obj in f.key:
+        found = obj.motion.labels if obj.motion is not None else None
+        if obj.kind not in VEHICLE_KINDS + ("pedestrian",) or found is None:
+            continue
+        t = f.tag_text[id(obj)]
+        # Balanced per frame within what one frame shows that ties to the answer: a standing object
+        # ahead of a moving ego comes closer, an oncoming vehicle ahead too; only pedestrians on
+        # the crossing and vehicles turn across the road.
+        side = ("ahead" if obj.s > 0 else "behind") + (" oncoming" if obj.place == "oncoming lane" else "")
+        if found.approaching is not None:
+            f.yes_no["prediction"].append((f"approaching {side}", f.timed(qa(
+                f"Is {t} approaching the ego vehicle?", "Yes." if found.approaching else "No."))))
+        if found.crosses_ego_lane is not None:
+            who = obj.place if obj.kind == "pedestrian" else "vehicle"
+            f.yes_no["prediction"].append((f"crosses_ego_lane {who}", f.timed(qa(
+                f"Will {t} cross the lane of the ego vehicle?", "Yes." if found.crosses_ego_lane else "No."))))
+    answer = _do_next(f.world)
+    return [f.timed(f.choice(DO_NEXT_Q, answer, DO_NEXT_OPTIONS))] if answer else []
+
+
+def _do_next(world: World) -> str | None:
+    """What the ego should do next because of the vehicle it follows (the nearest ahead in its lane,
+    within LEAD_RANGE_M): stop for a standing one closer than 20 m, slow down for a standing one
+    farther or a moving one it closes on, keep its speed behind one that keeps the distance,
+    speed up behind one that pulls away. None where something one frame shows decides instead
+    (a red or yellow light, pedestrians on the crossing), where no vehicle leads, or where the
+    lead's relative speed is between the thresholds."""
+    if world.light_state in ("red", "yellow") or any(o.kind == "pedestrian" and o.place == "crossing"
+                                                     for o in world.objects):
+        return None
+    ahead = sorted((o for o in world.objects if o.kind in VEHICLE_KINDS and o.place == "ego lane"
+                    and 0 < o.s < LEAD_RANGE_M and o.motion is not None and o.motion.labels is not None),
+                   key=lambda o: o.s)
+    if not ahead:
+        return None
+    lead = ahead[0].motion.labels
+    if not lead.moving:
+        return "Stop." if ahead[0].s < 20.0 else "Slow down."
+    if lead.approaching:
+        return "Slow down."
+    if lead.approaching is None:
+        return None
+    if abs(lead.closing_mps) < STEADY_MPS:
+        return "Keep going at the same speed."
+    return "Speed up." if lead.closing_mps > APPROACH_MPS else None
 
 
 def _status_mix(kind: str, words: Counter) -> str:

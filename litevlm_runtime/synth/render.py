@@ -228,7 +228,8 @@ class _Box:
 def _vehicle_parts(obj: WorldObject) -> list[_Box]:
     L, W, H = obj.size
     body = COLOURS[obj.colour]
-    rear_lamp = BRAKE_ON if (obj.status == "stopped" and not obj.parked) else BRAKE_OFF
+    lit = obj.brake_lamps if obj.brake_lamps is not None else (obj.status == "stopped" and not obj.parked)
+    rear_lamp = BRAKE_ON if lit else BRAKE_OFF
     lamp_y = [(W / 2 - 0.5, W / 2 - 0.1), (-W / 2 + 0.1, -W / 2 + 0.5)]
 
     def wheels(box: _Box, xs, r):
@@ -334,7 +335,7 @@ def _draw_pedestrian(canvas: Canvas, obj: WorldObject, index: int) -> None:
     top = v - h
     body_value, detail_value = 2 * index + 1, 2 * index + 2
     hip = top + 0.53 * h
-    if obj.status == "walking":  # legs apart
+    if (obj.legs_apart if obj.legs_apart is not None else obj.status == "walking"):  # legs apart
         canvas.polygon(
             [(u - 0.22 * w, hip), (u + 0.02 * w, hip), (u - 0.38 * w, v), (u - 0.78 * w, v)], TROUSERS, detail_value
         )

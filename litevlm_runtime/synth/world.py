@@ -10,13 +10,15 @@ hidden quantities to visible cues: a vehicle's moving status is its yaw relative
 (turning), its lit brake lamps (stopped in lane) or its place on the parking strip (parked); a
 pedestrian walks (legs apart, on the crossing or sidewalk) or stands (legs together); the ego's
 speed follows from the light ahead, pedestrians on the crossing and the gap to the vehicle ahead;
-its direction from the road's curvature.
+its direction from the road's curvature. A scene in motion (motion.py) cuts those ties for what
+objects do: there, only how they move from frame to frame shows it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +72,10 @@ class Road:
     curvature: float            # 1/m ahead of the ego (positive: bends left); straight behind
     crosswalk_s: float | None   # near edge of a zebra crossing ahead, if any
     stop_line_s: float | None
+    # Where the ego is along the road at the moment drawn (motion.py): 0 at the key frame, v * t
+    # before it. The road behind the ego is straight, so the ego's frame at that moment is the key
+    # frame's shifted by ego_s along x.
+    ego_s: float = 0.0
 
     # Lateral positions (d, metres, left positive) of the road's features.
     def lane_centre(self, j: int) -> float:
@@ -105,6 +111,8 @@ class Road:
         theta = k * ahead
         x = cx - d * np.sin(theta)
         y = cy + d * np.cos(theta)
+        if self.ego_s:
+            x = x - self.ego_s
         return np.stack(np.broadcast_arrays(x, y), axis=-1)
 
 
@@ -122,6 +130,12 @@ class WorldObject:
     y: float = 0.0
     parked: bool = False
     mount_d: float = 0.0        # traffic lights: lateral position of the pole
+    # What one frame shows, when not decided by the status (None: as the status says, lamps lit
+    # when stopped in a lane, legs apart when walking). Scenes in motion set them apart from the
+    # status, so that one frame does not give the motion away (motion.py).
+    brake_lamps: bool | None = None
+    legs_apart: bool | None = None
+    motion: Any = None          # motion.Motion of a scene in motion: its intent and its poses over time
 
     @property
     def size(self) -> tuple[float, float, float]:
