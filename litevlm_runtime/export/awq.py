@@ -4,7 +4,7 @@ stored the same way (they also quantize at load).
 
 AWQ needs the activations each linear layer sees in real use: calibration questions (a DriveLM
 layout QA.json with its frames, or a rosbag2: the same readers and the same seeded split as
-`litevlm calibrate`, export/calibration.py) are answered by the float pipeline, and a forward
+`litevlm calibrate`, export/calibration/traffic.py) are answered by the float pipeline, and a forward
 pre-hook on every decoder linear keeps a uniform reservoir sample of the rows it multiplies
 (prompt rows and decode-step rows alike), at most `rows` per layer. Each layer is then quantized
 by weights/quantize.awq_quantize against its own rows. A tied LM head (InternVL3/3.5: the
@@ -40,7 +40,7 @@ from ..weights.quantize import (
     quantize_int8,
     save_quantized,
 )
-from .calibration import answer_queries, load_queries, split_queries
+from .calibration.traffic import answer_queries, load_queries, split_queries
 
 
 class RowReservoir:

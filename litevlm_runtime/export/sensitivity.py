@@ -50,7 +50,7 @@ def record_traffic(pipe, queries, progress=print) -> list[QueryTraffic]:
     a, img = rt.arena, rt.tok.img_context_id
     out = []
     for i, q in enumerate(queries):
-        ans = pipe.answer(q.images, q.question)
+        ans = pipe.answer(q.images, q.request)
         n = ans.input_tokens
         tiles = len(ans.cameras) * rt.options.tiles_per_camera
         full_rows = a.kept_rows[:n].clone()
