@@ -31,6 +31,8 @@ from torch import nn
 from ..errors import LiteVLMError
 from .fake_quant import FP8_MAX, FakeQuantLinear, fp8_scales, swapped
 
+# matplotlib is imported where the plot is drawn: it is heavy, and only --plot needs it.
+
 
 @dataclass
 class QueryTraffic:

@@ -111,7 +111,7 @@ def build(source: Path = SOURCE, name: str = NAME, folder: Path | None = None) -
         (where / "lock").unlink(missing_ok=True)      # torch's baton, left by a build that was killed
         log.info("building the low-bit CPU kernels (once, about half a minute): %s", where)
         # (imported only to build: it loads setuptools, a quarter of a second no served query needs)
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # noqa: PLC0415
 
         lib = Path(cpp_extension.load(name, [str(source)], extra_cflags=list(CFLAGS), build_directory=str(where),
                                       is_python_module=False, verbose=False))
