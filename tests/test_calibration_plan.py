@@ -1,6 +1,7 @@
 """The calibration plan: `litevlm calibrate` refuses a bad plan (stages, method, precision's
 options, data) before any model is loaded or question answered, naming the flag; a good plan gets
-its defaults resolved once. No ModelOpt needed: nothing here quantizes."""
+its defaults resolved once. `litevlm quantize`'s plan likewise. No ModelOpt needed: nothing here
+quantizes."""
 
 from __future__ import annotations
 
@@ -100,3 +101,22 @@ def test_options_for_another_precision_or_source_are_refused(tmp_path):
     (tmp_path / "weights" / "manifest.json").write_text("{}")
     with pytest.raises(InputError, match="--buckets is for the export made without --bundle"):
         dataclasses.replace(plan, bundle=tmp_path / "weights", buckets="vision=6").checked()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--weights", "int4"], "--weights int4 (AWQ) needs --data"),
+    (["--weights", "int4", "--data", "qa.txt"], "--data qa.txt: no such file"),
+    (["--weights", "int8", "--rows", "0"], "--questions and --rows must be at least 1"),
+])
+def test_a_bad_quantize_plan_is_refused_before_the_model_is_loaded(tmp_path, capsys, monkeypatch, flags, named):
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "no-model-here"
+    assert main(["quantize", "--model", str(model), *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and str(model) not in err, err
+
+
+def test_a_good_quantize_plan_goes_on_to_load_the_model(tmp_path, capsys):
+    model = tmp_path / "no-model-here"
+    assert main(["quantize", "--model", str(model), "--weights", "int8"]) == 2
+    assert str(model) in capsys.readouterr().err
