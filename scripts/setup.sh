@@ -95,15 +95,11 @@ else
     log "litevlm_msgs up to date"
 fi
 
-# 5. The low-bit CPU kernels (weights/lowbit_kernels.cpp: backend.weights int4/int8/fp16), compiled
-#    against this venv's torch once (about half a minute; cached by the source's digest, so a second
-#    run is a lookup). A CPU without AVX2 or a failed build is not fatal: those forms then run their
-#    reference path, and the message says so.
-if "$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; import sys; sys.exit(not k.cpu_supports())'; then
-    "$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; print("[setup] low-bit CPU kernels:", "built" if k.load() else "unavailable (reference path)")'
-else
-    log "low-bit CPU kernels: this CPU lacks AVX2/FMA/F16C (int4/int8/fp16 weights run their reference path)"
-fi
+# 5. The low-bit CPU kernels (weights/lowbit_kernels.cpp: backend.weights int4/int8/fp16), built by
+#    torch.utils.cpp_extension against this venv's torch once (about half a minute; kept per digest of
+#    the source, so a second run is a lookup). A CPU they do not cover (aarch64, x86 without AVX2) or a
+#    failed build is not fatal: those forms then run their reference path, and the line says why.
+"$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; print("[setup] low-bit CPU kernels:", k.path_in_words(k.load()))'
 
 # 6. Optional: the peer engines (--peers), keyed on requirements-peers.txt.
 if [ "${1:-}" = "--peers" ]; then

@@ -14,7 +14,7 @@ import pytest
 from litevlm_runtime.fleet.dataset import SCHEMA, record_json, row_from_record
 from litevlm_runtime.fleet.sources import BagRef
 from litevlm_runtime.objects import ObjectRef
-from litevlm_runtime.pipeline.answer import STAGES, Answer
+from litevlm_runtime.pipeline.answer import STAGES, TOTALS, Answer
 from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.ros.convert import carried, query_fields, query_name, request_from_query
 from litevlm_runtime.serving.record import DERIVED, AnswerRecord, json_types, wire_fields, wire_name
@@ -62,6 +62,19 @@ def test_json_has_every_field_under_its_wire_name():
     row = populated().to_json()
     assert set(row) == set(json_types()) == {wire_name(f.name) for f in wire_fields()} | set(DERIVED)
     assert row["answer"] == "A truck." and row["total_ms"] == 21.0 and row["status_code"] == 6
+
+
+def test_the_answers_json_is_the_records_without_the_envelope():
+    """`litevlm ask --json` prints Answer.to_dict(): the same keys, names and values as the record's
+    JSON (the mirror topic, bag eval, the fleet) has for the Answer's fields, and the same totals."""
+    rec = populated()
+    answer = Answer(**{f.name: getattr(rec, f.name) for f in fields(Answer)})
+    d = answer.to_dict()
+    assert set(d) == {wire_name(f.name) for f in fields(Answer) if f.metadata.get("wire", True)} | set(TOTALS)
+    row = rec.to_json()
+    assert d == {k: row[k] for k in d}
+    assert d["answer"] == "A truck." and d["total_ms"] == 21.0 and d["budget_met"] is True
+    assert "extra" not in d and "trace" not in d and d["objects"][0]["camera"] == "CAM_BACK"
 
 
 def test_the_answer_message_declares_exactly_the_record_fields():

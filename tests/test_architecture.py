@@ -1,10 +1,13 @@
 """The package's layers and its freedom from import cycles, as written in .importlinter, checked
 with import-linter (a well-kept tool for exactly this): on the package as it is, and on a copy
-with a planted upward import and a planted cycle, so that the check is shown able to fail."""
+with a planted upward import and a planted cycle, so that the check is shown able to fail; and
+docs/architecture.md's layer list, which must be .importlinter's."""
 
 from __future__ import annotations
 
+import configparser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,3 +45,29 @@ def test_an_upward_import_or_a_cycle_breaks_them(tmp_path):
     rope.write_text(rope.read_text().replace("from ..pipeline import runtime", "from . import decoder"))
     run = lint_imports(tmp_path)     # decoder imports rope: a cycle inside models/
     assert run.returncode != 0 and "No import cycles" in run.stdout and "BROKEN" in run.stdout, run.stdout
+
+
+def importlinter_layers(text: str) -> list[set[str]]:
+    """The layers contract's layers, top first, each as the set of its modules."""
+    config = configparser.ConfigParser()
+    config.read_string(text)
+    lines = config["importlinter:contract:layers"]["layers"].split("\n")
+    return [{m.strip() for m in line.split("|")} for line in lines if line.strip()]
+
+
+def documented_layers(text: str) -> list[set[str]]:
+    """docs/architecture.md's list: the code block under "## Layers", a layer per line, its modules
+    before the first run of two or more spaces (what follows is what the layer holds)."""
+    section = text.split("\n## Layers\n", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [{m.strip() for m in re.split(r"\s{2,}", line.strip())[0].split("|")}
+            for line in block.splitlines() if line.strip()]
+
+
+def test_the_documented_layers_are_the_contracts():
+    contract = importlinter_layers((ROOT / ".importlinter").read_text())
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert documented_layers(doc) == contract, "docs/architecture.md's layer list differs from .importlinter's"
+    # the check fails when a layer is added to one and not the other
+    added = doc.replace("\nbag  ", "\nfleet2\nbag  ", 1)
+    assert documented_layers(added) != contract and len(documented_layers(added)) == len(contract) + 1

@@ -52,15 +52,16 @@ def write_qa(folder):
 def calibrated(tmp_path_factory):
     from helpers import options
 
-    from litevlm_runtime.export.calibration import calibrate
+    from litevlm_runtime.export.calibration.calibrate import calibrate
+    from litevlm_runtime.export.calibration.plan import CalibrationPlan
 
     root = tmp_path_factory.getbasetemp()
     model, bundle = lively_checkpoint(root), exported_bundle(root)
     work = tmp_path_factory.mktemp("calibration")
     qa = write_qa(work)
-    manifest, report = calibrate(model, qa, "int8", work / "out", options(max_new_tokens=MAX_NEW_TOKENS),
-                                 bundle=bundle, calib_questions=4, eval_questions=3, samples_per_graph=4,
-                                 progress=lambda m: None)
+    plan = CalibrationPlan(model, options(max_new_tokens=MAX_NEW_TOKENS), qa, work / "out", bundle=bundle,
+                           calib_questions=4, eval_questions=3, samples_per_graph=4)
+    manifest, report = calibrate(plan, progress=lambda m: None)
     return model, bundle, work / "out" / "int8", manifest, report
 
 
@@ -130,7 +131,7 @@ def test_int8_bundle_batches_with_its_own_answers(calibrated):
 
 
 def test_batched_calibration_samples_are_single_steps_side_by_side():
-    from litevlm_runtime.export.calibration import Recorder, batched_samples
+    from litevlm_runtime.export.calibration.traffic import Recorder, batched_samples
 
     s, layers = 7, 2
     r = Recorder(per_graph=8)
@@ -151,7 +152,7 @@ def test_batched_calibration_samples_are_single_steps_side_by_side():
 
 
 def test_recorder_reservoir_is_bounded_and_deterministic():
-    from litevlm_runtime.export.calibration import Recorder
+    from litevlm_runtime.export.calibration.traffic import Recorder
 
     def run():
         r = Recorder(per_graph=3, seed=0)
@@ -164,7 +165,7 @@ def test_recorder_reservoir_is_bounded_and_deterministic():
 
 
 def test_fit_sample_prefix_and_padding():
-    from litevlm_runtime.export.calibration import fit_sample
+    from litevlm_runtime.export.calibration.traffic import fit_sample
 
     t, s = 5, 9
     sample = {"embeds": np.arange(t * 2, dtype=np.float32).reshape(t, 2), "positions": np.arange(t),
@@ -182,22 +183,23 @@ def test_fit_sample_prefix_and_padding():
 
 def test_queries_from_a_rosbag(tmp_path):
     from litevlm_runtime.bag.io import BagContents, CameraFrame, write_bag
-    from litevlm_runtime.export.calibration import load_queries
+    from litevlm_runtime.export.calibration.traffic import load_queries
     from litevlm_runtime.pipeline.request import QueryRequest
 
     contents = BagContents()
     frames = random_frames(7)
     for cam in CAMERAS:
         contents.frames[cam].append(CameraFrame(1_000, png(frames[cam]), "png"))
-    contents.queries.append(QueryRequest("Is there a car behind?", stamp_ns=2_000, query_id="q1"))
+    asked = QueryRequest("Is there a car behind?", stamp_ns=2_000, query_id="q1", choices=("Yes.", "No."), priority=3)
+    contents.queries.append(asked)
     bag = write_bag(contents, tmp_path / "bag")
     queries = load_queries(bag)
-    assert [q.question for q in queries] == ["Is there a car behind?"]
+    assert [q.request for q in queries] == [asked]      # every field the message carries, as the node reads it
     assert set(queries[0].images) == set(CAMERAS)
 
 
 def test_bad_data_is_a_clear_error(tmp_path):
-    from litevlm_runtime.export.calibration import load_queries
+    from litevlm_runtime.export.calibration.traffic import load_queries
 
     with pytest.raises(InputError, match="expected a DriveLM QA"):
         load_queries(tmp_path / "data.txt")
@@ -211,13 +213,13 @@ def test_fp8_qdq_graph_for_tensorrt(calibrated, tmp_path):
     It cannot run here (TensorRT-only operators); `build-engines --precision fp8` consumes it."""
     import onnx
 
-    from litevlm_runtime.export.calibration import quantize_graph
+    from litevlm_runtime.export.calibration.quantize import GraphQuantization, quantize_graph
 
     _, bundle, _, _, _ = calibrated
     g = next(g for g in json.loads((bundle / "manifest.json").read_text())["graphs"] if g["stage"] == "vision")
     rng = np.random.default_rng(0)
     samples = [{"pixels": rng.standard_normal(g["inputs"][0]["shape"]).astype(np.float32)} for _ in range(2)]
-    quantize_graph(bundle / g["file"], tmp_path / g["file"], "fp8", samples, "max")
+    quantize_graph(bundle / g["file"], tmp_path / g["file"], samples, GraphQuantization("fp8", "max"))
     model = onnx.load(str(tmp_path / g["file"]), load_external_data=False)
     zero_points = [t for t in model.graph.initializer if t.name.endswith("zero_point")]
     assert zero_points and all(t.data_type == onnx.TensorProto.FLOAT8E4M3FN for t in zero_points)
@@ -227,7 +229,7 @@ def test_fp8_qdq_graph_for_tensorrt(calibrated, tmp_path):
 def decode_steps(bundle, calls: int = 4):
     """(the bundle's manifest, a Recorder holding `calls` one-row decode steps of decoder_1 with
     random embeddings and caches and growing histories)."""
-    from litevlm_runtime.export.calibration import Recorder
+    from litevlm_runtime.export.calibration.traffic import Recorder
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     one = next(g for g in manifest["graphs"] if g["stage"] == "decoder" and g["bucket"] == 1)
@@ -258,21 +260,26 @@ def test_fp8_batched_step_rounds_as_the_single_step(calibrated, tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    from litevlm_runtime.export.calibration import activation_scales, fit_sample, quantize_batched_step, quantize_graph
+    from litevlm_runtime.export.calibration.quantize import (
+        GraphQuantization,
+        activation_scales,
+        quantize_batched_step,
+        quantize_graph,
+    )
+    from litevlm_runtime.export.calibration.traffic import fit_sample
 
     _, bundle, _, _, _ = calibrated
     manifest, recorder = decode_steps(bundle)
     graph = {(g["stage"], g["bucket"]): g for g in manifest["graphs"]}
     one, tree, batch = graph[("decoder", 1)], graph[("decoder", 8)], graph[("decoder_batch", 4)]
     steps = recorder.samples[one["file"]]
-    quantize_graph(bundle / one["file"], tmp_path / one["file"], "fp8", steps, "max")
+    fp8 = GraphQuantization("fp8", "max")
+    quantize_graph(bundle / one["file"], tmp_path / one["file"], steps, fp8)
     assert activation_scales(onnx.load(str(tmp_path / one["file"]), load_external_data=False).graph) == {}
-    assert quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, "fp8", "max") is None
+    assert quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, fp8) is None
 
-    quantize_graph(
-        bundle / tree["file"], tmp_path / tree["file"], "fp8", [fit_sample("decoder", s, 8) for s in steps], "max"
-    )
-    _, source = quantize_batched_step(bundle, tmp_path, batch, tree, manifest, recorder, "fp8", "max")
+    quantize_graph(bundle / tree["file"], tmp_path / tree["file"], [fit_sample("decoder", s, 8) for s in steps], fp8)
+    _, source = quantize_batched_step(bundle, tmp_path, batch, tree, manifest, recorder, fp8)
     assert "activation scales of decoder_8.onnx (10 products)" in source           # 2 layers x 5
     src, dst = (onnx.load(str(tmp_path / g["file"]), load_external_data=False).graph for g in (tree, batch))
     value = lambda graph, name: numpy_helper.to_array(next(t for t in graph.initializer if t.name == name))  # noqa: E731
@@ -290,7 +297,12 @@ def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
     ONNX Runtime exactly as its E4M3 rounding; the batched step then follows it, with its scales."""
     import onnx
 
-    from litevlm_runtime.export.calibration import activation_scales, calibrate, quantize_batched_step, quantize_graph
+    from litevlm_runtime.export.calibration.quantize import (
+        GraphQuantization,
+        activation_scales,
+        quantize_batched_step,
+        quantize_graph,
+    )
     from litevlm_runtime.export.qdq import check_graph
 
     bundle = exported_bundle(tmp_path_factory.getbasetemp())
@@ -298,7 +310,8 @@ def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
     graph = {(g["stage"], g["bucket"]): g for g in manifest["graphs"]}
     one, batch = graph[("decoder", 1)], graph[("decoder_batch", 4)]
     steps = recorder.samples[one["file"]]
-    quantize_graph(bundle / one["file"], tmp_path / one["file"], "fp8", steps, "max", fp8_decode=True)
+    fp8_decode = GraphQuantization("fp8", "max", fp8_decode=True)
+    quantize_graph(bundle / one["file"], tmp_path / one["file"], steps, fp8_decode)
     quantized = onnx.load(str(tmp_path / one["file"]), load_external_data=False)
     assert len(activation_scales(quantized.graph)) == 10
     zero_points = [t for t in quantized.graph.initializer if t.name.endswith("zero_point")]
@@ -311,7 +324,5 @@ def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
     assert r.mismatches == 0 and r.worst_quanta == 0.0            # every pair: its E4M3 rounding, exactly
     assert 0 < r.vs_float < 0.5                                   # quantized, and still the same step
 
-    _, source = quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, "fp8", "max")
+    _, source = quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, fp8_decode)
     assert "activation scales of decoder_1.onnx (10 products)" in source
-    with pytest.raises(InputError, match="--fp8-decode"):
-        calibrate(bundle, tmp_path / "qa.json", "int8", tmp_path / "out", None, fp8_decode=True)

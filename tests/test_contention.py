@@ -88,9 +88,9 @@ def test_contention_command_prints_the_table_for_each_configuration(tiny_model, 
 
 
 def test_a_worker_that_cannot_build_its_pipeline_is_an_error_naming_the_configuration(tmp_path):
-    from litevlm_runtime.bench.contention import run_contention
+    from litevlm_runtime.bench.contention import Workload, run_contention
     from litevlm_runtime.options import PipelineOptions
 
     with pytest.raises(LiteVLMError, match=r"thread configuration 1\+passive: .*missing"):
-        run_contention(tmp_path / "missing", PipelineOptions(), parse_configs("1+passive"), None, 1, ["Is it?"], hog=0,
+        run_contention(tmp_path / "missing", PipelineOptions(), parse_configs("1+passive"), Workload(["Is it?"]), hog=0,
                        progress=lambda m: None)

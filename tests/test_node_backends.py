@@ -11,6 +11,7 @@ from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cli import main
 from litevlm_runtime.ros.params_file import load_node_params
+from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
 
 
@@ -124,6 +125,9 @@ def test_node_serves_a_backend_from_drive_yaml_over_dds(tmp_path, sample_bag, bu
         client.close()
     assert (values()["backend"], values()["weights"], values()["lowbit_prefill"], values()["state"]) == \
         (*diagnosed, "active")
+    # which path the int4 forms run: the kernels, or the reference path and why (a CPU they do not cover)
+    assert values()["lowbit_kernels"] == ("" if served == "openvino" else lowbit_kernels.path_in_words(
+        lowbit_kernels.load()))
     by_id = {r["query_id"]: r for r in rows}
     assert sorted(by_id) == sorted(r.query_id for r in expected)
     for want in expected:

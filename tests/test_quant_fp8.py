@@ -73,7 +73,7 @@ def test_blocked_int4_dequantize_linear_runs_in_onnxruntime_and_is_exact():
 @pytest.fixture(scope="module")
 def fp8_vision(tmp_path_factory):
     """ModelOpt FP8 of the small checkpoint's 4-tile vision graph, from real-looking tiles."""
-    from litevlm_runtime.export.calibration import quantize_graph
+    from litevlm_runtime.export.calibration.quantize import GraphQuantization, quantize_graph
 
     root = tmp_path_factory.getbasetemp()
     model, bundle = lively_checkpoint(root), exported_bundle(root)
@@ -84,7 +84,7 @@ def fp8_vision(tmp_path_factory):
         {"pixels": rng.standard_normal(g["inputs"][0]["shape"]).clip(-2, 2).astype(np.float32)} for _ in range(3)
     ]
     out = tmp_path_factory.mktemp("fp8") / g["file"]
-    quantize_graph(bundle / g["file"], out, "fp8", samples, "max")
+    quantize_graph(bundle / g["file"], out, samples, GraphQuantization("fp8", "max"))
     feeds = [{"pixels": rng.standard_normal(g["inputs"][0]["shape"]).clip(-2, 2).astype(np.float32)} for _ in range(2)]
     return model, bundle / g["file"], out, feeds
 

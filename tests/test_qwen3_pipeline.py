@@ -18,6 +18,7 @@ from helpers import lively_checkpoint_of, options, random_frames
 from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS, paired_speedups
 from litevlm_runtime.cli import main
 from litevlm_runtime.export.exporter import verify_bundle
+from litevlm_runtime.pipeline.answer import Answer
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.weights.checkpoint import load_model
 
@@ -47,6 +48,7 @@ def test_ask_and_bench(qwen3_model, synth, capsys):
                  "--max_new_tokens", "4", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert 1 <= len(answer["token_ids"]) <= 4 and answer["visual_tokens"] == 6 * 16
+    assert set(answer) == set(Answer().to_dict())          # the record's JSON shape (test_answer_fields.py)
     assert main(["bench", "--model", str(qwen3_model), "--frames", str(synth), "--repeat", "1",
                  "--max_new_tokens", "4", "--tokens.mode", "layer0", "--tokens.keep_ratio", "0.5"]) == 0
     out = capsys.readouterr().out

@@ -19,6 +19,10 @@ from ..ros.convert import query_fields
 from ..serving.images import raw_encoding, rgb_to_raw
 from .damage import damaged, guarded
 
+# rosbags and PIL are imported inside the functions that open a bag or decode an image: the names here
+# (topics, CameraFrame, BagContents) are imported by callers that never do, and rosbags takes a tenth of a
+# second to load.
+
 QUERY_TOPIC = "/litevlm/query"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -24,6 +25,8 @@ from ..frames import capture_us, scene_of
 from ..pipeline.request import QueryRequest
 from ..serving.images import raw_encoding as check_encoding
 from .io import BagContents, CameraFrame, raw_frame
+
+# PIL is imported where a frame is encoded (encode_png): the rest of bag making needs no image library.
 
 # Questions for frames that come without DriveLM QA (the sample's n015 scene).
 GENERIC_QUESTIONS = (
@@ -73,13 +76,21 @@ def _zip_longest(lists):
         yield [x[i] for x in lists if i < len(x)]
 
 
+@dataclass(frozen=True)
+class BagTiming:
+    """Where a made bag puts its questions and scenes on its timeline."""
+    query_delay_s: float = 0.2          # a frame set's first question, after the set
+    query_spacing_s: float = 0.15       # its next questions, each after the one before
+    scene_gap_s: float = 2.0            # between one scene's last message and the next scene
+    synthetic_period_s: float = 0.5     # between frames without a capture time (rendered data)
+
+
 def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_frame: int = 2,
-                     max_width: int | None = None, query_delay_s: float = 0.2, query_spacing_s: float = 0.15,
-                     scene_gap_s: float = 2.0, synthetic_period_s: float = 0.5,
+                     max_width: int | None = None, timing: BagTiming = BagTiming(),
                      raw_encoding: str | None = None) -> BagContents:
     """Key frames of a DriveLM-layout folder (samples/CAM_X/*.jpg + QA json files) as six
     camera streams at their capture times, with that frame's DriveLM questions asked
-    `query_delay_s` after the frame set (then every `query_spacing_s`).
+    `timing.query_delay_s` after the frame set (then every `query_spacing_s`).
 
     Capture times come from the nuScenes file names (trailing 16-digit microseconds); files
     without one (rendered data) are put on a `synthetic_period_s` timeline. Scenes (file-name
@@ -128,7 +139,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
             stamps = {}
             for cam in CAMERAS:
                 t, path = per_cam[cam][k]
-                t = (t + shift) if t is not None else base + int(k * synthetic_period_s * 1e9)
+                t = (t + shift) if t is not None else base + int(k * timing.synthetic_period_s * 1e9)
                 stamps[cam] = t
                 original = path.read_bytes()
                 data = _downscale(original, max_width)
@@ -141,12 +152,12 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
             front = per_cam["CAM_FRONT"][k][1].name
             qs = questions.get(front, []) if with_qa else list(GENERIC_QUESTIONS)
             for j, text in enumerate(qs[:questions_per_frame]):
-                t = set_ns + int((query_delay_s + j * query_spacing_s) * 1e9)
+                t = set_ns + int((timing.query_delay_s + j * timing.query_spacing_s) * 1e9)
                 contents.queries.append(QueryRequest(text, stamp_ns=t, query_id=f"f{n_sets}q{j}"))
                 last_ns = max(last_ns, t)
             last_ns = max(last_ns, set_ns)
             n_sets += 1
-        cursor_ns = last_ns + int(scene_gap_s * 1e9)
+        cursor_ns = last_ns + int(timing.scene_gap_s * 1e9)
     if n_sets == 0:
         raise InputError(f"{folder}: no frames found")
     return contents

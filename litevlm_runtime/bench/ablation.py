@@ -23,6 +23,8 @@ from ..pipeline.pipeline import Pipeline
 from ..report import table
 from ..weights.checkpoint import read_config
 
+# matplotlib is imported where the plot is drawn: it is heavy, and only --plot needs it.
+
 # Each row: settings (dotted names, options.py) over the command's own options.
 CONFIGS: dict[str, dict] = {
     "baseline": {"pipeline": "baseline"},

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import LiteVLMError
-from ..options import BackendName
+from ..options import Backend, BackendName
 from ..pipeline.answer import STAGES
 from ..pipeline.pipeline import Pipeline
 from ..report import table
@@ -47,8 +47,6 @@ class BackendSpec:
 def parse_backends(spec: str, default_bundle: Path | None) -> list[BackendSpec]:
     """'torch,onnxruntime=B,openvino:int8=B' -> one BackendSpec each; labels say the bundle's
     precision (a calibrated bundle) or OpenVINO's weight compression (NAME:COMPRESS)."""
-    from ..options import Backend
-
     BACKENDS = [b.value for b in BackendName]
     COMPRESS = Backend.__dataclass_fields__["compress"].metadata["choices"]
 

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError, LiteVLMError
+from ..options import flat_from_options
+from ..report import table
 from ..threads import WAIT_POLICY_OPT_OUT, available_cores
 
 WAIT_POLICIES = {"passive": "PASSIVE", "active": "ACTIVE", "spin": ""}   # "": the runtime's own default
@@ -266,20 +268,29 @@ class ConfigResult:
                 "quiet_ms": self.quiet_ms, "loaded_ms": self.loaded_ms}
 
 
-def run_contention(model_dir: Path, options, configs: list[ThreadConfig], frames: Path | None, frame_sets: int,
-                   questions: list[str], repeat: int = 1, hog: int | None = None, hog_kind: str = "spin",
-                   rounds: int = 1, progress=print) -> dict:
-    """Every configuration's worker answers the same queries quiet and under the hog, `rounds`
-    times each; configurations run one after another (an idle worker with ACTIVE waiting would
-    spin beside the others)."""
-    from ..options import flat_from_options
+@dataclass(frozen=True)
+class Workload:
+    """The queries every worker answers in each condition: each question on each frame set, `repeat` times."""
+    questions: tuple[str, ...]
+    frames: Path | None = None          # a folder of frame sets (None: random frames)
+    frame_sets: int = 1
+    repeat: int = 1
 
+    def __post_init__(self):
+        object.__setattr__(self, "questions", tuple(self.questions))
+
+
+def run_contention(model_dir: Path, options, configs: list[ThreadConfig], workload: Workload, hog: int | None = None,
+                   hog_kind: str = "spin", rounds: int = 1, progress=print) -> dict:
+    """Every configuration's worker answers the workload quiet and beside `hog` busy processes of
+    `hog_kind` (None: one per available core), `rounds` times each; configurations run one after
+    another (an idle worker with ACTIVE waiting would spin beside the others)."""
     cores = available_cores()
     hog = cores if hog is None else hog
     Hog(hog, hog_kind)                # validates before any worker starts
     spec = {"model": str(model_dir), "options": {k: v for k, v in flat_from_options(options).items()},
-            "frames": str(frames) if frames else None, "frame_sets": frame_sets, "questions": questions,
-            "repeat": repeat}
+            "frames": str(workload.frames) if workload.frames else None, "frame_sets": workload.frame_sets,
+            "questions": list(workload.questions), "repeat": workload.repeat}
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = []
     for config in configs:
@@ -307,8 +318,6 @@ def run_contention(model_dir: Path, options, configs: list[ThreadConfig], frames
 
 
 def contention_table(summary: dict) -> str:
-    from ..report import table
-
     headers = ["config", "threads", "OMP wait", "quiet p50", "quiet p99", "loaded p50", "loaded p99",
                "p50 x", "p99 x", f"p99 x <= {GOAL_P99_RATIO:g}"]
     rows = [[name, c["threads"], c["omp_wait_policy"], c["quiet_p50"], c["quiet_p99"], c["loaded_p50"],

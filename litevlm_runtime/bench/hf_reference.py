@@ -21,6 +21,9 @@ import torch
 from ..errors import CheckpointError
 from ..weights.checkpoint import weight_files
 
+# transformers (and safetensors' reader) are imported where a reference model is built: transformers takes
+# seconds to load, and the rest of the package never needs it.
+
 # Upstream InternVL keeps the <IMG_CONTEXT> id in the tokenizer, not in config.json; these are the
 # ids of the real tokenizers (as in transformers' converter), used only when the folder's own
 # tokenizer files do not name the token.

@@ -32,6 +32,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..bundled import DEFAULT_MODEL
+from ..models.internvl import InternVL
+from ..options import options_from_flat
+from ..pipeline.arena import Arena
+from ..pipeline.runtime import arena_limits
+from ..stages.prompt import resolve_layout
+from ..weights.presets import preset as preset_config
+from ..weights.tokenizer import Tokenizer
+
 MIB, GIB = 1 << 20, 1 << 30
 THOR_GIB = 64
 # Paper (LiteVLM on DRIVE Thor): FP16 ViT engine 589 MiB, 1.8B decoder 3.62 GiB, KV cache 864 MiB;
@@ -87,20 +96,12 @@ def weight_bytes(p: Parts, fmt: str) -> dict[str, float]:
 
 
 def car_options(preset: str, tiles_per_camera: int = 2, max_batch: int = 4, conversations: int = 4):
-    from ..options import options_from_flat
-
     return options_from_flat({"tiles_per_camera": tiles_per_camera, "dtype": "float16", "decoding.mode": "eagle",
                               "serving.max_batch": max_batch, "serving.conversations": conversations})
 
 
 def arena_on_meta(cfg, options, kv_dtype: str):
     """The runtime's Arena for `options` on the meta device (sizes only, no memory)."""
-    from ..bundled import DEFAULT_MODEL
-    from ..pipeline.arena import Arena
-    from ..pipeline.runtime import arena_limits
-    from ..stages.prompt import resolve_layout
-    from ..weights.tokenizer import Tokenizer
-
     tok = Tokenizer(DEFAULT_MODEL)
     layout = resolve_layout(None, DEFAULT_MODEL)[0]
     limits = replace(arena_limits(cfg, tok, options, layout), kv_dtype=kv_dtype)
@@ -134,9 +135,6 @@ def workspace_bytes(cfg, arena) -> int:
 
 def memory_rows(preset: str, reserved_gib: float, **car) -> list[dict]:
     """One row per (weights format, KV format) for a preset at the car's options."""
-    from ..models.internvl import InternVL
-    from ..weights.presets import preset as preset_config
-
     cfg = preset_config(preset)
     with torch.device("meta"):
         model = InternVL(cfg)

@@ -290,8 +290,17 @@ def median(values: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------- the benchmark
-def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int, prompt_rows: int, tiles: int,
-                 rounds: int = 3, repeats: int = 5, progress=print) -> dict:
+@dataclass(frozen=True)
+class RooflineStages:
+    """What run_roofline times: these stages (vision, prefill, step, head), at these sizes."""
+    stages: tuple[str, ...]
+    context: int                # cached rows a decode step reads
+    prompt_rows: int            # rows of the prefill
+    tiles: int                  # tiles of the vision stage
+
+
+def run_roofline(pipe, weights: list[str], measured: RooflineStages, rounds: int = 3, repeats: int = 5,
+                 progress=print) -> dict:
     """Each stage's time, bytes, FLOPs and floor; with several `weights` kinds (float, int8, int4, ...)
     they alternate round by round in this process, in reversed order every other round (every
     form of the linears kept: LinearForms), so a loaded machine hits them alike. Returns the
@@ -319,11 +328,11 @@ def run_roofline(pipe, weights: list[str], stages: tuple[str, ...], context: int
         for w in (weights if r % 2 == 0 else weights[::-1]):       # A B, B A, ...: a load trend hits both alike
             if swap is not None:
                 swap.use(w)
-            measured = stage_costs(rt, stages, context, prompt_rows, tiles, repeats)
-            costs[w] = measured
-            for c in measured:
+            costs[w] = stage_costs(rt, measured.stages, measured.context, measured.prompt_rows, measured.tiles,
+                                   repeats)
+            for c in costs[w]:
                 times[w].setdefault(c.name, []).append(c.ms)
-            progress(f"[round {r + 1}/{rounds}] weights {w}: " + "  ".join(f"{c.name} {c.ms:.2f} ms" for c in measured))
+            progress(f"[round {r + 1}/{rounds}] weights {w}: " + "  ".join(f"{c.name} {c.ms:.2f} ms" for c in costs[w]))
     for w in weights:                                   # median over the rounds
         for c in costs[w]:
             c.ms = median(times[w][c.name])

@@ -32,12 +32,13 @@ from .node_params import add_node_param_flags, overrides, parse_sets
 
 def cmd_make(args) -> int:
     from ..bag.io import write_bag
-    from ..bag.make import drivelm_contents
+    from ..bag.make import BagTiming, drivelm_contents
 
     src = args.from_drivelm or args.from_synth
     contents = drivelm_contents(src, max_frames=args.max_frames, questions_per_frame=args.questions_per_frame,
-                                max_width=args.max_width, query_delay_s=args.query_delay, raw_encoding=args.raw,
-                                scene_gap_s=args.scene_gap)
+                                max_width=args.max_width,
+                                timing=BagTiming(query_delay_s=args.query_delay, scene_gap_s=args.scene_gap),
+                                raw_encoding=args.raw)
     write_bag(contents, args.out, storage=args.storage)
     n_frames = sum(len(v) for v in contents.frames.values())
     print(f"wrote {args.out}: {n_frames} camera frames ({n_frames // 6} sets), {len(contents.queries)} queries, "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..bench.roofline import decode_step_line
+from ..errors import InputError
 from ..frames import load_frame_sets
 from ..report import table
 from .ask import pipeline_options
@@ -76,7 +77,6 @@ def register(subparsers) -> None:
 
 def run_ablation_command(args) -> int:
     from ..bench.ablation import ablation_plot, ablation_table, run_ablation
-    from ..errors import InputError
 
     if not args.data or not args.frames:
         raise InputError("--ablation needs --data QA.json and --frames ROOT")
@@ -168,7 +168,7 @@ def run_costs_command(args) -> int:
 
 
 def run_roofline_command(args) -> int:
-    from ..bench.roofline import roofline_table, run_roofline
+    from ..bench.roofline import RooflineStages, roofline_table, run_roofline
 
     options = pipeline_options(args)
     pipe = build_pipeline(args, options)
@@ -182,7 +182,8 @@ def run_roofline_command(args) -> int:
         context = pipe.warm_up(load_frame_sets(args.frames, 1)[0]).input_tokens
     stages = tuple(s.strip() for s in (args.stages or ("step,head" if args.preset else "vision,prefill,step,head"))
                    .split(",") if s.strip())
-    result = run_roofline(pipe, weights, stages, context, context, rt.arena.pixels.shape[0], rounds=max(5, args.repeat),
+    measured = RooflineStages(stages, context, context, rt.arena.pixels.shape[0])
+    result = run_roofline(pipe, weights, measured, rounds=max(5, args.repeat),
                           progress=lambda m: print(m, file=sys.stderr))
     print(json.dumps(result, indent=2) if args.json else roofline_table(result))
     return 0
@@ -190,7 +191,6 @@ def run_roofline_command(args) -> int:
 
 def run_budget_command(args) -> int:
     from ..bench.budget import budget_table, run_budget_bench
-    from ..errors import InputError
 
     if not args.data or not args.frames:
         raise InputError("--budget needs --data QA.json and --frames ROOT")
@@ -202,14 +202,13 @@ def run_budget_command(args) -> int:
 
 def run_contention_command(args) -> int:
     from ..bench.benchmark import DEFAULT_QUESTIONS
-    from ..bench.contention import contention_table, parse_configs, run_contention
-    from ..errors import InputError
+    from ..bench.contention import Workload, contention_table, parse_configs, run_contention
 
     if args.rounds < 1:
         raise InputError(f"--rounds {args.rounds}: must be 1 or more")
-    summary = run_contention(args.model, pipeline_options(args), parse_configs(args.threads_configs), args.frames,
-                             args.frame_sets, DEFAULT_QUESTIONS[: args.questions], args.repeat, args.hog,
-                             args.hog_kind, args.rounds, progress=lambda m: print(m, file=sys.stderr))
+    workload = Workload(DEFAULT_QUESTIONS[: args.questions], args.frames, args.frame_sets, args.repeat)
+    summary = run_contention(args.model, pipeline_options(args), parse_configs(args.threads_configs), workload,
+                             args.hog, args.hog_kind, args.rounds, progress=lambda m: print(m, file=sys.stderr))
     print(json.dumps(summary, indent=2) if args.json else contention_table(summary))
     return 0
 
@@ -238,16 +237,12 @@ def run(args) -> int:
     if args.memory:
         return run_memory_command(args)
     if not args.model and not args.preset:
-        from ..errors import InputError
-
         raise InputError("litevlm bench: --model or --preset is required (--memory needs neither)")
     if args.costs:
         return run_costs_command(args)
     if args.roofline:
         return run_roofline_command(args)
     if args.preset:
-        from ..errors import InputError
-
         if args.ablation or args.budget or args.backend or args.contention:
             raise InputError("--preset (random weights) runs the latency table and --costs; --ablation, --budget, "
                              "--contention and --backend need a trained --model")

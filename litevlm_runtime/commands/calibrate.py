@@ -9,6 +9,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ..errors import InputError
+from ..export.calibration.plan import METHODS, PRECISIONS, QUANTIZED_STAGES, CalibrationPlan
+from ..report import table
 from .ask import add_pipeline_args, pipeline_options
 
 
@@ -17,7 +20,7 @@ def register(subparsers) -> None:
     add_pipeline_args(p)
     p.add_argument("--data", type=Path, required=True, help="DriveLM-layout QA.json (with its frames) or a rosbag2")
     p.add_argument("--frames-root", type=Path, help="where the QA file's images are (default: the file's folder)")
-    p.add_argument("--precision", choices=("int8", "fp8", "int4"), default="int8",
+    p.add_argument("--precision", choices=PRECISIONS, default="int8",
                    help="int8 / fp8: ModelOpt Q/DQ from recorded traffic; int4: weight-only INT4 AWQ as TensorRT 10 "
                         "takes it (DequantizeLinear with block_size): the weights --quantized names, or ModelOpt's "
                         "INT4 AWQ-lite from the traffic without it")
@@ -39,9 +42,9 @@ def register(subparsers) -> None:
     p.add_argument("--calib-questions", type=int, default=16, help="questions answered to record traffic")
     p.add_argument("--eval-questions", type=int, default=16, help="held-out questions for the accuracy change")
     p.add_argument("--samples", type=int, default=16, help="recorded calls kept per graph (reservoir sample)")
-    p.add_argument("--method", choices=("entropy", "max"), help="activation range calibration "
-                                                                "(default: entropy for int8, max for fp8)")
-    p.add_argument("--stages", default="vision,prefill,decoder,decoder_batch",
+    p.add_argument("--method", choices=METHODS, default="", help="activation range calibration "
+                                                                  "(default: entropy for int8, max for fp8)")
+    p.add_argument("--stages", default=",".join(QUANTIZED_STAGES),
                    help="stages whose graphs are quantized (the others stay as exported), e.g. "
                         "prefill,decoder,decoder_batch for a float vision encoder")
     p.add_argument("--keep-float", default="", metavar="REGEX",
@@ -63,66 +66,56 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..engines.buckets import default_buckets, parse_buckets
-    from ..export.calibration import calibrate
-
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     options = pipeline_options(args)
-    buckets = None
-    if args.buckets:
-        from ..pipeline.pipeline import Pipeline
-
-        buckets = parse_buckets(args.buckets, default_buckets(Pipeline.from_pretrained(args.model, options).rt.arena))
     say = lambda m: print(m, file=sys.stderr)
     if args.check:
         return check(args, options, say)
     if args.sensitivity:
         return sensitivity(args, options, say)
     if args.mix:
-        from ..export.calibration import mix_bundles
+        return mix(args)
+    # The whole plan is checked here, before a model is loaded or a question answered.
+    plan = CalibrationPlan(args.model, options, args.data, args.out, frames_root=args.frames_root,
+                           calib_questions=args.calib_questions, eval_questions=args.eval_questions,
+                           samples_per_graph=args.samples, precision=args.precision, method=args.method,
+                           stages=tuple(s for s in args.stages.split(",") if s), keep_float=args.keep_float,
+                           fp8_decode=args.fp8_decode, quantized=args.quantized, bundle=args.bundle,
+                           buckets=args.buckets or "", name=args.name).checked()
+    # (the calibration itself loads torch, ModelOpt and onnx: imported when run, so `--help` loads none)
+    from ..export.calibration.calibrate import calibrate
 
-        if args.out is None or not args.name:
-            from ..errors import InputError
-
-            raise InputError("--mix needs --out and --name (the mixed bundle's folder)")
-        manifest = mix_bundles(args.mix[0], args.mix[1], tuple(args.mix_stages.split(",")), args.out / args.name)
-        print(f"{args.out / args.name}: {manifest['precision']} ({args.mix_stages} from {args.mix[1]}, the rest from "
-              f"{args.mix[0]})")
-        return 0
-    if args.out is None:
-        from ..errors import InputError
-
-        raise InputError("--out is required (the folder the quantized bundle is written to)")
-    manifest, report = calibrate(args.model, args.data, args.precision, args.out, options, bundle=args.bundle,
-                                 buckets=buckets, frames_root=args.frames_root, calib_questions=args.calib_questions,
-                                 eval_questions=args.eval_questions, samples_per_graph=args.samples, method=args.method,
-                                 progress=say, stages=tuple(s for s in args.stages.split(",") if s),
-                                 keep_float=args.keep_float, name=args.name, quantized=args.quantized,
-                                 fp8_decode=args.fp8_decode)
+    manifest, report = calibrate(plan, progress=say)
     made = (f"ModelOpt {manifest['calibration']['modelopt']}" if "modelopt" in manifest.get("calibration", {})
             else f"weights {manifest.get('quantization', {}).get('weights')}")
-    print(
-        f"{args.precision} bundle: {args.out / (args.name or args.precision)}  "
-        f"({len(manifest['graphs'])} graphs, {made})"
-    )
+    print(f"{plan.precision} bundle: {plan.quant_dir}  ({len(manifest['graphs'])} graphs, {made})")
     if report.questions:
-        print("\n".join(report.lines(args.precision)))
-    if args.precision in ("int8", "int4"):
-        print(f"\nspeed, {args.precision} vs fp32 in one run: litevlm bench --model {args.model} "
-              f"--backend onnxruntime={args.bundle or args.out / 'fp32'},"
-              f"onnxruntime={args.out / (args.name or args.precision)}")
+        print("\n".join(report.lines(plan.precision)))
+    if plan.precision in ("int8", "int4"):
+        print(f"\nspeed, {plan.precision} vs fp32 in one run: litevlm bench --model {args.model} "
+              f"--backend onnxruntime={plan.source_bundle},onnxruntime={plan.quant_dir}")
     else:
-        print(f"\nTensorRT FP8 engines (on the GPU): litevlm build-engines {args.out / (args.name or 'fp8')} "
-              f"--precision fp8")
+        print(f"\nTensorRT FP8 engines (on the GPU): litevlm build-engines {plan.quant_dir} --precision fp8")
+    return 0
+
+
+def mix(args) -> int:
+    """`--mix BASE DONOR`: a bundle of BASE's graphs with --mix-stages' graphs from DONOR."""
+    from ..export.calibration.accuracy import mix_bundles
+
+    if args.out is None or not args.name:
+        raise InputError("--mix needs --out and --name (the mixed bundle's folder)")
+    manifest = mix_bundles(args.mix[0], args.mix[1], tuple(args.mix_stages.split(",")), args.out / args.name)
+    print(f"{args.out / args.name}: {manifest['precision']} ({args.mix_stages} from {args.mix[1]}, the rest from "
+          f"{args.mix[0]})")
     return 0
 
 
 def check(args, options, say) -> int:
-    from ..export.calibration import check_bundle
+    from ..export.calibration.check import check_bundle
     from ..export.qdq import CHECK_HEADER, check_rows
-    from ..report import table
 
-    reports = check_bundle(args.model, args.data, args.check, options, frames_root=args.frames_root,
+    reports = check_bundle(args.model, options, args.data, args.check, frames_root=args.frames_root,
                            questions=args.calib_questions, samples_per_graph=min(args.samples, 4), progress=say)
     print(f"Q/DQ execution check of {args.check} ({args.calib_questions} questions of {args.data}, "
           f"{min(args.samples, 4)} recorded calls per graph):")
@@ -138,7 +131,7 @@ def sensitivity(args, options, say) -> int:
     """`--sensitivity`: the per-unit table (and PNG), the most sensitive units and the --keep-float
     expression that keeps them in float."""
 
-    from ..export.calibration import load_queries, split_queries
+    from ..export.calibration.traffic import load_queries, split_queries
     from ..export.sensitivity import (
         SENSITIVITY_HEADER,
         keep_float_pattern,
@@ -149,7 +142,6 @@ def sensitivity(args, options, say) -> int:
     )
     from ..export.sensitivity import sensitivity as sweep
     from ..pipeline.pipeline import Pipeline
-    from ..report import table
 
     opts = replace(
         options,
@@ -166,8 +158,6 @@ def sensitivity(args, options, say) -> int:
 
         manifest = read_manifest(args.bundle)
         if manifest.get("precision") != "fp8":
-            from ..errors import InputError
-
             raise InputError(f"--bundle {args.bundle}: --sensitivity reads FP8 scales from an fp8 bundle "
                              f"(its precision is {manifest.get('precision')!r})")
         biggest = {}

@@ -7,6 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..errors import CheckpointError
+from ..report import table
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("checksum", help="write (or --verify) the sha256 manifest of a model folder")
@@ -42,8 +45,6 @@ def bench(folder: Path) -> int:
     """First load: one sha256 pass over every listed file (the page cache may hold them: this is
     the CPU cost, a cold disk adds its read time). Restart: verify_model_folder with the digest
     cache filled, the cost every later load pays."""
-    from ..errors import CheckpointError
-    from ..report import table
     from ..weights.integrity import model_folders, read_manifest, sha256_file, verify_model_folder
 
     rows, total_bytes, total_hash, total_cached = [], 0, 0.0, 0.0

@@ -6,6 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import InputError
+from ..report import table
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="score a model the way the DriveLM challenge does")
@@ -52,7 +55,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..errors import InputError
     from ..evaluation.data import load_frames
     from ..evaluation.judge import load_judge
     from ..evaluation.metrics import CHALLENGE, LENIENT, score
@@ -127,7 +129,6 @@ def run(args) -> int:
 
 def named_predictions(items: list[str], questions, flag: str) -> dict[str, dict[str, str]]:
     """NAME=PREDICTIONS.json items -> {name: predictions}, each answering every question."""
-    from ..errors import InputError
     from ..evaluation.runner import read_predictions
 
     runs = {}
@@ -148,7 +149,6 @@ def compare(args, rules) -> int:
     from ..evaluation.compare import COMPARISON_HEADER, compare_runs, comparison_rows
     from ..evaluation.data import load_frames
     from ..evaluation.runner import select
-    from ..report import table
 
     questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
     runs = named_predictions(args.compare, questions, "--compare")
@@ -191,7 +191,6 @@ def constrain_table(questions, free: list[dict], constrained: list[dict], rules,
 
 
 def report(run_info: dict, s: dict) -> str:
-    from ..report import table
     na = "n/a"
     c = s["counts"]
     exact = "exact match" if s["rules"]["exact_answers"] else "match after strip()"
@@ -262,7 +261,6 @@ def rules_line(rules: dict) -> str:
 
 def template_table(rows: list[dict]) -> str:
     """Per-template accuracy, one question count and one accuracy column per run."""
-    from ..report import table
     names = list(rows[0]["accuracy"])
     headers = ["question template"] + [h for n in names for h in (f"QA {n}" if len(names) > 1 else "QA", n)]
     cells = [[r["template"]] + [c for n in names for c in (r["questions"][n], r["accuracy"][n]

@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ..report import table
 from .ask import add_pipeline_args, pipeline_options
 
 
@@ -37,7 +38,6 @@ def run(args) -> int:
     print(args.out / "manifest.json")
     if args.verify:
         from ..export.exporter import verify_bundle
-        from ..report import table
 
         rows = verify_bundle(rt, args.out)
         print()

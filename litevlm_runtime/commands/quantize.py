@@ -31,17 +31,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..export.awq import quantize_model
+    # (the quantizer loads torch: imported when run, so `--help` loads none)
+    from ..export.awq import QuantizePlan, quantize_model
 
-    if args.questions < 1 or args.rows < 1:
-        from ..errors import InputError
-
-        raise InputError("--questions and --rows must be at least 1")
-    manifest = quantize_model(Path(args.model), pipeline_options(args), args.weights, args.out, args.data,
-                              args.frames_root, args.questions, args.rows, args.group_size, args.symmetric,
-                              args.int8_above, progress=lambda m: print(m, file=sys.stderr))
-    out = args.out or Path(args.model) / ("quantized-int4" if args.weights == "int4" else f"quantized-{args.weights}")
-    print(f"{args.weights} weights: {out}  ({len(manifest['modules'])} modules, {manifest['format']})")
+    plan = QuantizePlan(Path(args.model), pipeline_options(args), args.weights, args.out, args.data, args.frames_root,
+                        args.questions, args.rows, args.group_size, args.symmetric, args.int8_above).checked()
+    manifest = quantize_model(plan, progress=lambda m: print(m, file=sys.stderr))
+    print(f"{args.weights} weights: {plan.folder}  ({len(manifest['modules'])} modules, {manifest['format']})")
     if args.weights == "int4":
-        print(f"use: --backend.weights int4" + ("" if args.out is None else f" --backend.quantized {out}"))
+        print("use: --backend.weights int4" + ("" if args.out is None else f" --backend.quantized {plan.folder}"))
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from ..errors import InputError
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("synth", help="generate SynthDrive: six-camera scenes with DriveLM-format QA")
@@ -32,7 +34,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..errors import InputError
     from ..synth.generate import generate
     sizes = None
     if args.sizes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..training.eagle import train_eagle
+from ..errors import InputError
 
 
 def register(subparsers) -> None:
@@ -24,11 +24,16 @@ def register(subparsers) -> None:
     p.add_argument("--tree", default="60,6,10", help="total,depth,topk of the draft tree for the held-out metric")
 
     def run(args):
-        total, depth, topk = (int(x) for x in args.tree.split(","))
-        train_eagle(args.model, args.data, args.frames, args.out, samples=args.samples, holdout=args.holdout,
-                    epochs=args.epochs, lr=args.lr, noise=args.noise, seed=args.seed,
-                    max_new_tokens=args.max_new_tokens, threads=args.threads,
-                    tree={"total": total, "depth": depth, "topk": topk})
+        # (training loads torch: imported when run, so `--help` loads none)
+        from ..training.eagle import EagleTraining, train_eagle
+
+        tree = tuple(int(x) for x in args.tree.split(","))
+        if len(tree) != 3:
+            raise InputError(f"--tree {args.tree!r}: total,depth,topk (three integers)")
+        train_eagle(args.model, args.data, args.frames, args.out,
+                    EagleTraining(samples=args.samples, holdout=args.holdout, epochs=args.epochs, lr=args.lr,
+                                  noise=args.noise, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                  threads=args.threads, tree=tree))
         return 0
 
     p.set_defaults(func=run)

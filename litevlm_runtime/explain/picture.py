@@ -69,8 +69,9 @@ def draw_explanation(explanation: Explanation, images: dict, width: int = 1440) 
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     one_line = all(probe.textlength(camera + "  ", font=fonts["bold"]) + probe.textlength(
         _status(views.get(camera)), font=fonts["small"]) <= panel_w - 4 for row in RIG_LAYOUT for camera in row)
-    panels = [[_panel(camera, views.get(camera), images.get(camera), explanation, scales, panel_w, cam_h, fonts,
-                      one_line) for camera in row] for row in RIG_LAYOUT]
+    layout = PanelLayout(panel_w, cam_h, fonts, scales, one_line)
+    panels = [[_panel(camera, views.get(camera), images.get(camera), explanation, layout) for camera in row]
+              for row in RIG_LAYOUT]
     rows_h = [max(p.shape[0] for p in row) for row in panels]
     height = margin + header.shape[0] + gap + sum(rows_h) + gap * len(rows_h) + bars.shape[0] + margin
     canvas = np.empty((height, width, 3), np.uint8)
@@ -232,11 +233,21 @@ def _status(view: CameraView | None) -> str:
                                                   else "not selected")
 
 
-def _panel(camera: str, view: CameraView | None, source, e: Explanation, scales: dict, w: int, cam_h: int,
-           fonts: dict, one_line: bool = True) -> np.ndarray:
+@dataclass(frozen=True)
+class PanelLayout:
+    """What every camera panel of one picture shares."""
+    width: int                  # a panel's width in pixels
+    cam_h: int                  # the height of each image in it
+    fonts: dict                 # _fonts()
+    scales: dict                # the picture's colour scales (scales_of)
+    one_line: bool = True       # the label on one line; two where the picture is too narrow
+
+
+def _panel(camera: str, view: CameraView | None, source, e: Explanation, layout: PanelLayout) -> np.ndarray:
     """A camera's label (its name and status on one line, or on two where a narrow picture has no room
     for one), then its image(s): two for a selected camera (token scores above, attention below), one
     dimmed for an unselected one."""
+    w, cam_h, fonts, scales, one_line = layout.width, layout.cam_h, layout.fonts, layout.scales, layout.one_line
     selected = view is not None and view.selected
     label_h, inner = (fonts["small"].size + 10) * (1 if one_line else 2), 4
     pil = Image.new("RGB", (w, label_h + cam_h + (cam_h + inner if selected else 0)), BACKGROUND)

@@ -4,7 +4,7 @@ stored the same way (they also quantize at load).
 
 AWQ needs the activations each linear layer sees in real use: calibration questions (a DriveLM
 layout QA.json with its frames, or a rosbag2: the same readers and the same seeded split as
-`litevlm calibrate`, export/calibration.py) are answered by the float pipeline, and a forward
+`litevlm calibrate`, export/calibration/traffic.py) are answered by the float pipeline, and a forward
 pre-hook on every decoder linear keeps a uniform reservoir sample of the rows it multiplies
 (prompt rows and decode-step rows alike), at most `rows` per layer. Each layer is then quantized
 by weights/quantize.awq_quantize against its own rows. A tied LM head (InternVL3/3.5: the
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import InputError
+from ..options import PipelineOptions
 from ..pipeline.pipeline import Pipeline
 from ..weights.integrity import read_manifest
 from ..weights.linear_forms import QUANTIZED_DIR, decoder_linears, module_names
@@ -40,7 +41,8 @@ from ..weights.quantize import (
     quantize_int8,
     save_quantized,
 )
-from .calibration import answer_queries, load_queries, split_queries
+from .calibration.plan import data_kind
+from .calibration.traffic import answer_queries, load_queries, split_queries
 
 
 class RowReservoir:
@@ -91,20 +93,53 @@ def source_files(model_dir: Path) -> dict:
     return {name: {"sha256": e["sha256"]} for name, e in listed.items() if name.endswith(".safetensors")}
 
 
-def quantize_model(model_dir: Path, options, kind: str, out: Path | None = None, data: Path | None = None,
-                   frames_root: Path | None = None, questions: int = 32, rows: int = 512,
-                   group_size: int = GROUP_SIZE, symmetric: bool = False, int8_above: float = 0.0,
-                   progress=print) -> dict:
-    """Quantize the decoder of `model_dir` to `kind` (int4: AWQ from `data`'s traffic; int4-rtn,
-    int8: round to nearest) and store it in `out` (default <model_dir>/quantized-<kind>). Returns the
-    manifest. `int8_above` > 0 (int4): a layer whose INT4 output error, relative to its output's
-    mean square on the calibration rows, exceeds it is stored in per-channel INT8 instead (mixed
-    precision for the layers INT4 hurts most; the kernels run either)."""
+@dataclass(frozen=True)
+class QuantizePlan:
+    """What `litevlm quantize` stores: the decoder of `model_dir` in `kind` (int4: AWQ from `data`'s
+    traffic; int4-rtn, int8: round to nearest), checked before the model is loaded."""
+    model_dir: Path
+    options: PipelineOptions
+    kind: str = "int4"                  # KINDS
+    out: Path | None = None             # default: <model_dir>/quantized-<kind> (int4: QUANTIZED_DIR, what it reads)
+    data: Path | None = None            # int4: a DriveLM-layout QA.json (with frames) or a rosbag2
+    frames_root: Path | None = None     # where the QA file's images are (default: its folder)
+    questions: int = 32                 # calibration questions answered (seeded draw)
+    rows: int = 512                     # input rows kept per layer (reservoir sample)
+    group_size: int = GROUP_SIZE        # INT4 inputs per scale/zero group
+    symmetric: bool = False             # signed INT4, no zero point (TensorRT/ModelOpt INT4 AWQ)
+    # int4, > 0: a layer whose INT4 output error, relative to its output's mean square on the
+    # calibration rows, exceeds it is stored in per-channel INT8 instead (mixed precision for the
+    # layers INT4 hurts most; the kernels run either)
+    int8_above: float = 0.0
 
-    if kind not in KINDS:
-        raise InputError(f"--weights {kind!r}: one of {', '.join(KINDS)}")
-    model_dir = Path(model_dir)
-    out = Path(out) if out else model_dir / (QUANTIZED_DIR if kind == "int4" else f"quantized-{kind}")
+    @property
+    def folder(self) -> Path:
+        """Where the weights are stored."""
+        if self.out:
+            return Path(self.out)
+        return Path(self.model_dir) / (QUANTIZED_DIR if self.kind == "int4" else f"quantized-{self.kind}")
+
+    def checked(self) -> QuantizePlan:
+        """This plan, or InputError naming the flag at fault (reads no model)."""
+        if self.kind not in KINDS:
+            raise InputError(f"--weights {self.kind!r}: one of {', '.join(KINDS)}")
+        if self.questions < 1 or self.rows < 1:
+            raise InputError("--questions and --rows must be at least 1")
+        if self.kind == "int4":
+            if self.data is None:
+                raise InputError("--weights int4 (AWQ) needs --data: DriveLM-layout QA.json (with frames) or a rosbag2")
+            if not Path(self.data).exists():
+                raise InputError(f"--data {self.data}: no such file or folder", path=self.data)
+            data_kind(self.data)
+        return replace(self, model_dir=Path(self.model_dir))
+
+
+def quantize_model(plan: QuantizePlan, progress=print) -> dict:
+    """The decoder of plan.model_dir quantized as the plan says and stored in plan.folder. Returns the
+    manifest."""
+    plan = plan.checked()
+    model_dir, kind, group_size, symmetric = plan.model_dir, plan.kind, plan.group_size, plan.symmetric
+    out, options = plan.folder, plan.options
     opts = replace(options, backend=replace(options.backend, name="torch", weights="float"))
     pipe = Pipeline.from_pretrained(model_dir, opts)
     rt = pipe.rt
@@ -117,15 +152,13 @@ def quantize_model(model_dir: Path, options, kind: str, out: Path | None = None,
     calibration: dict = {}
     reservoirs = {}
     if kind == "int4":
-        if data is None:
-            raise InputError("--weights int4 (AWQ) needs --data: DriveLM-layout QA.json (with frames) or a rosbag2")
-        queries = load_queries(Path(data), frames_root)
-        calib, _ = split_queries(queries, questions, 0)
-        progress(f"{len(queries)} questions in {data}: {len(calib)} answered for AWQ's activations")
+        queries = load_queries(Path(plan.data), plan.frames_root)
+        calib, _ = split_queries(queries, plan.questions, 0)
+        progress(f"{len(queries)} questions in {plan.data}: {len(calib)} answered for AWQ's activations")
         t0 = time.perf_counter()
         with torch.inference_mode():
-            reservoirs = record_activations(pipe, calib, rows, progress=progress)
-        calibration = {"data": str(data), "questions": len(calib), "rows_per_layer": rows,
+            reservoirs = record_activations(pipe, calib, plan.rows, progress=progress)
+        calibration = {"data": str(plan.data), "questions": len(calib), "rows_per_layer": plan.rows,
                        "rows_seen": max((r.seen for r in reservoirs.values()), default=0),
                        "seconds": round(time.perf_counter() - t0, 1)}
     weights, info = {}, {}
@@ -147,16 +180,16 @@ def quantize_model(model_dir: Path, options, kind: str, out: Path | None = None,
                           "rtn_output_mse": res.rtn_error, "relative_error": res.relative_error}
             note = (f"awq alpha {res.alpha:.2f} clip {res.clip:.2f}  output MSE {res.error:.3g} "
                     f"(RTN {res.rtn_error:.3g}), relative {res.relative_error:.2g}")
-            if int8_above and res.relative_error > int8_above:
+            if plan.int8_above and res.relative_error > plan.int8_above:
                 weights[name] = quantize_int8(w)
-                info[name]["method"] = f"int8 (int4 relative error above {int8_above:g})"
+                info[name]["method"] = f"int8 (int4 relative error above {plan.int8_above:g})"
                 note += " -> int8"
             else:
                 weights[name] = res.weight
         progress(f"[quantize {i + 1}/{len(layers)}] {name} {tuple(w.shape)} {note}  {time.perf_counter() - t0:.1f} s")
     manifest = {"weights": kind, "method": {"int4": "awq", "int4-rtn": "rtn", "int8": "per-channel"}[kind],
                 "group_size": None if kind == "int8" else group_size,
-                "symmetric": symmetric if kind != "int8" else True, "int8_above": int8_above or None,
+                "symmetric": symmetric if kind != "int8" else True, "int8_above": plan.int8_above or None,
                 "source": {"model": str(model_dir), "files": source_files(model_dir)},
                 "calibration": calibration, "module_info": info}
     manifest = save_quantized(out, weights, manifest)

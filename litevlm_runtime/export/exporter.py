@@ -44,6 +44,9 @@ from ..stages.view_selector import load_view_selector
 from ..weights.draft_head import load_draft_head
 from ..weights.integrity import sha256_file
 
+# onnx is imported where graphs are written: it is heavy, and the rest of this module (graph specs, comparing
+# outputs) runs without it.
+
 TORCH_TO_ONNX_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                        torch.int64: "int64", torch.bool: "bool", torch.int32: "int32", torch.uint8: "uint8",
                        torch.int8: "int8"}

@@ -27,6 +27,9 @@ from torch import nn
 
 from ..errors import LiteVLMError
 
+# onnx is imported where FP8 scales are read from a bundle's graphs: the fake quantization itself is plain
+# torch, and sensitivity runs it without onnx.
+
 FP8_MAX = 448.0
 
 

@@ -36,10 +36,14 @@ import numpy as np
 import torch
 
 from ..engines.bundle import read_manifest, write_manifest
+from ..engines.stages import DecoderStage, HeadStage
 from ..errors import LiteVLMError
 from ..weights.integrity import sha256_file
-from ..weights.quantize import SYMMETRIC_ZERO, Int4Weight, pack_nibbles, unpack_nibbles
+from ..weights.quantize import SYMMETRIC_ZERO, Int4Weight, load_quantized, pack_nibbles, save_quantized, unpack_nibbles
 from .exporter import SharedWeights
+
+# onnx and ModelOpt are imported inside the functions that read or write graphs: both are heavy (ModelOpt
+# takes seconds), and pack_int4 and the name mapping run without them.
 
 INT4_STAGES = ("prefill", "decoder", "decoder_batch", "head")     # the graphs whose products the quantizer covers
 STAGE_ROOT = {"prefill": "lm.", "decoder": "lm.", "decoder_batch": "lm.", "head": "head."}
@@ -129,8 +133,6 @@ def rewrite_graph(model, weights: dict[str, Int4Weight]) -> tuple[int, bool]:
 def graph_weight_names(rt) -> dict[str, str]:
     """Stage graph initializer name -> module name under rt.model, for the INT4 stages (the stage
     modules' parameter names, as the exporter writes them, matched by identity)."""
-    from ..engines.stages import DecoderStage, HeadStage
-
     by_id = {id(m.weight): name for name, m in rt.model.named_modules() if hasattr(m, "weight")}
     out = {}
     for stage in (DecoderStage(rt.lm), HeadStage(rt.lm)):
@@ -149,8 +151,6 @@ def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress
     the products it matches keep their float weights (a mixed configuration). Returns the manifest."""
 
     import onnx
-
-    from ..weights.quantize import load_quantized
 
     src_bundle, out = Path(src_bundle), Path(out)
     manifest = read_manifest(src_bundle)
@@ -211,8 +211,6 @@ def modelopt_int4_weights(graph_path: Path, rt, samples: list[dict[str, np.ndarr
     import onnx
     from modelopt.onnx.quantization import quantize
     from onnx import numpy_helper
-
-    from ..weights.quantize import save_quantized
 
     graph_path = Path(graph_path)
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engines.onnxruntime_engine import session_options
 from ..errors import LiteVLMError
+
+# onnx, onnxruntime and ml_dtypes are imported inside the functions that use them: each is heavy, and the
+# check's tables (CHECK_HEADER, check_rows), which the command imports, need none of them.
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # ONNX element type -> (name, qmin, qmax); float8 e4m3fn saturates at +-448
@@ -182,8 +186,6 @@ class GraphCheck:
 
 def _session(model_or_path, optimized: Path | None = None, threads: int = 1):
     import onnxruntime as ort
-
-    from ..engines.onnxruntime_engine import session_options
 
     opts = session_options(threads)
     if optimized is not None:

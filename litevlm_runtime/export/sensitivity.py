@@ -31,6 +31,8 @@ from torch import nn
 from ..errors import LiteVLMError
 from .fake_quant import FP8_MAX, FakeQuantLinear, fp8_scales, swapped
 
+# matplotlib is imported where the plot is drawn: it is heavy, and only --plot needs it.
+
 
 @dataclass
 class QueryTraffic:
@@ -50,7 +52,7 @@ def record_traffic(pipe, queries, progress=print) -> list[QueryTraffic]:
     a, img = rt.arena, rt.tok.img_context_id
     out = []
     for i, q in enumerate(queries):
-        ans = pipe.answer(q.images, q.question)
+        ans = pipe.answer(q.images, q.request)
         n = ans.input_tokens
         tiles = len(ans.cameras) * rt.options.tiles_per_camera
         full_rows = a.kept_rows[:n].clone()

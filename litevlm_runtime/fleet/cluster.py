@@ -37,6 +37,9 @@ from pathlib import Path
 from ..errors import InputError
 from ..threads import available_cores
 
+# Ray, its generated gRPC stubs and grpc are imported inside the functions that use them: Ray takes seconds to
+# load, and the modules importing this one (the run, the job) load it only when they reach a cluster.
+
 PROBE_TIMEOUT_S = 5.0
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 

@@ -26,6 +26,8 @@ from ..errors import InputError
 from ..evaluation.data import Frame, load_frames, resolve_image
 from ..evaluation.metrics import Question
 
+# PIL is imported where an image's width is read: the rest reads JSON.
+
 
 @dataclass(frozen=True)
 class Reference:

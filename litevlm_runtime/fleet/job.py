@@ -32,6 +32,9 @@ from pathlib import Path
 
 from .cluster import ClusterError, auth_metadata, ours_here, token_mode, token_source
 
+# Ray and requests are imported where a job is submitted or the dashboard probed: Ray takes seconds to load,
+# and `litevlm fleet --help` or a job's runtime environment needs neither.
+
 POLL_S = 2.0
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -101,10 +104,8 @@ def probe_dashboard(address: str, given: str) -> bool:
 def runtime_env(ship_code: bool, extra: dict | None = None) -> dict:
     """The job's runtime environment: this checkout's package as py_modules with --ship-code."""
     env = dict(extra or {})
-    if ship_code:
-        import litevlm_runtime
-
-        env["py_modules"] = [*env.get("py_modules", []), str(Path(litevlm_runtime.__file__).parent)]
+    if ship_code:       # the package folder: the one this module is in
+        env["py_modules"] = [*env.get("py_modules", []), str(Path(__file__).parent.parent)]
     return env
 
 

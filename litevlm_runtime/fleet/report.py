@@ -26,6 +26,9 @@ from ..serving.images import CompressedPayload, payload_from_msg, raw_to_rgb
 from .compare import Comparison
 from .storage import fetch_bag, is_uri, locate, remove_scratch, scratch_folder, upload_tree
 
+# matplotlib and PIL are imported where plots and thumbnails are made: both are heavy, and the comparison
+# itself needs neither.
+
 THUMB_WIDTH = 176
 CSS = """
 body { font: 14px/1.4 -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px; color: #222;

@@ -67,6 +67,9 @@ from .manifest import check_resume, identity, jsonable, model_checksum, model_di
 from .sources import BagRef
 from .worker import BagEvaluator, FleetWorker, failure_reason
 
+# Ray (and tqdm) are imported inside the functions that run the pool: Ray takes seconds to load, and --workers
+# 0 (one evaluator in this process) runs without it.
+
 # How long a feeder waits for its lost actor to be placed and loaded again: a node lost on a
 # cluster with an autoscaler takes minutes to be replaced (a GPU node: image pull, model load).
 RESTART_WAIT_S = 300.0

@@ -35,6 +35,9 @@ import pyarrow.fs as pafs
 
 from ..errors import InputError
 
+# fsspec and pyarrow's FSSpecHandler are imported where an fsspec URL is opened: S3 and local paths need
+# neither.
+
 URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 CHUNK = 8 << 20                     # bytes per read while fetching (8 MiB: few calls, modest memory)
 _FILESYSTEMS: dict[tuple, pafs.FileSystem] = {}

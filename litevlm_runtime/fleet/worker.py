@@ -46,6 +46,9 @@ from .manifest import jsonable, model_checksum, model_dir_of, project_version
 from .sources import BagRef
 from .storage import fetch_bag, remove_scratch, scratch_folder
 
+# Ray is imported in the actor's constructor: BagEvaluator runs without Ray (`fleet eval --workers 0`: one
+# evaluator in the driver's process).
+
 PICTURE_WIDTH = 960            # explanation pictures in a run (explain=always): ~100 kB each as JPEG
 
 

@@ -4,18 +4,24 @@ Its fields are the one list every form of an answer is derived from: the query s
 adds the serving envelope to them (serving/record.py: `AnswerRecord(Answer)`), and the record's
 JSON, the ROS `Answer` message (ros/messages.py), `bag record`'s rows and the fleet's Parquet
 columns are all made from the record's fields (tests/test_answer_fields.py fails when one of
-them, or litevlm_msgs/msg/Answer.msg, lacks a field the others have).
+them, or litevlm_msgs/msg/Answer.msg, lacks a field the others have). The JSON form is
+`to_dict()`: what `litevlm ask --json` prints, and what the record's JSON is made of.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from ..cameras import CAMERAS
 from ..objects import ObjectRef, parse_objects
 
 # The stages of one query, in execution order. Every Answer reports all of them.
 STAGES = ("view_select", "preprocess", "vision", "token_select", "prefill", "decode")
+# Field names that differ on the wire (JSON, ROS message, Parquet) from the dataclass's.
+WIRE_NAMES = {"text": "answer"}
+# What every form of an answer carries beside its fields, computed from them (the properties of
+# the same names): name -> type.
+TOTALS = {"total_ms": float, "budget_met": bool}
 
 
 @dataclass
@@ -59,12 +65,27 @@ class Answer:
         return float(sum(self.stage_ms.values()))
 
     def to_dict(self) -> dict:
-        """JSON-ready: every field but the trace (tensors; its explanation is the JSON-able form)."""
-        d = asdict(replace(self, trace=None))
-        del d["trace"]
-        d["total_ms"] = self.total_ms
-        d["budget_met"] = self.budget_met
-        return d
+        """The JSON form: every wire field (all but those marked wire=False: this process's
+        diagnostics and the trace) under its wire name, then TOTALS."""
+        out = {wire_name(f.name): plain(getattr(self, f.name)) for f in fields(self) if f.metadata.get("wire", True)}
+        out.update({name: kind(getattr(self, name)) for name, kind in TOTALS.items()})
+        return out
+
+
+def wire_name(name: str) -> str:
+    return WIRE_NAMES.get(name, name)
+
+
+def plain(value):
+    """A field's value as plain JSON (copies of lists and dicts; ints and floats as Python's; a
+    dataclass such as an ObjectRef as the dict of its fields)."""
+    if is_dataclass(value):
+        return plain(asdict(value))
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def object_fields(question: str, text: str, cameras=CAMERAS) -> dict:

@@ -122,6 +122,8 @@ def diagnostic_array(node) -> DiagnosticArray:
         else node.get_parameter("backend.weights").value,
         # the low-bit forms' prompt GEMM that ran (backend.lowbit_prefill's auto resolved), "" for other weights
         "lowbit_prefill": (pipeline.rt.weights.prefill or "") if pipeline and pipeline.rt.weights else "",
+        # the low-bit forms' path: "kernels", or "reference path: <why>" (a CPU they do not cover), "" for other weights
+        "lowbit_kernels": pipeline.rt.weights.kernels if pipeline and pipeline.rt.weights else "",
         "device": node.get_parameter("device").value,
         "dtype": node.get_parameter("dtype").value,
         "configure_error": node.config_error,

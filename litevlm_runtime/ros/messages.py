@@ -18,6 +18,7 @@ from litevlm_msgs.msg import Answer, AnswerPartial
 from litevlm_msgs.msg import ObjectRef as ObjectRefMsg
 
 from ..objects import ObjectRef
+from ..pipeline.answer import TOTALS
 from ..serving.record import (
     STATUS_CODES,
     STATUS_NAMES,
@@ -45,7 +46,6 @@ SHAPED = {
     # the query's stamp: receipt - header.stamp = end-to-end latency
     "query_stamp_ns": (("header",), None, lambda m: ns_of(m.header.stamp)),
 }
-TOTALS = ("total_ms", "budget_met")
 # Record item types carried as a nested message of litevlm_msgs with the same field names.
 NESTED = {ObjectRef: ObjectRefMsg}
 
@@ -83,7 +83,8 @@ def record_to_msg(rec: AnswerRecord) -> Answer:
                 setattr(msg, name, v)
         else:
             setattr(msg, wire_name(f.name), coerce(value, types[f.name]))
-    msg.total_ms, msg.budget_met = float(rec.total_ms), bool(rec.budget_met)
+    for name, kind in TOTALS.items():
+        setattr(msg, name, kind(getattr(rec, name)))
     return msg
 
 

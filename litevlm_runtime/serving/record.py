@@ -2,7 +2,8 @@
 serving envelope: id, status, queue time, frames), and PartialRecords while an answer streams.
 
 The record's fields are the one list the other forms are derived from, field by field:
-  to_json()             the JSON mirror topic, `bag eval`'s JSON lines (wire names: Answer.text is "answer")
+  to_json()             the JSON mirror topic, `bag eval`'s JSON lines: Answer.to_dict() of the
+                        record's fields (wire names: Answer.text is "answer"), plus the envelope's DERIVED
   ros/messages.py       litevlm_msgs/Answer, and back (bag record's rows)
   fleet/dataset.py      the Parquet columns of a fleet run
 A field is added to Answer (pipeline/answer.py) or here, and to Answer.msg; tests/test_answer_fields.py
@@ -12,9 +13,9 @@ fails when any form lacks one.
 from __future__ import annotations
 
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
-from ..pipeline.answer import Answer
+from ..pipeline.answer import TOTALS, Answer, wire_name
 
 # Status names and codes; the codes are the STATUS_* constants of litevlm_msgs/Answer.
 STATUS_CODES = {
@@ -34,10 +35,8 @@ STATUS_CODES = {
     "bad_follow_up": 13,
 }
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
-# Field names that differ on the wire (JSON, message, Parquet) from the dataclass.
-WIRE_NAMES = {"text": "answer"}
-# What the JSON form adds, computed from the fields (to_json): name -> type.
-DERIVED = {"status_code": int, "total_ms": float, "budget_met": bool, "frame_offsets_ms": dict[str, float]}
+# What the JSON form adds, computed from the fields (the Answer's TOTALS and the envelope's): name -> type.
+DERIVED = {**TOTALS, "status_code": int, "frame_offsets_ms": dict[str, float]}
 
 
 @dataclass
@@ -79,11 +78,11 @@ class AnswerRecord(Answer):
         return STATUS_CODES[self.status]
 
     def to_json(self) -> dict:
-        """The JSON mirror / JSON-lines form: every wire field under its wire name, then the derived
-        ones. Frame stamps are also given relative to the query stamp, which survives the
-        replayer's re-stamping (bag eval and a DDS replay agree)."""
-        out = {wire_name(f.name): plain(getattr(self, f.name)) for f in wire_fields()}
-        out.update(status_code=self.status_code, total_ms=self.total_ms, budget_met=self.budget_met,
+        """The JSON mirror / JSON-lines form: the Answer's JSON form of every record field, then the
+        envelope's derived fields. Frame stamps are also given relative to the query stamp, which
+        survives the replayer's re-stamping (bag eval and a DDS replay agree)."""
+        out = self.to_dict()
+        out.update(status_code=self.status_code,
                    frame_offsets_ms={c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()})
         return out
 
@@ -93,26 +92,10 @@ def wire_fields() -> list:
     return [f for f in fields(AnswerRecord) if f.metadata.get("wire", True)]
 
 
-def wire_name(name: str) -> str:
-    return WIRE_NAMES.get(name, name)
-
-
 def field_types() -> dict[str, object]:
     """Each wire field's type (the resolved annotation: str, int, list[int], dict[str, float] ...)."""
     hints = typing.get_type_hints(AnswerRecord)
     return {f.name: hints[f.name] for f in wire_fields()}
-
-
-def plain(value):
-    """A field's value as plain JSON (copies of lists and dicts; ints and floats as Python's; a
-    dataclass such as an ObjectRef as the dict of its fields)."""
-    if is_dataclass(value):
-        return plain(asdict(value))
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 def json_types() -> dict[str, object]:

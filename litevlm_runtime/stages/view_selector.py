@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
@@ -137,8 +138,6 @@ def keyword_map(question: str) -> dict[str, float]:
 
 
 def _normalizer():
-    from tokenizers import Regex, normalizers
-
     # Lower-case, then turn each object tag into two words "objtag cam_x": the coordinates and
     # object ids are frame-specific noise, the camera is the signal.
     return normalizers.Sequence(
@@ -158,8 +157,6 @@ def train_tokenizer(questions: list[str], min_frequency: int = 1):
     Word level rather than BPE: the question vocabulary is small and templated, and whole words
     ("front", "behind") are exactly the units the selector reasons about.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
     tok.normalizer = _normalizer()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -172,8 +169,6 @@ def train_tokenizer(questions: list[str], min_frequency: int = 1):
 
 
 def load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files

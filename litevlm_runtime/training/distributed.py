@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass
@@ -27,7 +28,6 @@ class Dist:
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.world == 1:
             return module
-        from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids)

@@ -104,15 +104,30 @@ def mean_accepted_length(pipe, pairs) -> float:
     return tokens / steps if steps else 1.0
 
 
-def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path | None = None, *,
-                samples: int | None = 400, holdout: int = 20, epochs: int = 4, lr: float = 1e-3,
-                noise: float = 0.05, seed: int = 0, max_new_tokens: int = 48, threads: int | None = None,
-                tree: dict | None = None, log=print) -> dict:
+@dataclass(frozen=True)
+class EagleTraining:
+    """How the draft head is distilled (`litevlm train eagle`'s flags)."""
+    samples: int | None = 400           # training questions drawn (None: every one of the data)
+    holdout: int = 20                   # questions held out for the acceptance metric
+    epochs: int = 4
+    lr: float = 1e-3
+    noise: float = 0.05                 # on the target's features the draft learns from (draft_loss)
+    seed: int = 0
+    max_new_tokens: int = 48            # the target's answers, whose features the draft learns
+    threads: int | None = None          # backend.threads (None: the default)
+    tree: tuple[int, int, int] = (60, 6, 10)    # total, depth, topk of the draft tree for the held-out metric
+
+
+def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path | None = None,
+                settings: EagleTraining = EagleTraining(), log=print) -> dict:
+    samples, holdout, epochs, lr, noise, seed = (settings.samples, settings.holdout, settings.epochs, settings.lr,
+                                                 settings.noise, settings.seed)
+    tree = dict(zip(("total", "depth", "topk"), settings.tree))
     d = setup("cpu")                   # the target and draft run on the CPU pipeline here
     torch.manual_seed(seed)
-    tree = tree or {"total": 60, "depth": 6, "topk": 10}
     # The baseline pipeline (every camera and token), with EAGLE-2 for the acceptance metric.
-    opts = options_from_flat({"pipeline": "baseline", "max_new_tokens": max_new_tokens, "backend.threads": threads or 0,
+    opts = options_from_flat({"pipeline": "baseline", "max_new_tokens": settings.max_new_tokens,
+                              "backend.threads": settings.threads or 0,
                               "decoding.mode": "eagle", "decoding.eagle.policy": "fixed",
                               "decoding.eagle.total": tree["total"], "decoding.eagle.depth": tree["depth"],
                               "decoding.eagle.topk": tree["topk"]})

@@ -208,11 +208,21 @@ def evaluate(selector: TokenSelector, data: Prepared, keep_ratio: float) -> dict
     return {"kl": sum(losses) / n, f"recall@{keep_ratio:g}": sum(recalls) / n, "samples": len(losses)}
 
 
-def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], selectors: dict, keep_ratio: float,
-                       scope: str, max_new: int, device: str, log) -> dict:
+@dataclass(frozen=True)
+class AgreementRun:
+    """How pipeline_agreement's pipelines answer: keep-all, and each selector at keep_ratio."""
+    keep_ratio: float
+    scope: str                  # tokens.scope
+    max_new: int                # max_new_tokens
+    device: str
+
+
+def pipeline_agreement(model, tok_dir: Path, frames, samples: list[Sample], selectors: dict, run: AgreementRun,
+                       log) -> dict:
     """Answers through the real pipeline: keep-all vs keep ratio r with each selector.
     Returns per selector: share of questions answered token-for-token as keep-all, and closed-form
     accuracy; plus keep-all's accuracy."""
+    keep_ratio, scope, max_new, device = run.keep_ratio, run.scope, run.max_new, run.device
     tok = Tokenizer(tok_dir)
     base = Pipeline.from_model(model, tok, options_from_flat({"pipeline": "baseline", "device": device,
                                                                "max_new_tokens": max_new}))
@@ -314,11 +324,13 @@ def _train(args, d: Dist) -> dict | None:
     if args.eval_questions:
         d.log("pipeline answers on held-out questions:")
         agreement = pipeline_agreement(model, Path(args.model), frames, val_samples[:args.eval_questions],
-                                       {"untrained": untrained, "trained": selector}, args.keep_ratio,
-                                       args.scope, args.max_new_tokens, str(d.device), d.log)
-    record = _record(args, d.world, model, len(train_samples), len(val_samples),
+                                       {"untrained": untrained, "trained": selector},
+                                       AgreementRun(args.keep_ratio, args.scope, args.max_new_tokens, str(d.device)),
+                                       d.log)
+    facts = RunFacts(len(train_samples), len(val_samples), round(train_s, 1), round(time.monotonic() - t_start, 1))
+    record = _record(args, d.world, model,
                      {"untrained": before, "trained": after, "random_recall": args.keep_ratio, "pipeline": agreement},
-                     history, train_s, t_start)
+                     history, facts)
     out = Path(args.out) if args.out else Path(args.model) / "token_selector"
     save_token_selector(selector, out, record)
     write_manifest(out)
@@ -400,8 +412,16 @@ def _optimize(args, d: Dist, selector: TokenSelector, train_data: Prepared, rng:
     return history, time.monotonic() - train_t0
 
 
-def _record(args, world: int, model, n_train: int, n_val: int, metrics: dict, history: list[dict],
-            train_s: float, t_start: float) -> dict:
+@dataclass(frozen=True)
+class RunFacts:
+    """What a training run counted and timed of itself (its record's figures beside the metrics)."""
+    train_samples: int
+    held_out_samples: int
+    train_seconds: float
+    total_seconds: float
+
+
+def _record(args, world: int, model, metrics: dict, history: list[dict], facts: RunFacts) -> dict:
     """The selector's config.json: the command, settings, data hashes, metrics and loss history."""
     layers = model.cfg.llm.num_hidden_layers
     return {
@@ -412,8 +432,8 @@ def _record(args, world: int, model, n_train: int, n_val: int, metrics: dict, hi
         "val_data": data_provenance(args.val) if args.val else None,
         "teacher_layers": [layers // 2, layers - 1],
         "loss": "per-camera KL(teacher answer->visual attention || selector question->visual attention)",
-        "train_samples": n_train, "held_out_samples": n_val,
+        "train_samples": facts.train_samples, "held_out_samples": facts.held_out_samples,
         "metrics": metrics,
-        "train_seconds": round(train_s, 1), "total_seconds": round(time.monotonic() - t_start, 1),
+        "train_seconds": facts.train_seconds, "total_seconds": facts.total_seconds,
         "history": history,
     }

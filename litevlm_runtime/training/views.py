@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -223,8 +224,6 @@ def _tokenizer_for(args, questions: list[str], rank: int, world: int):
 
     Rank 0 builds it and broadcasts the JSON so that every rank has the identical vocabulary.
     """
-    from tokenizers import Tokenizer
-
     payload = [None]
     if rank == 0:
         if args.tokenizer:

@@ -24,7 +24,16 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
-from .lowbit import Fp16Linear, Int4Linear, Int8Linear, LowBitEmbedding, embedding_as_linear, set_prefill_gemm
+from .lowbit import (
+    Fp16Linear,
+    Int4Linear,
+    Int8Linear,
+    LowBitEmbedding,
+    embedding_as_linear,
+    runs_kernels,
+    set_prefill_gemm,
+)
+from .lowbit_kernels import path_in_words
 from .quantize import GROUP_SIZE, Int4Weight, Int8Weight, load_quantized
 
 WEIGHT_KINDS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")
@@ -170,6 +179,7 @@ class LinearForms:
                 setattr(parent, name, forms[wanted[key][0]])
         self.kind = "float" if keep_float else None
         self.prefill: str | None = None   # the low-bit forms' many-row GEMM (set_prefill_gemm), None for the others
+        self.kernels = ""                 # the low-bit forms' path (lowbit_kernels.path_in_words), "" for others
 
     def use(self, kind: str) -> None:
         if kind not in WEIGHT_KINDS:
@@ -212,6 +222,7 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
     forms = LinearForms(model, [kind], extra, keep_float=False, quantized=stored)
     forms.use(kind)
     forms.prefill = set_prefill_gemm([model, *extra], prefill) if kind in DECODER_KINDS else None
+    forms.kernels = path_in_words(runs_kernels(model)) if kind in DECODER_KINDS else ""
     return forms
 
 

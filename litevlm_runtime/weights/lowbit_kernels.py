@@ -1,5 +1,6 @@
-"""The CPU kernels of the low-bit weight forms (int4, int8, fp16): lowbit_kernels.cpp, built on first
-use with the image's g++ against the installed torch, cached, and loaded as torch operators
+"""The CPU kernels of the low-bit weight forms (int4, int8, fp16): lowbit_kernels.cpp, built by torch's
+own extension tooling (`torch.utils.cpp_extension.load`: ninja, torch's include and library paths,
+its ABI and C++ standard) on first use, cached, and loaded as torch operators
 (`torch.ops.litevlm_lowbit.*`, with fake implementations so torch.compile can trace them).
 
 Why our own kernel: on the AVX2-only CPUs this project meets (AMD EPYC Zen 3: no AVX-512, no VNNI,
@@ -11,16 +12,31 @@ vpmaddubsw) for the project's format (quantize.py), on torch's own thread pool. 
 AVX-512 VNNI (Zen 4, Ice Lake and later), the int4 decode loop uses vpdpbusd instead, chosen at run
 time (`torch.ops.litevlm_lowbit.use_avx512(False)` turns it off: the tests run both loops).
 
-The build: one translation unit, `g++ -O3 -mavx2 -mfma -mf16c -fopenmp` (about 20-40 s on two
-cores), into ~/.cache/litevlm/kernels/lowbit-<digest of the source, torch version and flags>/
-($LITEVLM_KERNEL_CACHE overrides; scripts/setup.sh builds it at set-up), under a file
-lock (parallel test workers build once) and renamed into place when complete. Linked without an
-OpenMP library of its own: its parallel regions run on the libgomp torch already loaded, so
-`torch.set_num_threads` and OMP_WAIT_POLICY=PASSIVE (threads.py) govern them too.
+Why built where it runs (`load`), not ahead of time in setup.py (a CppExtension): the flags are for
+the CPU that runs it (AVX2/FMA/F16C, x86-64 only: on aarch64 the source does not compile, and an
+install there must still succeed); an ahead-of-time build needs torch inside pip's isolated build
+environment (a second torch download, possibly not the version it runs with) or
+--no-build-isolation from every user and from colcon; and a failed build must leave a working
+runtime (the reference path), not a failed install. So one path serves an editable install, a
+`pip install .` or colcon install (the .cpp is package data: setup.py) and a fresh clone's
+scripts/test.sh (scripts/setup.sh builds it once at set-up).
 
-Fallback: a CPU without AVX2/FMA/F16C, no compiler, or a failed build -> `available()` is False, a
-warning says why once, and the forms run their reference path (dequantize, then the float
-matmul: the same numbers up to the activation rounding, several times slower at decode).
+The build: one translation unit at -O3 -mavx2 -mfma -mf16c -fopenmp (about 20-40 s on two cores),
+in ~/.cache/litevlm/kernels/lowbit-<digest of the source, torch and Python version, flags>/
+($LITEVLM_KERNEL_CACHE overrides): a build per source change, and two checkouts with different
+sources never build over each other. Under a file lock: parallel test workers build once. (torch's
+own lock is a file a killed build leaves behind, after which every build waits forever; under ours
+no one else is building, so such a file is stale and removed.) A `built` stamp written after the
+library loaded is what later processes look for: they load it without running ninja. Linked
+without an OpenMP library of its own (compiled with -fopenmp for its pragmas; torch's link line adds
+none): its parallel regions run on the libgomp torch already loaded, so `torch.set_num_threads` and
+OMP_WAIT_POLICY=PASSIVE (threads.py) govern them too (tests/test_lowbit_build.py checks the library's
+NEEDED entries).
+
+Fallback: a CPU without AVX2/FMA/F16C (aarch64: DRIVE Thor, Jetson; old x86), no compiler, or a
+failed build -> `available()` is False, a warning says why once, `path_in_words` says it for the
+node's /diagnostics (lowbit_kernels), and the forms run their reference path (dequantize, then the
+float matmul: the same numbers up to the activation rounding, several times slower at decode).
 """
 
 from __future__ import annotations
@@ -30,10 +46,8 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sysconfig
-import tempfile
+import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -41,29 +55,29 @@ import torch
 from .cpuinfo import read_cpuinfo
 
 SOURCE = Path(__file__).with_name("lowbit_kernels.cpp")
+NAME = "litevlm_lowbit"                # the library's name (its operators' namespace is the source's TORCH_LIBRARY)
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c++17", "-DNDEBUG")
+# Beside torch's own (-fPIC, its C++ standard, ABI and include paths): the CPU's instruction sets and
+# the OpenMP pragmas (compile only: see the module docstring).
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG")
 CACHE_ENV = "LITEVLM_KERNEL_CACHE"     # where builds are kept (default ~/.cache/litevlm/kernels)
 # Set to 1 to run the reference path (tests compare both; also a way out should the build misbehave).
 DISABLE_ENV = "LITEVLM_LOWBIT_KERNELS_OFF"
+CPUINFO = "/proc/cpuinfo"              # what the CPU's instruction sets are read from
+BUILT = "built"                        # the stamp of a complete build: the library's file name
+REFERENCE_PATH = "the int4/int8/fp16 weight forms run their reference path (dequantize + float matmul, slower)"
 
 log = logging.getLogger("litevlm.weights")
 
 
-def cpu_supports(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    info = read_cpuinfo(cpuinfo)
-    return info is not None and all(f in info[1] for f in REQUIRED_FLAGS)
+def missing_flags(cpuinfo: str | None = None) -> list[str]:
+    """The instruction sets the kernels need that this CPU lacks (all of them on aarch64)."""
+    info = read_cpuinfo(cpuinfo or CPUINFO)
+    return [f for f in REQUIRED_FLAGS if info is None or f not in info[1]]
 
 
-def _build_flags() -> tuple[list[str], list[str]]:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    compile_flags = [*CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()),
-                     f"-I{sysconfig.get_paths()['include']}"]
-    link_flags = ["-shared", *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu",
-                  *(f"-Wl,-rpath,{p}" for p in library_paths())]
-    return compile_flags, link_flags
+def cpu_supports(cpuinfo: str | None = None) -> bool:
+    return not missing_flags(cpuinfo)
 
 
 def kernel_cache() -> Path:
@@ -75,52 +89,69 @@ def kernel_cache() -> Path:
     return Path(base) / "litevlm" / "kernels"
 
 
-def build(folder: Path | None = None) -> Path:
-    """The shared library for this source, torch and flag set: built once, then reused."""
-    compile_flags, link_flags = _build_flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                            + " ".join(compile_flags + link_flags).encode()).hexdigest()[:16]
-    folder = Path(folder or kernel_cache()) / f"lowbit-{digest}"
-    lib = folder / "litevlm_lowbit.so"
-    if lib.is_file():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.is_file():                        # another process built it while we waited
-            return lib
-        log.info("building the low-bit CPU kernels (once, about half a minute): %s", folder)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            obj, out = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            for cmd in ([cxx, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
-                        [cxx, str(obj), "-o", str(out), *link_flags]):
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{done.stderr[-3000:]}")
-            os.replace(out, lib)
+def build_folder(source: Path = SOURCE, name: str = NAME, folder: Path | None = None) -> Path:
+    """Where `source` is built: a folder per source text, torch and Python version and flags."""
+    inputs = [source.read_bytes(), torch.__version__.encode(), sys.version.split()[0].encode(),
+              platform.machine().encode(), " ".join(CFLAGS).encode()]
+    digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
+    return Path(folder or kernel_cache()) / f"{name.removeprefix('litevlm_')}-{digest}"
+
+
+def build(source: Path = SOURCE, name: str = NAME, folder: Path | None = None) -> Path:
+    """The shared library of `source` (by torch.utils.cpp_extension): built once, then reused."""
+    where = build_folder(source, name, folder)
+    stamp = where / BUILT
+    if stamp.is_file():
+        return where / stamp.read_text().strip()
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / ".flock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # released by the kernel if this process dies
+        if stamp.is_file():                   # another process built it while we waited
+            return where / stamp.read_text().strip()
+        (where / "lock").unlink(missing_ok=True)      # torch's baton, left by a build that was killed
+        log.info("building the low-bit CPU kernels (once, about half a minute): %s", where)
+        # (imported only to build: it loads setuptools, a quarter of a second no served query needs)
+        from torch.utils import cpp_extension  # noqa: PLC0415
+
+        lib = Path(cpp_extension.load(name, [str(source)], extra_cflags=list(CFLAGS), build_directory=str(where),
+                                      is_python_module=False, verbose=False))
+        stamp.write_text(lib.name + "\n")
     return lib
 
 
 @functools.cache
-def load() -> bool:
-    """Build (if needed) and load the kernels; False, with one warning, where they cannot run."""
+def unavailable() -> str:
+    """Why the kernels cannot run here, "" where they do: built (if needed) and loaded on the first
+    call; where they cannot, a warning says why, once."""
     if os.environ.get(DISABLE_ENV):
-        return False
-    if not cpu_supports():
-        log.warning("low-bit CPU kernels need %s (not all in /proc/cpuinfo): the int4/int8/fp16 weight forms "
-                    "run their reference path (dequantize + float matmul, slower)", "+".join(REQUIRED_FLAGS))
-        return False
+        return f"{DISABLE_ENV} is set"
+    missing = missing_flags()
+    if missing:
+        why = (f"this CPU ({platform.machine()}) lacks {'+'.join(missing)}: the low-bit kernels are x86-64 "
+               f"AVX2 code")
+        log.warning("%s; %s", why, REFERENCE_PATH)
+        return why
     try:
         torch.ops.load_library(str(build()))
     except Exception as exc:      # any build or load failure: the reference path still answers correctly
-        log.warning("low-bit CPU kernels unavailable (%s); the int4/int8/fp16 weight forms run their reference "
-                    "path (dequantize + float matmul, slower)", str(exc).splitlines()[0])
-        return False
+        why = f"the low-bit kernels did not build or load ({str(exc).strip().splitlines()[0]})"
+        log.warning("%s; %s", why, REFERENCE_PATH)
+        return why
     _register_fakes()
-    return True
+    return ""
+
+
+def load() -> bool:
+    """Build (if needed) and load the kernels; False, with one warning, where they cannot run."""
+    return not unavailable()
+
+
+def path_in_words(on_kernels: bool) -> str:
+    """Which path low-bit forms run, for a person (the node's /diagnostics: lowbit_kernels):
+    "kernels", or "reference path: <why>"."""
+    if on_kernels:
+        return "kernels"
+    return f"reference path: {unavailable() or 'not on the CPU'}"
 
 
 def available(x: torch.Tensor) -> bool:
@@ -132,8 +163,9 @@ def _register_fakes() -> None:
     """Shapes for torch.compile / FakeTensor tracing: every op maps x [M, K] to [M, N]."""
     ops = torch.ops.litevlm_lowbit
 
+    # (each fake's parameters are its operator's schema, TORCH_LIBRARY in lowbit_kernels.cpp)
     @torch.library.register_fake("litevlm_lowbit::int4_linear")
-    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False):
+    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False):  # noqa: PLR0913
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::int8_linear")
