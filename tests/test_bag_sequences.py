@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from litevlm_runtime.bag.io import read_bag, write_bag
-from litevlm_runtime.bag.make import drivelm_contents
+from litevlm_runtime.bag.make import BagTiming, drivelm_contents
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.evaluation.data import load_frames
 from litevlm_runtime.synth.generate import generate
@@ -26,7 +26,7 @@ def motion_set(tmp_path_factory) -> Path:
 
 
 def test_sequences_in_stamp_order_questions_after_key_frames(motion_set):
-    contents = drivelm_contents(motion_set, questions_per_frame=2, scene_gap_s=GAP_S)
+    contents = drivelm_contents(motion_set, questions_per_frame=2, timing=BagTiming(scene_gap_s=GAP_S))
     stamps = {cam: [f.stamp_ns for f in frames] for cam, frames in contents.frames.items()}
     assert all(len(v) == SCENES * K and v == sorted(v) for v in stamps.values())
     assert len({tuple(v) for v in stamps.values()}) == 1          # SynthDrive's cameras share a capture time
