@@ -326,3 +326,29 @@ def test_fp8_decode_puts_qdq_into_the_one_row_step(tmp_path_factory, tmp_path):
 
     _, source = quantize_batched_step(bundle, tmp_path, batch, one, manifest, recorder, fp8_decode)
     assert "activation scales of decoder_1.onnx (10 products)" in source
+
+
+def test_int4_without_stored_weights_quantizes_them_with_the_projects_awq(tmp_path_factory, tmp_path):
+    """`calibrate --precision int4` without --quantized: the project's own AWQ (symmetric) from the
+    calibration questions, stored beside the bundle, then written into the graphs (no ModelOpt INT4
+    and no cppimport on this path)."""
+    from helpers import options
+
+    from litevlm_runtime.export.awq import with_int4_weights
+    from litevlm_runtime.export.calibration.calibrate import calibrate
+    from litevlm_runtime.export.calibration.plan import CalibrationPlan
+    from litevlm_runtime.weights.quantize import load_quantized
+
+    root = tmp_path_factory.getbasetemp()
+    model, bundle = lively_checkpoint(root), exported_bundle(root)
+    qa = write_qa(tmp_path)
+    plan = CalibrationPlan(model, options(max_new_tokens=MAX_NEW_TOKENS), qa, tmp_path / "out", bundle=bundle,
+                           precision="int4", calib_questions=2, eval_questions=2)
+    planned = with_int4_weights(plan, progress=lambda m: None)
+    assert planned.quantized == tmp_path / "out" / "int4-weights"
+    stored, _ = load_quantized(planned.quantized)
+    assert stored["weights"] == "int4" and stored["method"] == "awq" and stored["symmetric"]
+    assert stored["calibration"]["questions"] == 2
+    manifest, report = calibrate(planned, progress=lambda m: None)
+    assert manifest["precision"] == "int4" and manifest["quantization"]["symmetric"]
+    assert report.questions == 2

@@ -22,8 +22,8 @@ def register(subparsers) -> None:
     p.add_argument("--frames-root", type=Path, help="where the QA file's images are (default: the file's folder)")
     p.add_argument("--precision", choices=PRECISIONS, default="int8",
                    help="int8 / fp8: ModelOpt Q/DQ from recorded traffic; int4: weight-only INT4 AWQ as TensorRT 10 "
-                        "takes it (DequantizeLinear with block_size): the weights --quantized names, or ModelOpt's "
-                        "INT4 AWQ-lite from the traffic without it")
+                        "takes it (DequantizeLinear with block_size): the weights --quantized names, or "
+                        "the project's INT4 AWQ (symmetric) from --calib-questions questions of --data without it")
     p.add_argument("--quantized", type=Path, help="with --precision int4: weights stored by `litevlm quantize "
                                                    "--weights int4 --symmetric` (the same the PyTorch engines run "
                                                    "with --backend.weights int4)")
@@ -83,9 +83,10 @@ def run(args) -> int:
                            fp8_decode=args.fp8_decode, quantized=args.quantized, bundle=args.bundle,
                            buckets=args.buckets or "", name=args.name).checked()
     # (the calibration itself loads torch, ModelOpt and onnx: imported when run, so `--help` loads none)
+    from ..export.awq import with_int4_weights
     from ..export.calibration.calibrate import calibrate
 
-    manifest, report = calibrate(plan, progress=say)
+    manifest, report = calibrate(with_int4_weights(plan, progress=say), progress=say)
     made = (f"ModelOpt {manifest['calibration']['modelopt']}" if "modelopt" in manifest.get("calibration", {})
             else f"weights {manifest.get('quantization', {}).get('weights')}")
     print(f"{plan.precision} bundle: {plan.quant_dir}  ({len(manifest['graphs'])} graphs, {made})")

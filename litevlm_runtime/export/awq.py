@@ -41,7 +41,7 @@ from ..weights.quantize import (
     quantize_int8,
     save_quantized,
 )
-from .calibration.plan import data_kind
+from .calibration.plan import CalibrationPlan, data_kind
 from .calibration.traffic import answer_queries, load_queries, split_queries
 
 
@@ -195,3 +195,20 @@ def quantize_model(plan: QuantizePlan, progress=print) -> dict:
     manifest = save_quantized(out, weights, manifest)
     progress(f"{kind} weights of {len(weights)} modules ({FORMAT}) -> {out}")
     return manifest
+
+
+def with_int4_weights(plan: CalibrationPlan, progress=print) -> CalibrationPlan:
+    """An INT4 calibration plan with the stored weights it writes into the graphs: the ones it names
+    (--quantized), or the project's own AWQ (symmetric, as TensorRT's INT4 AWQ takes it) from the
+    plan's calibration questions, stored beside its bundle as <name>-weights. Other precisions: the
+    plan as it is. (ModelOpt's ONNX INT4 AWQ-lite was the path here once: it quantizes graph by graph,
+    so each shape bucket got its own scales; it needed cppimport; and ModelOpt 0.47 blocked the
+    weights along the output channels, which TensorRT's INT4 AWQ and this format cannot take.)"""
+    plan = plan.checked()
+    if plan.precision != "int4" or plan.quantized is not None:
+        return plan
+    out = plan.quant_dir.with_name(plan.quant_dir.name + "-weights")
+    progress(f"INT4 AWQ (symmetric) from {plan.calib_questions} questions of {plan.data} -> {out}")
+    quantize_model(QuantizePlan(plan.model_dir, plan.options, kind="int4", out=out, data=plan.data,
+                                frames_root=plan.frames_root, questions=plan.calib_questions, symmetric=True), progress)
+    return replace(plan, quantized=out)

@@ -14,36 +14,26 @@ engines from: every decoder product y = x @ W.T becomes
 values exactly; asymmetric weights get uint4 codes with uint4 zero points, which ONNX Runtime runs
 but TensorRT 10's block quantization does not: `build-engines` refuses them). Graph inputs,
 outputs and everything else are unchanged, so the bundle binds like the float one.
-
-`modelopt_int4_weights` goes the other way: the INT4 AWQ weights ModelOpt's ONNX quantizer
-(`modelopt.onnx.quantization.quantize(quantize_mode="int4")`, AWQ-lite) computes for one graph,
-read into the project's format, so that ModelOpt's quantization also runs in both executors and
-in every graph of a bundle (ModelOpt quantizes graph by graph, which would give each shape bucket
-its own AWQ scales: a prompt and a decode step multiplying different weights).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..engines.bundle import read_manifest, write_manifest
 from ..engines.stages import DecoderStage, HeadStage
 from ..errors import LiteVLMError
 from ..weights.integrity import sha256_file
-from ..weights.quantize import SYMMETRIC_ZERO, Int4Weight, load_quantized, pack_nibbles, save_quantized, unpack_nibbles
+from ..weights.quantize import SYMMETRIC_ZERO, Int4Weight, load_quantized, unpack_nibbles
 from .exporter import SharedWeights
 
-# onnx and ModelOpt are imported inside the functions that read or write graphs: both are heavy (ModelOpt
-# takes seconds), and pack_int4 and the name mapping run without them.
+# onnx is imported inside the functions that read or write graphs: it is heavy, and pack_int4 and the
+# name mapping run without it.
 
 INT4_STAGES = ("prefill", "decoder", "decoder_batch", "head")     # the graphs whose products the quantizer covers
 STAGE_ROOT = {"prefill": "lm.", "decoder": "lm.", "decoder_batch": "lm.", "head": "head."}
@@ -199,72 +189,3 @@ def write_int4_bundle(rt, src_bundle: Path, quantized: Path, out: Path, progress
                                   "modules": len(by_graph_name), "keep_float": keep_float})
     write_manifest(out, manifest)
     return manifest
-
-
-def modelopt_int4_weights(graph_path: Path, rt, samples: list[dict[str, np.ndarray]], out: Path,
-                          method: str = "awq_lite", block_size: int = 128) -> dict:
-    """ModelOpt's INT4 AWQ of one decoder graph (calibrated on `samples`), its weights stored in the
-    project's format (symmetric: stored code = int4 + 8; pre_quant_scale from its Mul, or 1/scale
-    folded into a norm's weight, which the project's format cannot hold: refused) -> out. Returns
-    the stored manifest."""
-
-    import onnx
-    from modelopt.onnx.quantization import quantize
-    from onnx import numpy_helper
-
-    graph_path = Path(graph_path)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp) / graph_path.name
-        shutil.copy2(graph_path, work)
-        for f in graph_path.parent.glob("*.weights"):
-            shutil.copy2(f, Path(tmp) / f.name)
-        dst = Path(tmp) / "int4.onnx"
-        chatter = io.StringIO()
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            # (ModelOpt's INT4 path iterates the reader: a list of feeds)
-            quantize(str(work), quantize_mode="int4", calibration_method=method, calibration_data_reader=list(samples),
-                     calibration_eps=["cpu"], block_size=block_size, high_precision_dtype="fp32", output_path=str(dst),
-                     log_level="ERROR", awqlite_fuse_nodes=False)
-        model = onnx.load(str(dst), load_external_data=True)
-    values = {t.name: t for t in model.graph.initializer}
-    made_by = {o: n for n in model.graph.node for o in n.output}
-    names = graph_weight_names(rt)
-    weights, worst = {}, 0.0
-    for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in made_by:
-            continue
-        dq = made_by[node.input[1]]
-        if dq.op_type != "DequantizeLinear" or dq.input[0] not in values:
-            continue
-        if len(dq.input) > 2 and dq.input[2]:
-            raise LiteVLMError(f"ModelOpt INT4 weight {dq.input[0]}: has a zero point (expected symmetric)")
-        attrs = {a.name: a.i for a in dq.attribute}
-        codes = numpy_helper.to_array(values[dq.input[0]]).astype(np.int16)       # signed int4
-        scales = numpy_helper.to_array(values[dq.input[1]]).astype(np.float32)
-        gemm_t = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
-        # to [N, K] with blocks along K: a MatMul's [K, N] blocked on axis 0, a Gemm(transB)'s [N, K] on axis 1
-        if (attrs.get("axis", 1) % 2) != (1 if gemm_t else 0):
-            raise LiteVLMError(f"ModelOpt INT4 weight {dq.input[0]}: blocked along the output channels")
-        if not gemm_t:
-            codes, scales = codes.T, scales.T
-        source = next((g for g in names if dq.input[0].startswith(g)), None)
-        if source is None:
-            raise LiteVLMError(f"ModelOpt INT4 weight {dq.input[0]}: no module of the model by that name")
-        pqs = None
-        x = made_by.get(node.input[0])
-        if x is not None and x.op_type == "Mul" and x.input[1] in values:
-            pqs = torch.from_numpy(numpy_helper.to_array(values[x.input[1]]).astype(np.float32).reshape(-1))
-        # the project's format holds float16 scales: ModelOpt's float32 ones rounded once (relative
-        # change <= 2^-11, recorded), the codes kept
-        s16 = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.float16)
-        worst = max(worst, float((s16.float() / torch.from_numpy(scales) - 1).abs().max()))
-        stored = torch.from_numpy(np.ascontiguousarray(codes + SYMMETRIC_ZERO).astype(np.uint8))
-        weights[names[source]] = Int4Weight(pack_nibbles(stored), s16,
-                                            torch.full(s16.shape, SYMMETRIC_ZERO, dtype=torch.uint8),
-                                            codes.shape[1] // scales.shape[1], pqs)
-    if not weights:
-        raise LiteVLMError(f"{graph_path.name}: ModelOpt wrote no INT4 weight")
-    return save_quantized(out, weights, {"weights": "int4", "method": f"modelopt {method}", "group_size": block_size,
-                                         "symmetric": True, "source": {"onnx": str(graph_path)},
-                                         "calibration": {"samples": len(samples),
-                                                         "scale_rounding_to_float16": worst}})

@@ -44,14 +44,14 @@ def calibrate(plan: CalibrationPlan, progress=print) -> tuple[dict, AccuracyRepo
     if src.manifest.get("precision"):
         raise LiteVLMError(f"{bundle}: already quantized ({src.manifest['precision']}); calibrate an fp32 export")
     recorder = Recorder(plan.samples_per_graph)
-    if not (plan.precision == "int4" and plan.quantized):          # stored INT4 weights need no traffic
+    if plan.precision != "int4":          # INT4 is weight-only: its stored weights need no traffic
         t0 = time.perf_counter()
         collect_traffic(pipe, src, calib, recorder, progress)
         progress(f"traffic recorded in {time.perf_counter() - t0:.1f} s")
     if plan.quant_dir.exists():
         shutil.rmtree(plan.quant_dir)
     if plan.precision == "int4":
-        manifest = int4_bundle(plan, pipe.rt, src.manifest, recorder, progress)
+        manifest = int4_bundle(plan, pipe.rt, progress)
     else:
         record = {"data": str(plan.data), "questions": len(calib), "samples_per_graph": plan.samples_per_graph,
                   "method": plan.method, "quantized_stages": list(plan.stages), "keep_float": plan.keep_float}

@@ -29,8 +29,7 @@ from onnx import numpy_helper
 from ...engines.bundle import read_manifest, write_manifest
 from ...errors import LiteVLMError
 from ...weights.integrity import sha256_file
-from ...weights.quantize import load_quantized, quantize_int4, save_quantized
-from ..int4_onnx import modelopt_int4_weights, write_int4_bundle
+from ..int4_onnx import write_int4_bundle
 from .plan import QUANTIZED_STAGES, CalibrationPlan
 from .traffic import Recorder, batched_samples, samples_for
 
@@ -278,26 +277,11 @@ def quantize_bundle(plan: CalibrationPlan, recorder: Recorder, record: dict, pro
     return manifest
 
 
-def int4_bundle(plan: CalibrationPlan, rt, manifest: dict, recorder: Recorder, progress=print) -> dict:
-    """The INT4 bundle in plan.quant_dir: plan.quantized (the project's stored weights) written into
-    the graphs; without it, ModelOpt's INT4 AWQ-lite of the prompt graph that saw the most traffic
-    (its weights then serve every decoder graph, and the LM head, which that graph does not hold, is
-    quantized round to nearest by the project's quantizer, symmetric), stored under
-    <quant_dir>-weights first."""
+def int4_bundle(plan: CalibrationPlan, rt, progress=print) -> dict:
+    """The INT4 bundle in plan.quant_dir: plan.quantized (the project's stored weights; export/awq.py
+    `with_int4_weights` makes them when the user names none) written into the graphs."""
     bundle, quant_dir, quantized = plan.source_bundle, plan.quant_dir, plan.quantized
     if quantized is None:
-        prompts = [g for g in manifest["graphs"] if g["stage"] == "prefill" and recorder.samples.get(g["file"])]
-        if not prompts:
-            raise LiteVLMError("calibration traffic never reached a prefill graph: answer more questions")
-        graph = max(prompts, key=lambda g: len(recorder.samples[g["file"]]))
-        quantized = quant_dir.with_name(quant_dir.name + "-weights")
-        progress(
-            f"ModelOpt INT4 AWQ-lite of {graph['file']} ({len(recorder.samples[graph['file']])} calls) -> {quantized}"
-        )
-        made = modelopt_int4_weights(bundle / graph["file"], rt, recorder.samples[graph["file"]], quantized)
-        _, weights = load_quantized(quantized)
-        head = next(n for n, m in rt.model.named_modules() if m is rt.lm.head)
-        weights[head] = quantize_int4(rt.lm.head.weight, made["group_size"], symmetric=True)
-        made.pop("modules"), made.pop("files"), made.pop("format")
-        save_quantized(quantized, weights, dict(made, module_info={head: {"method": "rtn (the LM head)"}}))
+        raise LiteVLMError("INT4 calibration writes stored weights into the graphs: the plan names none (--quantized, "
+                           "or export.awq.with_int4_weights)")
     return write_int4_bundle(rt, bundle, quantized, quant_dir, progress, keep_float=plan.keep_float)
