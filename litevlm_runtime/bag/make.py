@@ -76,6 +76,22 @@ def _zip_longest(lists):
         yield [x[i] for x in lists if i < len(x)]
 
 
+def _scene_frames(samples: Path) -> dict[str, dict[str, list[tuple[int | None, Path]]]]:
+    """The images under samples/CAM_X/: scene -> camera -> [(capture time in ns or None, path)],
+    in file-name order (a defaultdict: a camera without frames in a scene reads as [])."""
+    scenes: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for cam in CAMERAS:
+        for path in sorted((samples / cam).iterdir()):
+            if path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
+                continue
+            stamp_us = capture_us(path)
+            # nuScenes: the log name before "__" is the scene; rendered frames have no capture
+            # time and all go on one synthetic timeline, in file-name order.
+            scene = scene_of(path) if stamp_us is not None else "~synthetic"
+            scenes[scene][cam].append((stamp_us * 1000 if stamp_us is not None else None, path))
+    return scenes
+
+
 @dataclass(frozen=True)
 class BagTiming:
     """Where a made bag puts its questions and scenes on its timeline."""
@@ -103,17 +119,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
     if not all((samples / c).is_dir() for c in CAMERAS):
         raise InputError(f"{folder}: expected samples/CAM_X/ folders for {', '.join(CAMERAS)}")
     questions = _drivelm_questions(sorted(folder.glob("*.json")))
-    # scene -> camera -> [(capture_ns or None, path)]
-    scenes: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for cam in CAMERAS:
-        for path in sorted((samples / cam).iterdir()):
-            if path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
-                continue
-            stamp_us = capture_us(path)
-            # nuScenes: the log name before "__" is the scene; rendered frames have no capture
-            # time and all go on one synthetic timeline, in file-name order.
-            scene = scene_of(path) if stamp_us is not None else "~synthetic"
-            scenes[scene][cam].append((stamp_us * 1000 if stamp_us is not None else None, path))
+    scenes = _scene_frames(samples)
     contents = BagContents()
     cursor_ns = None          # where the next scene starts on the bag's timeline
     n_sets = 0

@@ -60,6 +60,22 @@ def tree_ancestors(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) 
     return anc
 
 
+def best_nodes(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+               total: int) -> tuple[DraftTree, torch.Tensor]:
+    """The root and the best `total` candidate nodes by cumulative score, as a DraftTree (parents
+    renumbered), and each candidate's index in it ([N] long, -1: not kept). Candidates are in
+    creation order (a node's id is larger than its parent's), node 0 the root. A child's score
+    never exceeds its parent's (log-probabilities are <= 0) and a stable sort breaks ties by id,
+    parent first: the kept set is ancestor-closed."""
+    dev = tokens.device
+    order = torch.sort(scores[1:], descending=True, stable=True).indices[:total] + 1
+    keep = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.sort(order).values])   # parents first
+    index = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=dev)
+    index[keep] = torch.arange(len(keep), device=dev)
+    kept_parent = torch.where(parents[keep] >= 0, index[parents[keep].clamp(min=0)], parents[keep])
+    return DraftTree(tokens=tokens[keep], parents=kept_parent, depths=depths[keep], scores=scores[keep]), index
+
+
 def accepted_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor,
                   target_tokens: torch.Tensor) -> list[int]:
     """Greedy verification: the longest root path whose every node is the target's choice at its
@@ -204,16 +220,9 @@ class Eagle2:
             f_feat, f_anc = h[best // k], f_anc[best // k]
             count += k * k
         tok, score, parent, depth = (torch.cat(x) for x in (tok, score, parent, depth))
-        # Keep the best `total` nodes by cumulative score. A child's score never exceeds its
-        # parent's (log-probabilities are <= 0) and a stable sort breaks ties by id, parent first:
-        # the kept set is ancestor-closed.
+        # Keep the root and the best `total` nodes by cumulative score (an ancestor-closed set).
         total = self.policy.choose_total(score[1:], self.max_total)
-        order = torch.sort(score[1:], descending=True, stable=True).indices[:total] + 1
-        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.sort(order).values])   # parents first
-        index = torch.full((count,), -1, dtype=torch.long, device=dev)
-        index[keep] = torch.arange(len(keep), device=dev)
-        kept_parent = torch.where(parent[keep] >= 0, index[parent[keep].clamp(min=0)], parent[keep])
-        tree = DraftTree(tokens=tok[keep], parents=kept_parent, depths=depth[keep], scores=score[keep])
+        tree, index = best_nodes(tok, score, parent, depth, total)
         if sampling:
             ids = index.tolist()
             tree.draft_probs = {ids[g]: q for g, q in q_of.items() if ids[g] >= 0}

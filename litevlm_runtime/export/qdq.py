@@ -194,6 +194,58 @@ def _session(model_or_path, optimized: Path | None = None, threads: int = 1):
     return ort.InferenceSession(str(src) if isinstance(src, Path) else src, opts, providers=["CPUExecutionProvider"])
 
 
+def _with_pairs_as_outputs(model, pairs: list[QdqPair]):
+    """A copy of `model` with every QuantizeLinear's input and DequantizeLinear's output added as
+    graph outputs (check 1 reads both sides of each pair)."""
+    import onnx
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    for p in pairs:
+        for name in ([p.q.input[0]] if p.q is not None else []) + [p.dq.output[0]]:
+            if name not in have:
+                probe.graph.output.append(onnx.ValueInfoProto(name=name))
+                have.add(name)
+    return probe
+
+
+def _check_pair(report: GraphCheck, model, p: QdqPair, got: dict[str, np.ndarray]) -> None:
+    """One pair in one run `got` (every output by name): its DequantizeLinear output against the
+    rounding recomputed here, counted into `report` (elements, mismatches, the worst in quanta)."""
+    y = got[p.dq.output[0]]
+    scale = _value(model, p.dq.input[1])
+    zp = _value(model, p.dq.input[2]) if len(p.dq.input) > 2 and p.dq.input[2] else None
+    if p.q is None:           # a stored weight: dequantized exactly
+        want = dequantize(_value(model, p.dq.input[0]).astype(np.float32), scale, zp, p.axis, p.block_size)
+    else:
+        x = got[p.q.input[0]] if p.q.input[0] in got else _value(model, p.q.input[0])
+        want = fake_quantize(x, scale, None if p.dtype == "fp8" else zp, p.dtype, p.axis, p.block_size)
+    diff = np.abs(y.astype(np.float64) - want.astype(np.float64))
+    report.checked += 1
+    report.elements += diff.size
+    report.mismatches += int((diff > 0).sum())
+    quanta = float((diff / np.abs(_broadcast(np.asarray(scale, np.float32), y, p.axis, p.block_size))).max())
+    if quanta > report.worst_quanta:
+        report.worst_quanta, report.worst_pair = quanta, p.name
+
+
+def _check_every_pair(model, pairs: list[QdqPair], feeds: list[dict[str, np.ndarray]], report: GraphCheck,
+                      threads: int) -> list[dict[str, np.ndarray]]:
+    """Check 1 over every feed, into `report`; returns each feed's run (every output by name), the
+    run whose every pair was verified, which check 2 compares the engine's outputs with."""
+    sess = _session(_with_pairs_as_outputs(model, pairs), threads=threads)
+    names = [o.name for o in sess.get_outputs()]
+    runs = []
+    for feed in feeds:
+        got = dict(zip(names, sess.run(None, feed)))
+        runs.append(got)
+        for p in pairs:
+            _check_pair(report, model, p, got)
+    report.checked //= len(feeds)
+    return runs
+
+
 def check_graph(path: Path, feeds: list[dict[str, np.ndarray]], float_path: Path | None = None,
                 reference: bool = True, threads: int = 1) -> GraphCheck:
     """The three checks of the module docstring on a quantized graph `path` (external data next to
@@ -206,37 +258,7 @@ def check_graph(path: Path, feeds: list[dict[str, np.ndarray]], float_path: Path
     if not pairs:
         return report
     # 1. every pair elementwise: Q inputs and DQ outputs exposed as outputs
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    have = {o.name for o in probe.graph.output}
-    for p in pairs:
-        for name in ([p.q.input[0]] if p.q is not None else []) + [p.dq.output[0]]:
-            if name not in have:
-                probe.graph.output.append(onnx.ValueInfoProto(name=name))
-                have.add(name)
-    sess = _session(probe, threads=threads)
-    names = [o.name for o in sess.get_outputs()]
-    runs = []
-    for feed in feeds:
-        got = dict(zip(names, sess.run(None, feed)))
-        runs.append(got)
-        for p in pairs:
-            y = got[p.dq.output[0]]
-            scale = _value(model, p.dq.input[1])
-            zp = _value(model, p.dq.input[2]) if len(p.dq.input) > 2 and p.dq.input[2] else None
-            if p.q is None:           # a stored weight: dequantized exactly
-                want = dequantize(_value(model, p.dq.input[0]).astype(np.float32), scale, zp, p.axis, p.block_size)
-            else:
-                x = got[p.q.input[0]] if p.q.input[0] in got else _value(model, p.q.input[0])
-                want = fake_quantize(x, scale, None if p.dtype == "fp8" else zp, p.dtype, p.axis, p.block_size)
-            diff = np.abs(y.astype(np.float64) - want.astype(np.float64))
-            report.checked += 1
-            report.elements += diff.size
-            report.mismatches += int((diff > 0).sum())
-            quanta = float((diff / np.abs(_broadcast(np.asarray(scale, np.float32), y, p.axis, p.block_size))).max())
-            if quanta > report.worst_quanta:
-                report.worst_quanta, report.worst_pair = quanta, p.name
-    report.checked //= len(feeds)
+    runs = _check_every_pair(model, pairs, feeds, report, threads)
     # 2. the graph as the engine runs it, against the reference evaluator and the float graph
     with tempfile.TemporaryDirectory() as tmp:
         optimized = Path(tmp) / "optimized.onnx"

@@ -57,7 +57,7 @@ import time
 from contextlib import ExitStack, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..errors import InputError
 from .cluster import connect
@@ -262,6 +262,21 @@ class _Driver:
             self.progress.write(f"fleet eval: {bag.name}: FAILED: {payload}")
             self.on_event({"event": "failed", "bag": key, "attempt": attempt, "reason": payload})
 
+    def finish(self, interrupted: str | None, stopped: str | None) -> None:
+        """The invocation's end in the manifest: when, which bags completed and failed, and why it
+        ended early (`interrupted`: Ctrl-C; `stopped`: the run's storage refused a write)."""
+        self.progress.close()
+        self.invocation.update(finished=now_iso(), complete=self.completed, failed=sorted(self.failed),
+                               **({"interrupted": interrupted} if interrupted else {}),
+                               **({"stopped": stopped} if stopped else {}))
+        self.manifest["finished"] = self.invocation["finished"]
+        self.manifest["hosts"] = sorted(set(self.manifest["hosts"]) | set(self.invocation["hosts"]))
+        try:
+            self.run.write_manifest(self.manifest)
+        except RunWriteError:
+            if not stopped:          # (when the storage refused already, that error is the one to tell)
+                raise
+
 
 def _in_process(cfg: FleetConfig, driver: _Driver, threads: int) -> None:
     """--workers 0: one BagEvaluator in this process, no Ray (for debugging)."""
@@ -326,108 +341,142 @@ def worker_exit(pid: int, tries: int = 3) -> str:
     return ""
 
 
-def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int, client: bool = False) -> None:
-    """One thread per actor feeds it bags from the queue and forwards its stream to the driver's
-    event queue; the main thread handles every event (commits, retries, the bar). `client`: Ray
-    Client has no streaming generators (ObjectRefGenerator), so each bag's events come back
-    whole when it ends (the bar then counts answers per bag, not as they come).
-    (100 lines: the per-actor feeder and its readiness wait are closures over the pool's shared
-    state, gone/events/stop; split apart they would pass all of it by hand.)"""
-    import ray
+class _RayPool:
+    """The run's Ray actors and one feeder thread per actor: a feeder takes bags from the driver's
+    queue, gives them to its actor and puts the actor's stream on `events`; the main thread hands
+    every event to the driver (commits, retries, the bar). `client`: Ray Client has no streaming
+    generators (ObjectRefGenerator), so each bag's events come back whole when it ends (the bar
+    then counts answers per bag, not as they come). A class because the feeders and the main
+    thread share `events`, `stop` and `gone`."""
 
-    Worker = ray.remote(FleetWorker).options(num_cpus=threads, num_gpus=cfg.gpus_per_worker,
-                                             max_restarts=-1, max_task_retries=0)
-    actors = [Worker.remote(cfg.params, threads, cfg.ground_truth) for _ in range(workers)]
-    events: queue.Queue = queue.Queue()
-    stop = threading.Event()
-    gone: dict[int, str] = {}                 # actor index -> why it will not come back
+    def __init__(self, cfg: FleetConfig, driver: _Driver, workers: int, threads: int, client: bool):
+        import ray
 
-    ask = f"{threads} CPU(s)" + (f" and {cfg.gpus_per_worker:g} GPU(s)" if cfg.gpus_per_worker else "")
+        self.cfg, self.driver, self.client = cfg, driver, client
+        Worker = ray.remote(FleetWorker).options(num_cpus=threads, num_gpus=cfg.gpus_per_worker,
+                                                 max_restarts=-1, max_task_retries=0)
+        self.actors = [Worker.remote(cfg.params, threads, cfg.ground_truth) for _ in range(workers)]
+        self.events: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.gone: dict[int, str] = {}            # actor index -> why it will not come back
+        self.ask = f"{threads} CPU(s)" + (f" and {cfg.gpus_per_worker:g} GPU(s)" if cfg.gpus_per_worker else "")
+        self.feeders = [threading.Thread(target=self.feed, args=(i, a), name=f"fleet-feed-{i}", daemon=True)
+                        for i, a in enumerate(self.actors)]
 
-    def ready(i: int, actor, first: bool) -> bool:
+    def ready(self, i: int, actor, first: bool) -> bool:
         """Wait until the actor is placed and has its model loaded (first), or has been restarted
         and loaded it again (a bag sent to an actor still restarting fails at once and would spend
         an attempt); False: it will not come (back), and gone[i] says why."""
-        deadline = time.monotonic() + cfg.restart_wait_s
+        import ray
+
+        deadline = time.monotonic() + self.cfg.restart_wait_s
         last = "waiting to be placed, or loading the model"
-        while not stop.is_set() and time.monotonic() < deadline:
+        while not self.stop.is_set() and time.monotonic() < deadline:
             try:
                 ray.get(actor.info.remote(), timeout=min(30.0, max(1.0, deadline - time.monotonic())))
                 return True
             except ray.exceptions.GetTimeoutError:
                 continue                 # not placed yet (no node with room: a lost node's replacement) or loading
             except ray.exceptions.ActorDiedError as exc:
-                gone[i] = death_reason(exc)
+                self.gone[i] = death_reason(exc)
                 return False
             except ray.exceptions.RayActorError as exc:
                 last = death_reason(exc)
                 time.sleep(1.0)          # unavailable: restarting
-        if not stop.is_set():
+        if not self.stop.is_set():
             have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-            gone[i] = (f"not {'placed and loaded' if first else 'back'} within --restart-wait {cfg.restart_wait_s:g} s "
-                       f"({last}; each worker asks for {ask}, the cluster has {have})")
+            self.gone[i] = (f"not {'placed and loaded' if first else 'back'} within --restart-wait "
+                            f"{self.cfg.restart_wait_s:g} s ({last}; each worker asks for {self.ask}, "
+                            f"the cluster has {have})")
         return False
 
-    def stream(actor, bag: BagRef, attempt: int):
-        if client:
+    def stream(self, actor, bag: BagRef, attempt: int):
+        import ray
+
+        if self.client:
             yield from ray.get(actor.evaluate_bag_whole.remote(bag, attempt))
             return
         for ref in actor.evaluate_bag.remote(bag, attempt):
             yield ray.get(ref)
 
-    def feed(i: int, actor) -> None:
-        if not ready(i, actor, first=True):
+    def feed(self, i: int, actor) -> None:
+        """Feeder thread i: bags from the driver's queue to actor i until the run stops or the
+        actor is gone for good."""
+        if not self.ready(i, actor, first=True):
             return
-        while not stop.is_set():
+        while not self.stop.is_set():
             try:
-                job = driver.pending.get(timeout=0.2)
+                job = self.driver.pending.get(timeout=0.2)
             except queue.Empty:
                 continue
             if job is None:
                 return
             bag, attempt = job
-            pid = None
-            try:
-                for kind, payload in stream(actor, bag, attempt):
-                    events.put((kind, bag, attempt, payload))
-                    pid = payload["pid"] if kind == "start" else pid
-                    if kind in ("done", "failed"):
-                        break
-            except Exception as exc:  # noqa: BLE001 - sorted below: the worker lost, or our bug
-                lost = _is_worker_loss(exc)
-                why = f"{type(exc).__name__}: {death_reason(exc)}" if lost else failure_reason(exc)
-                ended = worker_exit(pid) if lost and pid and not client else ""
-                events.put(("died" if lost else "failed", bag, attempt,
-                            f"worker process {pid}: {ended} ({why})" if ended else why))
-                if lost and not ready(i, actor, first=False):
-                    return               # this actor is gone for good; the others go on
+            if not self.evaluate(i, actor, bag, attempt):
+                return                   # this actor is gone for good; the others go on
 
-    feeders = [threading.Thread(target=feed, args=(i, a), name=f"fleet-feed-{i}", daemon=True)
-               for i, a in enumerate(actors)]
-    for t in feeders:
-        t.start()
-    try:
+    def evaluate(self, i: int, actor, bag: BagRef, attempt: int) -> bool:
+        """One attempt at `bag` on actor i, its events forwarded as they come; an exception ends
+        the attempt as "died" (the worker went away) or "failed" (an error of our own code).
+        False: the actor was lost and will not come back."""
+        pid = None
+        try:
+            for kind, payload in self.stream(actor, bag, attempt):
+                self.events.put((kind, bag, attempt, payload))
+                pid = payload["pid"] if kind == "start" else pid
+                if kind in ("done", "failed"):
+                    break
+        except Exception as exc:  # noqa: BLE001 - sorted below: the worker lost, or our bug
+            lost = _is_worker_loss(exc)
+            why = f"{type(exc).__name__}: {death_reason(exc)}" if lost else failure_reason(exc)
+            ended = worker_exit(pid) if lost and pid and not self.client else ""
+            self.events.put(("died" if lost else "failed", bag, attempt,
+                             f"worker process {pid}: {ended} ({why})" if ended else why))
+            if lost and not self.ready(i, actor, first=False):
+                return False
+        return True
+
+    def handle_events(self) -> None:
+        """The main thread: every event to the driver until each bag of the plan is complete or
+        failed; when every feeder has stopped (each actor gone for good), the bags left fail with
+        the actors' reasons."""
+        driver = self.driver
         while driver.outstanding:
             try:
-                kind, bag, attempt, payload = events.get(timeout=0.5)
+                kind, bag, attempt, payload = self.events.get(timeout=0.5)
             except queue.Empty:
-                if not any(t.is_alive() for t in feeders) and events.empty():     # every actor gone for good
-                    why = "; ".join(f"actor {i}: {r}" for i, r in sorted(gone.items())) or "no reason recorded"
+                if not any(t.is_alive() for t in self.feeders) and self.events.empty():     # every actor gone for good
+                    why = "; ".join(f"actor {i}: {r}" for i, r in sorted(self.gone.items())) or "no reason recorded"
                     for key in sorted(driver.outstanding):
                         driver.handle("failed", driver.todo[key], 0, f"no worker left ({why})")
                 continue
             driver.handle(kind, bag, attempt, payload)
-    finally:
-        stop.set()
-        for _ in feeders:
-            driver.pending.put(None)
-        for a in actors:
+
+    def close(self) -> None:
+        """Stop the feeders and give every actor back."""
+        import ray
+
+        self.stop.set()
+        for _ in self.feeders:
+            self.driver.pending.put(None)
+        for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)      # its cores and its model go back to the cluster
             except Exception:  # noqa: BLE001 - the cluster may be gone already (the reason we stop)
                 pass
-        for t in feeders:
+        for t in self.feeders:
             t.join(timeout=10)
+
+
+def _ray_pool(cfg: FleetConfig, driver: _Driver, workers: int, threads: int, client: bool = False) -> None:
+    """The bags of the plan on a pool of Ray actors (_RayPool), until each is complete or failed."""
+    pool = _RayPool(cfg, driver, workers, threads, client)
+    for t in pool.feeders:
+        t.start()
+    try:
+        pool.handle_events()
+    finally:
+        pool.close()
 
 
 def pool_size(cfg: FleetConfig, bags: int) -> tuple[int, int]:
@@ -446,11 +495,10 @@ def pool_size(cfg: FleetConfig, bags: int) -> tuple[int, int]:
     return workers, threads
 
 
-def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) -> FleetResult:
-    """Evaluate every bag of cfg.bags not finished in cfg.out yet; see the module docstring."""
-    t_start = time.time()
+def _resolve_config(cfg: FleetConfig) -> None:
+    """Refuse what cannot run, and rewrite cfg's paths as the workers must read them (a worker's
+    working folder is not the driver's)."""
     check_ground_truth(cfg.ground_truth)
-    # Paths as the workers must read them: a worker's working folder is not the driver's.
     cfg.ground_truth = [str(Path(g).absolute()) for g in cfg.ground_truth]
     if cfg.params.get("model_dir"):
         cfg.params = {**cfg.params, "model_dir": str(model_dir_of(cfg.params))}
@@ -458,39 +506,67 @@ def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) 
         raise InputError(f"--max-attempts must be >= 1, got {cfg.max_attempts}")
     if cfg.restart_wait_s <= 0:
         raise InputError(f"--restart-wait must be > 0 seconds, got {cfg.restart_wait_s}")
+
+
+def _new_manifest(cfg: FleetConfig, ident: dict, model: dict, t_start: float) -> dict:
+    """The manifest of a run started now: what it evaluates, with which model and parameters."""
+    return {"format": FORMAT, "identity": ident, "model": model, "params": jsonable(cfg.params),
+            "resolved_options": None, "params_file": cfg.params_file, "overrides": cfg.overrides,
+            "ground_truth": ident["ground_truth"], "project": project_version(),
+            "started": now_iso(t_start), "finished": None, "hosts": [], "invocations": [], "bags": {}}
+
+
+class _Placement(NamedTuple):
+    """Where an invocation evaluates its bags."""
+    workers: int                 # 0: one evaluator in this process, no Ray
+    threads: int                 # per worker
+    where: str                   # the invocation's "ray": the cluster, "in-process" or "nothing to do"
+    client: bool = False         # connected through Ray Client (no streaming generators)
+
+
+def _placement(cfg: FleetConfig, todo: list[BagRef], stack: ExitStack) -> _Placement:
+    """The pool for the bags left to do; Ray is connected only when there are some, for as long as
+    `stack` is open."""
+    if cfg.workers == 0:
+        return _Placement(0, cfg.threads or 0, "in-process")
+    if not todo:
+        return _Placement(cfg.workers or 0, cfg.threads or 0, "nothing to do")
+    # While Ray runs, this process's stdout carries nothing but progress: Ray's driver prints
+    # the raylet's error messages ("(raylet) A worker died ...") to sys.stdout whatever
+    # log_to_driver says (ray._private.worker.listen_error_messages), and stdout is for results.
+    stack.enter_context(redirect_stdout(sys.stderr))
+    conn = stack.enter_context(connect(cfg.ray_address))      # shut down when the run ends
+    workers, threads = pool_size(cfg, len(todo))
+    where = conn.target.given if conn.target.kind == "local" else conn.target.address
+    return _Placement(workers, threads, where, conn.client)
+
+
+def _invocation(placement: _Placement, todo: list[BagRef], skipped: list[str], t_start: float) -> dict:
+    """This invocation's entry in the manifest (the driver fills in hosts, complete and failed)."""
+    return {"started": now_iso(t_start), "finished": None, "driver": socket.gethostname(),
+            "ray": placement.where, "workers": placement.workers, "threads_per_worker": placement.threads,
+            "project": project_version(), "planned": [b.key for b in todo], "skipped": skipped,
+            "hosts": [], "complete": [], "failed": []}
+
+
+def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) -> FleetResult:
+    """Evaluate every bag of cfg.bags not finished in cfg.out yet; see the module docstring."""
+    t_start = time.time()
+    _resolve_config(cfg)
     model = model_checksum(model_dir_of(cfg.params))
     ident = identity(cfg.params, model, cfg.ground_truth)
     run = RunFolder(cfg.out)
     with run.lock(), ExitStack() as stack:
         manifest = run.read_manifest()
         if manifest is None:
-            manifest = {"format": FORMAT, "identity": ident, "model": model, "params": jsonable(cfg.params),
-                        "resolved_options": None, "params_file": cfg.params_file, "overrides": cfg.overrides,
-                        "ground_truth": ident["ground_truth"], "project": project_version(),
-                        "started": now_iso(t_start), "finished": None, "hosts": [], "invocations": [], "bags": {}}
+            manifest = _new_manifest(cfg, ident, model, t_start)
         else:
             check_resume(manifest, ident, run.path)
         done = run.complete_keys()
         todo = [b for b in cfg.bags if b.key not in done]
         skipped = [b.key for b in cfg.bags if b.key in done]
-        client = False
-        if cfg.workers == 0:
-            workers, threads, where = 0, cfg.threads or 0, "in-process"
-        elif todo:
-            # While Ray runs, this process's stdout carries nothing but progress: Ray's driver prints
-            # the raylet's error messages ("(raylet) A worker died ...") to sys.stdout whatever
-            # log_to_driver says (ray._private.worker.listen_error_messages), and stdout is for results.
-            stack.enter_context(redirect_stdout(sys.stderr))
-            conn = stack.enter_context(connect(cfg.ray_address))      # shut down when the run ends
-            client = conn.client
-            workers, threads = pool_size(cfg, len(todo))
-            where = conn.target.given if conn.target.kind == "local" else conn.target.address
-        else:
-            workers, threads, where = cfg.workers or 0, cfg.threads or 0, "nothing to do"
-        invocation = {"started": now_iso(t_start), "finished": None, "driver": socket.gethostname(),
-                      "ray": where, "workers": workers, "threads_per_worker": threads,
-                      "project": project_version(), "planned": [b.key for b in todo], "skipped": skipped,
-                      "hosts": [], "complete": [], "failed": []}
+        placement = _placement(cfg, todo, stack)
+        invocation = _invocation(placement, todo, skipped, t_start)
         manifest["invocations"].append(invocation)
         for b in todo:
             manifest["bags"].setdefault(b.key, {"path": b.path, "status": "pending"})
@@ -500,27 +576,17 @@ def run_fleet(cfg: FleetConfig, on_event: Callable[[dict], None] | None = None) 
         try:
             if todo:
                 if cfg.workers == 0:
-                    _in_process(cfg, driver, threads)
+                    _in_process(cfg, driver, placement.threads)
                 else:
-                    _ray_pool(cfg, driver, workers, threads, client)
+                    _ray_pool(cfg, driver, placement.workers, placement.threads, placement.client)
         except KeyboardInterrupt:
             interrupted = "interrupted (Ctrl-C)"
         except RunWriteError as exc:
             refused = str(exc)
             raise
         finally:
-            driver.progress.close()
-            invocation.update(finished=now_iso(), complete=driver.completed, failed=sorted(driver.failed),
-                              **({"interrupted": interrupted} if interrupted else {}),
-                              **({"stopped": refused} if refused else {}))
-            manifest["finished"] = invocation["finished"]
-            manifest["hosts"] = sorted(set(manifest["hosts"]) | set(invocation["hosts"]))
-            try:
-                run.write_manifest(manifest)
-            except RunWriteError:
-                if not refused:          # (when the storage refused already, that error is the one to tell)
-                    raise
+            driver.finish(interrupted, refused)
         if interrupted:
             raise KeyboardInterrupt
     return FleetResult(driver.completed, skipped, driver.failed, driver.answers, time.time() - t_start,
-                       workers, threads)
+                       placement.workers, placement.threads)

@@ -30,7 +30,7 @@ from ..weights.checkpoint import load_model
 from ..weights.draft_head import save_draft_head
 from ..weights.integrity import write_manifest
 from ..weights.tokenizer import Tokenizer
-from .distributed import setup
+from .distributed import Dist, setup
 
 
 @dataclass
@@ -118,14 +118,9 @@ class EagleTraining:
     tree: tuple[int, int, int] = (60, 6, 10)    # total, depth, topk of the draft tree for the held-out metric
 
 
-def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path | None = None,
-                settings: EagleTraining = EagleTraining(), log=print) -> dict:
-    samples, holdout, epochs, lr, noise, seed = (settings.samples, settings.holdout, settings.epochs, settings.lr,
-                                                 settings.noise, settings.seed)
-    tree = dict(zip(("total", "depth", "topk"), settings.tree))
-    d = setup("cpu")                   # the target and draft run on the CPU pipeline here
-    torch.manual_seed(seed)
-    # The baseline pipeline (every camera and token), with EAGLE-2 for the acceptance metric.
+def _pipeline_with_draft(model_dir: Path, settings: EagleTraining, tree: dict[str, int]) -> tuple[Pipeline, DraftHead]:
+    """The target's baseline pipeline (every camera and token), with EAGLE-2 over a new draft
+    head in the fixed `tree` for the acceptance metric; and that draft head, to be trained."""
     opts = options_from_flat({"pipeline": "baseline", "max_new_tokens": settings.max_new_tokens,
                               "backend.threads": settings.threads or 0,
                               "decoding.mode": "eagle", "decoding.eagle.policy": "fixed",
@@ -136,7 +131,52 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
     # Start the draft's layer from the target's last layer: same shapes, a better start than random.
     src = model.language_model.layers[-1].state_dict()
     draft.layer.load_state_dict({k: v for k, v in src.items() if k in draft.layer.state_dict()})
-    pipe = Pipeline.from_model(model, Tokenizer(model_dir), opts, draft=draft)
+    return Pipeline.from_model(model, Tokenizer(model_dir), opts, draft=draft), draft
+
+
+def _distill(draft: DraftHead, target_lm, seqs: list[Sequence], settings: EagleTraining, d: Dist, log,
+             t0: float) -> None:
+    """Train `draft` on the target's features `seqs` (draft_loss; AdamW, warm-up then cosine
+    decay), the target `target_lm` frozen; `t0`: when training began (the log's elapsed time)."""
+    epochs = settings.epochs
+    for p in target_lm.parameters():
+        p.requires_grad_(False)
+    wrapped = d.wrap(draft.train())
+    forward = wrapped if d.world == 1 else _DDPForward(wrapped)
+    opt = torch.optim.AdamW(draft.parameters(), lr=settings.lr, weight_decay=0.0)
+    total_steps = max(1, epochs * len(seqs))
+    warmup = min(20, total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    gen = torch.Generator().manual_seed(settings.seed + d.rank)
+    step = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(seqs), generator=gen).tolist()
+        sums = [0.0, 0.0, 0.0]
+        for j, i in enumerate(order):
+            loss, feat_loss, ce = draft_loss(forward, target_lm.head, seqs[i], settings.noise, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            sums = [a + float(b) for a, b in zip(sums, (loss, feat_loss, ce))]
+            if (j + 1) % 50 == 0 or j + 1 == len(order):
+                k = (j % 50) + 1
+                log(f"epoch {epoch + 1}/{epochs} step {step}/{total_steps} loss {sums[0] / k:.4f} "
+                    f"(feature {sums[1] / k:.4f}, ce {sums[2] / k:.4f}) elapsed {time.time() - t0:.0f}s")
+                sums = [0.0, 0.0, 0.0]
+
+
+def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path | None = None,
+                settings: EagleTraining = EagleTraining(), log=print) -> dict:
+    samples, holdout, epochs, lr, noise, seed = (settings.samples, settings.holdout, settings.epochs, settings.lr,
+                                                 settings.noise, settings.seed)
+    tree = dict(zip(("total", "depth", "topk"), settings.tree))
+    d = setup("cpu")                   # the target and draft run on the CPU pipeline here
+    torch.manual_seed(seed)
+    pipe, draft = _pipeline_with_draft(model_dir, settings, tree)
 
     pairs = load_samples(data, frames_root, (samples + holdout) if samples else None, seed)
     pairs = [({c: Path(p).read_bytes() for c, p in im.items()}, q) for im, q in pairs]
@@ -150,34 +190,7 @@ def train_eagle(model_dir: Path, data: list[Path], frames_root: Path, out: Path 
     seqs = [Sequence(*(t.clone() for t in (s.embeds, s.features, s.positions, s.text_next))) for s in seqs]
 
     untrained = mean_accepted_length(pipe, held) if d.main else float("nan")
-    for p in pipe.rt.lm.parameters():
-        p.requires_grad_(False)
-    wrapped = d.wrap(draft.train())
-    forward = wrapped if d.world == 1 else _DDPForward(wrapped)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    total_steps = max(1, epochs * len(seqs))
-    warmup = min(20, total_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
-    gen = torch.Generator().manual_seed(seed + d.rank)
-    step = 0
-    for epoch in range(epochs):
-        order = torch.randperm(len(seqs), generator=gen).tolist()
-        sums = [0.0, 0.0, 0.0]
-        for j, i in enumerate(order):
-            loss, feat_loss, ce = draft_loss(forward, pipe.rt.lm.head, seqs[i], noise, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            sums = [a + float(b) for a, b in zip(sums, (loss, feat_loss, ce))]
-            if (j + 1) % 50 == 0 or j + 1 == len(order):
-                k = (j % 50) + 1
-                log(f"epoch {epoch + 1}/{epochs} step {step}/{total_steps} loss {sums[0] / k:.4f} "
-                    f"(feature {sums[1] / k:.4f}, ce {sums[2] / k:.4f}) elapsed {time.time() - t0:.0f}s")
-                sums = [0.0, 0.0, 0.0]
+    _distill(draft, pipe.rt.lm, seqs, settings, d, log, t0)
     draft.eval()
     trained = mean_accepted_length(pipe, held) if d.main else float("nan")
     record = {
