@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -38,6 +39,7 @@ from ..bundled import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
 from ..pipeline.pipeline import Pipeline
+from ..serving.cancel import Cancelled, CancelScope
 from ..serving.explainer import Explained, Explainer
 from ..serving.record import AnswerRecord, PartialRecord
 from ..serving.server import QueryServer
@@ -96,8 +98,9 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.answer_json_pub = self.create_publisher(String, ANSWER_JSON, RELIABLE)
         self.partial_pub = self.create_publisher(AnswerPartial, ANSWER_PARTIAL, RELIABLE)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS, 10)
-        self.create_subscription(Query, QUERY, lambda m: self.server.submit(request_from_query(m)), QUERY_QOS)
-        self.create_subscription(String, QUESTION, lambda m: self.server.submit(request_from_question(m)), QUERY_QOS)
+        self._query_subs = [
+            (self.create_subscription(Query, QUERY, self._on_query, QUERY_QOS), self._on_query),
+            (self.create_subscription(String, QUESTION, self._on_question, QUERY_QOS), self._on_question)]
         self._diag_timer = self.create_timer(float(self.get_parameter("diagnostics_period_s").value),
                                              self.publish_diagnostics)
         self.create_timer(0.01, self._every_10ms)
@@ -107,6 +110,10 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.readers.max_pixels = int(self.get_parameter("images.max_pixels").value)   # configure: the validated one
         self.integrity = "not loaded"        # integrity_label of the loaded model folder
         self.finalized = threading.Event()   # set by a lifecycle shutdown: the process ends (runner.py)
+        # configure's model load, cancelled by a stop (SIGINT/SIGTERM, runner.py) or a lifecycle
+        # shutdown requested while it runs (serving/cancel.py)
+        self.configure_scope = CancelScope()
+        self._shutdown_while_configuring()
 
     @property
     def state(self) -> str:
@@ -139,6 +146,17 @@ class DriveNode(LifecycleNodeMixin, Node):
 
     def answer_publishers(self) -> tuple:
         return self.answer_pub, self.answer_json_pub, self.partial_pub, self.explanation_pub
+
+    def _on_query(self, msg) -> None:
+        self.server.submit(request_from_query(msg))
+
+    def _on_question(self, msg) -> None:
+        self.server.submit(request_from_question(msg))
+
+    def query_readers(self) -> list:
+        """(subscription, its callback) of the query and question topics (the drain takes what
+        they still hold: runner.py)."""
+        return list(self._query_subs)
 
     # ---- parameters (`ros2 param set`) ----
     def _check_parameters(self, params) -> SetParametersResult:
@@ -191,7 +209,10 @@ class DriveNode(LifecycleNodeMixin, Node):
                 raise CheckpointError(refused)
             return Pipeline.from_pretrained(model_dir, options)
         try:
-            self.server.load(factory, warmup=settings.warmup)
+            with self.configure_scope.running():
+                self.server.load(factory, warmup=settings.warmup)
+        except Cancelled as exc:
+            return self._configure_cancelled(str(exc))
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
             return self._configure_failed(f"{type(exc).__name__}: {exc}")
         self.integrity = integrity_label(model_dir)
@@ -207,6 +228,58 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.get_logger().error(f"configure failed: {why}")
         self.publish_diagnostics()
         return TransitionCallbackReturn.FAILURE
+
+    def _configure_cancelled(self, why: str) -> TransitionCallbackReturn:
+        """A stop or a lifecycle shutdown came while configure loaded the model: what was loaded
+        is dropped and its memory given back; the node is unconfigured (its answers say so)."""
+        seconds = time.monotonic() - self.configure_scope.started
+        self.server.pipeline = None
+        self.config_error = f"configure cancelled ({why})"
+        freed = release_memory()
+        self.get_logger().warning(f"configure cancelled ({why}) after {seconds:.1f} s of loading; the model is "
+                                  f"not loaded (RSS {freed})")
+        return TransitionCallbackReturn.FAILURE
+
+    # ---- lifecycle shutdown while configure runs ----
+    def _shutdown_while_configuring(self) -> None:
+        """`ros2 lifecycle set NODE shutdown` during configure. rcl's state machine has no
+        shutdown out of the transition state `configuring` (its transitions there are configure's
+        outcomes only), so the CLI, which asks for the available transitions first, would refuse
+        with "Unknown transition requested". While configure runs, the node offers `shutdown`
+        besides them and, asked for it, cancels configure (the load stops within a call: serving/
+        cancel.py), then shuts down from unconfigured as usual: the process ends."""
+        from lifecycle_msgs.msg import State as StateMsg
+        from lifecycle_msgs.msg import Transition, TransitionDescription
+
+        transitions_srv, change_srv = self._service_get_available_transitions, self._service_change_state
+        rcl_transitions, rcl_change = transitions_srv.callback, change_srv.callback
+
+        def available(req, resp):
+            resp = rcl_transitions(req, resp)
+            if self.state == "configuring":
+                resp.available_transitions.append(TransitionDescription(
+                    transition=Transition(id=Transition.TRANSITION_UNCONFIGURED_SHUTDOWN, label="shutdown"),
+                    start_state=StateMsg(id=StateMsg.TRANSITION_STATE_CONFIGURING, label="configuring"),
+                    goal_state=StateMsg(id=StateMsg.TRANSITION_STATE_SHUTTINGDOWN, label="shuttingdown")))
+            return resp
+
+        shutdowns = {Transition.TRANSITION_UNCONFIGURED_SHUTDOWN, Transition.TRANSITION_INACTIVE_SHUTDOWN,
+                     Transition.TRANSITION_ACTIVE_SHUTDOWN}
+
+        def change(req, resp):
+            wants_shutdown = req.transition.label == "shutdown" or (not req.transition.label
+                                                                     and req.transition.id in shutdowns)
+            if not (wants_shutdown and self.state == "configuring"):
+                return rcl_change(req, resp)
+            self.get_logger().warning("configure cancelled (lifecycle shutdown during configure): the model load stops")
+            self.configure_scope.cancel_and_wait("lifecycle shutdown during configure", timeout_s=60.0)
+            end = time.monotonic() + 10.0
+            while self.state == "configuring" and time.monotonic() < end:   # rcl's transition out of it
+                time.sleep(0.01)
+            resp.success = self.state != "configuring" and self.trigger_shutdown() == TransitionCallbackReturn.SUCCESS
+            return resp
+
+        transitions_srv.callback, change_srv.callback = available, change
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         listening = self.readers.subscribe(self.settings.camera_topics)

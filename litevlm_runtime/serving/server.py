@@ -456,9 +456,10 @@ class QueryServer:
         if self.queue.closed:
             self.queue = RequestQueue(self.settings.queue_size, self.settings.overflow_policy)
 
-    def shutdown(self, timeout_s: float | None = None) -> bool:
+    def shutdown(self, timeout_s: float | None = None, give_up: threading.Event | None = None) -> bool:
         """Stop intake and drain (see the module docstring). Returns False when the running query
-        was given up after `timeout_s` (default settings.drain_timeout_s). Safe to call twice."""
+        was given up after `timeout_s` (default settings.drain_timeout_s), or as soon as `give_up`
+        is set (a second SIGTERM: the stop is cut short). Safe to call twice."""
         timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
         self.accepting = False
         self.active = False
@@ -467,13 +468,16 @@ class QueryServer:
         self._answer_waiting("shutting_down", "node shutting down; the query was still queued")
         worker, finished = self._worker, True
         if worker is not None:
-            worker.join(timeout_s)
+            end = time.monotonic() + timeout_s
+            while worker.is_alive() and time.monotonic() < end and not (give_up is not None and give_up.is_set()):
+                worker.join(min(0.05, max(0.0, end - time.monotonic())))
             finished = not worker.is_alive()
+            why = ("the stop was cut short (a further signal)" if give_up is not None and give_up.is_set()
+                   else f"drain_timeout_s {timeout_s:.1f} s")
             for running in list(self.running):
                 if not finished:
                     self.deliver(running, self._record_for(
-                        running, "shutting_down", f"node shutting down; the query was still running after "
-                                                  f"drain_timeout_s {timeout_s:.1f} s"))
+                        running, "shutting_down", f"node shutting down; the query was still running after {why}"))
             self._worker = None
         self._answer_waiting("shutting_down", "node shutting down")     # any that raced the first pass
         if self.explainer is not None:

@@ -57,8 +57,10 @@ class ServerSettings(_Validated):
                                          "after the answer): subscribed (those whose Query asks, and every one "
                                          "while ~/explanation has a subscriber) | always (every answer) | never (none, "
                                          "a Query's explain flag included)", choices=EXPLAIN_MODES, live=True)
-    drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
-                                          "running query (queued ones are answered shutting_down at once) (s)",
+    # 4 s: the whole stop ends inside `ros2 launch`'s sigterm_timeout (5 s after its own SIGINT).
+    drain_timeout_s: float = setting(4.0, "on SIGINT/SIGTERM or lifecycle shutdown the stop takes at most this long "
+                                          "(s): queued queries are answered shutting_down at once, the running one is "
+                                          "waited for until 0.5 s before it, the answers' acknowledgements until it",
                                      lo=0.0, hi=3600.0)
 
     @classmethod
