@@ -8,6 +8,7 @@ from __future__ import annotations
 from ros_helpers import Rig, RosClient, domain_id, write_params
 from test_ros_node import start_node
 
+from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.parameters import AT_CONFIGURE
 
 NAME = "/litevlm_drive"
@@ -68,9 +69,25 @@ def test_pipeline_setting_changes_through_cleanup_and_configure(tmp_path, tiny_m
         second = answer_of(client, rig, "after", 2)
         assert second["status"] == 0 and "tokens@0.5" in second["pipeline"], second
         assert client.param_get(NAME, "queue_size") == 3
+
+        # Counters that agree (issue 42): /diagnostics and the summary count alike, all since the
+        # node started, and say so; the frame counter used to restart at configure ("24 answered
+        # (0 errors); frames 0 received").
+        from diagnostic_msgs.msg import DiagnosticArray
+
+        diags = []
+        client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+        assert client.spin_until(lambda: diags, 10)
+        values = {kv.key: kv.value for kv in diags[-1].status[0].values}
+        assert values["answered"] == "2" and values["counted_since"].startswith("since the node started")
+        assert "(2 configures)" in values["counted_since"], values["counted_since"]
+        assert sum(int(values[f"camera.{c}.received"]) for c in CAMERAS) == 12, values
     finally:
         client.close()
         node.stop()
+    summary = next(line for line in node.text().splitlines() if "summary:" in line)
+    assert "summary: 2 answered (0 errors); frames 12 received" in summary, summary
+    assert "all counted since the node started" in summary and "(2 configures)" in summary, summary
 
 
 def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):

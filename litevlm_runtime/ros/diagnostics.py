@@ -65,6 +65,7 @@ def camera_values(node, s: dict) -> tuple[dict, list[str]]:
         values[f"camera.{cam}.history_resets"] = s["frames_history_resets"][cam]
         values[f"camera.{cam}.too_large"] = s["frames_bad_image"][cam]
         values[f"camera.{cam}.held_mb"] = f"{s['frames_held_bytes'][cam] / 1e6:.2f}"
+        values[f"camera.{cam}.held_s"] = f"{s['frames_held_window_ns'][cam] / 1e9:.2f}"    # the window it holds
         values[f"camera.{cam}.memory_evictions"] = s["frames_memory_evictions"][cam]
         values[f"camera.{cam}.reader_renewals"] = monitor.renewals[cam]
         values[f"camera.{cam}.undecodable"] = monitor.undecodable[cam]
@@ -129,11 +130,13 @@ def diagnostic_array(node) -> DiagnosticArray:
         "queue_size": s["queue_size"],
         "waiting_for_frames": s["waiting_for_frames"],
         "overflow_policy": s["overflow_policy"],
+        "counted_since": node.counted_since(),        # every count here (and in the summary line)
         "answered": s["answered"],
         "errors": s["errors"],
         "last_error": s["last_error"],
         "dropped_frames": sum(s["frames_dropped"].values()) + sum(node.cameras.lost.values()),
         "frame_memory_mb": f"{node.server.settings.frame_memory_mb:g}",
+        "frame_window_s": f"{node.server.settings.frame_window_s:g}",
         "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
         "publish_failed": s["publish_failed"],
         # callbacks that raised and were survived (runner.py spin_once_surviving_callbacks): a bug to report

@@ -32,6 +32,7 @@ STATUS_CODES = {
     "bad_stamp": 11,
     "duplicate_id": 12,
     "bad_follow_up": 13,
+    "too_old": 14,
 }
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 # Field names that differ on the wire (JSON, message, Parquet) from the dataclass.

@@ -116,9 +116,13 @@ class QueryServer:
         """(Re)build the frame store and the queue for new limits (the node does this on configure).
         Queries already queued move to the new queue; those beyond its size are answered queue_full."""
         self.settings = settings
+        old_frames = getattr(self, "frames", None)
         self.frames = FrameStore(settings.cameras, int(settings.max_skew_s * 1e9), int(settings.max_frame_age_s * 1e9),
                                  settings.frame_history, int(settings.max_future_s * 1e9), clock_ns=self.clock_ns,
-                                 max_bytes=int(settings.frame_memory_mb * 1e6))
+                                 max_bytes=int(settings.frame_memory_mb * 1e6),
+                                 window_ns=int(settings.frame_window_s * 1e9))
+        if old_frames is not None:
+            self.frames.carry_counters(old_frames)      # counters run since the server started
         old, self.queue = self.queue, RequestQueue(settings.queue_size, settings.overflow_policy)
         for req in old.drain() if old is not None else ():
             self._enqueue(req)
@@ -259,6 +263,9 @@ class QueryServer:
             )
         return None if refused is req else req
 
+    def waiting_for_frames(self) -> bool:
+        return bool(self._pending)
+
     def next_wait_end(self) -> int | None:
         """When the first query waiting for frames stops waiting (its match_wait_s is over), or None."""
         with self._pending_lock:
@@ -366,6 +373,9 @@ class QueryServer:
         whose answer was streamed gets its final partial, with the Answer's text, first. An
         explained answer's trace goes to the explainer after its record is out."""
         trace, rec.trace = rec.trace, None        # (the record published carries no tensors)
+        refused = req.frames.refused if req.frames is not None else {}
+        if rec.status == "ok" and refused:         # a camera it used was answered from an older frame
+            rec.degraded = [*rec.degraded, *(f"older frame: {refused[c]}" for c in rec.cameras if c in refused)]
         with self._answer_lock:
             if req.answered:
                 log.warning("%s: already answered; a late %s record is discarded", req.query_id, rec.status)
@@ -540,6 +550,8 @@ class QueryServer:
             "frames_bad_image": dict(self.frames.bad_image),     # refused on arrival (too large)
             "frames_held_bytes": self.frames.held_bytes(),         # bounded by frame_memory_mb per camera
             "frames_memory_evictions": dict(self.frames.memory_evictions),
+            "frames_window_evictions": dict(self.frames.window_evictions),   # left frame_window_s
+            "frames_held_window_ns": self.frames.held_window_ns(),            # the stamps each camera's frames span
             # answered queries a follow-up may name now (serving.conversations at most)
             "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "explanations": self.explainer.stats() if self.explainer is not None else None,
