@@ -318,6 +318,8 @@ def test_duplicate_ids_are_answered_once_and_node_ids_never_collide(pipeline):
     assert server.submit(QueryRequest("again?", query_id="a"), now_ns=2) is None        # the same id again
     assert [(r.query_id, r.status) for r in records] == [("a", "duplicate_id")]
     assert "already used" in records[0].status_message and records[0].question == "again?"
+    # (it said "this one is not answered" in the very answer it was: issue 42)
+    assert "not answered" not in records[0].status_message and "keeps its own answer" in records[0].status_message
     # A caller that happens to use the node's own id form: the node's ids skip it.
     assert server.submit(QueryRequest("caller's q1", query_id="q1"), now_ns=3) is not None
     assert server.submit(QueryRequest("caller's q3", query_id="q3"), now_ns=3) is not None

@@ -75,8 +75,8 @@ def camera_values(node, s: dict) -> tuple[dict, list[str]]:
 
 
 def overall(node, s: dict, stale: list[str]) -> tuple[bytes, str]:
-    """The status's level and message: the first of load error, configure error, not active, stale
-    cameras, undecodable frames; else OK."""
+    """The status's level and message: the first of load error, configure error, not active,
+    unverified weights (about every answer), stale cameras, undecodable frames; else OK."""
     server = node.server
     if server.load_error:
         return DiagnosticStatus.ERROR, f"model not loaded: {server.load_error}"
@@ -84,6 +84,9 @@ def overall(node, s: dict, stale: list[str]) -> tuple[bytes, str]:
         return DiagnosticStatus.ERROR, f"configure failed: {node.config_error}"
     if node.state != "active":
         return DiagnosticStatus.WARN, f"lifecycle state {node.state}"
+    if node.integrity.startswith("unverified"):
+        return DiagnosticStatus.WARN, (f"serving weights no manifest vouches for ({node.integrity}; require_manifest "
+                                       f"off): write one once the files are checked (litevlm checksum)")
     if stale:
         return DiagnosticStatus.WARN, (f"serving, but no fresh frame from {', '.join(stale)} "
                                        f"(max_frame_age_s {node.settings.max_frame_age_s:g})")

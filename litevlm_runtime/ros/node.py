@@ -234,13 +234,18 @@ class DriveNode(LifecycleNodeMixin, Node):
             return self._configure_cancelled(str(exc))
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
             return self._configure_failed(f"{type(exc).__name__}: {exc}")
-        self.integrity = integrity_label(model_dir)
+        self.integrity = self.server.integrity = integrity_label(model_dir)
         self.config_error = ""
         self.configures += 1
         self.get_logger().info(
             f"configure: model loaded and warmed up; serving {self.server.pipeline.options.label()}; "
             f"integrity: {self.integrity}"
         )
+        if self.integrity.startswith("unverified"):
+            self.get_logger().warning(
+                f"configure: serving UNVERIFIED weights ({self.integrity}; require_manifest is off): nothing checks "
+                f"that they are the files meant (a bit flip in finite weights serves garbage); every answer says "
+                f"so (model_integrity); write a manifest once they are checked: litevlm checksum {model_dir}")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, why: str) -> TransitionCallbackReturn:
@@ -317,7 +322,7 @@ class DriveNode(LifecycleNodeMixin, Node):
     def on_cleanup(self, state: State) -> TransitionCallbackReturn:
         """Drop the model, its arena and caches, and give their memory back (release_memory)."""
         self.server.pipeline = None
-        self.integrity = "not loaded"
+        self.integrity, self.server.integrity = "not loaded", ""
         freed = release_memory()
         self.get_logger().info(f"cleanup: model released (RSS {freed})")
         return TransitionCallbackReturn.SUCCESS

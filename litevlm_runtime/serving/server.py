@@ -92,6 +92,7 @@ class QueryServer:
         self.apply_settings(settings)
         self.pipeline = None          # set by load(); None while not configured
         self.load_error = ""          # why the model could not be loaded
+        self.integrity = ""           # the loaded folder's integrity_label (every record carries it)
         self.active = False
         self.accepting = True         # False once shutdown() began: every new query is answered shutting_down
         self._ids = itertools.count(1)
@@ -188,8 +189,8 @@ class QueryServer:
             self._finish(self._record_for(job, status, message))
 
         if not new_id:
-            return refuse("duplicate_id", f"query id {query_id!r} was already used by an earlier query; "
-                                          "this one is not answered (use a new id per query)")
+            return refuse("duplicate_id", f"query id {query_id!r} was already used by an earlier query, which keeps "
+                                          "its own answer; this query was not run (use a new id per query)")
         if not self.accepting:
             return refuse("shutting_down", "node is shutting down; the query arrived after intake stopped")
         pipeline = self.pipeline          # (once: a lifecycle cleanup may drop it meanwhile)
@@ -365,6 +366,7 @@ class QueryServer:
         return AnswerRecord(
             query_id=req.query_id, question=req.request.question, status=status, status_message=message,
             query_stamp_ns=req.request.stamp_ns, follow_up_of=req.request.follow_up_of,
+            model_integrity=self.integrity if self.pipeline is not None else "",
             frame_stamps_ns={c: f.stamp_ns for c, f in req.frames.frames.items()} if req.frames is not None else {},
         )
 
