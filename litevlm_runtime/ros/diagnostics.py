@@ -105,6 +105,15 @@ def explanation_values(mode: str, stats: dict | None) -> dict:
     return values
 
 
+def batching_values(pipeline, policy) -> dict:
+    """In-flight batching (pipeline/batching.py BatchPolicy): which mode runs and why."""
+    if pipeline is None:
+        return {"batching": "", "batching_why": ""}
+    if pipeline.rt.arena.limits.batch <= 1:
+        return {"batching": "off", "batching_why": "serving.max_batch 1 (or a backend without a batched step)"}
+    return {"batching": policy.mode, "batching_why": policy.why}
+
+
 def diagnostic_array(node) -> DiagnosticArray:
     s = node.server.stats()
     cameras, stale = camera_values(node, s)
@@ -156,6 +165,7 @@ def diagnostic_array(node) -> DiagnosticArray:
             p50, p90, _ = s["latency_ms"][stage]
             values[f"latency_ms.{stage}.p50"] = f"{p50:.2f}"
             values[f"latency_ms.{stage}.p90"] = f"{p90:.2f}"
+    values.update(batching_values(pipeline, node.server.batch_policy))
     values.update(explanation_values(node.server.settings.explain, s["explanations"]))
     values.update(cameras)
     status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]

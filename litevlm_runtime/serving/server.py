@@ -45,6 +45,7 @@ from typing import Callable
 
 from ..errors import InputError
 from ..pipeline.answer import STAGES
+from ..pipeline.batching import BatchPolicy
 from ..pipeline.request import QueryRequest
 from ..timing import percentile
 from .batch_worker import BatchWorker
@@ -91,6 +92,7 @@ class QueryServer:
         self.queue: RequestQueue | None = None
         self.apply_settings(settings)
         self.pipeline = None          # set by load(); None while not configured
+        self.batch_policy = BatchPolicy()
         self.load_error = ""          # why the model could not be loaded
         self.integrity = ""           # the loaded folder's integrity_label (every record carries it)
         self.active = False
@@ -150,6 +152,7 @@ class QueryServer:
             if warmup:
                 pipe.warm_up()       # one synthetic query; measures the speculation costs
             self.pipeline, self.load_error = pipe, ""
+            self.batch_policy = BatchPolicy()     # batched or one at a time, as it pays (batch_worker.py)
         except Exception as exc:  # noqa: BLE001 - reported in every answer and in /diagnostics
             self.pipeline, self.load_error = None, f"{type(exc).__name__}: {exc}"
             self.last_error = self.load_error
