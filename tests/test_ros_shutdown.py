@@ -88,3 +88,23 @@ def test_ctrl_c_as_launch_sends_it_without_a_profile_is_one_clean_exit(tmp_path,
     finally:
         client.close()
         node.stop()
+
+
+def test_signal_rules_as_launch_sends_them():
+    """ros/runner.py Signals (the handler's decisions; the signals themselves are the DDS tests'):
+    the first signal starts the stop; a repeated SIGINT (launch's forward) does not end it, however
+    late it comes; SIGTERM, or a third SIGINT, cuts the drain short."""
+    from litevlm_runtime.ros.runner import Signals
+
+    s = Signals()
+    s.handle(signal.SIGINT)
+    assert s.stop.is_set() and not s.hurry.is_set() and s.first == "SIGINT"
+    time.sleep(1.2)                                    # past the old REPEATED_SIGINT_S window
+    s.handle(signal.SIGINT)
+    assert not s.hurry.is_set() and s.later == ["SIGINT"]
+    s.handle(signal.SIGINT)                            # Ctrl-C pressed again
+    assert s.hurry.is_set()
+    t = Signals()
+    t.handle(signal.SIGINT)
+    t.handle(signal.SIGTERM)                           # launch's escalation
+    assert t.hurry.is_set() and t.later == ["SIGTERM"]
