@@ -352,10 +352,13 @@ def main(argv=None) -> int:
           f"{'with' if args.profile else 'without'} the Fast DDS profile, model {args.model or 'bundled'}; "
           f"load {open('/proc/loadavg').read().split()[0]}; logs in {work}", flush=True)
     rows = []
-    for k in range(args.count):
-        row = (configure_run if configure else queued_run)(args, k, work, args.domain)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    try:
+        for k in range(args.count):
+            row = (configure_run if configure else queued_run)(args, k, work, args.domain)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:                                  # (the daemon the ros2 CLI started for this domain)
+        subprocess.run(ros2(args.setup, "daemon stop"), env=client_env(args.domain), capture_output=True, timeout=60)
     passed = sum(r["ok"] for r in rows)
     exits = sorted(r["exit_s"] for r in rows if "exit_s" in r)
     print("\n| runs | passed | node exit code 0 | launch exit code 0 | finished cleanly | SIGTERM from launch "
