@@ -1,6 +1,8 @@
 """Error types. Every failure a user can cause has its own type and a message that names the culprit."""
 
+import errno
 import json
+import os
 from pathlib import Path
 
 
@@ -28,6 +30,27 @@ class InputError(LiteVLMError):
         self.camera = camera
         self.path = path
         self.about = about or ("image" if camera else "file" if path is not None else "")
+
+
+def not_a_file(path: Path) -> str:
+    """Why `path` is no readable file, in words ("" when it is one): missing, a symlink loop, a
+    broken symlink, a folder. Path.is_file() says False to all of them alike, and a symlink loop in a
+    model folder was reported as "missing"."""
+    path = Path(path)
+    try:
+        if path.is_file():
+            return ""
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            first = os.readlink(path) if path.is_symlink() else "..."
+            return f"a symlink loop ({path.name} -> {first} -> ... never reaches a file)"
+        if path.is_symlink():
+            return f"a broken symlink (to {os.readlink(path)}, which does not exist)"
+        if exc.errno == errno.ENOENT:
+            return "missing"
+        return f"unreadable ({exc.strerror})"
+    return "a folder, not a file" if path.is_dir() else "not a regular file"
 
 
 def read_json(path: Path, what: str):

@@ -46,7 +46,8 @@ def populated() -> AnswerRecord:
                                     "<c2,CAM_FRONT,10,20>", 3, 23)],
         malformed_tags=["answer '<c3,CAM_BAK,1,2>': unknown camera CAM_BAK"], query_id="q9", status="queue_full",
         status_message="fine", queue_ms=1.25, follow_up_of="q8", query_stamp_ns=1_700_000_000_123_456_789,
-        frame_stamps_ns={"CAM_BACK": 1_700_000_000_100_000_000}, cpu_ms=3.5, gc_ms=0.5)
+        frame_stamps_ns={"CAM_BACK": 1_700_000_000_100_000_000}, model_integrity="unverified (no manifest)",
+        cpu_ms=3.5, gc_ms=0.5)
 
 
 def test_the_record_is_the_answer_plus_its_envelope():

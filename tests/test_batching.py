@@ -116,3 +116,83 @@ def test_a_query_stopped_for_a_join_teaches_the_speculation_policy(frames):
     answers, widest = serve(pipe, frames, [(0, 0, first), (3, 1, QUESTIONS[1])])
     assert widest == 2 and answers[(0, first)].batched_steps > 0       # stopped alone, then batched
     assert sum(costs.answers.values()) == taught + 1 + (answers[(1, QUESTIONS[1])].batched_steps == 0)
+
+
+# ---- the batching policy (batching.py BatchPolicy): batched only while it pays at the present load ----
+def test_batch_policy_follows_the_measured_costs_and_probes_while_one_at_a_time():
+    from litevlm_runtime.pipeline.batching import MIN_OBSERVED, PROBE_EVERY, BatchPolicy
+
+    p = BatchPolicy()
+    assert p.mode == "batched" and p.batching                      # before any measurement
+    for _ in range(MIN_OBSERVED):
+        p.observe_lone(10, 40.0)                                   # 4 ms per token alone
+        p.observe_batched(4, 10.0)                                 # 2.5 ms per token batched
+    p.answered()
+    assert p.mode == "batched" and "batching pays" in p.why and "2.50 ms per token" in p.why, p.why
+    q = BatchPolicy(lone_ms=4.0, batched_ms=4.2, lone_seen=MIN_OBSERVED, batched_seen=MIN_OBSERVED)
+    q.answered()
+    assert q.mode == "batched", q.why                              # within the margin: no flip-flop
+    for _ in range(8):                                             # a loaded machine: batched steps cost more per token
+        p.observe_batched(4, 30.0)
+    p.answered()
+    assert p.mode == "one_at_a_time" and not p.batching, p.why
+    assert "one at a time" in p.why and "against 4.00 ms alone" in p.why, p.why
+    for _ in range(PROBE_EVERY - 2):                               # answers one at a time ...
+        p.answered()
+        assert not p.batching
+    p.answered()
+    assert p.batching and p.mode == "one_at_a_time"                # ... then one batch is let form (a probe)
+    p.observe_batched(3, 27.0)                                     # it still loses
+    p.answered()
+    assert not p.batching and p.probe_every == 2 * PROBE_EVERY, (p.probe_every, p.why)
+    for _ in range(2 * PROBE_EVERY - 1):
+        p.answered()
+    assert p.batching                                              # the next probe ...
+    for _ in range(10):
+        p.observe_batched(4, 4.0)                                  # ... finds the load gone: 1 ms per token
+    p.answered()
+    assert p.mode == "batched" and p.probe_every == PROBE_EVERY, p.why
+
+
+def test_one_at_a_time_serves_each_query_to_its_end_with_the_same_answers(pipe, frames, one_at_a_time):
+    """The worker's side of the policy (serving/batch_worker.py): one at a time, a query arriving
+    while another decodes waits for it to finish instead of joining (max_batch 1's way, on the
+    batching node's arena); the answers are the same as batched or alone."""
+    import time
+
+    from litevlm_runtime.pipeline.batching import MIN_OBSERVED
+    from litevlm_runtime.serving.frame_store import Frame
+    from litevlm_runtime.serving.images import RawPayload
+    from litevlm_runtime.serving.server import QueryServer
+    from litevlm_runtime.serving.settings import ServerSettings
+
+    records = []
+    server = QueryServer(ServerSettings(match_wait_s=0.0, queue_size=8, frame_match="newest"), records.append)
+    server.load(lambda: pipe, warmup=False)
+    server.active = True
+    policy = server.batch_policy
+    for _ in range(MIN_OBSERVED):                                  # measured: batching loses here
+        policy.observe_lone(10, 10.0)
+        policy.observe_batched(4, 80.0)
+    policy.answered()
+    assert policy.mode == "one_at_a_time"
+    now = time.time_ns()
+    for cam, image in frames[0].items():           # (as raw rgb8 frames arrive)
+        h, w = image.shape[:2]
+        server.frames.add(Frame(cam, now, RawPayload("rgb8", h, w, w * 3, image.tobytes())), now_ns=now)
+    widest = []
+    real_step = server.batch_policy.observe_batched
+    server.batch_policy.observe_batched = lambda rows, ms: (widest.append(rows), real_step(rows, ms))
+    server.start_worker()
+    try:
+        for q in QUESTIONS[:4]:
+            server.submit(QueryRequest(q, query_id=q))
+        end = time.monotonic() + 300
+        while len(records) < 4 and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        server.shutdown(30)
+    assert [r.status for r in records] == ["ok"] * 4, [(r.status, r.status_message) for r in records]
+    assert not widest, widest                                      # no batched step: each ran alone
+    for r in records:
+        assert r.token_ids == one_at_a_time[(0, r.question)], r.question

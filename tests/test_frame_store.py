@@ -110,11 +110,22 @@ def test_frames_stamped_ahead_of_the_node_clock_are_refused_and_counted_per_came
     # (they had a negative age and were answered ok for 4.5 s after the cameras stopped); the
     # diagnosis names the cameras and how far ahead they were.
     assert store.match(10_400 * MS).frames["CAM_FRONT"].stamp_ns == 10_000 * MS
-    for later in (1100, 4500, 6000):
+    for later in (1100, 4500):
         with pytest.raises(FrameMatchError) as e:
             store.match(10_000 * MS + later * MS)
         assert e.value.status == "bad_stamp", later
         assert "CAM_FRONT 5.000 s" in str(e.value) and "max_future 0.500 s" in str(e.value)
+    # Once those stamps are no longer ahead (CAM_FRONT's last: 15.3 s), they are judged by their age:
+    # 0.7 s old at 16 s, still the refused frames' news; 2.7 s old at 18 s, stale_frames (it used to
+    # say "ahead by 5 s" about stamps then in the past).
+    with pytest.raises(FrameMatchError) as e:
+        store.match(16_000 * MS)
+    assert e.value.status == "bad_stamp" and "that stamp is now 0.700 s old" in str(e.value), str(e.value)
+    with pytest.raises(FrameMatchError) as e:
+        store.match(18_000 * MS)
+    assert e.value.status == "stale_frames", str(e.value)
+    assert ("CAM_FRONT: its newest frame was stamped 5.000 s ahead of the node's clock and refused on arrival; "
+            "that stamp is now 2.700 s old") in str(e.value)
 
 
 def test_a_little_ahead_is_tolerated_and_ages_normally():
@@ -210,3 +221,90 @@ def test_memory_bound_comes_from_the_setting():
     server = QueryServer(ServerSettings(frame_memory_mb=1.5), lambda rec: None)
     assert server.frames.max_bytes == 1_500_000
     assert QueryServer(ServerSettings(), lambda rec: None).frames.max_bytes == 256_000_000
+
+
+# ---- the window: a question stamped seconds back, or taken seconds late from a flood ----
+def streamed(store, clock, seconds: float, hz: float = 5.0, start_ns: int = 100_000 * MS) -> int:
+    """Six cameras at `hz` for `seconds` (nuScenes-like 8 ms spread), the clock following; the last stamp."""
+    t = start_ns
+    while t < start_ns + int(seconds * 1e9):
+        clock.t = t + 40 * MS
+        add_set(store, t)
+        t += int(1e9 / hz)
+    return t - int(1e9 / hz)
+
+
+def test_a_question_stamped_seconds_back_is_answered_from_the_frames_at_or_before_its_stamp():
+    """Six cameras at 5 Hz: questions stamped 2 s and 3 s back get the newest set at or before their
+    stamps (with 8 frames held, 1.6 s, they got no_frames naming every camera); one stamped 10 s back,
+    before every frame held, gets too_old naming its age and the window, never no_frames."""
+    clock = Clock(0)
+    store = FrameStore(CAMERAS, SKEW, AGE, clock_ns=clock, window_ns=5000 * MS)
+    last = streamed(store, clock, 12.0)
+    now = clock.t
+    for back_ms in (2000, 3000, 4900):
+        stamp = now - back_ms * MS
+        fs = store.match(now, as_of_ns=stamp)
+        # the set's anchor: the newest frame set started at or before the stamp (sets every 200 ms)
+        anchor = last - ((last - stamp + 199 * MS) // (200 * MS)) * 200 * MS
+        assert {c: f.stamp_ns for c, f in fs.frames.items()} == {
+            c: anchor + i * 8 * MS for i, c in enumerate(CAMERAS)}, back_ms
+    with pytest.raises(FrameMatchError) as e:
+        store.match(now, as_of_ns=now - 10_000 * MS)
+    assert e.value.status == "too_old", str(e.value)
+    assert "stamped 10.000 s ago" in str(e.value) and "frame_window_s 5" in str(e.value)
+    assert "every camera holds frames from 5.0" in str(e.value)
+    assert store.window_evictions["CAM_FRONT"] > 0 and store.held_window_ns()["CAM_FRONT"] >= 5000 * MS
+
+
+def test_the_window_is_bounded_by_memory_and_says_so():
+    """With frame_memory_mb too small for the window, the oldest frames go first: a question
+    stamped before what is left is too_old, naming frame_memory_mb."""
+    clock = Clock(0)
+    store = FrameStore(CAMERAS, SKEW, AGE, clock_ns=clock, window_ns=5000 * MS, max_bytes=100)
+    t = 100_000 * MS
+    for k in range(30):                                    # 6 s at 5 Hz, 20-byte frames: 5 held per camera
+        clock.t = t + 40 * MS
+        for i, cam in enumerate(CAMERAS):
+            store.add(Frame(cam, t + i * 8 * MS, bytes(20)))
+        t += 200 * MS
+    assert store.depth()["CAM_FRONT"] == 5 and store.memory_evictions["CAM_FRONT"] > 0
+    assert store.match(clock.t, as_of_ns=clock.t - 500 * MS).frames       # inside what is held
+    with pytest.raises(FrameMatchError) as e:
+        store.match(clock.t, as_of_ns=clock.t - 2000 * MS)
+    assert e.value.status == "too_old" and "frame_memory_mb 0.0001" in str(e.value), str(e.value)
+
+
+def test_a_question_stamped_before_the_first_frame_is_too_old_not_no_frames():
+    clock = Clock(0)
+    store = FrameStore(CAMERAS, SKEW, AGE, clock_ns=clock)
+    streamed(store, clock, 1.0)
+    with pytest.raises(FrameMatchError) as e:
+        store.match(clock.t, as_of_ns=clock.t - 3000 * MS)
+    assert e.value.status == "too_old" and "every camera sent its first frame" in str(e.value), str(e.value)
+
+
+def test_a_refused_newest_frame_is_named_when_an_older_one_serves():
+    """A camera's newest arrival refused (too large) while its previous frame is still fresh: the
+    set is matched from that frame and names the refusal (the server puts it in the answer's
+    `degraded`); it used to be answered ok with no word of it."""
+    clock = Clock(10_000 * MS)
+    store = FrameStore(CAMERAS, SKEW, AGE, clock_ns=clock)
+    add_set(store, 9_900 * MS)
+    store.refuse("CAM_BACK", "CAM_BACK: image 8000x8000 above images.max_pixels; refused on arrival")
+    fs = store.match(10_000 * MS)
+    assert fs.frames["CAM_BACK"].stamp_ns == 9_900 * MS + 3 * 8 * MS
+    assert fs.refused == {"CAM_BACK": "CAM_BACK: image 8000x8000 above images.max_pixels; refused on arrival"}
+    add_set(store, 10_000 * MS)                               # a good frame since: the refusal is old news
+    assert store.match(10_100 * MS).refused == {}
+
+
+def test_counters_continue_across_a_rebuilt_store():
+    """A configure rebuilds the store; the node's counters run since it started (issue 42: the
+    summary read `24 answered; frames 0 received`)."""
+    from litevlm_runtime.serving.server import QueryServer, ServerSettings
+
+    server = QueryServer(ServerSettings(), lambda rec: None)
+    add_set(server.frames, 1000 * MS)
+    server.apply_settings(ServerSettings(frame_window_s=2.0))
+    assert server.frames.received == {c: 1 for c in CAMERAS} and server.frames.window_ns == 2000 * MS

@@ -173,3 +173,27 @@ def test_bundled_model_manifests_are_current():
     folders = model_folders(DEFAULT_MODEL)
     assert [f.name for f in folders[1:]] == ["view_selector", "token_selector", "eagle"]
     assert all(verify_model_folder(f, use_cache=False) for f in folders)
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no_manifest"])
+def test_a_symlink_loop_or_a_broken_link_is_said_not_called_missing(folder, manifest):
+    """Issue 42: a symlink loop in a model folder was reported as "missing" (Path.is_file() is False for
+    both); now the error names the loop, or the broken link and its target."""
+    if not manifest:
+        (folder / MANIFEST_FILE).unlink()
+    shard = folder / "model.safetensors"
+    shard.unlink()
+    shard.symlink_to("model.safetensors.a")
+    (folder / "model.safetensors.a").symlink_to("model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        load_model(folder)
+    assert "model.safetensors: a symlink loop (model.safetensors -> model.safetensors.a" in str(e.value), str(e.value)
+    (folder / "model.safetensors.a").unlink()
+    with pytest.raises(CheckpointError) as e:
+        load_model(folder)
+    assert "a broken symlink (to model.safetensors.a, which does not exist)" in str(e.value), str(e.value)
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("config.json")
+    with pytest.raises(CheckpointError) as e:
+        load_model(folder)
+    assert "config.json: a symlink loop" in str(e.value) and "missing" not in str(e.value), str(e.value)

@@ -318,6 +318,8 @@ def test_duplicate_ids_are_answered_once_and_node_ids_never_collide(pipeline):
     assert server.submit(QueryRequest("again?", query_id="a"), now_ns=2) is None        # the same id again
     assert [(r.query_id, r.status) for r in records] == [("a", "duplicate_id")]
     assert "already used" in records[0].status_message and records[0].question == "again?"
+    # (it said "this one is not answered" in the very answer it was: issue 42)
+    assert "not answered" not in records[0].status_message and "keeps its own answer" in records[0].status_message
     # A caller that happens to use the node's own id form: the node's ids skip it.
     assert server.submit(QueryRequest("caller's q1", query_id="q1"), now_ns=3) is not None
     assert server.submit(QueryRequest("caller's q3", query_id="q3"), now_ns=3) is not None
@@ -617,3 +619,17 @@ def test_a_follow_up_is_served_on_the_frames_of_the_query_it_follows(pipeline):
     late = server.submit(QueryRequest("And behind?", query_id="q4", follow_up_of="q2"), now_ns=1500 * MS)
     pipeline.rt.conversations.clear()          # (as if four later answers had taken every slot)
     assert server.serve(late, now_ns=1500 * MS).status == "bad_follow_up"
+
+
+def test_a_refused_newest_frame_is_named_in_the_answer_that_used_its_camera(pipeline):
+    """A raw Image refused on arrival for its size (height 4e9, width 2^32-1, 8000x8000 ...) while the
+    camera's previous frame is still fresh: the query is answered from that frame, and the answer's
+    `degraded` names the refusal for each camera it used (it used to say nothing: issue 42)."""
+    server, records = make_server(pipeline, frame_match="newest")
+    add_frames(server, 1000 * MS)
+    why = "CAM_BACK: raw image 4000000000x640 above images.max_pixels (16777216); refused on arrival"
+    server.frames.refuse("CAM_BACK", why)
+    rec = server.serve(server.submit(QueryRequest("What is behind?", query_id="r"), now_ns=1100 * MS),
+                       now_ns=1100 * MS)
+    assert rec.status == "ok" and "CAM_BACK" in rec.cameras, (rec.status, rec.cameras)    # (the baseline: all six)
+    assert rec.degraded == [f"older frame: {why}"], rec.degraded

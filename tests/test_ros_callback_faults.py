@@ -31,7 +31,7 @@ def test_topic_names_survive_a_subscription_destroyed_by_a_renewal():
             for sub in subs:
                 client.node.destroy_subscription(sub)
         assert readers.topic_names() == names
-        readers.to_renew.update(CAMERAS)
+        readers.to_renew.update({c: "a test renews it" for c in CAMERAS})
         readers.renew(active=True)
         assert readers.topic_names() == names
         assert all(len(subs) == 2 for subs in readers.subs.values())    # compressed + its raw fallback

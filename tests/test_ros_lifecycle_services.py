@@ -65,3 +65,71 @@ def test_services_answer_while_configure_runs_and_shutdown_ends_the_process(tmp_
     finally:
         client.close()
         node.stop()
+
+
+def configuring_node(tmp_path, k: int):
+    """The node executable with the bundled model and its warm-up (a configure of seconds), asked to
+    configure (the launch file's request); returns (node, client, the pending configure) once the
+    node logged that it loads."""
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+
+    domain = domain_id(k)
+    node = start_node(tmp_path, domain, "/", write_params(tmp_path / "p.yaml", warmup=True))
+    client = RosClient(domain)
+    change = client.node.create_client(ChangeState, f"{NAME}/change_state")
+    assert client.spin_until(change.service_is_ready, 60)
+    client.spin_for(1.0)
+    req = ChangeState.Request()
+    req.transition.id = Transition.TRANSITION_CONFIGURE
+    configured = change.call_async(req)
+    end = time.monotonic() + 120
+    while "configure: loading" not in node.text() and time.monotonic() < end:
+        client.spin_for(0.05)
+    client.spin_for(1.0)                                   # 1 s into configure
+    return node, client, configured
+
+
+def test_ctrl_c_during_configure_cancels_it_and_exits_cleanly(tmp_path):
+    """SIGINT 1 s into configure: the load stops (serving/cancel.py) instead of running to its end
+    under launch's 5 s SIGTERM timeout (it used to log its summary, then load on for 5-6 s with the
+    bundled model, minutes with a 2B one): the process exits 0 with a line saying configure was
+    cancelled, and the model never finished loading. (The time it takes is tests/test_ros_launch_real.py's,
+    with the real CLI.)"""
+    import signal
+
+    node, client, _ = configuring_node(tmp_path, 34)
+    try:
+        node.p.send_signal(signal.SIGINT)
+        assert node.wait(60) == 0, node.text()[-3000:]
+        text = node.text()
+        assert "configure cancelled (SIGINT" in text and "summary:" in text, text[-3000:]
+        assert "model loaded and warmed up" not in text, text[-3000:]
+        assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    finally:
+        client.close()
+        node.stop()
+
+
+def test_lifecycle_shutdown_during_configure_cancels_it_and_ends_the_process(tmp_path):
+    """`ros2 lifecycle set /litevlm_drive shutdown` while configure runs: rcl has no shutdown out of
+    `configuring`, so the CLI (which lists the available transitions first) refused it and the
+    load ran on. The node offers shutdown there, cancels configure, and shuts down: the reply is
+    success, the process exits 0, and the model never finished loading."""
+    from lifecycle_msgs.srv import GetAvailableTransitions
+
+    node, client, configured = configuring_node(tmp_path, 35)
+    try:
+        listed = client.call(GetAvailableTransitions, f"{NAME}/get_available_transitions",
+                             GetAvailableTransitions.Request())
+        labels = [t.transition.label for t in listed.available_transitions]
+        assert "shutdown" in labels, labels
+        assert client.lifecycle_set(NAME, "shutdown"), node.text()[-3000:]
+        assert node.wait(60) == 0, node.text()[-3000:]
+        assert configured.done() and not configured.result().success     # the launch's configure: failed
+        text = node.text()
+        assert "configure cancelled (lifecycle shutdown" in text and "shutdown: finalized" in text, text[-3000:]
+        assert "model loaded and warmed up" not in text and "summary:" in text, text[-3000:]
+    finally:
+        client.close()
+        node.stop()

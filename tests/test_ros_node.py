@@ -52,12 +52,13 @@ def launch_activations(handler: dict, events) -> int:
     return sum(e.goal_state.label == "inactive" for e in matching)
 
 
-def start_node(tmp_path: Path, domain: int, namespace: str, params: Path, *extra: str) -> Proc:
-    """As launch_ros runs it: the executable, then --ros-args with name, namespace, params, remaps."""
+def start_node(tmp_path: Path, domain: int, namespace: str, params: Path, *extra: str, env: dict | None = None) -> Proc:
+    """As launch_ros runs it: the executable, then --ros-args with name, namespace, params, remaps
+    (`env`: the process's environment, default ros_env(domain))."""
     remaps = [a for src, dst in SHIPPED_REMAPS for a in ("-r", f"{src}:={dst}")]
     cmd = [sys.executable, "-c", NODE_MAIN, "--ros-args", "-r", "__node:=litevlm_drive", "-r", f"__ns:={namespace}",
            "--params-file", str(params), *remaps, *extra]
-    return Proc([], ros_env(domain), tmp_path / "node.log", cmd=cmd)
+    return Proc([], env or ros_env(domain), tmp_path / "node.log", cmd=cmd)
 
 
 def test_topic_resolution_is_rcls():

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ros_helpers import Rig, RosClient, domain_id, write_params
 from test_ros_node import start_node
 
+from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.ros.parameters import AT_CONFIGURE
 
 NAME = "/litevlm_drive"
@@ -20,7 +21,7 @@ def answer_of(client: RosClient, rig: Rig, query_id: str, seed: int) -> dict:
     rig.ask(query_id, "Is there a car in front?")
     assert client.spin_until(lambda: any(a.query_id == query_id for a in rig.answers), 60), query_id
     a = next(a for a in rig.answers if a.query_id == query_id)
-    return {"status": a.status, "message": a.status_message, "pipeline": a.pipeline}
+    return {"status": a.status, "message": a.status_message, "pipeline": a.pipeline, "integrity": a.model_integrity}
 
 
 def test_pipeline_setting_changes_through_cleanup_and_configure(tmp_path, tiny_model):
@@ -68,9 +69,25 @@ def test_pipeline_setting_changes_through_cleanup_and_configure(tmp_path, tiny_m
         second = answer_of(client, rig, "after", 2)
         assert second["status"] == 0 and "tokens@0.5" in second["pipeline"], second
         assert client.param_get(NAME, "queue_size") == 3
+
+        # Counters that agree (issue 42): /diagnostics and the summary count alike, all since the
+        # node started, and say so; the frame counter used to restart at configure ("24 answered
+        # (0 errors); frames 0 received").
+        from diagnostic_msgs.msg import DiagnosticArray
+
+        diags = []
+        client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+        assert client.spin_until(lambda: diags, 10)
+        values = {kv.key: kv.value for kv in diags[-1].status[0].values}
+        assert values["answered"] == "2" and values["counted_since"].startswith("since the node started")
+        assert "(2 configures)" in values["counted_since"], values["counted_since"]
+        assert sum(int(values[f"camera.{c}.received"]) for c in CAMERAS) == 12, values
     finally:
         client.close()
         node.stop()
+    summary = next(line for line in node.text().splitlines() if "summary:" in line)
+    assert "summary: 2 answered (0 errors); frames 12 received" in summary, summary
+    assert "all counted since the node started" in summary and "(2 configures)" in summary, summary
 
 
 def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):
@@ -78,7 +95,7 @@ def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):
     one; served once it is off, /diagnostics and the configure log saying unverified."""
     import shutil
 
-    from diagnostic_msgs.msg import DiagnosticArray
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 
     from litevlm_runtime.weights.integrity import MANIFEST_FILE
 
@@ -97,14 +114,27 @@ def test_require_manifest_and_the_integrity_report(tmp_path, tiny_model):
         assert client.param_set(NAME, "require_manifest", False).successful
         assert client.lifecycle_set(NAME, "configure")
         assert "integrity: unverified (no manifest)" in node.text()
+        assert "serving UNVERIFIED weights" in node.text()               # a warning, not only an info line
+        # Said loudly (issue 42): /diagnostics warns while serving, and every answer carries it.
+        assert client.lifecycle_set(NAME, "activate")
+        rig = Rig(client)
+        assert client.spin_until(rig.connected, 30)
+        unverified = answer_of(client, rig, "unverified", 1)
+        assert unverified["status"] == 0 and unverified["integrity"] == "unverified (no manifest)", unverified
         diags.clear()
         assert client.spin_until(lambda: diags, 10)
-        assert {kv.key: kv.value for kv in diags[-1].status[0].values}["integrity"] == "unverified (no manifest)"
+        status = diags[-1].status[0]
+        assert {kv.key: kv.value for kv in status.values}["integrity"] == "unverified (no manifest)"
+        assert status.level == DiagnosticStatus.WARN and "no manifest vouches for" in status.message, status.message
+        assert client.lifecycle_set(NAME, "deactivate")
         assert client.lifecycle_set(NAME, "cleanup")
         assert client.param_set(NAME, "model_dir", str(tiny_model)).successful
         assert client.param_set(NAME, "require_manifest", True).successful
         assert client.lifecycle_set(NAME, "configure")
         assert "integrity: verified (manifest)" in node.text()
+        assert client.lifecycle_set(NAME, "activate")
+        assert client.spin_until(rig.connected, 30)
+        assert answer_of(client, rig, "verified", 2)["integrity"] == "verified (manifest)"
     finally:
         client.close()
         node.stop()

@@ -111,9 +111,10 @@ def test_soak_command_on_a_small_bag(tmp_path, tiny_model, small_bag):
 def test_peak_command_brackets_the_rate(tmp_path, tiny_model, small_bag):
     params = write_params(tmp_path / "drive.yaml", model_dir=str(tiny_model), max_new_tokens=8, queue_size=2)
     run = harness(["peak", str(small_bag), "--params", str(params), "--min-rate", "2", "--max-rate", "2000",
-                   "--steps", "3", "--trial-count", "30", "--lone", "4", "--json", str(tmp_path / "peak.json")],
-                  tmp_path, 41)
+                   "--steps", "3", "--trial-count", "30", "--lone", "4", "--json", str(tmp_path / "peak.json"),
+                   "--hog", "1"], tmp_path, 41)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^peak: beside 1 spin processes; load average [\d.]+ before, [\d.]+ after$", run.stdout, re.M)
     trials = re.findall(r"^\s+([\d.]+)\s+30\s+(\d+)\s+(\d+)\s+([\d.]+)\s+\d+\s+0  (pass|fail)$", run.stdout, re.M)
     assert len(trials) == 5, run.stdout                     # max, min, then 3 bisection steps
     verdicts = {float(r): v for r, _, _, _, v in trials}

@@ -20,6 +20,7 @@ from ..serving.images import payload_from_msg
 from ..serving.record import AnswerRecord
 from ..serving.server import QueryServer
 from ..serving.settings import ServerSettings
+from ..weights.integrity import integrity_label
 from .damage import decode
 from .io import bag_topics, missing_cameras, read_bag
 
@@ -56,6 +57,7 @@ def evaluate(
             checked_folder(model_dir, params.get("require_manifest", False))   # as the node does
             return Pipeline.from_pretrained(model_dir, pipeline_options_from(params))
         server.load(load or factory, warmup=params["warmup"])
+        server.integrity = integrity_label(model_dir) if load is None else ""
     except Exception:
         pass    # load_error is kept: every query is answered pipeline_error, as the node does
     server.active = server.pipeline is not None

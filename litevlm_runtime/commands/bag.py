@@ -256,15 +256,37 @@ def cmd_soak(args) -> int:
     return 0 if all(res.ok() for res in results.values()) else 1
 
 
+def _loaded(args):
+    """--hog N: N busy processes beside the node while each configuration runs (`litevlm bench
+    --contention`'s hogs, one core each), with the load average said before and after."""
+    from contextlib import contextmanager
+
+    from ..bench.contention import Hog
+
+    @contextmanager
+    def beside():
+        before = open("/proc/loadavg").read().split()[0]
+        with Hog(args.hog, args.hog_kind):
+            yield
+        print(f"{args.bag_command}: beside {args.hog} {args.hog_kind} processes; load average {before} before, "
+              f"{open('/proc/loadavg').read().split()[0]} after")
+    return beside
+
+
 def cmd_peak(args) -> int:
     from ..bench.soak import peak
     from ..bench.soak_stats import peak_comparison
 
     configs = _versus(args.versus)
-    runs = _each_config(args, configs, 1, lambda node, client, work, r: peak(
-        client, work, lo=args.min_rate, hi=args.max_rate, steps=args.steps, trial_count=args.trial_count,
-        max_queue_full=args.max_queue_full, frame_rate=args.frame_rate, grace_s=args.grace,
-        concurrency=args.concurrency, lone=args.lone))
+    beside = _loaded(args)
+
+    def measured(node, client, work, r):
+        with beside():
+            return peak(
+                client, work, lo=args.min_rate, hi=args.max_rate, steps=args.steps, trial_count=args.trial_count,
+                max_queue_full=args.max_queue_full, frame_rate=args.frame_rate, grace_s=args.grace,
+                concurrency=args.concurrency, lone=args.lone)
+    runs = _each_config(args, configs, 1, measured)
     results = {label: rs[0] for label, rs in runs.items()}
     _print_tables(configs, results)
     comparison = peak_comparison(results) if len(results) > 1 else None
@@ -428,4 +450,7 @@ def _peak_parser(sub) -> None:
                    help="also find the peak of a node with these parameters (e.g. batch1=serving.max_batch=1) and "
                         "compare: rate ratio, answers to the same (question, frame set), lone latency")
     p.add_argument("--json", type=Path, help="write peak_rate, the trials and every answer (per configuration) here")
+    p.add_argument("--hog", type=int, default=0, help="busy processes beside the node while each configuration runs "
+                                                      "(the machine a CPU deployment shares)")
+    p.add_argument("--hog-kind", default="spin", help="spin (a Python loop) | matmul (numpy, one thread)")
     p.set_defaults(func=cmd_peak)

@@ -5,7 +5,8 @@ without the `ros2` CLI and launch (the ROS 2 wheels): it also drives the lifecyc
 activate). Like the `litevlm bag` tools it talks to, it selects the Fast DDS large-data profile
 (config/fastdds_large_data.xml: shared memory + UDP on 127.0.0.1 only) unless
 FASTDDS_DEFAULT_PROFILES_FILE is set; `--fastdds-profile none` leaves Fast DDS's defaults (other
-hosts reachable), `--fastdds-profile FILE` picks one.
+hosts reachable) but for the node's 50 ms writer heartbeat, as under launch without a profile
+(config/fastdds_node.xml), `--fastdds-profile FILE` picks one.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def register(subparsers) -> None:
         default="",
         metavar="FILE|none",
         help="Fast DDS XML profile (default: $FASTDDS_DEFAULT_PROFILES_FILE, else config/fastdds_large_data.xml; "
-        "none: Fast DDS defaults)",
+        "none: Fast DDS defaults, writer heartbeat 50 ms: config/fastdds_node.xml)",
     )
     p.add_argument("--node-name", help="node name (the YAML must use the same name)")
     p.set_defaults(func=run)

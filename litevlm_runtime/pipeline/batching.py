@@ -57,6 +57,96 @@ def batch_speculates(costs, rows: int, max_depth: int) -> bool:
     return speculative > rows / costs.verify(rows)
 
 
+# The batching policy's constants (BatchPolicy).
+BATCH_EMA = 0.25          # weight of the newest measurement in the running per-token costs
+MIN_OBSERVED = 4          # lone decodes and batched steps seen before the costs decide
+PROBE_EVERY = 8           # one at a time: every this many answers, one batch is let form again ...
+PROBE_LIMIT = 64          # ... the interval doubling up to this while the probes keep losing
+# The mode changes only when the costs differ by more than this fraction: beside busy processes a
+# batched step cost about what its rows did alone (34-54 against 35-59 ms per token on the bundled
+# model), and without it the mode flipped with every few answers.
+BATCH_MARGIN = 0.1
+
+
+@dataclass
+class BatchPolicy:
+    """Whether in-flight batching pays at the present load, measured as it runs (as the speculation
+    policy measures EAGLE-2's rounds against plain steps: decoding/spec_policy.py).
+
+    A batched step costs more than a lone one, and pays only when it costs less than its rows would
+    alone: `batched_ms` is the running wall-clock cost per token of batched steps (a step's ms over
+    its rows), `lone_ms` the same of a query decoding alone (greedy steps, or EAGLE-2 where the
+    speculation policy chose it: per token emitted). Both are EMAs of the node's own steps, so they
+    move with the load of the machine it shares: on a quiet 2-core CPU a step of 4 rows cost 1.5x
+    one row (0.38 of four single steps), and there batching paid 1.35x; beside busy processes the
+    same node lost to one at a time (0.59x of max_batch 1's peak rate, issue 42).
+
+      batched         a query waiting joins the running ones at their next step (BatchDecoder)
+      one_at_a_time   the running query decodes alone to its end; the next waits (max_batch 1's way)
+
+    It starts batched. While one at a time, a batch is let form again every PROBE_EVERY answers
+    (doubling up to PROBE_LIMIT while such probes keep losing) so that a load that went away is
+    noticed. `why` says the figures behind the mode (/diagnostics)."""
+
+    lone_ms: float = 0.0
+    batched_ms: float = 0.0
+    lone_seen: int = 0
+    batched_seen: int = 0
+    rows_seen: float = 0.0              # EMA of the rows of batched steps
+    mode: str = "batched"
+    why: str = "batched until both costs are measured"
+    answers_since_probe: int = 0
+    probe_every: int = PROBE_EVERY
+    probing: bool = False
+
+    def observe_lone(self, tokens: int, ms: float) -> None:
+        """A query decoded `tokens` tokens alone in `ms` (wall clock)."""
+        if tokens > 0 and ms > 0:
+            a = BATCH_EMA if self.lone_seen else 1.0
+            self.lone_ms = (1 - a) * self.lone_ms + a * ms / tokens
+            self.lone_seen += 1
+
+    def observe_batched(self, rows: int, ms: float) -> None:
+        """One batched step over `rows` queries took `ms` (wall clock): a token for each."""
+        if rows > 1 and ms > 0:
+            a = BATCH_EMA if self.batched_seen else 1.0
+            self.batched_ms = (1 - a) * self.batched_ms + a * ms / rows
+            self.rows_seen = (1 - a) * self.rows_seen + a * rows
+            self.batched_seen += 1
+
+    @property
+    def batching(self) -> bool:
+        """Whether a waiting query may join running ones now."""
+        return self.mode == "batched" or self.probing
+
+    def answered(self) -> None:
+        """An answer was published: decide again; one at a time, count toward the next probe."""
+        self.probing = False
+        if min(self.lone_seen, self.batched_seen) < MIN_OBSERVED:
+            return
+        # Within the margin the mode stays: batched while a batched token costs under 1.1x a lone one,
+        # one at a time until it costs under 0.9x.
+        pays = self.batched_ms < self.lone_ms * (1 + BATCH_MARGIN if self.mode == "batched" else 1 - BATCH_MARGIN)
+        figures = (f"batched steps {self.batched_ms:.2f} ms per token ({self.rows_seen:.1f} rows on average) "
+                   f"against {self.lone_ms:.2f} ms alone")
+        if pays:
+            self.mode, self.why = "batched", f"{figures}: batching pays"
+            self.answers_since_probe, self.probe_every = 0, PROBE_EVERY
+            return
+        if self.mode == "batched":
+            self.mode, self.answers_since_probe = "one_at_a_time", 0
+        elif self.answers_since_probe == 0:        # the probe just made lost again: probe less often
+            self.probe_every = min(2 * self.probe_every, PROBE_LIMIT)
+        self.why = f"{figures}: one at a time (a batch is tried again every {self.probe_every} answers)"
+        self.answers_since_probe += 1
+        if self.answers_since_probe >= self.probe_every:
+            self.answers_since_probe, self.probing = 0, True
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "why": self.why, "lone_ms_per_token": round(self.lone_ms, 3),
+                "batched_ms_per_token": round(self.batched_ms, 3), "rows": round(self.rows_seen, 2)}
+
+
 @dataclass
 class Running:
     """One query of the batch after prefill."""
@@ -82,9 +172,10 @@ class Running:
 
 
 class BatchDecoder:
-    def __init__(self, pipe: Pipeline):
+    def __init__(self, pipe: Pipeline, policy: BatchPolicy | None = None):
         rt = pipe.rt
         self.pipe, self.rt = pipe, rt
+        self.policy = policy if policy is not None else BatchPolicy()   # sees every step's cost
         self.engine = rt.engines.batch            # the backend's batched step (engines/base.py)
         self.capacity = rt.arena.limits.batch if self.engine is not None else 1
         self.free = list(range(self.capacity))
@@ -166,13 +257,15 @@ class BatchDecoder:
             prompt = Prompt(length=r.slot, next_pos=r.position, first=r.tokens[-1], hidden=None,
                             input_tokens=0, kept_tokens=0)
             out = greedy(rt, r.q.decoding, prompt, r.max_new - len(prefix), on_tokens, stop=waiting)
+        ms = (time.perf_counter() - t0) * 1000
         if out.resume is not None and r.q.plan.decoding == "eagle" and rt.costs is not None:
             # Stopped for a query that joins: what it decoded alone teaches the speculation policy
             # as a whole answer of that kind would (an answer that ends alone teaches at finish).
             # Under load most answers end batched, and without this a batching node's policy kept
             # learning (speculating on every other lone answer) long after a max_batch 1 node's had
             # settled: lone answers 1.3x slower where EAGLE-2 loses (docs/serving.md).
-            rt.costs.observe_answer(kind, len(out.tokens), (time.perf_counter() - t0) * 1000)
+            rt.costs.observe_answer(kind, len(out.tokens), ms)
+        self.policy.observe_lone(len(out.tokens) - 1, ms)      # (the first was emitted before this call)
         r.fresh = False
         r.tokens = prefix + out.tokens
         r.accepted = out.accepted
@@ -197,9 +290,10 @@ class BatchDecoder:
         for r in self.running:
             tokens[r.region], positions[r.region], slots[r.region] = r.tokens[-1], r.position, r.slot
             mask[r.region, :r.slot] = True
+        t0 = time.perf_counter()
         hidden = self.engine.step(rt.lm.embed(tokens), positions, slots, mask, a.batch_eye[:span, :span])
         logits = rt.engines.head.run(hidden)
-        eos = rt.tok.eos_ids
+        eos, rows = rt.tok.eos_ids, len(self.running)
         for r in list(self.running):
             nxt = choose(r.q.decoding, logits[r.region:r.region + 1])
             r.steps += 1
@@ -212,6 +306,7 @@ class BatchDecoder:
             self._emit(r)
             if len(r.tokens) >= r.max_new:
                 self._finish(r)
+        self.policy.observe_batched(rows, (time.perf_counter() - t0) * 1000)
 
     def preempt(self, r: Running) -> None:
         """Take running query `r` out of the batch unfinished (a waiting query outranks it): its

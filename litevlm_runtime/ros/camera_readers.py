@@ -12,6 +12,7 @@ into a default node is answered from the same frames.
 from __future__ import annotations
 
 from rclpy.event_handler import SubscriptionEventCallbacks
+from rclpy.exceptions import InvalidHandle
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 
@@ -39,7 +40,9 @@ class CameraReaders:
         # reading the names, and a destroyed subscription's topic_name raises (InvalidHandle; once
         # that ended the node's spin when a bag's publishers left)
         self.resolved: dict[str, str] = {}
-        self.to_renew: set[str] = set()      # cameras whose reader a departed publisher left holding memory
+        # camera -> why its reader is to be renewed (a departed publisher, or a refused huge frame, left
+        # it holding memory)
+        self.to_renew: dict[str, str] = {}
 
     def subscribe(self, topics) -> list[str]:
         """Subscribe every camera to its topic (activate); the resolved names subscribed."""
@@ -73,9 +76,32 @@ class CameraReaders:
         """`topic` resolved; `preferred`: the resolved topic whose publishers take precedence."""
         events = SubscriptionEventCallbacks(message_lost=lambda info, c=cam: self._on_lost(c, info),
                                             matched=lambda info, c=cam: self._on_matched(c, info))
-        return self.node.create_subscription(message_type_of(topic), topic,
-                                             lambda m, c=cam, t=topic: self.on_image(c, m, t, preferred),
-                                             qos_profile_sensor_data, event_callbacks=events)
+        sub = self.node.create_subscription(message_type_of(topic), topic,
+                                            lambda m, c=cam, t=topic: self.on_image(c, m, t, preferred),
+                                            qos_profile_sensor_data, event_callbacks=events)
+        sub.litevlm_route = (cam, topic, preferred)       # (take_held)
+        return sub
+
+    def take_held(self, limit: int = 16) -> int:
+        """Take the frames the camera readers hold now (up to `limit` per reader), as their callbacks
+        would. The node calls it before it re-matches the queries waiting for frames: a frame that
+        has arrived but waits behind a flood of queries in the executor is no frame "still in
+        flight", and a query whose match_wait_s ended then would be matched without it."""
+        taken = 0
+        for subs in self.subs.values():
+            for sub in subs:
+                cam, topic, preferred = sub.litevlm_route
+                for _ in range(limit):
+                    try:
+                        with sub.handle:
+                            got = sub.handle.take_message(sub.msg_type, sub.raw)
+                    except InvalidHandle:            # renewed meanwhile
+                        break
+                    if got is None:
+                        break
+                    self.on_image(cam, got[0], topic, preferred)
+                    taken += 1
+        return taken
 
     def _on_matched(self, camera: str, info) -> None:
         """A publisher of this camera left: renew the camera's DDS reader (at the next 10 ms tick).
@@ -83,17 +109,17 @@ class CameraReaders:
         loaded machine) in the reader until that writer's next fragmented sample, and for good once
         the writer is gone; deleting the reader frees it (docs/ros.md, "DDS reassembly memory")."""
         if info.current_count_change < 0:
-            self.to_renew.add(camera)
+            self.to_renew.setdefault(camera, "a publisher left")
 
     def renew(self, active: bool) -> None:
         """Renew the readers a departed publisher left holding memory (the node's 10 ms tick)."""
-        for cam in sorted(self.to_renew):
+        for cam, why in sorted(self.to_renew.items()):
             if active and cam in self.subs:
                 for sub in self.subs[cam]:
                     self.node.destroy_subscription(sub)
                 self.subs[cam] = self._subscribe(cam, self.topics[CAMERAS.index(cam)])
                 self.monitor.renewals[cam] += 1
-                self.node.get_logger().info(f"{cam}: a publisher left; reader renewed (frees DDS reassembly buffers)")
+                self.node.get_logger().info(f"{cam}: {why}; reader renewed (frees its DDS buffers)")
         self.to_renew.clear()
 
     def on_image(self, camera: str, msg, topic: str, preferred) -> None:
@@ -108,6 +134,10 @@ class CameraReaders:
         refused = too_large(camera, msg, self.max_pixels, frames.max_bytes)
         if refused:
             frames.refuse(camera, refused)
+            # The reader's own buffers grew to hold the sample (rmw_fastrtps' default reader memory
+            # policy, PREALLOCATED_WITH_REALLOC, keeps the largest sample's for good: +185 MB after one
+            # 8000x8000 frame, with no profile); a new reader frees them (docs/ros.md).
+            self.to_renew.setdefault(camera, "a frame too large to keep was refused")
             return
         payload = payload_from_msg(msg)
         defect = header_defect(camera, payload, self.max_pixels)

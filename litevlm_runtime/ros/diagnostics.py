@@ -65,6 +65,7 @@ def camera_values(node, s: dict) -> tuple[dict, list[str]]:
         values[f"camera.{cam}.history_resets"] = s["frames_history_resets"][cam]
         values[f"camera.{cam}.too_large"] = s["frames_bad_image"][cam]
         values[f"camera.{cam}.held_mb"] = f"{s['frames_held_bytes'][cam] / 1e6:.2f}"
+        values[f"camera.{cam}.held_s"] = f"{s['frames_held_window_ns'][cam] / 1e9:.2f}"    # the window it holds
         values[f"camera.{cam}.memory_evictions"] = s["frames_memory_evictions"][cam]
         values[f"camera.{cam}.reader_renewals"] = monitor.renewals[cam]
         values[f"camera.{cam}.undecodable"] = monitor.undecodable[cam]
@@ -74,8 +75,8 @@ def camera_values(node, s: dict) -> tuple[dict, list[str]]:
 
 
 def overall(node, s: dict, stale: list[str]) -> tuple[bytes, str]:
-    """The status's level and message: the first of load error, configure error, not active, stale
-    cameras, undecodable frames; else OK."""
+    """The status's level and message: the first of load error, configure error, not active,
+    unverified weights (about every answer), stale cameras, undecodable frames; else OK."""
     server = node.server
     if server.load_error:
         return DiagnosticStatus.ERROR, f"model not loaded: {server.load_error}"
@@ -83,6 +84,9 @@ def overall(node, s: dict, stale: list[str]) -> tuple[bytes, str]:
         return DiagnosticStatus.ERROR, f"configure failed: {node.config_error}"
     if node.state != "active":
         return DiagnosticStatus.WARN, f"lifecycle state {node.state}"
+    if node.integrity.startswith("unverified"):
+        return DiagnosticStatus.WARN, (f"serving weights no manifest vouches for ({node.integrity}; require_manifest "
+                                       f"off): write one once the files are checked (litevlm checksum)")
     if stale:
         return DiagnosticStatus.WARN, (f"serving, but no fresh frame from {', '.join(stale)} "
                                        f"(max_frame_age_s {node.settings.max_frame_age_s:g})")
@@ -99,6 +103,15 @@ def explanation_values(mode: str, stats: dict | None) -> dict:
         values.update({f"explanations.{k}": stats[k] for k in ("explained", "dropped", "failed", "waiting")})
         values.update({f"explanation_ms.{part}.p50": f"{ms:.2f}" for part, ms in stats["cost_ms_p50"].items()})
     return values
+
+
+def batching_values(pipeline, policy) -> dict:
+    """In-flight batching (pipeline/batching.py BatchPolicy): which mode runs and why."""
+    if pipeline is None:
+        return {"batching": "", "batching_why": ""}
+    if pipeline.rt.arena.limits.batch <= 1:
+        return {"batching": "off", "batching_why": "serving.max_batch 1 (or a backend without a batched step)"}
+    return {"batching": policy.mode, "batching_why": policy.why}
 
 
 def diagnostic_array(node) -> DiagnosticArray:
@@ -131,11 +144,13 @@ def diagnostic_array(node) -> DiagnosticArray:
         "queue_size": s["queue_size"],
         "waiting_for_frames": s["waiting_for_frames"],
         "overflow_policy": s["overflow_policy"],
+        "counted_since": node.counted_since(),        # every count here (and in the summary line)
         "answered": s["answered"],
         "errors": s["errors"],
         "last_error": s["last_error"],
         "dropped_frames": sum(s["frames_dropped"].values()) + sum(node.cameras.lost.values()),
         "frame_memory_mb": f"{node.server.settings.frame_memory_mb:g}",
+        "frame_window_s": f"{node.server.settings.frame_window_s:g}",
         "bad_stamp_frames": sum(s["frames_bad_stamp"].values()),
         "publish_failed": s["publish_failed"],
         # callbacks that raised and were survived (runner.py spin_once_surviving_callbacks): a bug to report
@@ -152,6 +167,7 @@ def diagnostic_array(node) -> DiagnosticArray:
             p50, p90, _ = s["latency_ms"][stage]
             values[f"latency_ms.{stage}.p50"] = f"{p50:.2f}"
             values[f"latency_ms.{stage}.p90"] = f"{p90:.2f}"
+    values.update(batching_values(pipeline, node.server.batch_policy))
     values.update(explanation_values(node.server.settings.explain, s["explanations"]))
     values.update(cameras)
     status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]

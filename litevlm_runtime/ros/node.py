@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -38,6 +39,7 @@ from ..bundled import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
 from ..pipeline.pipeline import Pipeline
+from ..serving.cancel import Cancelled, CancelScope
 from ..serving.explainer import Explained, Explainer
 from ..serving.record import AnswerRecord, PartialRecord
 from ..serving.server import QueryServer
@@ -67,6 +69,8 @@ QUERY_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPo
 # Explanation pictures (a few hundred kB each): reliable, as the answers they belong to; a subscriber
 # that falls behind by more than this many loses the oldest (the answers themselves are unaffected).
 EXPLANATION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+# Queries taken from a reader in one callback, at most (DriveNode._on_queries).
+QUERY_BATCH = 64
 
 
 def model_label(model_dir: str) -> str:
@@ -96,8 +100,12 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.answer_json_pub = self.create_publisher(String, ANSWER_JSON, RELIABLE)
         self.partial_pub = self.create_publisher(AnswerPartial, ANSWER_PARTIAL, RELIABLE)
         self.diag_pub = self.create_publisher(DiagnosticArray, DIAGNOSTICS, 10)
-        self.create_subscription(Query, QUERY, lambda m: self.server.submit(request_from_query(m)), QUERY_QOS)
-        self.create_subscription(String, QUESTION, lambda m: self.server.submit(request_from_question(m)), QUERY_QOS)
+        query_sub = self.create_subscription(Query, QUERY, lambda m: self._on_queries(query_sub, m, request_from_query),
+                                             QUERY_QOS)
+        question_sub = self.create_subscription(
+            String, QUESTION, lambda m: self._on_queries(question_sub, m, request_from_question), QUERY_QOS)
+        self._query_subs = [(query_sub, lambda m: self.server.submit(request_from_query(m))),
+                            (question_sub, lambda m: self.server.submit(request_from_question(m)))]
         self._diag_timer = self.create_timer(float(self.get_parameter("diagnostics_period_s").value),
                                              self.publish_diagnostics)
         self.create_timer(0.01, self._every_10ms)
@@ -107,6 +115,14 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.readers.max_pixels = int(self.get_parameter("images.max_pixels").value)   # configure: the validated one
         self.integrity = "not loaded"        # integrity_label of the loaded model folder
         self.finalized = threading.Event()   # set by a lifecycle shutdown: the process ends (runner.py)
+        # configure's model load, cancelled by a stop (SIGINT/SIGTERM, runner.py) or a lifecycle
+        # shutdown requested while it runs (serving/cancel.py)
+        self.configure_scope = CancelScope()
+        # Every counter of the summary and /diagnostics runs since the node started (the frame store is
+        # rebuilt at configure and carries its counters over: serving/frame_store.py carry_counters).
+        self.started_at = time.monotonic()
+        self.configures = 0                  # configures that loaded a model
+        self._shutdown_while_configuring()
 
     @property
     def state(self) -> str:
@@ -123,6 +139,8 @@ class DriveNode(LifecycleNodeMixin, Node):
         self._state_machine.destroy_when_not_in_use()
 
     def _every_10ms(self) -> None:
+        if self.server.waiting_for_frames():
+            self.readers.take_held()         # frames already here, queued behind other callbacks
         self.server.retry_pending()          # queries waiting for frames in flight
         self.server.expire_deadlines()       # queued queries answered deadline_passed on time
 
@@ -139,6 +157,25 @@ class DriveNode(LifecycleNodeMixin, Node):
 
     def answer_publishers(self) -> tuple:
         return self.answer_pub, self.answer_json_pub, self.partial_pub, self.explanation_pub
+
+    def _on_queries(self, sub, msg, to_request) -> None:
+        """A query, then up to QUERY_BATCH more that its reader already holds, taken here directly:
+        each is matched to the frames of its stamp as soon as it is taken (frame_store.py), and
+        rclpy's executor takes one message per round of its wait set (a few hundred a second on a
+        loaded 2-core machine), so a 1,000/s flood reached matching seconds after its stamps, some
+        past frame_window_s (too_old). Bounded, so that camera frames and timers still run between."""
+        self.server.submit(to_request(msg))
+        for _ in range(QUERY_BATCH):
+            with sub.handle:
+                got = sub.handle.take_message(sub.msg_type, sub.raw)
+            if got is None:
+                return
+            self.server.submit(to_request(got[0]))
+
+    def query_readers(self) -> list:
+        """(subscription, its callback) of the query and question topics (the drain takes what
+        they still hold: runner.py)."""
+        return list(self._query_subs)
 
     # ---- parameters (`ros2 param set`) ----
     def _check_parameters(self, params) -> SetParametersResult:
@@ -191,15 +228,24 @@ class DriveNode(LifecycleNodeMixin, Node):
                 raise CheckpointError(refused)
             return Pipeline.from_pretrained(model_dir, options)
         try:
-            self.server.load(factory, warmup=settings.warmup)
+            with self.configure_scope.running():
+                self.server.load(factory, warmup=settings.warmup)
+        except Cancelled as exc:
+            return self._configure_cancelled(str(exc))
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
             return self._configure_failed(f"{type(exc).__name__}: {exc}")
-        self.integrity = integrity_label(model_dir)
+        self.integrity = self.server.integrity = integrity_label(model_dir)
         self.config_error = ""
+        self.configures += 1
         self.get_logger().info(
             f"configure: model loaded and warmed up; serving {self.server.pipeline.options.label()}; "
             f"integrity: {self.integrity}"
         )
+        if self.integrity.startswith("unverified"):
+            self.get_logger().warning(
+                f"configure: serving UNVERIFIED weights ({self.integrity}; require_manifest is off): nothing checks "
+                f"that they are the files meant (a bit flip in finite weights serves garbage); every answer says "
+                f"so (model_integrity); write a manifest once they are checked: litevlm checksum {model_dir}")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, why: str) -> TransitionCallbackReturn:
@@ -207,6 +253,58 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.get_logger().error(f"configure failed: {why}")
         self.publish_diagnostics()
         return TransitionCallbackReturn.FAILURE
+
+    def _configure_cancelled(self, why: str) -> TransitionCallbackReturn:
+        """A stop or a lifecycle shutdown came while configure loaded the model: what was loaded
+        is dropped and its memory given back; the node is unconfigured (its answers say so)."""
+        seconds = time.monotonic() - self.configure_scope.started
+        self.server.pipeline = None
+        self.config_error = f"configure cancelled ({why})"
+        freed = release_memory()
+        self.get_logger().warning(f"configure cancelled ({why}) after {seconds:.1f} s of loading; the model is "
+                                  f"not loaded (RSS {freed})")
+        return TransitionCallbackReturn.FAILURE
+
+    # ---- lifecycle shutdown while configure runs ----
+    def _shutdown_while_configuring(self) -> None:
+        """`ros2 lifecycle set NODE shutdown` during configure. rcl's state machine has no
+        shutdown out of the transition state `configuring` (its transitions there are configure's
+        outcomes only), so the CLI, which asks for the available transitions first, would refuse
+        with "Unknown transition requested". While configure runs, the node offers `shutdown`
+        besides them and, asked for it, cancels configure (the load stops within a call: serving/
+        cancel.py), then shuts down from unconfigured as usual: the process ends."""
+        from lifecycle_msgs.msg import State as StateMsg
+        from lifecycle_msgs.msg import Transition, TransitionDescription
+
+        transitions_srv, change_srv = self._service_get_available_transitions, self._service_change_state
+        rcl_transitions, rcl_change = transitions_srv.callback, change_srv.callback
+
+        def available(req, resp):
+            resp = rcl_transitions(req, resp)
+            if self.state == "configuring":
+                resp.available_transitions.append(TransitionDescription(
+                    transition=Transition(id=Transition.TRANSITION_UNCONFIGURED_SHUTDOWN, label="shutdown"),
+                    start_state=StateMsg(id=StateMsg.TRANSITION_STATE_CONFIGURING, label="configuring"),
+                    goal_state=StateMsg(id=StateMsg.TRANSITION_STATE_SHUTTINGDOWN, label="shuttingdown")))
+            return resp
+
+        shutdowns = {Transition.TRANSITION_UNCONFIGURED_SHUTDOWN, Transition.TRANSITION_INACTIVE_SHUTDOWN,
+                     Transition.TRANSITION_ACTIVE_SHUTDOWN}
+
+        def change(req, resp):
+            wants_shutdown = req.transition.label == "shutdown" or (not req.transition.label
+                                                                     and req.transition.id in shutdowns)
+            if not (wants_shutdown and self.state == "configuring"):
+                return rcl_change(req, resp)
+            self.get_logger().warning("configure cancelled (lifecycle shutdown during configure): the model load stops")
+            self.configure_scope.cancel_and_wait("lifecycle shutdown during configure", timeout_s=60.0)
+            end = time.monotonic() + 10.0
+            while self.state == "configuring" and time.monotonic() < end:   # rcl's transition out of it
+                time.sleep(0.01)
+            resp.success = self.state != "configuring" and self.trigger_shutdown() == TransitionCallbackReturn.SUCCESS
+            return resp
+
+        transitions_srv.callback, change_srv.callback = available, change
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         listening = self.readers.subscribe(self.settings.camera_topics)
@@ -224,7 +322,7 @@ class DriveNode(LifecycleNodeMixin, Node):
     def on_cleanup(self, state: State) -> TransitionCallbackReturn:
         """Drop the model, its arena and caches, and give their memory back (release_memory)."""
         self.server.pipeline = None
-        self.integrity = "not loaded"
+        self.integrity, self.server.integrity = "not loaded", ""
         freed = release_memory()
         self.get_logger().info(f"cleanup: model released (RSS {freed})")
         return TransitionCallbackReturn.SUCCESS
@@ -259,6 +357,11 @@ class DriveNode(LifecycleNodeMixin, Node):
     def publish_diagnostics(self) -> None:
         self.diag_pub.publish(diagnostic_array(self))
 
+    def counted_since(self) -> str:
+        """What every counter of the summary and /diagnostics counts from."""
+        return (f"since the node started {time.monotonic() - self.started_at:.0f} s ago "
+                f"({self.configures} configure{'s' if self.configures != 1 else ''})")
+
     def log_summary(self) -> None:
         s = self.server.stats()
         d50, d90, n = s["frame_delay_ms"]
@@ -268,4 +371,5 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.get_logger().info(
             f"summary: {s['answered']} answered ({s['errors']} errors{': ' + errors if errors else ''}){lost}; "
             f"frames {sum(s['frames_received'].values())} received, stamp->arrival p50 {d50:.2f} ms p90 {d90:.2f} ms; "
-            "pipeline total " + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-"))
+            "pipeline total " + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-") + f"; all counted "
+            f"{self.counted_since()}")

@@ -7,6 +7,11 @@ and publish each query that finished in it at once, without waiting for the othe
 running alone decodes as an unbatched one (EAGLE-2 where chosen) until a request is waiting.
 When the batch is empty the worker prefetches the frame set, as the one-at-a-time worker does.
 
+Whether a waiting query joins is the batching policy's (pipeline/batching.py BatchPolicy, the
+server's `batch_policy`, kept across worker restarts): it measures the batched steps' cost per
+token against a lone query's at the present load and, where batching does not pay (a CPU shared
+with busy processes), runs one query at a time, trying a batch again now and then.
+
 Priority: when every region is taken and the request served next outranks the lowest-priority
 running query, that query (the latest admitted of the lowest priority) is preempted after the
 current pass: its region is freed for the waiting one, and it goes back to the queue in its place
@@ -32,7 +37,8 @@ log = logging.getLogger("litevlm.server")
 class BatchWorker:
     def __init__(self, server, gc_clock):
         self.server, self.gc_clock = server, gc_clock
-        self.batch = BatchDecoder(server.pipeline)
+        self.policy = server.batch_policy
+        self.batch = BatchDecoder(server.pipeline, self.policy)
         self.started: dict[int, tuple[int, int]] = {}      # id(request) -> (thread CPU ns, GC ns) at admission
         self.last = None                                   # the last request admitted (prefetch after it)
 
@@ -54,7 +60,8 @@ class BatchWorker:
                 return
             self.admit(req)
         self.preempt_for_waiting()
-        while batch.has_room and len(server.queue) and not server.stopping.is_set():
+        while batch.has_room and len(server.queue) and not server.stopping.is_set() and (
+                not len(batch) or self.policy.batching):
             req = server.queue.get(timeout=0)
             if req is not None:
                 self.admit(req)
@@ -66,7 +73,7 @@ class BatchWorker:
                 req, rec = running.tag
                 server.running.remove(req)
                 server.deliver(req, server.failed(req, rec, exc))
-            self.batch = BatchDecoder(server.pipeline)
+            self.batch = BatchDecoder(server.pipeline, self.policy)
             return
         if not len(self.batch) and self.last is not None and not server.stopping.is_set():
             server.prefetch(self.last)
@@ -76,7 +83,7 @@ class BatchWorker:
         """Whether a queued request wants a region: a free one, or a running query's it outranks
         (a lone query then stops decoding alone after its current pass)."""
         first = self.server.queue.first_priority()
-        if first is None:
+        if first is None or not self.policy.batching:
             return False
         return self.batch.has_room or first > self.lowest_running()[0]
 
@@ -130,3 +137,7 @@ class BatchWorker:
             rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (self.gc_clock.total_ns - gc0) / 1e6
             server.running.remove(req)
             server.deliver(req, rec.answered(ans))
+            mode = self.policy.mode
+            self.policy.answered()
+            if self.policy.mode != mode:
+                log.warning("batching: %s (%s)", self.policy.mode, self.policy.why)

@@ -1,17 +1,32 @@
-"""Frame store: keeps the last few frames of each camera and matches a query to a frame set.
+"""Frame store: keeps each camera's frames of the last few seconds and matches a query to a frame set.
 
 Plain Python (no ROS import) so that the node, `litevlm bag eval` and the unit tests share it.
 
 Matching rule (DESIGN.md section 5): the newest complete set of one frame per camera whose
 stamps lie within `max_skew_ns` of each other, every frame younger than `max_age_ns` at the
-time the query arrives. A query that cannot be matched gets a `FrameMatchError` whose status
-says why (never silence):
+time the query arrives; with `as_of_ns` (frame_match as_asked) at or before the query's stamp, ages
+taken at the stamp. A query that cannot be matched gets a `FrameMatchError` whose status says why
+(never silence):
   bad_stamp     some camera delivers, but its frames are stamped ahead of the node's clock by
                 more than max_future_ns, so none of them can be used (checked first: it is the
-                specific diagnosis behind what would otherwise look like no_frames/stale_frames)
+                specific diagnosis behind what would otherwise look like no_frames/stale_frames);
+                once those stamps are no longer ahead they are judged by their age (stale_frames)
+  bad_image     a camera's frames were refused on arrival (too large) and it has no usable one
   no_frames     some camera has never delivered a frame
+  too_old       (as_asked) the query's stamp is older than every frame held of a camera that
+                streams: the frames it asked about have left the window (or came before the first
+                frame); the message names the query's age and the window held
   stale_frames  some camera's newest frame is older than max_age (camera stopped, or bag gap)
   out_of_sync   every camera is fresh, but no set of frames fits within max_skew
+
+The window. A query is matched when the executor takes it from DDS, which under a flood (or for a
+question stamped in the past) is seconds after its stamp: so each camera keeps the frames of the
+last `window_ns` of its own stamps (frame_window_s; the newest frame at or before the window's
+start too, the one a question stamped there is answered from), bounded by `max_bytes` per camera
+(frame_memory_mb) and, if set, by `history` frames. A matched query holds its FrameSet (the frames
+are pinned by the query, whatever the store drops later), so the set a query gets is the set of its
+stamp, whenever it is served. It used to be the last 8 frames (1.6 s at 5 Hz): a question stamped
+2 s before it was taken got no_frames naming every camera while all six streamed.
 
 Clock faults. Stamps are the camera's clock, ages are the node's (`clock_ns`):
   - a frame stamped more than max_future_ns ahead of the node's clock is refused on arrival and
@@ -21,23 +36,26 @@ Clock faults. Stamps are the camera's clock, ages are the node's (`clock_ns`):
     (late delivery). When the held frames are by then too far ahead of the node's clock (the
     node's clock stepped back), they are discarded at once. When two frames in a row are older
     than the whole held history (a camera clock that stepped back, not one late straggler, which
-    is dropped), the history restarts from them. Both count in `history_resets`;
+    is kept if inside the window, else dropped), the history restarts from them. Both count in
+    `history_resets`;
   - a held frame that is ahead of the node's clock by more than the tolerance when a query
     arrives (the node's clock stepped back) is not matched.
 
 Memory: each camera's held frames take at most `max_bytes` (the frame_memory_mb setting) by their
 payloads' sizes (payload_bytes), whatever the cameras send: a new frame makes room by dropping
-the camera's oldest frames (counted in `memory_evictions`), and a frame larger than `max_bytes`
-alone is refused (`refuse`: the query gets bad_image naming the camera and the setting). Without
-it the bound was implicit: images.max_pixels x 8 bytes x frame_history (1 GB per camera by default).
+the camera's oldest frames (counted in `memory_evictions`; the window then reaches less far back),
+and a frame larger than `max_bytes` alone is refused (`refuse`: the query gets bad_image naming the
+camera and the setting). A camera whose newest arrival was refused (too large, or stamped ahead) but
+which still has an older usable frame is answered from it, and the FrameSet names the refusal
+(`refused`): the server adds it to the answer's `degraded` when the answer used that camera.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 
@@ -51,6 +69,9 @@ class Frame:
 @dataclass(frozen=True)
 class FrameSet:
     frames: dict[str, Frame]   # camera -> frame, one per camera
+    # camera -> why its newest arrival was refused (too large, stamped ahead) although an older frame
+    # of it was matched: said in the answer of a query that uses the camera (server.py)
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def newest_ns(self) -> int:
@@ -86,25 +107,30 @@ class FrameMatchError(Exception):
 # Frames in a row older than a camera's whole history before it is taken for a clock that
 # stepped back (one such frame is a late straggler).
 STEPS_BACK_TO_RESET = 2
+DEFAULT_WINDOW_NS = 5_000_000_000
 
 
 class FrameStore:
     """Thread-safe: cameras are added from executor callbacks, matched from query callbacks."""
 
-    def __init__(self, cameras: Sequence[str], max_skew_ns: int, max_age_ns: int, history: int = 8,
+    def __init__(self, cameras: Sequence[str], max_skew_ns: int, max_age_ns: int, history: int = 0,
                  max_future_ns: int = 500_000_000, clock_ns: Callable[[], int] = time.time_ns,
-                 max_bytes: int | None = None):
-        if max_skew_ns < 0 or max_age_ns <= 0 or history < 1 or max_future_ns < 0 or (max_bytes or 1) < 1:
-            raise ValueError("max_skew_ns >= 0, max_age_ns > 0, history >= 1, max_future_ns >= 0 and max_bytes "
-                             ">= 1 (or None) are required")
+                 max_bytes: int | None = None, window_ns: int = DEFAULT_WINDOW_NS):
+        if (max_skew_ns < 0 or max_age_ns <= 0 or history < 0 or max_future_ns < 0 or (max_bytes or 1) < 1
+                or window_ns < 0):
+            raise ValueError("max_skew_ns >= 0, max_age_ns > 0, history >= 0, max_future_ns >= 0, window_ns >= 0 "
+                             "and max_bytes >= 1 (or None) are required")
         self.cameras = tuple(cameras)
-        self.max_bytes = max_bytes             # per camera; None: only `history` bounds it
+        self.max_bytes = max_bytes             # per camera; None: only the window (and history) bound it
+        self.history = int(history)            # frames per camera at most; 0: no count limit
+        self.window_ns = int(window_ns)        # how far back (camera stamps) each camera's frames reach
         self.max_skew_ns = int(max_skew_ns)
         self.max_age_ns = int(max_age_ns)
         self.max_future_ns = int(max_future_ns)
         self.clock_ns = clock_ns
-        # Per camera, frames in stamp order; old ones fall off the left end.
-        self._frames: dict[str, deque[Frame]] = {c: deque(maxlen=history) for c in self.cameras}
+        # Per camera, frames in stamp order (and their stamps, for bisect); old ones leave the front.
+        self._frames: dict[str, list[Frame]] = {c: [] for c in self.cameras}
+        self._stamps: dict[str, list[int]] = {c: [] for c in self.cameras}
         self._lock = threading.Lock()
         self.received = {c: 0 for c in self.cameras}
         self.out_of_order = {c: 0 for c in self.cameras}   # arrived with a stamp older than one held
@@ -112,24 +138,40 @@ class FrameStore:
         self.bad_stamp = {c: 0 for c in self.cameras}      # refused: stamped too far ahead of the node's clock
         self.history_resets = {c: 0 for c in self.cameras} # stamps jumped back: held frames discarded
         self._behind: dict[str, list[Frame]] = {c: [] for c in self.cameras}   # in a row, older than the history
-        # Per camera: when (node clock) the last frame was accepted, and the last refused one
-        # (arrival, how far ahead): a query names bad_stamp only while refusals are the news.
-        self._accepted_at = {c: -1 for c in self.cameras}
-        self._refused: dict[str, tuple[int, int] | None] = {c: None for c in self.cameras}
+        # Per camera, in arrival order (a sequence number: clocks tie): the last frame accepted, and
+        # the last one refused for its stamp (seq, arrival on the node's clock, how far ahead): a query
+        # names a refusal only while it is the news (it came after the last accepted frame).
+        self._seq = 0
+        self._accepted_seq = {c: -1 for c in self.cameras}
+        self._refused: dict[str, tuple[int, int, int] | None] = {c: None for c in self.cameras}
         # Frames refused on arrival by their header (too large for images.max_pixels ...): counted,
-        # and the last one's reason (arrival, why) names the camera in a bad_image answer.
+        # and the last one's reason (seq, why) names the camera in a bad_image answer.
         self.bad_image = {c: 0 for c in self.cameras}
         self._refused_image: dict[str, tuple[int, str] | None] = {c: None for c in self.cameras}
         self.memory_evictions = {c: 0 for c in self.cameras}   # held frames dropped to stay within max_bytes
+        self.window_evictions = {c: 0 for c in self.cameras}   # held frames that left the time window
+        self.ever_held = {c: False for c in self.cameras}       # a frame of it was ever dropped from the front
+
+    COUNTERS = ("received", "out_of_order", "dropped", "bad_stamp", "history_resets", "bad_image",
+                "memory_evictions", "window_evictions")
+
+    def carry_counters(self, old: "FrameStore") -> None:
+        """Continue `old`'s per-camera counters (a configure rebuilds the store; the node's counters
+        run since it started: ros/diagnostics.py)."""
+        for name in self.COUNTERS:
+            mine, theirs = getattr(self, name), getattr(old, name)
+            for c in self.cameras:
+                mine[c] += theirs.get(c, 0)
 
     def refuse(self, camera: str, why: str, now_ns: int | None = None) -> None:
         """A frame of `camera` refused before it was stored (`why` names the camera and the
-        defect): a query that then finds no usable frame of that camera is answered bad_image."""
-        now = self.clock_ns() if now_ns is None else now_ns
+        defect): a query that then finds no usable frame of that camera is answered bad_image, and
+        one answered from an older frame of it says so (FrameSet.refused)."""
         with self._lock:
+            self._seq += 1
             self.received[camera] += 1
             self.bad_image[camera] += 1
-            self._refused_image[camera] = (now, why)
+            self._refused_image[camera] = (self._seq, why)
 
     def add(self, frame: Frame, now_ns: int | None = None) -> None:
         if frame.camera not in self._frames:
@@ -142,7 +184,19 @@ class FrameStore:
             return
         with self._lock:
             self._insert(frame, now)
+            self._trim(cam)
             self._fit(cam)
+
+    # ---- what a camera holds ----
+    def _set(self, cam: str, frames: list[Frame]) -> None:
+        self._frames[cam] = frames
+        self._stamps[cam] = [f.stamp_ns for f in frames]
+
+    def _drop_front(self, cam: str, n: int) -> None:
+        if n > 0:
+            del self._frames[cam][:n]
+            del self._stamps[cam][:n]
+            self.ever_held[cam] = True
 
     def _aside(self, cam: str) -> list[Frame]:
         """Late stragglers held in _behind only (one, at most), not in the history."""
@@ -152,15 +206,29 @@ class FrameStore:
         """The bytes `cam`'s frames take: its history plus a straggler held aside."""
         return sum(payload_bytes(f.payload) for f in (*self._frames[cam], *self._aside(cam)))
 
+    def _trim(self, cam: str) -> None:
+        """The time window (and the count limit): the frames stamped within window_ns of the
+        camera's newest, and the newest one at or before the window's start."""
+        stamps = self._stamps[cam]
+        if not stamps:
+            return
+        first_kept = max(0, bisect.bisect_right(stamps, stamps[-1] - self.window_ns) - 1)
+        self.window_evictions[cam] += first_kept
+        self._drop_front(cam, first_kept)
+        if self.history and len(self._frames[cam]) > self.history:
+            self._drop_front(cam, len(self._frames[cam]) - self.history)
+
     def _fit(self, cam: str) -> None:
         """Drop `cam`'s oldest frames (a straggler held aside first) until they take at most
         max_bytes; any one frame fits alone (add refused it otherwise)."""
         if self.max_bytes is None:
             return
-        frames, held = self._frames[cam], self._held(cam)
-        while held > self.max_bytes and (self._aside(cam) or len(frames) > 1):
+        held = self._held(cam)
+        while held > self.max_bytes and (self._aside(cam) or len(self._frames[cam]) > 1):
             aside = self._aside(cam)
-            dropped = aside[0] if aside else frames.popleft()
+            dropped = aside[0] if aside else self._frames[cam][0]
+            if not aside:
+                self._drop_front(cam, 1)
             self._behind[cam] = [f for f in self._behind[cam] if f is not dropped]
             held -= payload_bytes(dropped.payload)
             self.memory_evictions[cam] += 1
@@ -170,20 +238,27 @@ class FrameStore:
         with self._lock:
             return {c: self._held(c) for c in self.cameras}
 
+    def held_window_ns(self) -> dict[str, int]:
+        """Per camera, the stamps its held frames span (newest - oldest; 0 with one or none)."""
+        with self._lock:
+            return {c: (s[-1] - s[0]) if s else 0 for c, s in self._stamps.items()}
+
     def _insert(self, frame: Frame, now: int) -> None:
         """`add`'s clock and order rules (the module's docstring), under the lock."""
         cam = frame.camera
         frames = self._frames[cam]
         self.received[cam] += 1
         ahead = frame.stamp_ns - now
+        self._seq += 1
         if ahead > self.max_future_ns:
             self.bad_stamp[cam] += 1
-            self._refused[cam] = (now, ahead)
+            self._refused[cam] = (self._seq, now, ahead)
             return
-        self._accepted_at[cam] = now
+        self._accepted_seq[cam] = self._seq
         if not frames or frame.stamp_ns > frames[-1].stamp_ns:
             self._behind[cam].clear()
             frames.append(frame)
+            self._stamps[cam].append(frame.stamp_ns)
         elif frame.stamp_ns == frames[-1].stamp_ns:
             self._behind[cam].clear()
             self.dropped[cam] += 1
@@ -194,44 +269,59 @@ class FrameStore:
             self.history_resets[cam] += 1
             self._behind[cam].clear()
             kept = [f for f in frames if f.stamp_ns - now <= self.max_future_ns and f.stamp_ns < frame.stamp_ns]
-            frames.clear()
-            frames.extend([*kept, frame])
+            self._set(cam, [*kept, frame])
         elif frame.stamp_ns < frames[0].stamp_ns:
             behind = self._behind[cam]
             behind.append(frame)
             if len(behind) >= STEPS_BACK_TO_RESET:
                 # Frames keep coming from before the history: the camera's clock stepped back.
                 self.history_resets[cam] += 1
-                frames.clear()
-                frames.extend(sorted(behind, key=lambda f: f.stamp_ns))
+                self._set(cam, sorted(behind, key=lambda f: f.stamp_ns))
                 behind.clear()
-            elif len(frames) < frames.maxlen:
+            elif frame.stamp_ns >= frames[-1].stamp_ns - self.window_ns and (not self.history
+                                                                            or len(frames) < self.history):
                 self.out_of_order[cam] += 1
-                frames.appendleft(frame)
+                self._set(cam, [frame, *frames])
             else:
                 self.out_of_order[cam] += 1
-                self.dropped[cam] += 1     # a late straggler older than the whole history: useless
+                self.dropped[cam] += 1     # a late straggler older than the whole window: useless
         else:
             # Late delivery within the history: insert in stamp order so matching sees it.
             self._behind[cam].clear()
             self.out_of_order[cam] += 1
-            items = sorted([*frames, frame], key=lambda f: f.stamp_ns)
-            frames.clear()
-            frames.extend(items[-frames.maxlen:])
+            at = bisect.bisect_right(self._stamps[cam], frame.stamp_ns)
+            frames.insert(at, frame)
+            self._stamps[cam].insert(at, frame.stamp_ns)
 
-    def _bad_stamp_message(self, cam: str) -> str | None:
-        """Why `cam` has nothing usable, when the reason is that its frames are refused."""
+    # ---- matching ----
+    def _refusal(self, cam: str, now_ns: int) -> tuple[str, str, str] | None:
+        """(status, short text, sentence) of `cam`'s refusal since its last accepted frame, if any:
+        bad_stamp while the refused stamps are still ahead of the clock; once they are not, judged
+        by their age (stale_frames when older than max_age); bad_image for a frame refused by its
+        size. The sentence is what an answer from an older frame of the camera says."""
         refused = self._refused[cam]
-        if refused is None or refused[0] < self._accepted_at[cam]:
-            return None
-        return f"{cam} {refused[1] / 1e9:.3f} s"
+        if refused is not None and refused[0] > self._accepted_seq[cam]:
+            _, arrived, ahead = refused
+            stamp = arrived + ahead
+            was = (f"{cam}: its newest frame was stamped {ahead / 1e9:.3f} s ahead of the node's clock and refused "
+                   f"on arrival")
+            if stamp - now_ns > self.max_future_ns:
+                return "bad_stamp", f"{cam} {ahead / 1e9:.3f} s", was
+            age = now_ns - stamp
+            if age > self.max_age_ns:
+                return "stale_frames", f"{was}; that stamp is now {age / 1e9:.3f} s old", was
+            return "bad_stamp", f"{was} (that stamp is now {max(age, 0) / 1e9:.3f} s old)", was
+        image = self._refused_image[cam]
+        if image is not None and image[0] > self._accepted_seq[cam]:
+            return "bad_image", image[1], image[1]
+        return None
 
     def complete(self, as_of_ns: int) -> bool:
         """Whether every camera has delivered a frame stamped at or after `as_of_ns` (the query's
         stamp): frames arrive in stamp order per camera, so no frame stamped before it is still in
         flight, and a match as of it is final."""
         with self._lock:
-            return all(self._frames[c] and self._frames[c][-1].stamp_ns >= as_of_ns for c in self.cameras)
+            return all(self._stamps[c] and self._stamps[c][-1] >= as_of_ns for c in self.cameras)
 
     def match(self, now_ns: int, as_of_ns: int | None = None) -> FrameSet:
         """The newest complete set at `now_ns` (the node's clock: frame ages, frames from the
@@ -239,54 +329,50 @@ class FrameStore:
         of frames stamped at or before it, ages taken there: the set is then a function of the
         stamps alone, whenever the frames arrived (a stamp ahead of the node's clock by more than
         max_future counts as the clock's)."""
+        future = now_ns + self.max_future_ns                  # frames from further ahead are never matched
+        ref = now_ns if as_of_ns is None else min(as_of_ns, future)
+        hi = future if as_of_ns is None else ref
         with self._lock:
-            held = {c: list(self._frames[c]) for c in self.cameras}
-            refused = {c: self._bad_stamp_message(c) for c in self.cameras}
-            refused_images = {c: self._refused_image[c] for c in self.cameras if self._refused_image[c] is not None
-                              and self._refused_image[c][0] >= self._accepted_at[c]}
-        # Frames from the future are never matched (the node's clock may have stepped back since).
-        usable = {c: [f for f in held[c] if f.stamp_ns - now_ns <= self.max_future_ns] for c in self.cameras}
-        ref = now_ns if as_of_ns is None else min(as_of_ns, now_ns + self.max_future_ns)
-        if as_of_ns is not None:
-            usable = {c: [f for f in fs if f.stamp_ns <= ref] for c, fs in usable.items()}
-        fresh = {c: [f for f in usable[c] if ref - f.stamp_ns <= self.max_age_ns] for c in self.cameras}
-        for c in self.cameras:
-            if held[c] and not usable[c] and as_of_ns is None:     # held, but all ahead of a clock that stepped back
-                refused[c] = refused[c] or f"{c} {(held[c][0].stamp_ns - now_ns) / 1e9:.3f} s"
-        bad = [refused[c] for c in self.cameras if not fresh[c] and refused[c]]
+            usable, fresh, oldest, ahead = {}, {}, {}, {}
+            for c in self.cameras:
+                frames, stamps = self._frames[c], self._stamps[c]
+                top = bisect.bisect_right(stamps, hi)
+                usable[c] = frames[top - 1] if top else None          # the newest usable frame
+                fresh[c] = frames[bisect.bisect_left(stamps, ref - self.max_age_ns, 0, top):top]
+                oldest[c] = stamps[0] if stamps else None
+                if stamps and stamps[0] > future:                      # all held are ahead of a clock that stepped back
+                    ahead[c] = stamps[0] - now_ns
+            refusals = {c: self._refusal(c, now_ns) for c in self.cameras}
+            ever_held = dict(self.ever_held)
+        unserved = [c for c in self.cameras if not fresh[c]]
+        kind = {c: refusals[c][0] if refusals[c] else "" for c in self.cameras}
+        # bad_stamp first: the specific diagnosis of a camera with nothing usable
+        bad = [refusals[c][1] if kind[c] == "bad_stamp" else f"{c} {ahead[c] / 1e9:.3f} s" for c in unserved
+               if kind[c] == "bad_stamp" or (c in ahead and not kind[c])]
         if bad:
             raise FrameMatchError(
                 "bad_stamp", f"frames stamped ahead of the node's clock by more than max_future "
                              f"{self.max_future_ns / 1e9:.3f} s: {', '.join(bad)}")
-        bad_images = [refused_images[c][1] for c in self.cameras if not fresh[c] and c in refused_images]
+        bad_images = [refusals[c][1] for c in unserved if kind[c] == "bad_image"]
         if bad_images:
             raise FrameMatchError("bad_image", "; ".join(bad_images))
-        missing = [c for c in self.cameras if not usable[c]]
+        missing = [c for c in unserved if oldest[c] is None and not kind[c]]
         if missing:
             when = "" if as_of_ns is None else " stamped at or before the question"
             raise FrameMatchError("no_frames", f"no frame{when} received yet from {', '.join(missing)}")
-        stale = [c for c in self.cameras if not fresh[c]]
-        if stale:
-            ages = ", ".join(f"{c} {(ref - usable[c][-1].stamp_ns) / 1e9:.3f} s" for c in stale)
+        before = [c for c in unserved if usable[c] is None and oldest[c] is not None]   # as_asked: all after the stamp
+        if before:
+            raise FrameMatchError("too_old", self._too_old(before, oldest, ever_held, ref, now_ns))
+        if unserved:
+            ages = ", ".join(refusals[c][1] if kind[c] == "stale_frames"
+                             else f"{c} {(ref - usable[c].stamp_ns) / 1e9:.3f} s" for c in unserved)
             when = "" if as_of_ns is None else " at the question's stamp"
             raise FrameMatchError(
                 "stale_frames", f"newest frame older than max_frame_age {self.max_age_ns / 1e9:.3f} s{when}: {ages}"
             )
-        # Try each fresh frame as the newest member of a set, newest first; the first anchor for
-        # which every camera has a frame within [anchor - skew, anchor] gives the newest set.
-        # (At most cameras x history anchors: 48 with the defaults, so brute force is fine.)
-        anchors = sorted((f for fs in fresh.values() for f in fs), key=lambda f: f.stamp_ns, reverse=True)
-        for anchor in anchors:
-            chosen = {}
-            for c in self.cameras:
-                candidates = [
-                    f for f in fresh[c] if anchor.stamp_ns - self.max_skew_ns <= f.stamp_ns <= anchor.stamp_ns
-                ]
-                if not candidates:
-                    break
-                chosen[c] = candidates[-1]    # newest within the window
-            else:
-                return FrameSet(frames=chosen)
+        chosen = self._newest_set(fresh)
+        if chosen is not None:
+            return FrameSet(frames=chosen, refused={c: refusals[c][2] for c in self.cameras if refusals[c]})
         newest = {c: fresh[c][-1].stamp_ns for c in self.cameras}
         spread = (max(newest.values()) - min(newest.values())) / 1e6
         laggard = min(newest, key=newest.get)
@@ -295,6 +381,36 @@ class FrameStore:
             f"no set of {len(self.cameras)} frames within max_skew {self.max_skew_ns / 1e6:.1f} ms "
             f"(newest frames span {spread:.1f} ms; oldest is {laggard})",
         )
+
+    def _newest_set(self, fresh: dict[str, list[Frame]]) -> dict[str, Frame] | None:
+        """Each fresh frame as the newest member of a set, newest first; the first anchor for which
+        every camera has a frame within [anchor - skew, anchor] gives the newest set."""
+        stamps = {c: [f.stamp_ns for f in fs] for c, fs in fresh.items()}
+        anchors = sorted((f for fs in fresh.values() for f in fs), key=lambda f: f.stamp_ns, reverse=True)
+        for anchor in anchors:
+            chosen = {}
+            for c in self.cameras:
+                i = bisect.bisect_right(stamps[c], anchor.stamp_ns) - 1     # newest at or before the anchor
+                if i < 0 or fresh[c][i].stamp_ns < anchor.stamp_ns - self.max_skew_ns:
+                    break
+                chosen[c] = fresh[c][i]
+            else:
+                return chosen
+        return None
+
+    def _too_old(self, cameras: list[str], oldest: dict, ever_held: dict, ref: int, now_ns: int) -> str:
+        said: dict[str, list[str]] = {}              # what is said -> the cameras it is said of
+        for c in cameras:
+            span = (now_ns - oldest[c]) / 1e9
+            said.setdefault(f"holds frames from {span:.1f} s ago on" if ever_held[c]
+                            else f"sent its first frame {span:.1f} s ago", []).append(c)
+        parts = [f"{'every camera' if len(cams) == len(self.cameras) else ', '.join(cams)} {what}"
+                 for what, cams in said.items()]
+        bound = f"frame_window_s {self.window_ns / 1e9:g}" + (
+            f", frame_memory_mb {self.max_bytes / 1e6:g}" if self.max_bytes is not None else "") + (
+            f", frame_history {self.history}" if self.history else "")
+        return (f"the question is stamped {(now_ns - ref) / 1e9:.3f} s ago, before every frame held: "
+                f"{'; '.join(parts)} (the window: {bound}); the frames it asked about are gone")
 
     def depth(self) -> dict[str, int]:
         with self._lock:

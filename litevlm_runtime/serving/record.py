@@ -33,6 +33,7 @@ STATUS_CODES = {
     "bad_stamp": 11,
     "duplicate_id": 12,
     "bad_follow_up": 13,
+    "too_old": 14,
 }
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 # What the JSON form adds, computed from the fields (the Answer's TOTALS and the envelope's): name -> type.
@@ -60,6 +61,9 @@ class AnswerRecord(Answer):
     follow_up_of: str = ""              # the query it continues ("" for a first question)
     query_stamp_ns: int = 0             # when the question was asked (its header stamp, or its arrival)
     frame_stamps_ns: dict[str, int] = field(default_factory=dict)   # camera -> stamp of the frame it used
+    # The served model folder's file integrity (weights/integrity.py integrity_label): "verified (manifest)", or
+    # "unverified (...)": weights no manifest vouches for (require_manifest off) are said in every answer.
+    model_integrity: str = ""
     # Where the pipeline's wall time went (diagnostics; not in the ROS message): CPU time of the
     # serving thread (torch's intra-op threads beyond it are not counted), and garbage
     # collection. Wall minus CPU is time the thread was not running: other processes or threads.

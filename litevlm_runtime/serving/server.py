@@ -45,6 +45,7 @@ from typing import Callable
 
 from ..errors import InputError
 from ..pipeline.answer import STAGES
+from ..pipeline.batching import BatchPolicy
 from ..pipeline.request import QueryRequest
 from ..timing import percentile
 from .batch_worker import BatchWorker
@@ -91,7 +92,9 @@ class QueryServer:
         self.queue: RequestQueue | None = None
         self.apply_settings(settings)
         self.pipeline = None          # set by load(); None while not configured
+        self.batch_policy = BatchPolicy()
         self.load_error = ""          # why the model could not be loaded
+        self.integrity = ""           # the loaded folder's integrity_label (every record carries it)
         self.active = False
         self.accepting = True         # False once shutdown() began: every new query is answered shutting_down
         self._ids = itertools.count(1)
@@ -116,9 +119,13 @@ class QueryServer:
         """(Re)build the frame store and the queue for new limits (the node does this on configure).
         Queries already queued move to the new queue; those beyond its size are answered queue_full."""
         self.settings = settings
+        old_frames = getattr(self, "frames", None)
         self.frames = FrameStore(settings.cameras, int(settings.max_skew_s * 1e9), int(settings.max_frame_age_s * 1e9),
                                  settings.frame_history, int(settings.max_future_s * 1e9), clock_ns=self.clock_ns,
-                                 max_bytes=int(settings.frame_memory_mb * 1e6))
+                                 max_bytes=int(settings.frame_memory_mb * 1e6),
+                                 window_ns=int(settings.frame_window_s * 1e9))
+        if old_frames is not None:
+            self.frames.carry_counters(old_frames)      # counters run since the server started
         old, self.queue = self.queue, RequestQueue(settings.queue_size, settings.overflow_policy)
         for req in old.drain() if old is not None else ():
             self._enqueue(req)
@@ -145,6 +152,7 @@ class QueryServer:
             if warmup:
                 pipe.warm_up()       # one synthetic query; measures the speculation costs
             self.pipeline, self.load_error = pipe, ""
+            self.batch_policy = BatchPolicy()     # batched or one at a time, as it pays (batch_worker.py)
         except Exception as exc:  # noqa: BLE001 - reported in every answer and in /diagnostics
             self.pipeline, self.load_error = None, f"{type(exc).__name__}: {exc}"
             self.last_error = self.load_error
@@ -184,8 +192,8 @@ class QueryServer:
             self._finish(self._record_for(job, status, message))
 
         if not new_id:
-            return refuse("duplicate_id", f"query id {query_id!r} was already used by an earlier query; "
-                                          "this one is not answered (use a new id per query)")
+            return refuse("duplicate_id", f"query id {query_id!r} was already used by an earlier query, which keeps "
+                                          "its own answer; this query was not run (use a new id per query)")
         if not self.accepting:
             return refuse("shutting_down", "node is shutting down; the query arrived after intake stopped")
         pipeline = self.pipeline          # (once: a lifecycle cleanup may drop it meanwhile)
@@ -258,6 +266,9 @@ class QueryServer:
                 ),
             )
         return None if refused is req else req
+
+    def waiting_for_frames(self) -> bool:
+        return bool(self._pending)
 
     def next_wait_end(self) -> int | None:
         """When the first query waiting for frames stops waiting (its match_wait_s is over), or None."""
@@ -358,6 +369,7 @@ class QueryServer:
         return AnswerRecord(
             query_id=req.query_id, question=req.request.question, status=status, status_message=message,
             query_stamp_ns=req.request.stamp_ns, follow_up_of=req.request.follow_up_of,
+            model_integrity=self.integrity if self.pipeline is not None else "",
             frame_stamps_ns={c: f.stamp_ns for c, f in req.frames.frames.items()} if req.frames is not None else {},
         )
 
@@ -366,6 +378,9 @@ class QueryServer:
         whose answer was streamed gets its final partial, with the Answer's text, first. An
         explained answer's trace goes to the explainer after its record is out."""
         trace, rec.trace = rec.trace, None        # (the record published carries no tensors)
+        refused = req.frames.refused if req.frames is not None else {}
+        if rec.status == "ok" and refused:         # a camera it used was answered from an older frame
+            rec.degraded = [*rec.degraded, *(f"older frame: {refused[c]}" for c in rec.cameras if c in refused)]
         with self._answer_lock:
             if req.answered:
                 log.warning("%s: already answered; a late %s record is discarded", req.query_id, rec.status)
@@ -456,9 +471,10 @@ class QueryServer:
         if self.queue.closed:
             self.queue = RequestQueue(self.settings.queue_size, self.settings.overflow_policy)
 
-    def shutdown(self, timeout_s: float | None = None) -> bool:
+    def shutdown(self, timeout_s: float | None = None, give_up: threading.Event | None = None) -> bool:
         """Stop intake and drain (see the module docstring). Returns False when the running query
-        was given up after `timeout_s` (default settings.drain_timeout_s). Safe to call twice."""
+        was given up after `timeout_s` (default settings.drain_timeout_s), or as soon as `give_up`
+        is set (a second SIGTERM: the stop is cut short). Safe to call twice."""
         timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
         self.accepting = False
         self.active = False
@@ -467,13 +483,16 @@ class QueryServer:
         self._answer_waiting("shutting_down", "node shutting down; the query was still queued")
         worker, finished = self._worker, True
         if worker is not None:
-            worker.join(timeout_s)
+            end = time.monotonic() + timeout_s
+            while worker.is_alive() and time.monotonic() < end and not (give_up is not None and give_up.is_set()):
+                worker.join(min(0.05, max(0.0, end - time.monotonic())))
             finished = not worker.is_alive()
+            why = ("the stop was cut short (a further signal)" if give_up is not None and give_up.is_set()
+                   else f"drain_timeout_s {timeout_s:.1f} s")
             for running in list(self.running):
                 if not finished:
                     self.deliver(running, self._record_for(
-                        running, "shutting_down", f"node shutting down; the query was still running after "
-                                                  f"drain_timeout_s {timeout_s:.1f} s"))
+                        running, "shutting_down", f"node shutting down; the query was still running after {why}"))
             self._worker = None
         self._answer_waiting("shutting_down", "node shutting down")     # any that raced the first pass
         if self.explainer is not None:
@@ -536,6 +555,8 @@ class QueryServer:
             "frames_bad_image": dict(self.frames.bad_image),     # refused on arrival (too large)
             "frames_held_bytes": self.frames.held_bytes(),         # bounded by frame_memory_mb per camera
             "frames_memory_evictions": dict(self.frames.memory_evictions),
+            "frames_window_evictions": dict(self.frames.window_evictions),   # left frame_window_s
+            "frames_held_window_ns": self.frames.held_window_ns(),            # the stamps each camera's frames span
             # answered queries a follow-up may name now (serving.conversations at most)
             "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "explanations": self.explainer.stats() if self.explainer is not None else None,

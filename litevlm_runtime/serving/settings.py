@@ -22,7 +22,14 @@ class ServerSettings(_Validated):
                                 lo=0.0, hi=60.0, live=True)
     max_frame_age_s: float = setting(1.0, "every frame of the set younger than this when the query arrives (s)",
                                      lo=0.001, hi=3600.0, live=True)
-    frame_history: int = setting(8, "frames kept per camera", lo=1, hi=1000)
+    # How far back a question's stamp may lie (frame_store.py, "The window"): queued and flooded
+    # queries are matched seconds after their stamps; a stamp older than the window gets too_old.
+    frame_window_s: float = setting(5.0, "each camera's frames of the last this many seconds (by their stamps) are "
+                                         "kept, so that a question stamped up to this far back (or taken that late "
+                                         "from a flood) is answered from the frames at or before its stamp; bounded "
+                                         "by frame_memory_mb (s)", lo=0.0, hi=600.0)
+    frame_history: int = setting(0, "frames kept per camera at most, besides frame_window_s and frame_memory_mb "
+                                    "(0: no count limit)", lo=0, hi=100000)
     # The frame store's memory, bounded per camera whatever the cameras send (frame_store.py).
     frame_memory_mb: float = setting(256.0, "the frames held per camera take at most this much memory (MB, 10^6 "
                                             "bytes): the oldest are dropped to make room (counted per camera on "
@@ -57,8 +64,10 @@ class ServerSettings(_Validated):
                                          "after the answer): subscribed (those whose Query asks, and every one "
                                          "while ~/explanation has a subscriber) | always (every answer) | never (none, "
                                          "a Query's explain flag included)", choices=EXPLAIN_MODES, live=True)
-    drain_timeout_s: float = setting(5.0, "on SIGINT/SIGTERM or lifecycle shutdown, wait at most this long for the "
-                                          "running query (queued ones are answered shutting_down at once) (s)",
+    # 4 s: the whole stop ends inside `ros2 launch`'s sigterm_timeout (5 s after its own SIGINT).
+    drain_timeout_s: float = setting(4.0, "on SIGINT/SIGTERM or lifecycle shutdown the stop takes at most this long "
+                                          "(s): queued queries are answered shutting_down at once, the running one is "
+                                          "waited for until 0.5 s before it, the answers' acknowledgements until it",
                                      lo=0.0, hi=3600.0)
 
     @classmethod

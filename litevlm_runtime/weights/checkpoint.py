@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import CheckpointError, read_json
+from ..errors import CheckpointError, not_a_file, read_json
 from ..models.config import ModelConfig
 from ..models.internvl import InternVL
 from .finite import check_finite
@@ -34,7 +34,7 @@ def read_config(folder: str | Path) -> ModelConfig:
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder does not exist")
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing (not a Hugging Face model folder)")
+        raise CheckpointError(f"{path}: {not_a_file(path)} (not a Hugging Face model folder)")
     data = read_json(path, "model config")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
@@ -93,11 +93,13 @@ def weight_files(folder: Path) -> dict[str, Path]:
         files = {name: folder / fname for name, fname in weight_map.items()}
         for name, path in files.items():
             if not path.is_file():
-                raise CheckpointError(f"{path}: shard missing (listed in {INDEX_FILE} for tensor {name!r})")
+                raise CheckpointError(f"{path}: shard {not_a_file(path)} (listed in {INDEX_FILE} for tensor {name!r})")
         return files
     single = folder / SINGLE_FILE
     if not single.is_file():
-        raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+        why = not_a_file(single)
+        raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}" if why == "missing"
+                              else f"{single}: {why}")
     with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 

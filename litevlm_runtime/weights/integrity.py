@@ -28,7 +28,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from ..errors import CheckpointError, read_json
+from ..errors import CheckpointError, not_a_file, read_json
 
 MANIFEST_FILE = "litevlm_manifest.json"
 FORMAT = "litevlm-manifest/1"
@@ -190,7 +190,7 @@ def verify_model_folder(folder: str | Path, cache: DigestCache | None = None, us
     for name, entry in sorted(files.items()):
         path = folder / name
         if not path.is_file():
-            raise CheckpointError(f"{path}: missing (listed in {manifest_path})")
+            raise CheckpointError(f"{path}: {not_a_file(path)} (listed in {manifest_path})")
         size = path.stat().st_size
         if size != entry["size"]:
             raise CheckpointError(f"{path}: {size} bytes, {manifest_path} records {entry['size']} "
