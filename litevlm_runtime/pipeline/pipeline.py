@@ -411,6 +411,8 @@ def preprocess_images(rt: Runtime, images: list[tuple[str, object]]) -> torch.Te
     """(camera, image) pairs, decoded and cut into tiles in the arena's pixel buffers, normalised."""
     a, tpc, s = rt.arena, rt.options.tiles_per_camera, rt.cfg.force_image_size
     limits = rt.options.images
+    if len(images) * tpc > a.pixels_u8.shape[0]:      # (callers split into vision_calls)
+        raise LiteVLMError(f"{len(images)} images in one vision call; the arena holds {a.limits.cameras}")
     for i, (cam, image) in enumerate(images):
         if image is None:
             raise InputError(f"no image for camera(s) {cam}", camera=cam)
