@@ -66,9 +66,9 @@ def register(subparsers) -> None:
                    help="temporal token selection in prompts over several frame sets, as the pipeline's "
                         "temporal.change_threshold (0: every token of every frame set)")
     p.add_argument("--freeze-vision", action="store_true",
-                   help="keep the vision tower (InternViT) as --init has it: its output is computed once per frame "
-                        "set and cached, and each step trains mlp1 and the decoder only (several times fewer "
-                        "vision passes with frame sets over time)")
+                   help="keep the vision side (InternViT and mlp1) as --init has it: its visual tokens are computed "
+                        "once per frame set and cached, each step trains the decoder only, and older frame sets' "
+                        "unchanged tokens are left out of the sequences instead of masked (not with --vision-labels)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: a GPU per rank where torch sees one, else the CPU")

@@ -325,9 +325,11 @@ class ViewSelector(nn.Module):
             self.time_head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU(),
                                            nn.Linear(d, cfg.max_past_frames + 1))
 
-    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-        """ids, pad_mask: [B, T] (pad_mask True where padding) -> logits [B, cameras]."""
-        return self.forward_all(ids, pad_mask)[0]
+    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor, with_time: bool = False):
+        """ids, pad_mask: [B, T] (pad_mask True where padding) -> logits [B, cameras]; with_time:
+        forward_all's pair (what training calls through its DDP wrapper)."""
+        out = self.forward_all(ids, pad_mask)
+        return out if with_time else out[0]
 
     def forward_all(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, pad_mask: [B, T] -> (camera logits [B, cameras], time logits [B, max_past_frames + 1]

@@ -3,9 +3,11 @@ side by side under one boolean attention mask, and the loss is taken over answer
 
 A prompt over several frame sets is trained as the pipeline will run it: an older frame set's
 visual token that did not change against the newest set's at the same camera and position
-(stages/temporal.py, on the visual features of this forward) is masked out of every row's
-attention, which is exactly what dropping it before prefill does at inference (kept tokens keep
-their positions in both)."""
+(stages/temporal.py) is not there. With a trainable vision side it is masked out of every row's
+attention, decided on the visual features of this forward; with a frozen one (`--freeze-vision`:
+the features are known before the step) its row is left out of the packed sequence altogether
+(`pack(dropped=)`), which also saves its compute. Both give the logits of dropping it before
+prefill at inference: kept tokens keep their positions in all three."""
 
 from __future__ import annotations
 
@@ -37,12 +39,15 @@ class PackedBatch:
     # ([M] each; empty without frame sets over time): what temporal token selection compares.
     older_rows: torch.Tensor = None
     newest_rows: torch.Tensor = None
+    # [V] for each visual row, its token among the batch's tiles' tokens (flattened, tile order):
+    # rows left out (pack(dropped=)) make it other than 0..V-1
+    visual_index: torch.Tensor = None
 
     def to(self, device: torch.device) -> "PackedBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return PackedBatch(move(self.ids), move(self.positions), move(self.mask), move(self.visual_rows),
                            move(self.target_rows), move(self.targets), move(self.weights), self.frames, self.samples,
-                           move(self.older_rows), move(self.newest_rows))
+                           move(self.older_rows), move(self.newest_rows), move(self.visual_index))
 
 
 def common_prefix_len(seqs: list[list[int]]) -> int:
@@ -57,36 +62,48 @@ def common_prefix_len(seqs: list[list[int]]) -> int:
     return n
 
 
-def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> PackedBatch:
+def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False,
+         dropped: list[set[int]] | None = None) -> PackedBatch:
     """groups: (frame index, encoded QA of that frame). One prefix tree per group.
 
     per_sample: weight each target by 1/(its answer's length), so that every QA counts the same
-    in the loss (a one-token "Yes." as much as a 40-token description) instead of every token."""
+    in the loss (a one-token "Yes." as much as a 40-token description) instead of every token.
+    dropped: per group, the prompt rows (visual tokens of older frame sets) left out of the
+    sequence; the rows kept keep their positions (temporal token selection decided before the step)."""
     ids: list[int] = []
     pos: list[int] = []
     visual_rows: list[int] = []
+    visual_index: list[int] = []
     target_rows: list[int] = []
     targets: list[int] = []
     weights: list[float] = []
     blocks: list[tuple[int, int, list[int]]] = []
     older_rows: list[int] = []
     newest_rows: list[int] = []
-    for _, items in groups:
+    tokens_before = 0                       # visual tokens of the groups before (the tiles' flat order)
+    for g, (_, items) in enumerate(groups):
         # Each branch keeps at least its last prompt token: its logits predict the first answer token.
         shared = min(common_prefix_len([e.prompt for e in items]), min(len(e.prompt) for e in items) - 1)
+        gone = dropped[g] if dropped is not None else set()
+        kept = [i for i in range(shared) if i not in gone]
+        row_of = {i: r for r, i in enumerate(kept)}
         off = len(ids)
         for start, count in items[0].spans:
             if start + count > shared:
                 raise ValueError("visual tokens must lie in the shared prefix")
-            visual_rows.extend(range(off + start, off + start + count))
+            for i in range(start, start + count):
+                if i in row_of:
+                    visual_rows.append(off + row_of[i])
+                    visual_index.append(tokens_before + i - start)
+            tokens_before += count
         k = items[0].frames                 # spans: camera by camera, each camera's frame sets oldest first
-        for c in range(0, len(items[0].spans), k):
+        for c in range(0, len(items[0].spans), k) if dropped is None else ():    # (the mask's pairs)
             newest_start, count = items[0].spans[c + k - 1]
             for start, _ in items[0].spans[c:c + k - 1]:
                 older_rows.extend(range(off + start, off + start + count))
                 newest_rows.extend(range(off + newest_start, off + newest_start + count))
-        ids += items[0].prompt[:shared]
-        pos += range(shared)
+        ids += [items[0].prompt[i] for i in kept]
+        pos += kept
         lengths = []
         for e in items:
             branch = e.prompt[shared:] + e.answer
@@ -99,7 +116,7 @@ def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> P
             ids += branch
             pos += range(shared, shared + len(branch))
             lengths.append(len(branch))
-        blocks.append((off, shared, lengths))
+        blocks.append((off, len(kept), lengths))
     t = len(ids)
     mask = torch.zeros(t, t, dtype=torch.bool)
     for off, shared, lengths in blocks:
@@ -122,6 +139,7 @@ def pack(groups: list[tuple[int, list[Encoded]]], per_sample: bool = False) -> P
         sum(len(items) for _, items in groups),
         as_long(older_rows),
         as_long(newest_rows),
+        as_long(visual_index),
     )
 
 
@@ -180,13 +198,13 @@ class PackedLoss(nn.Module):
 
     def forward(self, pixels: torch.Tensor, batch: PackedBatch, visual_labels: torch.Tensor | None = None,
                 probe_tiles: torch.Tensor | None = None) -> torch.Tensor:
-        """pixels [tiles, 3, S, S] in the batch's view order (frozen_vision: the vision tower's
-        pixel-shuffled output [tiles, tokens_per_tile, C], vlm_data.VisionFeatureCache);
+        """pixels [tiles, 3, S, S] in the batch's view order (frozen_vision: the frozen vision side's
+        visual tokens [tiles, tokens_per_tile, D], vlm_data.VisionFeatureCache);
         visual_labels [labelled tiles' tokens, labels] for the tiles `probe_tiles` [labelled tiles]
         (None: every tile)."""
         lm = self.model.language_model
-        # [tiles, tokens_per_tile, D]
-        visual = self.model.mlp1(pixels) if self.frozen_vision else self.model.encode_images(pixels)
+        # [tiles, tokens_per_tile, D]: the frozen vision side's cached output, or the tower on the pixels
+        visual = pixels if self.frozen_vision else self.model.encode_images(pixels)
         aux = 0.0
         if self.probe is not None and visual_labels is not None:
             labelled = visual if probe_tiles is None else visual[probe_tiles]
@@ -194,7 +212,10 @@ class PackedLoss(nn.Module):
             aux = self.probe_weight * self.probe(flat, visual_labels) / visual.shape[1]   # per tile
             self.last_probe_loss = aux.detach()        # a tensor: no device sync per sequence
         embeds = lm.embed(batch.ids)
-        embeds = embeds.index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]).to(embeds.dtype))
+        flat = visual.reshape(-1, visual.shape[-1])
+        if batch.visual_index is not None and batch.visual_index.numel() != flat.shape[0]:
+            flat = flat[batch.visual_index]               # (rows left out of the sequence: pack(dropped=))
+        embeds = embeds.index_copy(0, batch.visual_rows, flat.to(embeds.dtype))
         hidden, _, _ = lm(embeds, batch.positions, self.temporal_mask(batch, embeds))   # the packed trees alone
 
         logits = lm.head(hidden[batch.target_rows])

@@ -143,7 +143,10 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
         sets = [FrameSet(images) for images in frame.past[len(frame.past) - qa.frames + 1:]] + [FrameSet(frame.images)]
         ans = pipe.answer(sets, QueryRequest(qa.question, max_new_tokens=8, frames=qa.frames))
         by_category.setdefault(qa.category, []).append(int(ans.text.strip() == qa.answer.strip()))
-    hits = [h for v in by_category.values() for h in v]
+        if qa.frames > 1:        # and with the key frame set alone: what time adds (not in the totals)
+            one = pipe.answer(sets[-1:], QueryRequest(qa.question, max_new_tokens=8, frames=1))
+            by_category.setdefault(f"{qa.category}@1", []).append(int(one.text.strip() == qa.answer.strip()))
+    hits = [h for k, v in by_category.items() if "@" not in k for h in v]
     return {"accuracy": sum(hits) / len(hits), "questions": len(hits),
             "by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
 
@@ -186,7 +189,7 @@ def _train(args, d: Dist) -> dict | None:
                                     frozen_vision=args.freeze_vision))
     run = _Run(args, d, data, model, loss_module, _optimizer(args, model, inputs.probe), _run_length(args, data, d),
                inputs, (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext)
-    batches = _step_batches(args, data, d, run.length.per_step, rng, select, view_rng)
+    batches = _step_batches(args, data, d, run.length.per_step, rng, select, view_rng, inputs.features)
     # On a GPU the next steps are packed on a thread while this one runs (same order, one producer).
     if d.device.type != "cpu":
         batches = prefetch(batches, depth=2)
@@ -201,6 +204,8 @@ def _check_flags(args, device: torch.device) -> bool:
     """Refuse settings that cannot work before anything runs; returns whether to train in bf16 autocast."""
     if not 0.0 <= args.selected_views <= 1.0:
         raise InputError(f"--selected-views {args.selected_views}: a fraction, 0 to 1")
+    if args.freeze_vision and args.vision_labels:
+        raise InputError("--vision-labels trains a probe on the vision side, which --freeze-vision keeps as it is")
     if args.time_budget is not None and args.time_budget <= 0:
         raise InputError(f"--time-budget {args.time_budget}: minutes, more than 0")
     bf16 = args.precision == "bfloat16" or (args.precision == "auto" and device.type == "cuda")
@@ -351,9 +356,10 @@ def _step_inputs(args, frames: list[Frame], cfg: ModelConfig, model: InternVL, d
     features = None
     if args.freeze_vision:
         model.vision_model.requires_grad_(False)
+        model.mlp1.requires_grad_(False)
         features = VisionFeatureCache(cache, model, Normalizer(torch.float32, d.device), d.device)
-        d.log("vision tower frozen: its output is computed once per frame set and cached (float16); mlp1 and the "
-              "decoder train")
+        d.log("vision side frozen (InternViT and mlp1): its visual tokens are computed once per frame set and "
+              "cached; the decoder trains, and older frame sets' unchanged tokens are left out of the sequences")
     decode_threads = args.decode_threads if args.decode_threads is not None else \
         ((os.cpu_count() or 1) if d.device.type == "cuda" and not args.freeze_vision else 0)
     if decode_threads:
@@ -429,9 +435,11 @@ def _run_length(args, data: _Data, d: Dist) -> _Length:
 
 
 def _step_batches(args, data: _Data, d: Dist, per_step: int, rng: np.random.Generator, select,
-                  view_rng: np.random.Generator):
+                  view_rng: np.random.Generator, features: VisionFeatureCache | None = None):
     """Per step: the global target count the loss is normalised by, and this rank's packed
-    sequences. Every rank draws the same global groups (same seed) and keeps its share."""
+    sequences. Every rank draws the same global groups (same seed) and keeps its share. With a
+    frozen vision side (`features`), older frame sets' unchanged visual tokens are left out of
+    the sequences (temporal token selection decided on the cached features)."""
     per_sample = args.loss_per == "sample"
     pending: list[tuple[int, list[Encoded]]] = []
     while True:
@@ -447,7 +455,12 @@ def _step_batches(args, data: _Data, d: Dist, per_step: int, rng: np.random.Gene
         # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
         # over a packed sequence is dense (T x T under the mask), so very long packs waste time
         # on masked-out pairs; gradients of the sequences accumulate.
-        yield n_targets_global, [pack(seq, per_sample) for seq in split_into_sequences(mine, args.max_sequence_tokens)]
+        seqs = split_into_sequences(mine, args.max_sequence_tokens)
+        if features is not None:
+            yield n_targets_global, [pack(seq, per_sample, features.dropped(seq, args.change_threshold))
+                                     for seq in seqs]
+        else:
+            yield n_targets_global, [pack(seq, per_sample) for seq in seqs]
 
 
 @dataclass

@@ -23,9 +23,9 @@ from ..cameras import CAMERAS
 from ..errors import InputError
 from ..evaluation import data as drivelm
 from ..evaluation.metrics import ACCURACY, derive_tags
-from ..models.projector import vit_to_visual_tokens
 from ..stages.preprocess import Normalizer, load_image, to_tiles_uint8
 from ..stages.prompt import build_prompt
+from ..stages.temporal import token_change
 from ..weights.tokenizer import Tokenizer
 
 # The prompt layout a model trained from scratch gets: camera names label the images, so a subset of
@@ -180,14 +180,15 @@ class TileCache:
 
 
 class VisionFeatureCache:
-    """`--freeze-vision`: the frozen vision tower's output per frame set (InternViT, CLS dropped,
-    pixel-shuffled: what `mlp1` projects), computed once on first use and kept in float16 on the
-    CPU; each step then runs `mlp1` and the decoder only. Decoding goes through the TileCache's
-    own decoding (the pipeline's preprocessing), without keeping the pixels."""
+    """`--freeze-vision`: the frozen vision side's visual tokens per frame set (InternViT, pixel
+    shuffle, mlp1: what the pipeline's feature cache holds), computed once on first use and kept
+    on the CPU; each step then runs the decoder only, and temporal token selection is decided on
+    them before the step (`dropped`: the rows pack() leaves out). Decoding goes through the
+    TileCache's own decoding (the pipeline's preprocessing), without keeping the pixels."""
 
     def __init__(self, tiles: TileCache, model, normalize: Normalizer, device: torch.device):
         self.tiles, self.model, self.normalize, self.device = tiles, model, normalize, device
-        self.store: dict[tuple[int, int], torch.Tensor] = {}   # (frame, steps back) -> [tiles, tokens, C]
+        self.store: dict[tuple[int, int], torch.Tensor] = {}   # (frame, steps back) -> [tiles, tokens, D]
 
     def frame_features(self, i: int, back: int = 0) -> torch.Tensor:
         if (i, back) not in self.store:
@@ -196,20 +197,39 @@ class VisionFeatureCache:
             pixels = torch.empty_like(self.tiles.tiles[0])
             self.tiles._decode(images, pixels)
             with torch.no_grad():
-                vit = self.model.vision_model(self.normalize(pixels.to(self.device)))
-                shuffled = vit_to_visual_tokens(vit, torch.nn.Identity(), self.model.cfg.downsample_ratio)
-            self.store[(i, back)] = shuffled.to("cpu", torch.float16)
+                visual = self.model.encode_images(self.normalize(pixels.to(self.device)))
+            self.store[(i, back)] = visual.to("cpu", torch.float32)
         return self.store[(i, back)]
 
-    def batch(self, keys: list) -> torch.Tensor:
-        """[views * tiles_per_camera, tokens, C] float32 on the device, in TileCache.batch's order."""
+    def batch(self, keys: list, device: torch.device | None = None) -> torch.Tensor:
+        """[views * tiles_per_camera, tokens, D] float32, in TileCache.batch's order."""
         parts, tpc = [], self.tiles.tiles_per_camera
         for key in keys:
             i, cams, frames = group_of(key)
             by_step = [self.frame_features(i, back).view(len(CAMERAS), tpc, *self.store[(i, back)].shape[1:])
                        for back in range(frames - 1, -1, -1)]
             parts.append(torch.stack([by_step[t][c] for c in cams for t in range(frames)]).flatten(0, 1))
-        return torch.cat(parts).to(self.device, torch.float32, non_blocking=True)
+        return torch.cat(parts).to(device or self.device, non_blocking=True)
+
+    def dropped(self, groups: list[tuple[object, list[Encoded]]], threshold: float) -> list[set[int]]:
+        """Per group, the prompt rows of older frame sets' visual tokens that did not change against
+        the newest set's at the same camera and position (stages/temporal.py): what the pipeline
+        leaves out before prefill."""
+        out = []
+        for key, items in groups:
+            gone: set[int] = set()
+            k = items[0].frames
+            if k > 1 and threshold > 0:
+                visual = self.batch([key], torch.device("cpu"))          # [views * tiles, tokens, D]
+                spans = items[0].spans
+                views = visual.view(len(spans), -1, visual.shape[-1])
+                for c in range(0, len(spans), k):
+                    for t in range(c, c + k - 1):
+                        start = spans[t][0]
+                        same = (token_change(views[t], views[c + k - 1]) < threshold).nonzero().flatten()
+                        gone.update(start + int(j) for j in same)
+            out.append(gone)
+        return out
 
 
 def pixels_for(cache: TileCache, frames: list, normalize: Normalizer,
