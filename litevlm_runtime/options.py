@@ -267,7 +267,7 @@ class Temporal(_Validated):
                                 "prediction under views.mode selector, else all) | all | selector (the view "
                                 "selector's: its time head fused with time words, or the words alone)",
                         choices=TEMPORAL_MODES)
-    change_threshold: float = setting(0.05, "temporal token selection: an older frame set's visual token is dropped "
+    change_threshold: float = setting(0.2, "temporal token selection: an older frame set's visual token is dropped "
                                             "before prefill when its features differ from the newest set's at the "
                                             "same camera and position by less than this (relative L2 distance; "
                                             "0: keep every token)", lo=0.0, hi=10.0)

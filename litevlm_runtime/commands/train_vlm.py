@@ -62,7 +62,7 @@ def register(subparsers) -> None:
     p.add_argument("--time-share", type=float, default=0.0,
                    help="with --questions-per-visit: the share of a frame visit's QA that are over several frame sets "
                         "(motion questions, as many as the frame has; 0: drawn like the others)")
-    p.add_argument("--change-threshold", type=float, default=0.05,
+    p.add_argument("--change-threshold", type=float, default=0.2,
                    help="temporal token selection in prompts over several frame sets, as the pipeline's "
                         "temporal.change_threshold (0: every token of every frame set)")
     p.add_argument("--freeze-vision", action="store_true",
