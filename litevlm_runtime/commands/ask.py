@@ -82,7 +82,9 @@ def run(args) -> int:
     images = sets[-1].images
     pipe = Pipeline.from_pretrained(args.model, options)
     ans = pipe.answer(sets, QueryRequest(args.question, explain=bool(args.explain)))
-    if args.explain:
+    if args.explain and ans.trace is None:      # (issue 45: the picture of frames over time is the node's work)
+        print(f"explanation: not drawn: an answer over {ans.frames} frame sets is not explained yet", file=sys.stderr)
+    elif args.explain:
         write_explanation(pipe, ans, images, args.explain, args.explain_width)
     if args.json:
         print(json.dumps(ans.to_dict(), indent=2, ensure_ascii=False))
