@@ -208,3 +208,27 @@ def test_prefetched_views_serve_a_k_frame_query(pipe):
     ans = pipe.answer(sets, QueryRequest(QUESTION, frames=4))
     assert (ans.encoded_views, ans.reused_views) == (6, 18)
     assert np.isfinite(ans.total_ms)
+
+
+def test_a_latency_budget_answers_from_the_newest_set(pipe):
+    """The budget planner's cost model is one frame set's: under a budget a K-frame question is
+    planned on the newest set, and the Answer says so."""
+    sets = moving_sets(4, seed=12)
+    ans = pipe.answer(sets, QueryRequest(QUESTION, frames=4, budget_ms=60_000.0))
+    assert ans.frames == 1 and ans.degraded[0] == "frames 4->1" and ans.encoded_views + ans.reused_views == 6
+
+
+def test_stages_timed_in_several_calls_add_up():
+    """A K-frame query's vision runs one frame set's tiles per call: its stage time is their sum."""
+    from litevlm_runtime.timing import StageTimer
+
+    timer = StageTimer(torch.device("cpu"))
+    for stage in ("view_select", "vision", "prefill", "vision"):
+        with timer(stage):
+            pass
+    with timer("vision", idle=True):
+        pass
+    ms = timer.milliseconds()
+    assert list(ms) == ["view_select", "vision", "prefill"]
+    marks = [(s, a, b) for s, a, b in timer._marks if s == "vision" and a is not None]
+    assert ms["vision"] == pytest.approx(sum((b - a) * 1000.0 for _, a, b in marks))
