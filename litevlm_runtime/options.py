@@ -251,6 +251,28 @@ class Serving(_Validated):
                                 "the arena's prompt rows are sized for this many full turns", lo=1, hi=64)
 
 
+TEMPORAL_MODES = ("auto", "all", "selector")
+
+
+@dataclass(frozen=True)
+class Temporal(_Validated):
+    frames: int = setting(1, "frame sets a query is answered from unless it says (Query frames): 1 = the newest only, "
+                             "as without time; K = the newest and the K - 1 before it, stride_s apart, oldest first",
+                          lo=1, hi=16)
+    max_frames: int = setting(4, "most frame sets a query may ask for: the feature cache holds max_frames x cameras "
+                                 "views and the arena's prompt rows max_frames sets (sized at start-up)", lo=1, hi=16)
+    stride_s: float = setting(0.5, "seconds between a query's frame sets (nuScenes' key frames are 2 Hz)",
+                              lo=0.01, hi=10.0)
+    mode: str = setting("auto", "how many of the asked frame sets a question gets: auto (the view selector's time "
+                                "prediction under views.mode selector, else all) | all | selector (the view "
+                                "selector's: its time head fused with time words, or the words alone)",
+                        choices=TEMPORAL_MODES)
+    change_threshold: float = setting(0.2, "temporal token selection: an older frame set's visual token is dropped "
+                                            "before prefill when its features differ from the newest set's at the "
+                                            "same camera and position by less than this (relative L2 distance; "
+                                            "0: keep every token)", lo=0.0, hi=10.0)
+
+
 @dataclass(frozen=True)
 class ArenaOptions(_Validated):
     kv_dtype: str = setting("float", "KV cache elements: float (the pipeline's dtype) | int8 | fp8 (E4M3): 8-bit codes "
@@ -285,6 +307,7 @@ class PipelineOptions(_Validated):
     decoding: Decoding = nested(Decoding)
     backend: Backend = nested(Backend)
     serving: Serving = nested(Serving)
+    temporal: Temporal = nested(Temporal)
     arena: ArenaOptions = nested(ArenaOptions)
     fastv: FastVOptions = nested(FastVOptions)
 
@@ -295,6 +318,9 @@ class PipelineOptions(_Validated):
         unknown = [c for c in self.cameras if c not in CAMERAS]
         if unknown or not self.cameras:
             raise InputError(f"cameras: {unknown or '(none)'} not in the rig {', '.join(CAMERAS)}")
+        if self.temporal.frames > self.temporal.max_frames:
+            raise InputError(f"temporal.frames: {self.temporal.frames} is above temporal.max_frames "
+                             f"{self.temporal.max_frames}")
         if self.fastv.ratio > 0 and self.backend.name != BackendName.TORCH:
             raise InputError("fastv.ratio: FastV prunes inside the decoder and needs backend.name torch")
         if self.backend.weights in LOWBIT_WEIGHTS and self.backend.name in BUNDLE_BACKENDS:
@@ -375,7 +401,10 @@ class PipelineOptions(_Validated):
                                  f"{ {'view_selector': 'views', 'token_selector': 'tokens', 'eagle': 'eagle'}[sub]}`)")
         if decoding.mode == DecodingMode.EAGLE and self.fastv.ratio > 0:
             raise InputError("fastv.ratio with decoding.mode eagle: FastV and EAGLE-2 are separate ablation rows")
-        return replace(self, views=views, tokens=tokens, decoding=decoding)
+        temporal = self.temporal
+        if temporal.mode == "auto":      # camera x time selection goes with view selection
+            temporal = replace(temporal, mode="selector" if views.mode == ViewMode.SELECTOR else "all")
+        return replace(self, views=views, tokens=tokens, decoding=decoding, temporal=temporal)
 
     def modules(self) -> list[str]:
         """The LiteVLM modules on, of a resolved configuration."""
@@ -408,6 +437,7 @@ SECTION_OF = {
     "EagleTree": "decoding.eagle.",
     "Backend": "backend.",
     "Serving": "serving.",
+    "Temporal": "temporal.",
     "ArenaOptions": "arena.",
     "FastVOptions": "fastv.",
     "PipelineOptions": "",

@@ -48,10 +48,15 @@ class StageTimer:
         self._marks.append((stage, start, end))
 
     def milliseconds(self) -> dict[str, float]:
+        """Per stage, in the order first timed; a stage timed in several blocks (a K-frame query's
+        preprocess and vision, one frame set's tiles per call) is their sum."""
         if self.cuda:
             torch.cuda.synchronize()
-            return {s: a.elapsed_time(b) if a is not None else 0.0 for s, a, b in self._marks}
-        return {s: (b - a) * 1000.0 if a is not None else 0.0 for s, a, b in self._marks}
+        out: dict[str, float] = {}
+        for s, a, b in self._marks:
+            ms = 0.0 if a is None else a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
+            out[s] = out.get(s, 0.0) + ms
+        return out
 
 
 def median_ms(fn, repeats: int, device: torch.device) -> float:

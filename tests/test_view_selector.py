@@ -243,8 +243,8 @@ def test_a_repeated_question_is_selected_once(monkeypatch):
 
     sel = tiny_selector(keyword_weight=0.5, threshold=0.5)
     calls = []
-    real = sel.module_probs
-    monkeypatch.setattr(sel, "module_probs", lambda qs: calls.append(qs) or real(qs))
+    real = sel.all_probs                   # (the camera and time heads, one pass)
+    monkeypatch.setattr(sel, "all_probs", lambda qs: calls.append(qs) or real(qs))
     first = sel.explain(QUESTIONS[0])
     first.cameras.clear()
     again = sel.explain(QUESTIONS[0])

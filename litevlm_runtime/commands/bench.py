@@ -38,8 +38,12 @@ def register(subparsers) -> None:
     p.add_argument("--bundle", type=Path, help="default export bundle for onnxruntime/openvino/tensorrt in --backend")
     p.add_argument("--ablation", action="store_true",
                    help="baseline / +FastV / +EAGLE / LiteVLM on --data questions (needs the model's trained modules)")
+    p.add_argument("--temporal", type=int, metavar="K",
+                   help="frame sets over time: 1 set vs K sets with every token vs K sets with temporal token "
+                        "selection on --data's closed-form motion questions, the window warm: vision, prefill rows, "
+                        "accuracy (bench/temporal.py)")
     p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
-    p.add_argument("--limit", type=int, default=40, help="--ablation: first N questions")
+    p.add_argument("--limit", type=int, default=40, help="--ablation, --temporal: first N questions")
     p.add_argument("--plot", type=Path, help="--ablation: write the per-stage bar chart (PNG) here")
     p.add_argument("--costs", action="store_true",
                    help="the speculation cost table measured on this device and backend, and the tree the policy "
@@ -87,6 +91,20 @@ def run_ablation_command(args) -> int:
     print(json.dumps(result, indent=2) if args.json else ablation_table(result))
     if args.plot and not args.json:
         print(f"plot: {args.plot}")
+    return 0
+
+
+def run_temporal_command(args) -> int:
+    from ..bench.temporal import run_temporal, temporal_table
+    from ..errors import InputError
+
+    if not args.data or not args.frames:
+        raise InputError("--temporal needs --data QA.json (a set in motion) and --frames ROOT")
+    if args.temporal < 2:
+        raise InputError(f"--temporal {args.temporal}: at least 2 frame sets")
+    result = run_temporal(args.model, args.data, args.frames, pipeline_options(args), args.temporal, args.limit,
+                          progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(result, indent=2) if args.json else temporal_table(result))
     return 0
 
 
@@ -243,12 +261,14 @@ def run(args) -> int:
     if args.roofline:
         return run_roofline_command(args)
     if args.preset:
-        if args.ablation or args.budget or args.backend or args.contention:
+        if args.ablation or args.budget or args.backend or args.contention or args.temporal:
             raise InputError("--preset (random weights) runs the latency table and --costs; --ablation, --budget, "
                              "--contention and --backend need a trained --model")
         args.no_reference = True      # no checkpoint folder for transformers to load
     if args.ablation:
         return run_ablation_command(args)
+    if args.temporal:
+        return run_temporal_command(args)
     if args.budget:
         return run_budget_command(args)
     if args.contention:

@@ -5,8 +5,11 @@
 
 On the same questions: the selector under its fusion rule, the same architecture at its random
 initialisation, the keyword map alone (at the selector's keyword threshold, and with only its
-certain cameras) and all six cameras. `--frames eval` (the default) takes the frames held out
-when the selector was trained, as recorded in its config.json. Metric definitions:
+certain cameras) and all six cameras; then camera x time: the share of motion questions (items with
+"frames" > 1) for which past frame sets are chosen and of the others for which none are, by the
+selector's time selection, its time head alone and the time cue alone. `--frames eval` (the
+default) takes the frames held out when the selector was trained, as recorded in its config.json.
+Metric definitions:
 litevlm_runtime.training.views.selection_metrics.
 """
 
@@ -76,7 +79,7 @@ def _bench(selector, questions: list[str]) -> str:
 
 
 def _run(args) -> int:
-    from ..evaluation.views import compare, format_table, load_qa
+    from ..evaluation.views import compare, compare_time, format_table, format_time_table, load_qa
     from ..stages.view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
 
     torch.set_num_threads(args.threads)
@@ -110,12 +113,17 @@ def _run(args) -> int:
     torch.manual_seed(int(training.get("seed", 0)))
     untrained = LoadedViewSelector(ViewSelector(selector.cfg), selector.tokenizer)
     rows = compare(selector, untrained, records)
+    time_rows = compare_time(selector, records)
     if args.json:
-        print(json.dumps({"frames": sorted({r.frame for r in records}), "metrics": rows}, indent=2))
+        print(json.dumps({"frames": sorted({r.frame for r in records}), "metrics": rows, "time": time_rows},
+                         indent=2))
     else:
-        print(f"{len(records)} questions from {len({r.frame for r in records})} key frame(s) "
-              f"({', '.join(sorted({r.frame for r in records}))}); fusion: {selector.fusion.describe()}")
+        shown = sorted({r.frame for r in records})
+        print(f"{len(records)} questions from {len(shown)} key frame(s) "
+              f"({', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}); fusion: {selector.fusion.describe()}")
         print(format_table(rows))
+        print()
+        print(format_time_table(time_rows))
     if args.bench:
         print()
         print(f"{len(records)} questions, torch threads {torch.get_num_threads()}")

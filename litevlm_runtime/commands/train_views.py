@@ -71,6 +71,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("--remove-threshold", type=float, default=0.1,
                    help="remove / add_remove: module probability below which an uncertain camera is removed")
+    p.add_argument("--max-past-frames", type=int,
+                   help="the time head's range: past frame sets it can ask for (default: the training data's "
+                        "longest motion question, frames - 1; 0: no time head)")
+    p.add_argument("--time-weight", type=float, default=1.0, help="weight of the time head's cross-entropy")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--device", help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     p.set_defaults(func=_run)

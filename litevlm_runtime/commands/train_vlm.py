@@ -59,6 +59,16 @@ def register(subparsers) -> None:
     p.add_argument("--view-selector", type=Path,
                    help="view selector folder: --selected-views of the QA are trained with only the cameras it selects")
     p.add_argument("--selected-views", type=float, default=0.5, help="fraction of QA trained with selected cameras")
+    p.add_argument("--time-share", type=float, default=0.0,
+                   help="with --questions-per-visit: the share of a frame visit's QA that are over several frame sets "
+                        "(motion questions, as many as the frame has; 0: drawn like the others)")
+    p.add_argument("--change-threshold", type=float, default=0.2,
+                   help="temporal token selection in prompts over several frame sets, as the pipeline's "
+                        "temporal.change_threshold (0: every token of every frame set)")
+    p.add_argument("--freeze-vision", action="store_true",
+                   help="keep the vision side (InternViT and mlp1) as --init has it: its visual tokens are computed "
+                        "once per frame set and cached, each step trains the decoder only, and older frame sets' "
+                        "unchanged tokens are left out of the sequences instead of masked (not with --vision-labels)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: a GPU per rank where torch sees one, else the CPU")

@@ -1,5 +1,10 @@
 """Running a model over a DriveLM-format QA file: six images + one question at a time through
-the Pipeline, one frame's questions after another (so a visual feature cache can serve them)."""
+the Pipeline, one frame's questions after another (so a visual feature cache can serve them).
+
+With temporal.frames K > 1 every question is asked with its key frame's K frame sets (the key frame
+and the K - 1 sets of its scene temporal.stride_s apart before it: evaluation.data
+.frame_images_over_time); how many of them a question gets is the pipeline's time selection. A key
+frame without them gets each of its questions recorded with the error naming the camera and step."""
 
 from __future__ import annotations
 
@@ -11,10 +16,11 @@ from PIL import Image
 
 from ..cameras import CAMERAS
 from ..errors import InputError
+from ..pipeline.frame_sets import FrameSet
 from ..pipeline.pipeline import Pipeline
 from ..pipeline.request import QueryRequest
 from .choices import closed_form_choices
-from .data import Frame, frame_images, load_frames, resolve_image
+from .data import Frame, frame_images, frame_images_over_time, load_frames, resolve_image
 from .metrics import ACCURACY, Question
 
 BLANK_GREY = 128
@@ -34,6 +40,18 @@ def blank_frame(root: Path, frame: Frame) -> dict[str, np.ndarray]:
             pass
         out[cam] = np.full((size[1], size[0], 3), BLANK_GREY, dtype=np.uint8)
     return out
+
+
+def frame_sets(root: Path, frame: Frame, frames: int, stride_s: float, blank_images: bool) -> list[FrameSet]:
+    """A key frame's `frames` frame sets, oldest first, each camera's image read once and keyed by
+    its file (the feature cache keeps each camera frame once over every window it is in)."""
+    if frames == 1:
+        paths = [frame_images(root, frame)]
+    else:
+        paths = [s.paths for s in frame_images_over_time(root, frame, frames, stride_s)]
+    blank = blank_frame(root, frame) if blank_images else None
+    return [FrameSet(blank or {cam: p.read_bytes() for cam, p in ps.items()},
+                     {cam: (str(p), blank_images) for cam, p in ps.items()}) for ps in paths]
 
 
 def accuracy_questions(frame: Frame) -> list[Question]:
@@ -81,13 +99,19 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
         info |= {"arena_bytes": arena.nbytes(), "kv_bytes": arena.kv_nbytes(), "kv_dtype": arena.limits.kv_dtype}
     records = []
     bar = tqdm(total=sum(len(qs) for _, qs in work), desc="eval", unit="q", disable=not progress)
+    temporal = pipe.rt.options.temporal
     try:
         for frame, questions in work:
-            if blank_images:
-                images = blank_frame(root, frame)
-            else:   # read once per frame: every question of the frame gets the very same inputs
-                images = {cam: p.read_bytes() for cam, p in frame_images(root, frame).items()}
-            keys = {cam: (frame.token, blank_images) for cam in images}     # the frame's questions share its features
+            missing = None       # read once per frame: every question of the frame gets the very same inputs
+            if temporal.frames == 1:
+                images = blank_frame(root, frame) if blank_images else \
+                    {cam: p.read_bytes() for cam, p in frame_images(root, frame).items()}
+                sets = [FrameSet(images, {cam: (frame.token, blank_images) for cam in images})]
+            else:
+                try:
+                    sets = frame_sets(root, frame, temporal.frames, temporal.stride_s, blank_images)
+                except InputError as exc:      # (a camera's frame set at some step is not there)
+                    missing = str(exc)
             for q in questions:
                 record = {"id": q.id, "question": q.question, "gt_answer": q.answer, "category": q.category,
                           "tags": list(q.tags)}
@@ -95,11 +119,15 @@ def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, 
                 if choices:
                     record["choices"] = choices
                 try:
-                    ans = pipe.answer(images, QueryRequest(q.question, choices=choices), frame_keys=keys)
+                    if missing:
+                        raise InputError(missing)
+                    ans = pipe.answer(sets, QueryRequest(q.question, choices=choices))
                     record |= {"answer": ans.text, "cameras": ans.cameras, "total_ms": ans.total_ms,
                                "stage_ms": ans.stage_ms, "input_tokens": ans.input_tokens,
                                "kept_tokens": ans.kept_tokens, "visual_tokens": ans.visual_tokens,
-                               "accepted_length": ans.accepted_length, "pipeline": ans.pipeline}
+                               "accepted_length": ans.accepted_length, "pipeline": ans.pipeline,
+                               "frames": ans.frames, "encoded_views": ans.encoded_views,
+                               "reused_views": ans.reused_views, "kept_per_frame": ans.kept_per_frame}
                 except InputError as exc:
                     record |= {"answer": "", "error": str(exc)}
                 records.append(record)

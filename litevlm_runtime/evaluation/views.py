@@ -3,7 +3,8 @@
 held-out frames and by `litevlm eval-views` on any file.
 
 Ground truth per question: the cameras named in object tags `<cN,CAM_X,x,y>` of the question and
-of its answer."""
+of its answer. Camera x time (`time_metrics`): a question whose item has "frames" K > 1 (a motion
+question) needs past frame sets, any other needs none."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from ..cameras import CAMERAS
 from ..errors import InputError
-from ..stages.view_selector import Fusion, LoadedViewSelector, fuse, keyword_map, tagged_cameras
+from ..stages.view_selector import Fusion, LoadedViewSelector, fuse, fuse_time, keyword_map, tagged_cameras, time_cue
 from .data import load_frames
 
 
@@ -26,6 +27,7 @@ class QARecord:
     category: str    # perception | prediction | planning | behavior
     question: str
     answer: str
+    frames: int = 1  # frame sets its answer needs (the item's "frames"; > 1: a motion question)
 
 
 def load_qa(paths: list[str | Path]) -> list[QARecord]:
@@ -38,7 +40,7 @@ def load_qa(paths: list[str | Path]) -> list[QARecord]:
             for q in f.questions:
                 if not q.question.strip():
                     raise InputError(f"{path}: frame {f.token} {q.category} question {q.id} is empty")
-        found = [QARecord(str(path), f.scene, f.token, q.category, q.question, q.answer)
+        found = [QARecord(str(path), f.scene, f.token, q.category, q.question, q.answer, q.frames)
                  for f in frames for q in f.questions]
         if not found:
             raise InputError(f"{path}: no QA pairs found")
@@ -125,3 +127,50 @@ def compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, records:
         "keyword map, certain cues only": evaluate(None, records, Fusion(threshold=1.0)),
         "all six cameras": selection_metrics(records, [list(CAMERAS)] * len(records)),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Camera x time
+# ---------------------------------------------------------------------------------------------
+
+
+def time_metrics(records: list[QARecord], past: list[int | None]) -> dict:
+    """How a time selection (past frame sets per question: 0 none, None every one asked for)
+    treats motion questions (frames > 1: they need past sets) and static ones (need none)."""
+    motion = [p for r, p in zip(records, past, strict=True) if r.frames > 1]
+    static = [p for r, p in zip(records, past, strict=True) if r.frames == 1]
+    return {
+        "motion_questions": len(motion),
+        "motion_with_past": sum(p is None or p > 0 for p in motion) / len(motion) if motion else float("nan"),
+        "static_questions": len(static),
+        "static_without_past": sum(p == 0 for p in static) / len(static) if static else float("nan"),
+    }
+
+
+def time_choices(records: list[QARecord], probs: torch.Tensor | None, weight: float,
+                 threshold: float) -> list[int | None]:
+    """Past frame sets per question by fuse_time (probs None: the time cue alone)."""
+    rows = probs.tolist() if probs is not None else [None] * len(records)
+    return [fuse_time(time_cue(r.question), p, weight, threshold)[0] for r, p in zip(records, rows)]
+
+
+def compare_time(selector: LoadedViewSelector, records: list[QARecord]) -> dict[str, dict]:
+    """The selector's time selection (its fusion), its time head alone and the time cue alone."""
+    cfg = selector.cfg
+    probs = selector.all_probs([r.question for r in records])[1] if records else None
+    rows = {"time cue alone": time_metrics(records, time_choices(records, None, 0.0, 0.5))}
+    if probs is not None:
+        rows = {f"selector (w {cfg.time_keyword_weight:g}, thr {cfg.time_threshold:g})":
+                time_metrics(records, time_choices(records, probs, cfg.time_keyword_weight, cfg.time_threshold)),
+                "time head alone": time_metrics(records, time_choices(records, probs, 0.0, 0.5))} | rows
+    return rows
+
+
+def format_time_table(rows: dict[str, dict]) -> str:
+    width = max([28] + [len(name) for name in rows])
+    head = f"{'time selection':<{width}} {'motion q':>8} {'with past':>9} {'static q':>8} {'none':>6}"
+    lines = [head, "-" * len(head)]
+    for name, m in rows.items():
+        lines.append(f"{name:<{width}} {m['motion_questions']:>8d} {m['motion_with_past']:>9.4f} "
+                     f"{m['static_questions']:>8d} {m['static_without_past']:>6.4f}")
+    return "\n".join(lines)

@@ -19,6 +19,7 @@ from ..models.kv_cache import QuantizedKV, kv_zeros
 class Limits:
     cameras: int = 6
     tiles_per_camera: int = 1
+    frames: int = 1               # frame sets in one prompt, at most (temporal.max_frames): sizes its visual rows
     text_tokens: int = 512        # template + camera labels + question
     new_tokens: int = 64          # answer length
     tree_tokens: int = 64         # EAGLE-2 draft tree verified in one pass (scratch slots)
@@ -30,20 +31,23 @@ class Limits:
     kv_dtype: str = "float"  # the KV cache's elements: float (the pipeline's dtype) | int8 | fp8 (models/kv_cache.py)
 
     def max_tiles(self) -> int:
+        """Tiles of one frame set: what one call of the vision stage takes (pixels, visual)."""
         return self.cameras * self.tiles_per_camera
 
 
 class Arena:
     @staticmethod
     def max_len_for(cfg: ModelConfig, limits: Limits) -> int:
-        """Cache length: the longest prompt, the answer, and the draft tree's scratch slots."""
-        return limits.max_tiles() * cfg.tokens_per_tile + limits.text_tokens + limits.new_tokens + limits.tree_tokens
+        """Cache length: the longest prompt (every frame set's visual tokens), the answer, and the
+        draft tree's scratch slots."""
+        return (limits.max_tiles() * limits.frames * cfg.tokens_per_tile + limits.text_tokens + limits.new_tokens
+                + limits.tree_tokens)
 
     def __init__(self, cfg: ModelConfig, limits: Limits, dtype: torch.dtype, device: torch.device):
         self.limits = limits
         s, d, llm = cfg.force_image_size, cfg.llm.hidden_size, cfg.llm
         tiles = limits.max_tiles()
-        self.max_visual = tiles * cfg.tokens_per_tile
+        self.max_visual = tiles * limits.frames * cfg.tokens_per_tile   # a K-frame prompt's, every token kept
         self.max_prompt = self.max_visual + limits.text_tokens
         self.max_len = self.max_len_for(cfg, limits)
         self.max_query = max(self.max_prompt, limits.tree_tokens)
@@ -88,7 +92,8 @@ class Arena:
         self.batch_mask = torch.zeros(limits.batch, self.max_len, dtype=torch.bool, **alloc)
         self.batch_eye = torch.eye(limits.batch, dtype=torch.bool, **alloc)
         self.logits = torch.zeros(limits.tree_tokens, llm.vocab_size, dtype=dtype, **alloc)
-        # Visual reuse: one camera's visual tokens per slot (tiles per camera x tokens per tile).
+        # Visual reuse: one camera frame's visual tokens per slot (tiles per camera x tokens per tile);
+        # also the window of a K-frame query's views (runtime.arena_limits: at least max_frames x cameras).
         self.feature_cache = torch.zeros(limits.cached_cameras, limits.tiles_per_camera * cfg.tokens_per_tile, d,
                                          dtype=dtype, **alloc)
         # The shared prompt prefix (prefix.py): its KV rows and final-norm features, computed once.

@@ -52,11 +52,12 @@ class Turn:
     """An answered query, as a follow-up continues it."""
     history: tuple[tuple[str, str], ...]   # (question, answer text) of every turn so far, this one last
     cameras: tuple[str, ...]  # the conversation's views (its first question chose them), rig order
-    keep: list[torch.Tensor]  # per camera, the kept visual token indices (chosen against the first question)
+    keep: list[torch.Tensor]  # per view (camera, and frame set within), the kept visual token indices
     keep_ratio: float
     frame_keys: Mapping | None             # what identifies its frames: a follow-up uses the same
     rows: list[tuple[int, int]]            # (token id, position) of each KV row its slot holds, slot order
     slot: int = -1                         # its KV region in arena.k_turns / v_turns
+    frames: int = 1                        # frame sets its prompt holds per camera (their rows are in its KV)
 
 
 def common_rows(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:

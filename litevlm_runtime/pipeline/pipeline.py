@@ -2,6 +2,12 @@
 
     view select -> preprocess -> vision -> token select -> prefill -> decode
 
+A query is answered from K frame sets (frame_sets.py: oldest first, the key set last; K = 1 is one
+camera -> image mapping, as always). View selection also chooses how many of them the question
+needs (camera x time); each (camera, frame) view is encoded once while it is in the feature cache's
+window; token selection keeps, of the older sets, only the tokens that changed (stages/temporal.py);
+the prompt holds each camera's frames as upstream's video chat does (stages/prompt.py).
+
 Each stage is a function of the runtime context (runtime.py: model, tokenizer, arena, engines,
 device, built once) that reads and writes arena buffers, is timed, and is reported in the Answer.
 Which modules run is the resolved configuration's business (options.py): by default the LiteVLM
@@ -10,8 +16,8 @@ pipeline, with every module the model folder carries.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +32,18 @@ from ..options import DecodingMode, PipelineOptions
 from ..stages.budget import Plan
 from ..stages.preprocess import load_image, to_tiles_uint8
 from ..stages.prompt import build_prompt, prompt_digest
+from ..stages.temporal import changed_tokens
 from ..stages.token_selector import PromptLayout
-from ..stages.view_selector import keyword_map
+from ..stages.view_selector import keyword_map, time_cue
 from ..timing import StageTimer
 from .answer import Answer, object_fields
 from .conversation import Turn
 from .explanation import QueryTrace, prompt_trace
+from .frame_sets import FrameSet, frame_sets_of
 from .request import QueryRequest
 from .runtime import Runtime, build_runtime
+
+View = tuple[str, int]          # (camera, frame set: 0 the query's oldest, K - 1 its newest)
 
 
 @dataclass
@@ -44,15 +54,16 @@ class QueryState:
     request: QueryRequest
     decoding: QueryDecoding
     timer: StageTimer
-    frame_keys: Mapping | None                 # camera -> what identifies its image (visual reuse, follow-ups)
+    sets: tuple[FrameSet, ...]                 # its frame sets, oldest first (the newest `request.frames`)
     max_new: int                               # the answer cap before any budget cut
     budget_ms: float
     turn: Turn | None = None                   # the answered turn it continues (a follow-up)
     history: tuple = ()                        # the earlier turns of its conversation, (question, answer) oldest first
     plan: Plan | None = None
-    reused: list[str] = field(default_factory=list)   # cameras whose visual features came from the feature cache
-    encoded: int = 0  # cameras the vision stage ran for
-    keep: list | None = None  # per camera, the visual tokens kept (its conversation's first question chose them)
+    views: list[View] = field(default_factory=list)   # (camera, frame set) in prompt order: camera by camera
+    reused: list[View] = field(default_factory=list)  # views whose visual features came from the feature cache
+    encoded: int = 0  # views the vision stage ran for
+    keep: list | None = None  # per view, the visual tokens kept (its conversation's first question chose them)
     prompt: Prompt | None = None
     prompt_sha256: str = ""                    # of the full prompt's ids (stages/prompt.py prompt_digest)
     rows: list | None = None                   # (token id, position) of its prefill rows, when it is to be kept
@@ -61,6 +72,11 @@ class QueryState:
     @property
     def region(self) -> KVRegion:
         return self.decoding.region
+
+    @property
+    def frame_keys(self) -> Mapping | None:
+        """The newest frame set's keys (what a follow-up is about)."""
+        return self.sets[-1].keys
 
 
 class Pipeline:
@@ -85,13 +101,15 @@ class Pipeline:
 
     # ---------------------------------------------------------------- the query, top to bottom
     @torch.inference_mode()
-    def answer(self, images: dict, request: QueryRequest | str, *, frame_keys: Mapping | None = None,
-               on_tokens=None, decoder=None) -> Answer:
-        """One query (request.py; a plain question is the request of its text). `frame_keys`
-        (camera -> what identifies its image, e.g. the frame's stamp) lets later questions about
-        the same frames reuse their visual features and follow up on its answer; `on_tokens(ids so
-        far)` sees the answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2)
-        overrides the configured decoding for this call.
+    def answer(self, images: Mapping | Sequence[FrameSet], request: QueryRequest | str, *,
+               frame_keys: Mapping | None = None, on_tokens=None, decoder=None) -> Answer:
+        """One query (request.py; a plain question is the request of its text). `images`: one frame
+        set (camera -> image), or the query's frame sets oldest first (frame_sets.py), of which it
+        uses the newest `request.frames`. `frame_keys` (camera -> what identifies its image, e.g.
+        the frame's stamp; a FrameSet carries its own) lets later questions about the same frames
+        reuse their visual features and follow up on its answer; `on_tokens(ids so far)` sees the
+        answer as it is decoded; `decoder` (decoding.greedy, speculative.eagle2) overrides the
+        configured decoding for this call.
 
         Conversations (conversation.py): `request.history`, the (question, answer) turns asked
         earlier about these images, makes the query their next turn, computed from scratch;
@@ -107,40 +125,47 @@ class Pipeline:
             out = decode(rt, q.decoding, q.prompt, plan.max_new_tokens, on_tokens)
         return self.finish(q, out, ("eagle" if speculate else "greedy") if decoder is None else None)
 
-    def begin(self, images: dict, request: QueryRequest | str, frame_keys: Mapping | None = None,
-              region: int = 0) -> QueryState:
+    def begin(self, images: Mapping | Sequence[FrameSet], request: QueryRequest | str,
+              frame_keys: Mapping | None = None, region: int = 0) -> QueryState:
         """Every stage of one query up to and including prefill (the first answer token chosen):
         what `answer` decodes from, and what the batch scheduler (batching.py) admits. `region`:
         the arena's KV region prefill writes (the batch decoder gives each query its own)."""
         rt = self.rt
-        q = start_query(rt, QueryRequest.of(request).checked(rt), frame_keys, region)
+        q = start_query(rt, QueryRequest.of(request).checked(rt), frame_sets_of(images, frame_keys), region)
         turn, timer = q.turn, q.timer
         first = q.history[0][0] if q.history else q.request.question     # the question the images came with
 
         with timer("view_select"):
             if turn is None:
                 cameras = select_views(rt, first)
-                q.plan = plan_query(rt, first, cameras, frame_keys, q.budget_ms, q.max_new)  # fewer/less if over budget
+                frames = select_frames(rt, first, len(q.sets))           # camera x time: how many sets it needs
+                q.plan = plan_query(rt, first, cameras, frames, q.sets, q.budget_ms, q.max_new)  # fewer if over budget
             else:
                 q.plan = plan_follow_up(rt, turn, q.request.question, q.budget_ms, q.max_new)   # its conversation's
         plan = q.plan
-        check_images(images, plan.cameras)
-        in_kv = plan.cameras if turn is not None and rt.fastv is None else []   # their rows come with the turn's KV
-        cached = cached_visual(rt, [c for c in plan.cameras if c not in in_kv], frame_keys)  # from earlier queries
-        todo = [c for c in plan.cameras if c not in cached and c not in in_kv]
+        if len(q.sets) < plan.frames:     # a follow-up given the newest set only: the others' rows are in the KV
+            q.sets = (FrameSet({}),) * (plan.frames - len(q.sets)) + q.sets
+        q.views = views = query_views(plan.cameras, plan.frames, len(q.sets))
+        in_kv = views if turn is not None and rt.fastv is None else []   # their rows come with the turn's KV
+        check_images(q.sets, [v for v in views if v not in in_kv or v[1] == len(q.sets) - 1])   # (the newest: always)
+        cached = cached_visual(rt, [v for v in views if v not in in_kv], q.sets)   # from earlier queries
+        todo = [v for v in views if v not in cached and v not in in_kv]
         skipped = bool(in_kv) and not todo              # a follow-up: no vision at all (reported 0 ms)
-        with timer("preprocess", idle=skipped):
-            pixels = preprocess(rt, images, todo)
-        with timer("vision", idle=skipped):
-            visual = encode(rt, pixels, todo, cached, plan.cameras, frame_keys)   # per camera [tokens, D] or None
+        visual = dict(cached)                           # view -> [tokens, D]
+        for chunk in vision_calls(rt, todo):            # one frame set's worth of tiles per call
+            with timer("preprocess", idle=skipped):
+                pixels = preprocess_views(rt, q.sets, chunk)
+            with timer("vision", idle=skipped):
+                visual |= encode_views(rt, pixels, chunk, q.sets)
+        visual = [visual.get(v) for v in views]         # per view, prompt order; None: its rows are in the KV
         with timer("token_select"):
             if turn is None:      # the first question's own prompt: what its visual tokens are ranked against
-                layout = assemble_prompt(rt, plan.cameras, first, visual)
-                q.keep = select_tokens(rt, layout, plan.keep_ratio)   # per camera: kept token indices
+                layout = assemble_prompt(rt, plan.cameras, first, visual, frames=plan.frames)
+                q.keep = select_tokens(rt, layout, plan.keep_ratio, views, visual)   # per view: kept token indices
             else:
                 q.keep = turn.keep  # the conversation's (its first question chose them)
             if q.history:         # the whole conversation, as upstream builds it
-                layout = assemble_prompt(rt, plan.cameras, q.request.question, visual, q.history)
+                layout = assemble_prompt(rt, plan.cameras, q.request.question, visual, q.history, plan.frames)
         with timer("prefill"):
             q.prompt = prefill(rt, q.region, layout, q.keep, turn, q.decoding)
         followable = q.request.keep_turn and rt.conversations.keeps(
@@ -148,9 +173,9 @@ class Pipeline:
         )  # (at max_turns: none may follow)
         q.rows = prompt_rows(rt, q.prompt.length) if followable else None
         q.prompt_sha256 = prompt_digest(rt.arena.prompt_ids[:layout.length].tolist())    # what assemble_prompt wrote
-        if q.request.explain and not q.history:        # (a conversation's prompt is not explained yet)
-            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length)   # before the arena is reused
-        q.reused = [c for c in plan.cameras if c in cached or c in in_kv]
+        if q.request.explain and not q.history and plan.frames == 1:   # (a conversation's or a K-frame prompt
+            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length)   # is not explained yet)
+        q.reused = [v for v in views if v in cached or v in in_kv]
         q.encoded = len(todo)
         return q
 
@@ -179,13 +204,13 @@ class Pipeline:
             token_ids=out.tokens,
             stage_ms=stage_ms,
             cameras=list(plan.cameras),
-            visual_tokens=len(plan.cameras) * rt.tokens_per_camera,
+            visual_tokens=len(q.views) * rt.tokens_per_camera,
             kept_tokens=prompt.kept_tokens,
             input_tokens=prompt.input_tokens,
             decode_steps=out.steps,
             accepted_length=out.accepted,
             pipeline=rt.options.label(),
-            reused_cameras=list(q.reused),
+            reused_cameras=[c for c in plan.cameras if (c, q.views[-1][1]) in q.reused],   # of the newest set
             degraded=list(plan.degraded),
             budget_ms=q.budget_ms,
             turn=len(q.history) + 1,
@@ -194,9 +219,13 @@ class Pipeline:
             **object_fields(q.request.question, text, rt.options.cameras),
             extra={"rounds": out.rounds} if out.rounds else {},
             trace=q.trace.with_answer(text, out.tokens) if q.trace is not None else None,
+            frames=plan.frames,
+            encoded_views=q.encoded,
+            reused_views=len(q.reused),
+            kept_per_frame=kept_per_frame(q.views, q.keep, plan.frames),
         )
-        if learn_costs and not prompt.reused:          # (a follow-up's prefill is not the planner's model of one)
-            rt.planner.costs.observe(ans, q.encoded, plan.decoding)
+        if learn_costs and not prompt.reused and plan.frames == 1:  # (a follow-up's or a K-frame prefill is not
+            rt.planner.costs.observe(ans, q.encoded, plan.decoding)   # the planner's model of one)
         if q.request.keep_turn:
             keep_turn(rt, q, out.tokens, ans.text)
         return ans
@@ -222,13 +251,13 @@ class Pipeline:
         arrived). Returns the cameras encoded. A camera whose image fails is left for a query to
         report."""
         rt = self.rt
-        if rt.features is None:
+        if rt.features is None or not rt.features.reuse:
             return []
         done = []
         for cam in rt.options.cameras:
             if stop():
                 break
-            if cam not in images or cam not in frame_keys or (cam, frame_keys[cam]) in rt.features.index:
+            if cam not in images or cam not in frame_keys or rt.features.has(cam, frame_keys[cam]):
                 continue
             try:
                 encode(rt, preprocess(rt, images, [cam]), [cam], {}, [cam], frame_keys)
@@ -248,27 +277,43 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- stages
-def start_query(rt: Runtime, request: QueryRequest, frame_keys: Mapping | None, region: int) -> QueryState:
-    """A checked request's per-query state: its KV region, its own generator (the same query,
-    the same draws: seeded with its seed or decoding.seed), its constraint's matcher, the turn
-    it follows (looked up again: it may have expired since the request was checked), its caps."""
+def start_query(rt: Runtime, request: QueryRequest, sets: tuple[FrameSet, ...], region: int) -> QueryState:
+    """A checked request's per-query state: its frame sets (the newest it asks for), its KV
+    region, its own generator (the same query, the same draws: seeded with its seed or
+    decoding.seed), its constraint's matcher, the turn it follows (looked up again: it may have
+    expired since the request was checked), its caps."""
     options = rt.options
+    asked = request.frames or options.temporal.frames
+    if len(sets) < asked and request.follow_up_of == "":
+        raise InputError(f"the query asks for {asked} frame sets; {len(sets)} given (oldest first, the newest "
+                         f"last)", about="image")
+    if not request.follow_up_of:       # (a follow-up's are its turn's, their rows in its KV: query_views)
+        sets = sets[-asked:]
     temperature = request.temperature or options.decoding.temperature
     sampler = torch.Generator(device="cpu").manual_seed(request.seed or options.decoding.seed) if temperature > 0 \
         else None
     decoding = QueryDecoding(rt.region(region), temperature, sampler,
                              request.grammar.start() if request.grammar is not None else None)
-    turn = rt.conversations.follow(request.follow_up_of, frame_keys) if request.follow_up_of else None
+    turn = rt.conversations.follow(request.follow_up_of, sets[-1].keys) if request.follow_up_of else None
     max_new = min(request.max_new_tokens or options.max_new_tokens, rt.arena.limits.new_tokens)
     budget = request.budget_ms or options.serving.latency_budget_ms
-    return QueryState(request, decoding, StageTimer(rt.device), frame_keys, max_new, float(budget), turn,
+    return QueryState(request, decoding, StageTimer(rt.device), sets, max_new, float(budget), turn,
                       turn.history if turn is not None else request.history)
 
 
-def check_images(images, cameras: list[str]) -> None:
-    missing = [c for c in cameras if c not in images]
+def query_views(cameras: list[str], frames: int, sets: int) -> list[View]:
+    """The (camera, frame set) views of a query in prompt order: camera by camera (rig order), each
+    camera's newest `frames` sets oldest first (of `sets`, the newest last)."""
+    return [(cam, t) for cam in cameras for t in range(sets - frames, sets)]
+
+
+def check_images(sets: tuple[FrameSet, ...], views: list[View]) -> None:
+    missing = [(c, t) for c, t in views if c not in sets[t].images]
     if missing:
-        raise InputError(f"no image for camera(s) {', '.join(missing)}", camera=missing[0])
+        cam, t = missing[0]
+        when = "" if len(sets) == 1 else f" in frame set t-{len(sets) - 1 - t}"
+        raise InputError(f"no image for camera(s) {', '.join(dict.fromkeys(c for c, _ in missing))}{when}",
+                         camera=cam)
 
 
 def select_views(rt: Runtime, question: str) -> list[str]:
@@ -284,21 +329,37 @@ def select_views(rt: Runtime, question: str) -> list[str]:
     return sorted(chosen, key=lambda c: (-scores.get(c, 0.0), rig.index(c)))
 
 
-def plan_query(rt: Runtime, question: str, cameras: list[str], frame_keys: dict | None, budget_ms: float,
-               max_new: int) -> Plan:
+def select_frames(rt: Runtime, question: str, asked: int) -> int:
+    """How many of the `asked` frame sets (the newest last) the question needs, 1 .. asked: every
+    one (temporal.mode all), or the time selector's (the view selector's time head fused with the
+    time cue; the cue alone where the selector has no time head or there is no selector)."""
+    if asked == 1 or rt.options.temporal.mode == "all":
+        return asked
+    if rt.view_selector is not None:
+        past = rt.view_selector.explain(question).past_frames
+    else:
+        past = None if time_cue(question) else 0
+    return asked if past is None else 1 + min(past, asked - 1)
+
+
+def plan_query(rt: Runtime, question: str, cameras: list[str], frames: int, sets: tuple[FrameSet, ...],
+               budget_ms: float, max_new: int) -> Plan:
     """What this query runs: the configured pipeline, or (with a budget) the least degraded plan
     predicted to fit it (budget.py). `cameras`: the selection, most needed first; the plan's
-    cameras come back in rig order (the prompt's)."""
+    cameras come back in rig order (the prompt's). `frames`: the frame sets the question needs (a
+    budget plans the newest one only when it cannot afford them: `frames K->1`)."""
     configured = "eagle" if rt.options.decoding.mode == DecodingMode.EAGLE else "greedy"
     keep = rt.options.tokens.keep_ratio if rt.token_selector is not None else 1.0
     rig = list(rt.options.cameras)
     if not budget_ms:
-        return Plan(sorted(cameras, key=rig.index), keep, configured, max_new, 0.0)
-    cached = {c for c in cameras if rt.features is not None and frame_keys and c in frame_keys
-              and (c, frame_keys[c]) in rt.features.index}
+        return Plan(sorted(cameras, key=rig.index), keep, configured, max_new, 0.0, frames=frames)
+    keys = sets[-1].keys
+    cached = {c for c in cameras if rt.features is not None and keys and c in keys and rt.features.has(c, keys[c])}
     text_rows = len(prompt_ids(rt, cameras, question)[0]) - len(cameras) * rt.tokens_per_camera
     plan = rt.planner.plan(budget_ms, list(cameras), cached, keep, configured, max_new, text_rows)
     plan.cameras.sort(key=rig.index)
+    if frames > 1:    # (the planner's cost model is one frame set's: a budget answers from the newest only)
+        plan.degraded.insert(0, f"frames {frames}->1")
     if not plan.fits:
         plan.degraded.append(f"budget {budget_ms:g} ms cannot be met (coarsest plan: {plan.predicted_ms:.0f} ms)")
     return plan
@@ -309,34 +370,71 @@ def plan_follow_up(rt: Runtime, turn: Turn, question: str, budget_ms: float, max
     them), decoded with plain steps (EAGLE-2's draft cache is not kept with a conversation, and
     greedy EAGLE-2 answers are these token for token). A latency budget can only cut the answer:
     prefill is predicted over the rows that follow the turn's KV."""
-    plan = Plan(list(turn.cameras), turn.keep_ratio, "greedy", max_new, 0.0)
+    plan = Plan(list(turn.cameras), turn.keep_ratio, "greedy", max_new, 0.0, frames=turn.frames)
     if budget_ms:
-        ids, spans = prompt_ids(rt, plan.cameras, question, turn.history)
+        ids, spans = prompt_ids(rt, plan.cameras, question, turn.history, turn.frames)
         rows = len(ids) - sum(count - len(k) for (_, count), k in zip(spans, turn.keep)) - len(turn.rows)
         plan = rt.planner.plan(budget_ms, plan.cameras, set(plan.cameras), plan.keep_ratio, "greedy", max_new,
                                max(1, rows), fixed_views=True)
+        plan.frames = turn.frames
         if not plan.fits:
             plan.degraded.append(f"budget {budget_ms:g} ms cannot be met (coarsest plan: {plan.predicted_ms:.0f} ms)")
     return plan
 
 
-def cached_visual(rt: Runtime, cameras: list[str], frame_keys: dict | None) -> dict:
-    if rt.features is None or not frame_keys:
+def cached_visual(rt: Runtime, views: list[View], sets: tuple[FrameSet, ...]) -> dict[View, torch.Tensor]:
+    """The views whose visual features the feature cache holds (by their frame set's key)."""
+    if rt.features is None:
         return {}
-    found = {c: rt.features.get(c, frame_keys[c]) for c in cameras if c in frame_keys}
-    return {c: v for c, v in found.items() if v is not None}
+    found = {(c, t): rt.features.get(c, sets[t].keys[c]) for c, t in views if sets[t].keys and c in sets[t].keys}
+    return {v: f for v, f in found.items() if f is not None}
+
+
+def vision_calls(rt: Runtime, todo: list[View]) -> list[list[View]]:
+    """The views to encode, in calls of at most one frame set's tiles (the vision engine's and the
+    arena's pixel buffers' size); one call with nothing when there is nothing (every answer
+    reports the preprocess and vision stages)."""
+    most = rt.arena.limits.cameras
+    return [todo[i:i + most] for i in range(0, len(todo), most)] or [[]]
+
+
+def preprocess_views(rt: Runtime, sets: tuple[FrameSet, ...], views: list[View]) -> torch.Tensor:
+    """The normalised tiles of `views` [views * tiles_per_camera, 3, S, S] in the arena."""
+    return preprocess_images(rt, [(c, sets[t].images[c]) for c, t in views])
 
 
 def preprocess(rt: Runtime, images: dict, cameras: list[str]) -> torch.Tensor:
+    return preprocess_images(rt, [(c, images[c]) for c in cameras])
+
+
+def preprocess_images(rt: Runtime, images: list[tuple[str, object]]) -> torch.Tensor:
+    """(camera, image) pairs, decoded and cut into tiles in the arena's pixel buffers, normalised."""
     a, tpc, s = rt.arena, rt.options.tiles_per_camera, rt.cfg.force_image_size
     limits = rt.options.images
-    for i, cam in enumerate(cameras):
-        if images[cam] is None:
+    if len(images) * tpc > a.pixels_u8.shape[0]:      # (callers split into vision_calls)
+        raise LiteVLMError(f"{len(images)} images in one vision call; the arena holds {a.limits.cameras}")
+    for i, (cam, image) in enumerate(images):
+        if image is None:
             raise InputError(f"no image for camera(s) {cam}", camera=cam)
-        img = load_image(images[cam], cam, (s * tpc, s), limits.max_pixels, limits.jpeg_draft)
+        img = load_image(image, cam, (s * tpc, s), limits.max_pixels, limits.jpeg_draft)
         to_tiles_uint8(img, s, tpc, a.pixels_u8[i * tpc:(i + 1) * tpc])
-    n = len(cameras) * tpc
+    n = len(images) * tpc
     return rt.normalize(a.pixels_u8[:n], a.pixels[:n])
+
+
+def encode_views(rt: Runtime, pixels: torch.Tensor, views: list[View],
+                 sets: tuple[FrameSet, ...]) -> dict[View, torch.Tensor]:
+    """Visual tokens [tokens_per_camera, D] of `views` (their tiles in `pixels`) through the vision
+    engine, and into the feature cache under their frame set's key where there is one (a K-frame
+    query's views always have one: frame_sets.py; the cache holds its window)."""
+    if not views:
+        return {}
+    out = rt.arena.visual[:pixels.shape[0]]
+    out.copy_(rt.engines.vision.run(pixels))
+    fresh = out.view(len(views), rt.tokens_per_camera, rt.cfg.llm.hidden_size)
+    keyed = rt.features is not None
+    return {(c, t): rt.features.put(c, sets[t].keys[c], v) if keyed and c in (sets[t].keys or {}) else v
+            for (c, t), v in zip(views, fresh)}
 
 
 def encode(rt: Runtime, pixels: torch.Tensor, todo: list[str] | None = None, cached: dict | None = None,
@@ -356,21 +454,24 @@ def encode(rt: Runtime, pixels: torch.Tensor, todo: list[str] | None = None, cac
     return [cached[c] if c in cached else fresh.get(c) for c in cameras]
 
 
-def prompt_ids(rt: Runtime, cameras: list[str], question: str, history=()) -> tuple[list[int], list[tuple[int, int]]]:
-    """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each camera's (start, count)."""
+def prompt_ids(rt: Runtime, cameras: list[str], question: str, history=(),
+               frames: int = 1) -> tuple[list[int], list[tuple[int, int]]]:
+    """The full prompt's token ids with `<IMG_CONTEXT>` placeholders, and each view's (start, count)."""
     prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera,
-                          history)
+                          history, frames)
     return list(prompt.input_ids), list(prompt.image_spans)
 
 
-def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual, history=()) -> PromptLayout:
-    """Write the full prompt, [template, <img> every visual token </img> per camera, question]
-    (with `history`: the conversation it continues), as ids + embeddings into the arena once: the
-    token selector reads it, prefill gathers the kept rows from it. Row index = original position
-    id. A camera whose `visual` is None keeps its rows unwritten (a follow-up's: they are in the KV)."""
+def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual, history=(),
+                    frames: int = 1) -> PromptLayout:
+    """Write the full prompt, [template, <img> every visual token </img> per view, question] (with
+    `history`: the conversation it continues; with `frames` > 1, each camera's frames oldest
+    first), as ids + embeddings into the arena once: the token selector reads it, prefill gathers
+    the kept rows from it. Row index = original position id. A view whose `visual` is None keeps
+    its rows unwritten (a follow-up's: they are in the KV)."""
     a = rt.arena
     prompt = build_prompt(rt.tok, rt.cfg.system_message, rt.prompt_layout, cameras, question, rt.tokens_per_camera,
-                          history)
+                          history, frames)
     n = len(prompt.input_ids)
     if n > a.max_prompt:      # (only a conversation can be: the arena holds serving.max_turns whole turns)
         raise InputError(f"the conversation's prompt has {n} rows; the arena holds {a.max_prompt} (sized by "
@@ -384,14 +485,37 @@ def assemble_prompt(rt: Runtime, cameras: list[str], question: str, visual, hist
     return PromptLayout(n, list(prompt.image_spans), prompt.question_span)
 
 
-def select_tokens(rt: Runtime, layout: PromptLayout, keep_ratio: float | None = None) -> list[torch.Tensor]:
-    """Per camera, the indices of the visual tokens to keep (ascending)."""
+def select_tokens(rt: Runtime, layout: PromptLayout, keep_ratio: float | None = None, views: list[View] | None = None,
+                  visual: list | None = None) -> list[torch.Tensor]:
+    """Per view, the indices of the visual tokens to keep (ascending): the newest frame set's by
+    the token selector (ranked against the question), an older set's by change against the newest
+    set at the same camera and position (stages/temporal.py)."""
     a = rt.arena
     keep_ratio = rt.options.tokens.keep_ratio if keep_ratio is None else keep_ratio
+    views = views or [(None, 0)] * len(layout.spans)
+    newest = max(t for _, t in views)
+    key_spans = [span for span, (_, t) in zip(layout.spans, views) if t == newest]
     if rt.token_selector is None or keep_ratio >= 1.0:
-        return [a.slots[:count] for _, count in layout.spans]
-    n = layout.length
-    return rt.token_selector.select(a.prompt_embeds[:n], a.slots[:n], layout, keep_ratio, rt.options.tokens.scope)
+        key_keep = [a.slots[:count] for _, count in key_spans]
+    else:
+        n = layout.length
+        key_keep = rt.token_selector.select(a.prompt_embeds[:n], a.slots[:n], replace(layout, spans=key_spans),
+                                            keep_ratio, rt.options.tokens.scope)
+    key_visual = {c: v for (c, t), v in zip(views, visual or [None] * len(views)) if t == newest}
+    threshold = rt.options.temporal.change_threshold
+    kept, key_keep = [], iter(key_keep)
+    for (c, t), (_, count), v in zip(views, layout.spans, visual or [None] * len(views)):
+        kept.append(next(key_keep) if t == newest else changed_tokens(v, key_visual[c], threshold))
+    return kept
+
+
+def kept_per_frame(views: list[View], keep: list[torch.Tensor], frames: int) -> list[int]:
+    """Visual tokens kept per frame set, oldest first, over every camera."""
+    newest = max(t for _, t in views)
+    out = [0] * frames
+    for (_, t), k in zip(views, keep):
+        out[frames - 1 - (newest - t)] += len(k)
+    return out
 
 
 def prefill(rt: Runtime, region: KVRegion, layout: PromptLayout, keep: list[torch.Tensor], turn: Turn | None = None,
@@ -486,5 +610,5 @@ def keep_turn(rt: Runtime, q: QueryState, tokens: list[int], text: str) -> None:
     in_cache = tokens if len(tokens) < plan.max_new_tokens else tokens[:-1]
     rows = [] if q.rows is None else q.rows + [(t, prompt.next_pos + i) for i, t in enumerate(in_cache)]
     turn = Turn(q.history + ((q.request.question, text),), tuple(plan.cameras), q.keep, plan.keep_ratio,
-                q.frame_keys, rows)
+                q.frame_keys, rows, frames=plan.frames)
     rt.conversations.keep(q.request.query_id, turn, q.region.k, q.region.v)

@@ -48,6 +48,10 @@ class QueryRequest:
     follow_up_of: str = ""              # the answered query whose conversation this continues
     priority: int = 0                   # 0-255, higher first (the queue and the batch decoder)
     explain: bool = False               # take what its explanation reads (Answer.trace; pipeline/explanation.py)
+    # Frame sets to answer from (0: temporal.frames; 1: the newest only; K: the newest and the K - 1
+    # before it, temporal.stride_s apart): the upper bound, the time selector may use fewer. Query.msg
+    # carries it once the node matches past frame sets (issue 45); until then Python callers' only.
+    frames: int = field(default=0, metadata=LOCAL)
     # Python callers' only (not in the Query message):
     history: tuple[tuple[str, str], ...] = field(
         default=(), metadata=LOCAL
@@ -94,6 +98,10 @@ class QueryRequest:
         if self.max_new_tokens < 0:
             raise InputError(f"max_new_tokens {self.max_new_tokens!r}: must be >= 0 (0: the configured cap)",
                              about="question")
+        most = rt.options.temporal.max_frames
+        if not isinstance(self.frames, int) or isinstance(self.frames, bool) or not 0 <= self.frames <= most:
+            raise InputError(f"frames {self.frames!r}: must be from 1 to temporal.max_frames {most} (0: the "
+                             f"node's temporal.frames)", about="question")
         if self.priority not in PRIORITIES:
             raise InputError(f"priority {self.priority!r}: must be from 0 to {PRIORITIES[-1]}", about="question")
         check_history(rt, self)

@@ -59,19 +59,21 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
     # question and, after the first, a whole earlier answer (8 rows of slack per turn for how the
     # tokenizer joins them to the separators).
     turns = options.serving.max_turns
+    frames = options.temporal.max_frames
     template = build_prompt(tok, cfg.system_message, layout, list(options.cameras), "", 1,
-                            history=(("", "x"),) * (turns - 1))
-    template_tokens = len(template.input_ids) - len(options.cameras)      # one placeholder per camera
+                            history=(("", "x"),) * (turns - 1), frames=frames)
+    template_tokens = len(template.input_ids) - len(options.cameras) * frames    # one placeholder per view
     tree = options.decoding.eagle
     eagle = options.decoding.mode == DecodingMode.EAGLE
     return Limits(
         cameras=len(options.cameras),
         tiles_per_camera=options.tiles_per_camera,
+        frames=frames,
         text_tokens=template_tokens + turns * (8 + options.max_question_tokens) + (turns - 1) * options.max_new_tokens,
         new_tokens=options.max_new_tokens,
         tree_tokens=max(64, tree.total + 1, (tree.depth - 1) * tree.topk),   # so one export serves both decodings
         draft_layers=1 if eagle else 0,
-        cached_cameras=options.serving.feature_cache_cameras if options.serving.feature_cache else 0,
+        cached_cameras=feature_slots(options),
         batch=batch_capacity(options),
         conversations=options.serving.conversations if turns > 1 else 0,
         kv_dtype=options.arena.kv_dtype,
@@ -79,6 +81,14 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
                                    options.tiles_per_camera * cfg.tokens_per_tile))
         if options.serving.prefix_cache and options.fastv.ratio == 0 else 0,
     )
+
+
+def feature_slots(options: PipelineOptions) -> int:
+    """Camera frames the feature cache holds: serving.feature_cache_cameras, and at least every
+    view of a query over temporal.max_frames frame sets (its window: a K-frame query's views live
+    there between vision and prefill, so that none of them evicts another)."""
+    window = options.temporal.max_frames * len(options.cameras) if options.temporal.max_frames > 1 else 0
+    return max(options.serving.feature_cache_cameras if options.serving.feature_cache else 0, window)
 
 
 def batch_capacity(options: PipelineOptions) -> int:
@@ -206,8 +216,8 @@ class Runtime:
         if rt.gemm == "onednn":                         # the linears no weight form took (weights/gemm.py)
             use_onednn([model, rt.token_selector, rt.draft])
         rt.engines = make_engines(rt)
-        if arena.feature_cache.shape[0]:
-            rt.features = FeatureCache(arena.feature_cache)
+        if arena.feature_cache.shape[0]:      # (serving.feature_cache false: a K-frame query's window only)
+            rt.features = FeatureCache(arena.feature_cache, reuse=options.serving.feature_cache)
         rt.conversations = Conversations(arena.k_turns, arena.v_turns, options.serving.max_turns)
         rt.planner = BudgetPlanner(rt)
         if rt.fastv is not None:

@@ -46,6 +46,7 @@ class Plan:
     degraded: list[str] = field(default_factory=list)
     fits: bool = True
     capped: bool = False              # the cap is below the configured one (the answer may be cut)
+    frames: int = 1                   # frame sets per camera (camera x time selection; 1: the newest only)
 
 
 @dataclass

@@ -32,6 +32,8 @@ from ..weights.tokenizer import IMG_CONTEXT, Tokenizer
 LAYOUT = "chat_template"
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 QUESTION_MARK = "\x00question\x00"      # where the question goes in the rendered text (no template emits it)
+VIDEO = "<video>"                          # transformers' InternVL video token, what a template renders a video as
+FRAME = "Frame{index}: "                   # each frame's label in the processor's video expansion
 
 
 def find_chat_template(folder: str | Path) -> tuple[str, Path] | None:
@@ -69,14 +71,16 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
-def messages_of(system: str, n_images: int, question: str, history=()) -> list[dict]:
-    """The chat messages of a query: the images in the first user turn, earlier turns as text."""
+def messages_of(system: str, n_images: int, question: str, history=(), video: bool = False) -> list[dict]:
+    """The chat messages of a query: the images (`video`: videos) in the first user turn, earlier
+    turns as text."""
     def text(t):
         return [{"type": "text", "text": t}]
 
     messages = [{"role": "system", "content": system}] if system else []
     first = history[0][0] if history else question
-    messages.append({"role": "user", "content": [{"type": "image"} for _ in range(n_images)] + text(first)})
+    kind = "video" if video else "image"
+    messages.append({"role": "user", "content": [{"type": kind} for _ in range(n_images)] + text(first)})
     for index, (_, answer) in enumerate(history):
         messages.append({"role": "assistant", "content": text(answer)})
         later = history[index + 1][0] if index + 1 < len(history) else question
@@ -84,31 +88,34 @@ def messages_of(system: str, n_images: int, question: str, history=()) -> list[d
     return messages
 
 
-def render_text(template: str, system: str, n_images: int, question: str, history=()) -> str:
-    """The rendered chat template (image placeholders not yet expanded)."""
+def render_text(template: str, system: str, n_images: int, question: str, history=(), video: bool = False) -> str:
+    """The rendered chat template (image or video placeholders not yet expanded)."""
     try:
-        return _compiled(template).render(messages=messages_of(system, n_images, question, history),
+        return _compiled(template).render(messages=messages_of(system, n_images, question, history, video),
                                           add_generation_prompt=True)
     except TemplateError as exc:
         raise CheckpointError(f"chat template failed to render {len(history) + 1} user turn(s) with {n_images} "
-                              f"image(s): {exc}") from None
+                              f"{'video' if video else 'image'}(s): {exc}") from None
 
 
 @lru_cache(maxsize=64)
-def template_pieces(tok: Tokenizer, template: str, system: str, n_images: int, history=()) -> tuple[list[str], str]:
-    """The rendered text around the images: n_images + 1 pieces (the last holds QUESTION_MARK),
-    checked to hold exactly one placeholder per image and the question once."""
-    text = render_text(template, system, n_images, QUESTION_MARK, history)
-    pieces = text.split(IMG_CONTEXT)
+def template_pieces(tok: Tokenizer, template: str, system: str, n_images: int, history=(),
+                    video: bool = False) -> tuple[list[str], str]:
+    """The rendered text around the images (videos): n_images + 1 pieces (the last holds
+    QUESTION_MARK), checked to hold exactly one placeholder per image and the question once."""
+    text = render_text(template, system, n_images, QUESTION_MARK, history, video)
+    placeholder = VIDEO if video else IMG_CONTEXT
+    pieces = text.split(placeholder)
     if len(pieces) != n_images + 1 or text.count(QUESTION_MARK) != 1 or QUESTION_MARK not in pieces[-1]:
-        raise CheckpointError(f"chat template: {n_images} image(s) and a question render with "
-                              f"{len(pieces) - 1} {IMG_CONTEXT} placeholder(s) and the question "
+        raise CheckpointError(f"chat template: {n_images} {'video' if video else 'image'}(s) and a question render "
+                              f"with {len(pieces) - 1} {placeholder} placeholder(s) and the question "
                               f"{'not ' if QUESTION_MARK not in pieces[-1] else ''}after them; unsupported template")
     return pieces, text
 
 
 def build_template_prompt(
-    tok: Tokenizer, template: str, system: str, cameras, question: str, tokens_per_camera: int, history=()
+    tok: Tokenizer, template: str, system: str, cameras, question: str, tokens_per_camera: int, history=(),
+    frames: int = 1,
 ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
     """The fields of prompt.Prompt (input_ids, image_spans, question_span) for `cameras` (one image
     each) and `question`, by the folder's chat template; prompt.py builds the Prompt from them
@@ -121,11 +128,11 @@ def build_template_prompt(
     if any(IMG_CONTEXT in t or QUESTION_MARK in t for t in (question, *(t for turn in history for t in turn))):
         raise InputError(f"question contains reserved token {IMG_CONTEXT!r}", about="question")
     ids, spans, question_span = _template_ids(tok, template, system, cameras, question, tokens_per_camera,
-                                              tuple(history))
+                                              tuple(history), frames)
     if not history:
         return ids, spans, question_span
     first_ids, first_spans, first_question = _template_ids(tok, template, system, cameras, history[0][0],
-                                                           tokens_per_camera, ())
+                                                           tokens_per_camera, (), frames)
     if spans != first_spans or ids[:first_question[1] + 1] != first_ids[:first_question[1] + 1]:
         raise CheckpointError("chat template: the first turn renders differently once later turns follow it; "
                               "follow-up questions are not supported with this template")
@@ -133,17 +140,23 @@ def build_template_prompt(
 
 
 def _template_ids(tok: Tokenizer, template: str, system: str, cameras, question: str, tokens_per_camera: int,
-                  history: tuple) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
+                  history: tuple, frames: int = 1
+                  ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, int]]:
     """Ids, image spans and the span of the last question (the one QUESTION_MARK stands for)."""
-    pieces, _ = template_pieces(tok, template, system, len(cameras), history)
+    pieces, _ = template_pieces(tok, template, system, len(cameras), history, frames > 1)
     ids = list(tok.added_around_text[0])
     spans = []
     for piece in pieces[:-1]:
-        ids.extend(tok.encode_cached(piece))
-        ids.append(tok.img_start_id)
-        spans.append((len(ids), tokens_per_camera))
-        ids.extend([tok.img_context_id] * tokens_per_camera)
-        ids.append(tok.img_end_id)
+        text = piece                    # the text up to the next special token (<img>), tokenized as one piece
+        for frame in range(1, frames + 1):
+            if frames > 1:              # the processor's video expansion: "\n"-joined "Frame{i}: <img>...</img>"
+                text += ("\n" if frame > 1 else "") + FRAME.format(index=frame)
+            ids.extend(tok.encode_cached(text))
+            text = ""
+            ids.append(tok.img_start_id)
+            spans.append((len(ids), tokens_per_camera))
+            ids.extend([tok.img_context_id] * tokens_per_camera)
+            ids.append(tok.img_end_id)
     before, after = pieces[-1].split(QUESTION_MARK)
     # The question's piece runs from the last special token before it to the next one (the text after
     # the last </img> up to <|im_end|> in the -hf templates), as prompt.py's question_span.

@@ -20,6 +20,20 @@ configuration adds (InternLM2Tokenizer: `<s>`; Qwen2.5's tokenizer.json: nothing
                order before the question. `Image-{index}: <image>\\n` is `internvl` for several
                cameras, `{camera}: <image>\\n` is `cameras`.
 
+Frame sets over time (`frames` K > 1, a motion question; docs/motion.md): each camera's `<image>`
+becomes its K frames, oldest first, the way upstream's video chat writes a video,
+
+    Frame1: <image>\nFrame2: <image>\n...FrameK: <image>
+
+(InternVL's README: `video_prefix = ''.join([f'Frame{i+1}: <image>\n' ...])`, one tile per frame;
+transformers' InternVLProcessor expands a video the same way, `\n`-joined), so the image spans come
+camera by camera, each camera's frames oldest first, the key frame last. One camera in the
+`internvl` layout is then exactly upstream's video-chat prompt (`<image>\n` + question with the
+image line replaced by the frames); several cameras are several videos, each under its own line
+(`Image-1: Frame1: <image>\nFrame2: ...\nImage-2: Frame1: ...`, `CAM_FRONT: Frame1: <image>\n...`),
+as an `-hf` folder's chat template writes one `{"type": "video"}` per camera (chat_template.py).
+K = 1 is the single-frame prompt, id for id.
+
 Which layout a model folder uses: the `prompt_layout` key of `litevlm.json` in the folder
 (`{"prompt_layout": "internvl"}`), overridden by `PipelineOptions.prompt_layout` /
 `litevlm prompt --layout`. A folder without litevlm.json gets `internvl` when it looks upstream
@@ -72,6 +86,7 @@ LAYOUTS = ("internvl", "cameras")
 LAYOUT_FILE = "litevlm.json"
 LAYOUT_KEY = "prompt_layout"
 IMAGE = "<image>"
+FRAME = "Frame{index}: "         # a frame's label within a camera's frames (upstream's video prefix)
 PLACEHOLDERS = ("{camera}", "{index}")
 # tokenizer_config.json classes of upstream InternVL2.5 checkpoints (InternLM2 for 2B/8B, Qwen2.5 for 1B/4B)
 UPSTREAM_TOKENIZER_CLASSES = ("InternLM2Tokenizer", "InternLM2TokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast")
@@ -80,7 +95,8 @@ UPSTREAM_TOKENIZER_CLASSES = ("InternLM2Tokenizer", "InternLM2TokenizerFast", "Q
 @dataclass(frozen=True)
 class Prompt:
     input_ids: tuple[int, ...]                  # every id, `<IMG_CONTEXT>` placeholders included
-    image_spans: tuple[tuple[int, int], ...]    # per camera: (index of its first <IMG_CONTEXT>, count)
+    # per camera, and per frame set within it oldest first (K > 1): (index of its first <IMG_CONTEXT>, count)
+    image_spans: tuple[tuple[int, int], ...]
     question_span: tuple[int, int]              # [start, end): the text after the last </img> up to <|im_end|>
 
 
@@ -162,12 +178,14 @@ def image_line(layout: str, n_cameras: int) -> str:
 
 
 def build_prompt(tok: Tokenizer, system: str, layout: str, cameras: list[str] | tuple[str, ...], question: str,
-                 tokens_per_camera: int, history: tuple[tuple[str, str], ...] = ()) -> Prompt:
-    """The full prompt for `cameras` (each `tokens_per_camera` visual tokens) and `question`;
-    with `history` ((question, answer) of the earlier turns, oldest first), the conversation that
-    `question` continues, as upstream's `chat(..., history=)` builds it: the images in the first
-    user turn, each earlier answer an assistant turn (`later_turns`). `question_span` is always
-    the first question's (the one the images came with: the token selector ranks against it)."""
+                 tokens_per_camera: int, history: tuple[tuple[str, str], ...] = (), frames: int = 1) -> Prompt:
+    """The full prompt for `cameras` (each `tokens_per_camera` visual tokens per frame set) and
+    `question`; with `history` ((question, answer) of the earlier turns, oldest first), the
+    conversation that `question` continues, as upstream's `chat(..., history=)` builds it: the
+    images in the first user turn, each earlier answer an assistant turn (`later_turns`).
+    `question_span` is always the first question's (the one the images came with: the token
+    selector ranks against it). `frames` > 1: each camera's frame sets, oldest first, as a video
+    (the module's docstring); the spans come camera by camera, frames within."""
     for text, what in [(question, "question"), *((t, f"history turn {i}") for i, turn in enumerate(history, 1)
                                                  for t in turn)]:
         reserved = [t for t in SPECIAL_TOKENS if t in text]
@@ -179,10 +197,12 @@ def build_prompt(tok: Tokenizer, system: str, layout: str, cameras: list[str] | 
             raise CheckpointError(f"{tok.folder}: prompt layout {layout!r} but no "
                                   f"{' or '.join(chat_template.TEMPLATE_FILES)}")
         return Prompt(*chat_template.build_template_prompt(tok, found[0], system, cameras, question, tokens_per_camera,
-                                                           tuple(history)))
+                                                           tuple(history), frames))
     if not cameras:
         raise InputError("a prompt needs at least one camera", about="image")
-    head, spans, text_after_images = _head(tok, system, layout, tuple(cameras), tokens_per_camera)
+    if frames < 1:
+        raise InputError(f"a prompt needs at least one frame set (frames {frames})", about="image")
+    head, spans, text_after_images = _head(tok, system, layout, tuple(cameras), tokens_per_camera, frames)
     first = history[0][0] if history else question
     question_ids = tok.encode_cached(text_after_images + first)
     rest = tuple(tok.encode(later_turns(history, question))) + tok.added_around_text[1] if history else _tail(tok)
@@ -223,9 +243,10 @@ class _IdWriter:
 
 
 @lru_cache(maxsize=64)
-def _head(tok: Tokenizer, system: str, layout: str, cameras: tuple[str, ...],
-          tokens_per_camera: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], str]:
-    """Ids up to the last camera's `</img>`, each camera's span, and the text that follows it."""
+def _head(tok: Tokenizer, system: str, layout: str, cameras: tuple[str, ...], tokens_per_camera: int,
+          frames: int = 1) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], str]:
+    """Ids up to the last camera's `</img>`, each camera's (and frame's) span, and the text that
+    follows it."""
     line = image_line(check_layout(layout), len(cameras))
     w = _IdWriter(tok, tok.added_around_text[0])
     w.special(tok.im_start_id)
@@ -238,10 +259,13 @@ def _head(tok: Tokenizer, system: str, layout: str, cameras: tuple[str, ...],
     for index, camera in enumerate(cameras, 1):
         text_before, text_after = line.replace("{camera}", camera).replace("{index}", str(index)).split(IMAGE)
         w.text += text_before
-        w.special(tok.img_start_id)
-        spans.append((len(w.ids), tokens_per_camera))
-        w.ids.extend([tok.img_context_id] * tokens_per_camera)
-        w.special(tok.img_end_id)
+        for frame in range(1, frames + 1):
+            if frames > 1:                          # a video: "Frame1: <image>\nFrame2: <image>..."
+                w.text += ("\n" if frame > 1 else "") + FRAME.format(index=frame)
+            w.special(tok.img_start_id)
+            spans.append((len(w.ids), tokens_per_camera))
+            w.ids.extend([tok.img_context_id] * tokens_per_camera)
+            w.special(tok.img_end_id)
         w.text += text_after
     return tuple(w.ids), tuple(spans), w.text
 

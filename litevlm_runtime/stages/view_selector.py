@@ -14,6 +14,16 @@ Runs first in the pipeline, before any image is decoded (DESIGN.md section 3). T
    question names the selector keeps them. Which rule a trained selector uses is measured on
    validation frames by `litevlm train views` and recorded in its config.json.
 
+Camera x time: a question about motion ("Is X moving?", "Will X cross the ego lane?") needs the frame
+sets before the newest, a colour question none. A selector trained on motion data (`litevlm train
+views` on SynthDrive in motion: a QA item's "frames" K says it needs K - 1 past frame sets) has a
+seventh latent query, the time query, whose head gives a distribution over how many past frame sets
+the question needs (0 .. max_past_frames). `Selection.past_frames` is that head's most likely count
+where the fused evidence says the question needs time: `time_keyword_weight * time_cue(question) +
+(1 - w) * P(past frames > 0)` reaching `time_threshold`, where `time_cue` is the keyword map's
+counterpart for time (motion words); without a time head, the cue alone decides, and a question
+that needs time gets every frame set it asked for (None). The query's `frames` is the upper bound.
+
 The selector has its own word-level tokenizer (`tokenizer.json`, Hugging Face `tokenizers`
 format), so it does not depend on the VLM's tokenizer being present. A selector folder holds
 `config.json`, `model.safetensors` and `tokenizer.json`.
@@ -119,6 +129,21 @@ def tagged_cameras(text: str) -> list[str]:
 def spatial_phrases(text: str) -> list[str]:
     """The spatial phrases found in `text` (longest match first, non-overlapping), in order."""
     return _PHRASE_RE.findall(OBJECT_TAG.sub(" ", text).lower())
+
+
+# Words that say a question is about motion: what the ego or an object does over time. A match of any
+# of them is the time cue (1.0). Matched on lower-cased text at word boundaries, tags removed.
+TIME_WORDS = ("moving", "move", "moves", "moved", "approaching", "approach", "approaches", "closer", "cross",
+              "crosses", "crossing", "turning", "stopped", "parked", "standing", "walking", "speed", "speeding",
+              "accelerating", "decelerating", "slowing", "going ahead", "moving status", "status", "do next",
+              "future state", "heading", "overtaking", "overtake", "driving", "velocity")
+_TIME_RE = re.compile(r"(?<![\w-])(" + "|".join(re.escape(w) for w in sorted(TIME_WORDS, key=len, reverse=True))
+                      + r")(?![\w-])")
+
+
+def time_cue(question: str) -> float:
+    """1.0 when the question names motion (TIME_WORDS), else 0.0: the keyword map of time."""
+    return 1.0 if _TIME_RE.search(OBJECT_TAG.sub(" ", question).lower()) else 0.0
 
 
 def keyword_map(question: str) -> dict[str, float]:
@@ -257,13 +282,20 @@ class ViewSelectorConfig:
     threshold: float = 0.4
     add_threshold: float = 0.5
     remove_threshold: float = 0.1
+    # Time (camera x time selection): past frame sets the time head predicts, 0 .. max_past_frames
+    # (0: no time head, a selector trained without motion data), and how its P(needs time) is fused
+    # with the time cue.
+    max_past_frames: int = 0
+    time_keyword_weight: float = 0.4
+    time_threshold: float = 0.5
 
     def fusion(self) -> Fusion:
         return Fusion(self.fusion_rule, self.threshold, self.keyword_weight, self.add_threshold, self.remove_threshold)
 
 
 class ViewSelector(nn.Module):
-    """Question tokens -> one logit per camera (CAMERAS order)."""
+    """Question tokens -> one logit per camera (CAMERAS order), and with a time head
+    (cfg.max_past_frames > 0) logits over how many past frame sets the question needs."""
 
     def __init__(self, cfg: ViewSelectorConfig):
         super().__init__()
@@ -281,16 +313,35 @@ class ViewSelector(nn.Module):
         self.latent_queries = nn.Parameter(torch.randn(len(cfg.cameras), d) * 0.02)
         self.cross_attention = nn.MultiheadAttention(d, cfg.heads, dropout=cfg.dropout, batch_first=True)
         self.head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
+        if cfg.max_past_frames:
+            # One more latent query: each query cross-attends on its own, so the camera logits are
+            # the same with or without it.
+            self.time_query = nn.Parameter(torch.randn(1, d) * 0.02)
+            self.time_head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU(),
+                                           nn.Linear(d, cfg.max_past_frames + 1))
 
-    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-        """ids, pad_mask: [B, T] (pad_mask True where padding) -> logits [B, cameras]."""
+    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor, with_time: bool = False):
+        """ids, pad_mask: [B, T] (pad_mask True where padding) -> logits [B, cameras]; with_time:
+        forward_all's pair (what training calls through its DDP wrapper)."""
+        out = self.forward_all(ids, pad_mask)
+        return out if with_time else out[0]
+
+    def forward_all(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, pad_mask: [B, T] -> (camera logits [B, cameras], time logits [B, max_past_frames + 1]
+        over 0 .. max_past_frames past frame sets, or None without a time head)."""
         ids, pad_mask = ids[:, : self.cfg.max_len], pad_mask[:, : self.cfg.max_len]
         positions = torch.arange(ids.shape[1], device=ids.device)
         x = self.token_embedding(ids) + self.position_embedding(positions)
         x = self.encoder(x, src_key_padding_mask=pad_mask)
-        queries = self.latent_queries.unsqueeze(0).expand(ids.shape[0], -1, -1)
+        queries = self.latent_queries
+        if self.cfg.max_past_frames:
+            queries = torch.cat([queries, self.time_query])
+        queries = queries.unsqueeze(0).expand(ids.shape[0], -1, -1)
         latents, _ = self.cross_attention(queries, x, x, key_padding_mask=pad_mask, need_weights=False)
-        return self.head(latents + queries).squeeze(-1)
+        out = latents + queries
+        cameras = len(self.cfg.cameras)
+        camera_logits = self.head(out[:, :cameras]).squeeze(-1)
+        return camera_logits, (self.time_head(out[:, cameras]) if self.cfg.max_past_frames else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +356,10 @@ class Selection:
     keyword: dict[str, float]   # keyword-map score per camera
     module: dict[str, float]    # sigmoid of the module's logit per camera
     reason: str                 # "selected" | "argmax" (cue but nothing passed) | "no_cue" (all cameras)
+    # Time: past frame sets the question needs (0: the newest only; None: every one asked for), and
+    # the evidence: {"cue": time_cue, "module": P(past frames > 0) or None, "score": the fused score}
+    past_frames: int | None = 0
+    time: dict = field(default_factory=dict)
 
 
 def certain_cameras(keyword: dict[str, float], tagged: list[str]) -> set[str]:
@@ -360,6 +415,20 @@ def fuse(keyword: dict[str, float], module: dict[str, float] | None, tagged: lis
     return Selection(cameras, scores, dict(keyword), dict(module), reason)
 
 
+def fuse_time(cue: float, probs: list[float] | None, weight: float, threshold: float) -> tuple[int | None, dict]:
+    """Past frame sets a question needs, from the time cue and the time head's distribution over
+    0 .. max past frame sets (`probs`, or None without a time head): 0 unless the fused score
+    `weight * cue + (1 - weight) * P(> 0)` reaches `threshold` (the cue alone without a head);
+    then the head's most likely count above 0, or None (every frame set asked for) without one."""
+    if probs is None:
+        return (None if cue >= threshold else 0), {"cue": cue, "module": None, "score": cue}
+    needs = 1.0 - probs[0]
+    score = weight * cue + (1.0 - weight) * needs
+    if score < threshold:
+        return 0, {"cue": cue, "module": needs, "score": score}
+    return 1 + max(range(len(probs) - 1), key=lambda i: probs[i + 1]), {"cue": cue, "module": needs, "score": score}
+
+
 SELECTIONS_KEPT = 256   # questions whose selection is remembered (a car's consumers repeat theirs every frame)
 
 
@@ -382,8 +451,15 @@ class LoadedViewSelector:
     @torch.inference_mode()
     def module_probs(self, questions: list[str]) -> torch.Tensor:
         """sigmoid(logits) [B, cameras] for a batch of questions."""
+        return self.all_probs(questions)[0]
+
+    @torch.inference_mode()
+    def all_probs(self, questions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sigmoid of the camera logits [B, cameras], softmax of the time logits [B, max past + 1]
+        or None without a time head) for a batch of questions."""
         ids, pad = encode_batch(self.tokenizer, questions, self.cfg.max_len, self.device)
-        return torch.sigmoid(self.model(ids, pad)).float().cpu()
+        cameras, time = self.model.forward_all(ids, pad)
+        return torch.sigmoid(cameras).float().cpu(), (None if time is None else time.softmax(-1).float().cpu())
 
     def explain(self, question: str) -> Selection:
         if not isinstance(question, str) or not question.strip():
@@ -393,14 +469,18 @@ class LoadedViewSelector:
             if known is not None:
                 self._selections.move_to_end(question)
         if known is None:
-            probs = self.module_probs([question])[0].tolist()
-            known = fuse(keyword_map(question), dict(zip(CAMERAS, probs)), tagged_cameras(question), self.fusion)
+            cameras, time = self.all_probs([question])
+            known = fuse(keyword_map(question), dict(zip(CAMERAS, cameras[0].tolist())), tagged_cameras(question),
+                         self.fusion)
+            known.past_frames, known.time = fuse_time(time_cue(question), None if time is None else time[0].tolist(),
+                                                      self.cfg.time_keyword_weight, self.cfg.time_threshold)
             with self._lock:
                 self._selections[question] = known
                 while len(self._selections) > SELECTIONS_KEPT:
                     self._selections.popitem(last=False)
         # a copy: a caller may edit what it was given
-        return Selection(list(known.cameras), dict(known.scores), dict(known.keyword), dict(known.module), known.reason)
+        return Selection(list(known.cameras), dict(known.scores), dict(known.keyword), dict(known.module), known.reason,
+                         known.past_frames, dict(known.time))
 
     def select(self, question: str) -> list[str]:
         """Camera names to process, in CAMERAS order; never empty."""

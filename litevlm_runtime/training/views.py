@@ -13,6 +13,13 @@ cameras tagged in the answer (by default only when the question itself has a cue
 with no camera is labelled "all cameras": from its text alone nothing says which view is enough,
 which is exactly the keyword map's no-cue rule. The selector itself only ever sees the question.
 
+Camera x time: where the data has motion questions (items with "frames" K > 1, SynthDrive in motion),
+the selector gets a time head (`--max-past-frames`, default the data's longest K - 1) trained with
+cross-entropy on each question's past frame sets (K - 1; 0 for every other question), and its
+fusion with the time cue (time_keyword_weight, time_threshold) is chosen on the validation frames
+(`tune_time`); `evaluation.views.time_metrics` reports the share of motion questions given past
+frame sets and of the others given none.
+
 Splits are by key frame, three disjoint sets: evaluation frames (`--frames-holdout`, never
 trained or tuned on), validation frames (`--val-frames`: `--fusion auto` picks the fusion rule
 and its thresholds there, see `tune_fusion`) and training frames. Metrics: `selection_metrics`
@@ -37,7 +44,19 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..cameras import CAMERAS
 from ..errors import InputError
-from ..evaluation.views import QARecord, compare, cues_of, format_table, load_qa, selection_metrics, selections_of
+from ..evaluation.views import (
+    QARecord,
+    compare,
+    compare_time,
+    cues_of,
+    format_table,
+    format_time_table,
+    load_qa,
+    selection_metrics,
+    selections_of,
+    time_choices,
+    time_metrics,
+)
 from ..stages.view_selector import (
     FUSION_RULES,
     TOKENIZER_FILE,
@@ -139,16 +158,29 @@ def split_by_frame(records: list[QARecord], holdout: float | list[str], fold: in
     return kept, held_out, sorted(f for _, f in held)
 
 
+NO_TIME_LABEL = -100      # cross_entropy's ignore_index: a question whose file says nothing about time
+
+
+def time_labels(records: list[QARecord], max_past_frames: int) -> list[int]:
+    """Past frame sets each question needs: its item's frames - 1 (at most the head's range), for
+    files in motion (some item carries "frames" > 1); none for the others: a single-frame file
+    (real DriveLM, SynthDrive without --frames) asks "Is X moving?" without saying what it needs,
+    and labelling that "no past frames" would teach the head the opposite of the motion files."""
+    timed = {r.source for r in records if r.frames > 1}
+    return [min(r.frames - 1, max_past_frames) if r.source in timed else NO_TIME_LABEL for r in records]
+
+
 class QuestionDataset(Dataset):
-    def __init__(self, records: list[QARecord], answer_tags: str = "cued"):
+    def __init__(self, records: list[QARecord], answer_tags: str = "cued", max_past_frames: int = 0):
         self.questions = [r.question for r in records]
         self.labels = torch.tensor([camera_labels(r, answer_tags) for r in records], dtype=torch.float32)
+        self.past = torch.tensor(time_labels(records, max_past_frames), dtype=torch.long)
 
     def __len__(self) -> int:
         return len(self.questions)
 
     def __getitem__(self, i):
-        return self.questions[i], self.labels[i]
+        return self.questions[i], self.labels[i], self.past[i]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +193,30 @@ GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 
 # (Measured: with higher thresholds even the untrained module, near 0.5 everywhere, removes, and
 # a validation frame cannot tell luck from skill there.)
 REMOVE_GRID = tuple(t for t in GRID if t <= 0.3)
+
+
+def in_motion(records: list[QARecord]) -> list[QARecord]:
+    """The questions of files in motion (some item carries "frames" > 1): where time is labelled."""
+    timed = {r.source for r in records if r.frames > 1}
+    return [r for r in records if r.source in timed]
+
+
+TIME_WEIGHTS = (0.0, 0.2, 0.4, 0.6)
+TIME_THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7)
+
+
+def tune_time(records: list[QARecord], probs: torch.Tensor) -> tuple[float, float, dict]:
+    """(time_keyword_weight, time_threshold, their metrics) on validation questions: the setting
+    that gives past frame sets to the most motion questions plus none to the most static ones
+    (the first of equals in grid order: the cue weighed least, the threshold lowest)."""
+    best = None
+    for w in TIME_WEIGHTS:
+        for t in TIME_THRESHOLDS:
+            m = time_metrics(records, time_choices(records, probs, w, t))
+            value = sum(v for v in (m["motion_with_past"], m["static_without_past"]) if v == v)  # (nan: none)
+            if best is None or value > best[0] + 1e-12:
+                best = (value, w, t, m)
+    return best[1], best[2], best[3]
 
 
 def fusion_candidates(base: Fusion, rules: tuple[str, ...] = FUSION_RULES) -> list[Fusion]:
@@ -266,7 +322,7 @@ def _train(args, d: Dist) -> dict | None:
     splits = _split_data(args, d)
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts them)
     tokenizer = _tokenizer_for(args, [r.question for r in splits.train], d.rank, d.world)
-    cfg = _model_config(args, tokenizer.get_vocab_size())
+    cfg = _model_config(args, tokenizer.get_vocab_size(), _max_past_frames(args, splits.train))
     model = ViewSelector(cfg).to(d.device)
     initial_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
     start = time.monotonic()
@@ -275,6 +331,15 @@ def _train(args, d: Dist) -> dict | None:
     if d.rank == 0:
         model.eval()
         tuning = _tune_on_validation(args, model, tokenizer, cfg, splits, d)
+        if cfg.max_past_frames and in_motion(splits.val):
+            val = in_motion(splits.val)
+            probs = LoadedViewSelector(model, tokenizer, d.device).all_probs([r.question for r in val])[1]
+            cfg.time_keyword_weight, cfg.time_threshold, chosen = tune_time(val, probs)
+            d.log(f"time selection chosen on the validation frames: time cue weight {cfg.time_keyword_weight:g}, "
+                  f"threshold {cfg.time_threshold:g}: {chosen}")
+            if tuning is not None:
+                tuning["time"] = {"time_keyword_weight": cfg.time_keyword_weight,
+                                  "time_threshold": cfg.time_threshold, "metrics": chosen}
         untrained_model = ViewSelector(cfg)
         untrained_model.load_state_dict(initial_state)
         metrics = _compare(LoadedViewSelector(model, tokenizer, d.device),
@@ -308,8 +373,16 @@ def _split_data(args, d: Dist) -> _Splits:
     return _Splits(train_records, val_records, val_frames, eval_records, eval_frames, extra_eval)
 
 
-def _model_config(args, vocab_size: int) -> ViewSelectorConfig:
+def _max_past_frames(args, records: list[QARecord]) -> int:
+    """--max-past-frames, else the training data's longest motion question's K - 1 (0: no time head)."""
+    if args.max_past_frames is not None:
+        return args.max_past_frames
+    return max((r.frames - 1 for r in records), default=0)
+
+
+def _model_config(args, vocab_size: int, max_past_frames: int = 0) -> ViewSelectorConfig:
     return ViewSelectorConfig(
+        max_past_frames=max_past_frames,
         vocab_size=vocab_size,
         width=args.width,
         layers=args.layers,
@@ -331,7 +404,7 @@ def _train_epochs(args, d: Dist, model: ViewSelector, tokenizer, max_len: int, r
     loss of each epoch."""
     device = d.device
     ddp_model = d.wrap(model)
-    dataset = QuestionDataset(records, args.answer_tags)
+    dataset = QuestionDataset(records, args.answer_tags, model.cfg.max_past_frames)
     sampler = DistributedSampler(dataset, num_replicas=d.world, rank=d.rank, shuffle=True, seed=args.seed) \
         if d.world > 1 else None
     loader = DataLoader(
@@ -340,7 +413,8 @@ def _train_epochs(args, d: Dist, model: ViewSelector, tokenizer, max_len: int, r
         shuffle=sampler is None,
         sampler=sampler,
         generator=torch.Generator().manual_seed(args.seed),
-        collate_fn=lambda batch: ([q for q, _ in batch], torch.stack([y for _, y in batch])),
+        collate_fn=lambda batch: ([q for q, _, _ in batch], torch.stack([y for _, y, _ in batch]),
+                                  torch.stack([t for _, _, t in batch])),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     total_steps = args.epochs * len(loader)
@@ -353,11 +427,15 @@ def _train_epochs(args, d: Dist, model: ViewSelector, tokenizer, max_len: int, r
             sampler.set_epoch(epoch)
         ddp_model.train()
         loss_sum = torch.zeros(2, device=device)  # (sum of per-question losses, questions)
-        for questions, labels in loader:
+        for questions, labels, past in loader:
             ids, pad = encode_batch(tokenizer, questions, max_len)
-            logits = ddp_model(ids.to(device), pad.to(device))
-            # Per-camera BCE summed over cameras, averaged over questions.
+            logits, time_logits = ddp_model(ids.to(device), pad.to(device), with_time=True)
+            # Per-camera BCE summed over cameras, averaged over questions; with a time head, plus the
+            # cross-entropy of the past frame sets each question needs.
             loss = F.binary_cross_entropy_with_logits(logits, labels.to(device), reduction="none").sum(-1).mean()
+            if time_logits is not None and bool((past != NO_TIME_LABEL).any()):
+                loss = loss + args.time_weight * F.cross_entropy(time_logits, past.to(device),
+                                                                 ignore_index=NO_TIME_LABEL)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -395,7 +473,8 @@ def _tune_on_validation(args, model: ViewSelector, tokenizer, cfg: ViewSelectorC
 
 
 def _compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, splits: _Splits) -> dict:
-    """Trained vs untrained (same fusion) vs the keyword map, on each split there is."""
+    """Trained vs untrained (same fusion) vs the keyword map, on each split there is; with motion
+    questions there, the time selection too (under "time", by split)."""
     metrics = {"train": compare(trained, untrained, splits.train)}
     if splits.val:
         metrics["val"] = compare(trained, untrained, splits.val)
@@ -403,6 +482,11 @@ def _compare(trained: LoadedViewSelector, untrained: LoadedViewSelector, splits:
         metrics["eval"] = compare(trained, untrained, splits.eval)
     if splits.extra_eval:
         metrics["eval_data"] = compare(trained, untrained, splits.extra_eval)
+    records = {"train": splits.train, "val": splits.val, "eval": splits.eval, "eval_data": splits.extra_eval}
+    timed = {split: compare_time(trained, in_motion(records[split])) for split in metrics
+             if in_motion(records[split])}
+    if timed:
+        metrics["time"] = timed
     return metrics
 
 
@@ -438,7 +522,12 @@ def _settings(args, splits: _Splits, world: int, tuning: dict | None, history: l
 
 
 def _report(args, metrics: dict, splits: _Splits, log) -> None:
+    for split, rows in metrics.get("time", {}).items():
+        log(f"\ncamera x time, {split}:")
+        log(format_time_table(rows))
     for split, rows in metrics.items():
+        if split == "time":
+            continue
         where = {
             "train": "training frames",
             "val": "validation frames " + ", ".join(splits.val_frames),

@@ -43,6 +43,12 @@ Two options serve the LiteVLM pipeline and the vision tower:
   trained on six-camera prompts alone answers worse when shown fewer cameras.
 - `--vision-labels ground_truth.json`: a linear probe on every visual token learns what SynthDrive
   drew in that token's cell (`vision_labels.py`), a direct signal for the vision tower.
+
+Frame sets over time (SynthDrive in motion, `litevlm synth --frames K`): a QA item with "frames": K
+is trained on the prompt the LiteVLM pipeline builds for it, each selected camera's K frame sets
+oldest first (stages/prompt.py), with temporal token selection applied as at inference
+(`--change-threshold`, packing.py); the other QA stay single-frame prompts, so a mixed set trains
+both. `--time-share` sets the share of each frame visit's QA that are over time.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from ..errors import InputError
 from ..models.config import ModelConfig
 from ..models.internvl import InternVL
 from ..options import options_from_flat
+from ..pipeline.frame_sets import FrameSet
 from ..pipeline.pipeline import Pipeline
 from ..pipeline.request import QueryRequest
 from ..stages.preprocess import Normalizer
@@ -91,9 +98,11 @@ from .vlm_data import (
     Encoded,
     Frame,
     TileCache,
+    VisionFeatureCache,
     encode_qa,
     epoch_groups,
     frame_and_cameras,
+    group_of,
     is_closed_form,
     load_frames,
     pixels_for,
@@ -121,17 +130,23 @@ def held_out_accuracy(model: InternVL, tok_dir: Path, frames: list[Frame], max_q
         items = [items[i] for i in sorted(rng.choice(len(items), max_questions, replace=False))]
     if not items:
         return {"accuracy": None, "questions": 0}
-    settings = {"pipeline": "baseline", "max_new_tokens": 8, "prompt_layout": layout}
+    most = max(qa.frames for _, qa in items)
+    settings = {"pipeline": "baseline", "max_new_tokens": 8, "prompt_layout": layout, "temporal.max_frames": most,
+                "temporal.mode": "all"}
     if view_selector:
         settings |= {"views.mode": "selector", "views.selector_dir": str(view_selector)}
     # The pipeline runs on the CPU: a float32 CPU copy, whatever device the model trains on.
     pipe = Pipeline.from_model(copy.deepcopy(model).to("cpu", torch.float32), Tokenizer(tok_dir),
                                options_from_flat(settings))
     by_category: dict[str, list[int]] = {}
-    for frame, qa in items:
-        ans = pipe.answer(frame.images, QueryRequest(qa.question, max_new_tokens=8))
+    for frame, qa in items:      # a QA over K frame sets is asked with them (the pipeline's prompt over time)
+        sets = [FrameSet(images) for images in frame.past[len(frame.past) - qa.frames + 1:]] + [FrameSet(frame.images)]
+        ans = pipe.answer(sets, QueryRequest(qa.question, max_new_tokens=8, frames=qa.frames))
         by_category.setdefault(qa.category, []).append(int(ans.text.strip() == qa.answer.strip()))
-    hits = [h for v in by_category.values() for h in v]
+        if qa.frames > 1:        # and with the key frame set alone: what time adds (not in the totals)
+            one = pipe.answer(sets[-1:], QueryRequest(qa.question, max_new_tokens=8, frames=1))
+            by_category.setdefault(f"{qa.category}@1", []).append(int(one.text.strip() == qa.answer.strip()))
+    hits = [h for k, v in by_category.items() if "@" not in k for h in v]
     return {"accuracy": sum(hits) / len(hits), "questions": len(hits),
             "by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
 
@@ -170,10 +185,11 @@ def _train(args, d: Dist) -> dict | None:
     inputs = _step_inputs(args, data.frames, data.cfg, model, d)
     select = _view_selection(args, d.log)
     view_rng = np.random.default_rng([args.seed, d.rank, 7])    # per rank: must not disturb the shared data order
-    loss_module = d.wrap(PackedLoss(model, inputs.probe, args.vision_weight))
+    loss_module = d.wrap(PackedLoss(model, inputs.probe, args.vision_weight, args.change_threshold,
+                                    frozen_vision=args.freeze_vision))
     run = _Run(args, d, data, model, loss_module, _optimizer(args, model, inputs.probe), _run_length(args, data, d),
                inputs, (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext)
-    batches = _step_batches(args, data, d, run.length.per_step, rng, select, view_rng)
+    batches = _step_batches(args, data, d, run.length.per_step, rng, select, view_rng, inputs.features)
     # On a GPU the next steps are packed on a thread while this one runs (same order, one producer).
     if d.device.type != "cpu":
         batches = prefetch(batches, depth=2)
@@ -188,6 +204,8 @@ def _check_flags(args, device: torch.device) -> bool:
     """Refuse settings that cannot work before anything runs; returns whether to train in bf16 autocast."""
     if not 0.0 <= args.selected_views <= 1.0:
         raise InputError(f"--selected-views {args.selected_views}: a fraction, 0 to 1")
+    if args.freeze_vision and args.vision_labels:
+        raise InputError("--vision-labels trains a probe on the vision side, which --freeze-vision keeps as it is")
     if args.time_budget is not None and args.time_budget <= 0:
         raise InputError(f"--time-budget {args.time_budget}: minutes, more than 0")
     bf16 = args.precision == "bfloat16" or (args.precision == "auto" and device.type == "cuda")
@@ -236,6 +254,8 @@ def _prepare_data(args, d: Dist, rng: np.random.Generator) -> _Data:
 
     encoded: list[list[Encoded]] = []
     skipped = 0
+    if not args.view_selector and any(qa.frames > 1 for f in frames for qa in f.qa):
+        d.log("frame sets over time without --view-selector: a K-frame QA's prompt holds all six cameras x K sets")
     for f in frames:
         items = []
         for qa in f.qa:
@@ -305,18 +325,24 @@ class _StepInputs:
     with --vision-labels, the probe's labels of their visual tokens."""
 
     def __init__(self, cache: TileCache, device: torch.device, labels: torch.Tensor | None = None,
-                 probe: VisionProbe | None = None):
-        """labels: uint8 [frames, cameras, grid * grid, len(LABELS)] (load_vision_labels)."""
-        self.cache, self.device, self.labels, self.probe = cache, device, labels, probe
+                 probe: VisionProbe | None = None, features: VisionFeatureCache | None = None):
+        """labels: uint8 [frames, cameras, grid * grid, len(LABELS)] (load_vision_labels);
+        features: --freeze-vision's cache of the vision tower's output (then given instead of pixels)."""
+        self.cache, self.device, self.labels, self.probe, self.features = cache, device, labels, probe, features
         self.normalize = Normalizer(torch.float32, device)
 
-    def __call__(self, batch) -> tuple[torch.Tensor, object, torch.Tensor | None]:
-        """(pixels, the batch on the device, visual labels or None) of a PackedBatch."""
-        return pixels_for(self.cache, batch.frames, self.normalize, self.device), batch.to(self.device), \
-            self.visual_labels(batch.frames)
+    def __call__(self, batch) -> tuple:
+        """(pixels, the batch on the device, visual labels or None, the labelled tiles or None) of a
+        PackedBatch: the labels describe the key frames' tiles (an older frame set has none)."""
+        labels, tiles = self.visual_labels(batch.frames), None
+        if labels is not None and any(group_of(k)[2] > 1 for k in batch.frames):
+            tiles = torch.tensor(self.cache.key_tiles(batch.frames), dtype=torch.long, device=self.device)
+        inputs = self.features.batch(batch.frames) if self.features is not None else \
+            pixels_for(self.cache, batch.frames, self.normalize, self.device)
+        return inputs, batch.to(self.device), labels, tiles
 
     def visual_labels(self, keys: list) -> torch.Tensor | None:
-        """[visual tokens of the batch's tiles, len(LABELS)], in the batch's tile order."""
+        """[visual tokens of the batch's key-frame tiles, len(LABELS)], in the batch's tile order."""
         if self.labels is None:
             return None
         return torch.cat([self.labels[f][list(cams)].reshape(-1, len(LABELS))
@@ -327,22 +353,29 @@ def _step_inputs(args, frames: list[Frame], cfg: ModelConfig, model: InternVL, d
     """The tile cache (filled up front by a pool of threads on a GPU, whose steps outrun one
     decoding thread) and, with --vision-labels, the labels and the probe that learns them."""
     cache = TileCache(frames, cfg.force_image_size)
+    features = None
+    if args.freeze_vision:
+        model.vision_model.requires_grad_(False)
+        model.mlp1.requires_grad_(False)
+        features = VisionFeatureCache(cache, model, Normalizer(torch.float32, d.device), d.device)
+        d.log("vision side frozen (InternViT and mlp1): its visual tokens are computed once per frame set and "
+              "cached; the decoder trains, and older frame sets' unchanged tokens are left out of the sequences")
     decode_threads = args.decode_threads if args.decode_threads is not None else \
-        ((os.cpu_count() or 1) if d.device.type == "cuda" else 0)
+        ((os.cpu_count() or 1) if d.device.type == "cuda" and not args.freeze_vision else 0)
     if decode_threads:
         t0 = time.monotonic()
         cache.fill_all(decode_threads, lambda n, total: d.log(f"decoding frames: {n}/{total}"))
         d.log(f"decoded {len(frames)} frames x {len(CAMERAS)} cameras on {decode_threads} threads "
               f"in {time.monotonic() - t0:.0f} s")
     if not args.vision_labels:
-        return _StepInputs(cache, d.device)
+        return _StepInputs(cache, d.device, features=features)
     grid = int(round(cfg.tokens_per_tile ** 0.5))
     labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
     torch.manual_seed(args.seed)
     probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0)).to(d.device)
     d.log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
           f"{float(labels.float().mean()):.4f} positive")
-    return _StepInputs(cache, d.device, labels, probe)
+    return _StepInputs(cache, d.device, labels, probe, features)
 
 
 def _view_selection(args, log):
@@ -357,7 +390,8 @@ def _view_selection(args, log):
 
 def _optimizer(args, model: InternVL, probe: VisionProbe | None) -> torch.optim.AdamW:
     """AdamW; no weight decay on biases, norms and embeddings."""
-    params = list(model.named_parameters()) + (list(probe.named_parameters(prefix="probe")) if probe else [])
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]     # (--freeze-vision: not the ViT)
+    params += list(probe.named_parameters(prefix="probe")) if probe else []
     decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -401,24 +435,32 @@ def _run_length(args, data: _Data, d: Dist) -> _Length:
 
 
 def _step_batches(args, data: _Data, d: Dist, per_step: int, rng: np.random.Generator, select,
-                  view_rng: np.random.Generator):
+                  view_rng: np.random.Generator, features: VisionFeatureCache | None = None):
     """Per step: the global target count the loss is normalised by, and this rank's packed
-    sequences. Every rank draws the same global groups (same seed) and keeps its share."""
+    sequences. Every rank draws the same global groups (same seed) and keeps its share. With a
+    frozen vision side (`features`), older frame sets' unchanged visual tokens are left out of
+    the sequences (temporal token selection decided on the cached features)."""
     per_sample = args.loss_per == "sample"
     pending: list[tuple[int, list[Encoded]]] = []
     while True:
         while len(pending) < per_step:
-            pending += epoch_groups(data.encoded, args.questions_per_frame, rng, args.questions_per_visit)
+            pending += epoch_groups(data.encoded, args.questions_per_frame, rng, args.questions_per_visit,
+                                    args.time_share)
         groups, pending = pending[:per_step], pending[per_step:]
         mine = groups[d.rank::d.world]
-        if select is not None:
-            mine = split_by_views(mine, select, args.selected_views, view_rng, data.encode)
+        # (also without a view selector: QA over several frame sets get groups of their own)
+        mine = split_by_views(mine, select, args.selected_views, view_rng, data.encode)
         # The loss is a mean over the global batch: over answer tokens, or over QA (--loss-per sample).
         n_targets_global = sum(1 if per_sample else len(e.answer) for _, items in groups for e in items)
         # This rank's groups, packed into sequences of at most --max-sequence-tokens: attention
         # over a packed sequence is dense (T x T under the mask), so very long packs waste time
         # on masked-out pairs; gradients of the sequences accumulate.
-        yield n_targets_global, [pack(seq, per_sample) for seq in split_into_sequences(mine, args.max_sequence_tokens)]
+        seqs = split_into_sequences(mine, args.max_sequence_tokens)
+        if features is not None:
+            yield n_targets_global, [pack(seq, per_sample, features.dropped(seq, args.change_threshold))
+                                     for seq in seqs]
+        else:
+            yield n_targets_global, [pack(seq, per_sample) for seq in seqs]
 
 
 @dataclass
