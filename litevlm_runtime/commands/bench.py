@@ -96,7 +96,6 @@ def run_ablation_command(args) -> int:
 
 def run_temporal_command(args) -> int:
     from ..bench.temporal import run_temporal, temporal_table
-    from ..errors import InputError
 
     if not args.data or not args.frames:
         raise InputError("--temporal needs --data QA.json (a set in motion) and --frames ROOT")
