@@ -29,7 +29,8 @@ def no_reuse():
 
 
 def test_later_questions_reuse_the_frame_sets_features(reuse, no_reuse, frames):
-    assert no_reuse.rt.features is None and no_reuse.rt.arena.feature_cache.shape[0] == 0
+    # (serving.feature_cache off keeps the region of a K-frame query's window, never found again)
+    assert not no_reuse.rt.features.reuse and no_reuse.rt.arena.feature_cache.shape[0] == 4 * 6
     for i, images in enumerate(frames):
         keys = {c: ("set", i) for c in images}
         seen: set[str] = set()
@@ -47,7 +48,9 @@ def test_later_questions_reuse_the_frame_sets_features(reuse, no_reuse, frames):
 
 
 def test_the_cache_is_a_fixed_arena_region_evicting_the_oldest(frames):
-    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__feature_cache_cameras=2, views__mode="all"))
+    # (temporal.max_frames 1: no window of frame sets over time to hold, the configured 2 slots alone)
+    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options(serving__feature_cache_cameras=2, views__mode="all",
+                                                           temporal__max_frames=1))
     region = pipe.rt.arena.feature_cache
     ptr = region.data_ptr()
     pipe.answer(frames[0], QUESTIONS[0], frame_keys={c: "a" for c in frames[0]})
