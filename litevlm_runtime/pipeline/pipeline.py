@@ -235,7 +235,8 @@ class Pipeline:
         device and backend at that prompt length (speculative.py uses it per round)."""
         rt = self.rt
         images = images or {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in rt.options.cameras}
-        ans = self.answer(images, "warm-up: describe the scene.")
+        ans = self.answer(images, QueryRequest("warm-up: describe the scene.", frames=1))   # (one set, whatever
+        # temporal.frames says: the node warms up before any frames came)
         rt.planner.measure()                          # the latency-budget planner's stage costs
         if rt.options.decoding.mode == DecodingMode.EAGLE:
             learned = rt.costs                        # what the warm-up answer's rounds measured online
