@@ -94,6 +94,10 @@ def descriptor(s: Setting, read_only: bool = False) -> ParameterDescriptor:
     unconfigured included); the description ends with when it applies (LIVE_NOTE/CONFIGURE_NOTE)."""
     d = ParameterDescriptor(name=s.key, type=ROS_TYPES[s.kind], read_only=read_only,
                             description=s.help + (LIVE_NOTE if s.live else CONFIGURE_NOTE))
+    if s.kind is tuple and not s.default:
+        # An empty list has no element type: rclpy declares it a byte array, and a string array set
+        # later (ros2 param set, a params file) would be refused for its type without this.
+        d.dynamic_typing = True
     if s.choices:
         d.additional_constraints = "one of: " + ", ".join(map(str, s.choices))
     if s.kind is float and (s.lo is not None or s.hi is not None):
