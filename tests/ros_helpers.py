@@ -304,16 +304,19 @@ def record_topic(tmp_path: Path, env: dict, name: str, topic: str, count: int | 
     return proc, out
 
 
-def sequence_bag(root: Path, frames: int = 4, scenes: int = 3, seed: int = 4545) -> Path:
-    """A bag of SynthDrive in motion (`synth --frames K`, 0.5 s stride, 160 x 90) made as `bag make
-    --from-synth --query-frames K` makes it: two questions per key frame, each over K frame sets."""
+def sequence_bag(root: Path, frames: int = 4, scenes: int = 3, seed: int = 4545, query_frames: int | None = None,
+                 questions: int = 2) -> Path:
+    """A bag of SynthDrive in motion (`synth --frames K`, 0.5 s stride, 160 x 90, in root/synth) made
+    as `bag make --from-synth --query-frames K` makes it: `questions` per key frame, each over K
+    frame sets (query_frames: another Query.frames; 0: the node's temporal.frames)."""
     from litevlm_runtime.bag.io import write_bag
     from litevlm_runtime.bag.make import drivelm_contents
     from litevlm_runtime.synth.generate import generate
 
     generate(root / "synth", scenes, seed, 160, 90, val_fraction=0.0, workers=1, progress=False, frames=frames,
              stride=0.5)
-    return write_bag(drivelm_contents(root / "synth", questions_per_frame=2, query_frames=frames), root / "bag")
+    return write_bag(drivelm_contents(root / "synth", questions_per_frame=questions,
+                                      query_frames=frames if query_frames is None else query_frames), root / "bag")
 
 
 def replayed_as_evaluated(tmp_path: Path, env: dict, bag: Path, params: Path, evaluated: list[dict], label: str,

@@ -66,6 +66,18 @@ class Cli:
         return got
 
 
+def start_launch(tmp_path: Path, installed: Path, params: Path, env: dict):
+    """`ros2 launch litevlm drive.launch.py` with `params` and the installed Fast DDS profile, in a
+    session of its own (a terminal's Ctrl-C is os.killpg): (process, its log file, the log's text)."""
+    log_path = tmp_path / "launch.log"
+    log = log_path.open("w")
+    profile = installed / "share/litevlm/config/fastdds_large_data.xml"
+    launch = subprocess.Popen(ros2_command(f"launch litevlm drive.launch.py params_file:={params} "
+                                           f"fastdds_profile:={profile}"),
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return launch, log, lambda: log_path.read_text(errors="replace")
+
+
 def test_ros2_launch_lifecycle_param_and_ctrl_c(tmp_path, tiny_model):
     installed = Path(subprocess.run(ros2_command("pkg prefix litevlm"), capture_output=True, text=True,
                                     timeout=120).stdout.strip())
@@ -77,14 +89,8 @@ def test_ros2_launch_lifecycle_param_and_ctrl_c(tmp_path, tiny_model):
     domain = domain_id(31)
     env = ros_env(domain)
     cli = Cli(env)
-    log_path = tmp_path / "launch.log"
-    log = log_path.open("w")
-    profile = installed / "share/litevlm/config/fastdds_large_data.xml"
-    launch = subprocess.Popen(ros2_command(f"launch litevlm drive.launch.py params_file:={params} "
-                                           f"fastdds_profile:={profile}"),
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    launch, log, text = start_launch(tmp_path, installed, params, env)
     client = RosClient(domain)
-    text = lambda: log_path.read_text(errors="replace")  # noqa: E731
     try:
         assert cli.wait_state("active") == "active [3]", text()[-3000:]      # the launch's configure + activate
         # A pipeline setting is refused while active, with the node's reason as the CLI prints it.
@@ -192,16 +198,9 @@ def test_a_bag_of_sequences_replayed_twice_into_ros2_launch_answers_as_bag_eval(
     assert len(evaluated) == 6 and all(e["status"] == "ok" and e["frames"] == 4 for e in evaluated)
     installed = Path(subprocess.run(ros2_command("pkg prefix litevlm"), capture_output=True, text=True,
                                     timeout=120).stdout.strip())
-    domain = domain_id(39)
-    env = ros_env(domain)
+    env = ros_env(domain_id(39))
     cli = Cli(env)
-    log_path = tmp_path / "launch.log"
-    log = log_path.open("w")
-    profile = installed / "share/litevlm/config/fastdds_large_data.xml"
-    launch = subprocess.Popen(ros2_command(f"launch litevlm drive.launch.py params_file:={params} "
-                                           f"fastdds_profile:={profile}"),
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    text = lambda: log_path.read_text(errors="replace")  # noqa: E731
+    launch, log, text = start_launch(tmp_path, installed, params, env)
     try:
         assert cli.wait_state("active") == "active [3]", text()[-3000:]
         for label in ("first", "second"):

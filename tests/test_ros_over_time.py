@@ -13,7 +13,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from ros_helpers import Proc, domain_id, jpeg, record_topic, replayed_as_evaluated, ros_env, sequence_bag, write_params
+from ros_helpers import (
+    Proc,
+    RosClient,
+    domain_id,
+    jpeg,
+    record_topic,
+    replayed_as_evaluated,
+    ros_env,
+    sequence_bag,
+    write_params,
+)
 
 from litevlm_runtime.bag.compare import read_jsonl
 from litevlm_runtime.bag.evaluate import evaluate
@@ -84,9 +94,15 @@ def test_standing_questions_over_dds_answered_once_per_changed_set_not_while_fro
                                                             "behind: What is behind the ego vehicle?"],
                           standing_rate_hz=2.0, standing_frames=1, **{"decoding.mode": "greedy"})
     changed = [k for k in range(len(shown)) if k == 0 or shown[k] != shown[k - 1]]      # sets 0, 1, 2, 7, 8, 9
-    env = ros_env(domain_id(35))
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    domain = domain_id(35)
+    env = ros_env(domain)
     node = Proc(["drive", "--params", str(params)], env, tmp_path / "node.log")
     procs = [node]
+    client = RosClient(domain)
+    diags = []
+    client.node.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
     try:
         node.wait_for("ready (active)", timeout=180)
         answers, out_answers = record_topic(tmp_path, env, "answers", "/litevlm/answer", 3)
@@ -99,10 +115,11 @@ def test_standing_questions_over_dds_answered_once_per_changed_set_not_while_fro
         assert answers.wait(240) == 0, answers.text() + node.text()[-3000:]
         end = time.monotonic() + 120        # every changed set answered by now (or soon) ...
         while time.monotonic() < end and any(len(rows_of(out)) < len(changed) for _, out in standing.values()):
-            time.sleep(0.2)
-        time.sleep(3.0)                      # ... and nothing more comes: the bag ended 3 s ago
+            client.spin_for(0.2)
+        client.spin_for(3.0)                 # ... and nothing more comes: the bag ended 3 s ago
         for proc, _ in standing.values():
             proc.stop()
+        diag = {kv.key: kv.value for kv in diags[-1].status[0].values}
         node.stop()
         rows = read_jsonl(out_answers)
         assert sorted(r["query_id"] for r in rows) == ["asked_again", "asked_frozen", "asked_live"]   # one each
@@ -115,6 +132,15 @@ def test_standing_questions_over_dds_answered_once_per_changed_set_not_while_fro
             assert sets == [k - changed[0] for k in changed], (name, sets)
             for r in got:                               # stamped with the frames it used (the set's newest)
                 assert set(r["frame_offsets_ms"].values()) == {0.0} and r["frame_set_offsets_ms"] == [0.0]
+            # /diagnostics counts them: the changed sets answered, the frozen ones found unchanged
+            assert (diag[f"standing.{name}.answered"], diag[f"standing.{name}.unchanged"]) == (str(len(changed)), "4")
+            assert diag[f"standing.{name}.question"] == {"ahead": "Is the road ahead clear?",
+                                                         "behind": "What is behind the ego vehicle?"}[name]
+        assert (diag["standing_rate_hz"], diag["standing_questions"]) == ("2", "2")
+        assert diag["following_frame_sets"] == "True"
+        assert (diag["temporal.frames"], diag["temporal.max_frames"], diag["temporal.stride_s"]) == ("1", "4", "0.5")
+        assert int(diag["views_reused"]) > 0        # the asked queries found the sets the worker prefetched
     finally:
         for p in reversed(procs):
             p.stop()
+        client.close()

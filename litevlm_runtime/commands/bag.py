@@ -225,6 +225,9 @@ def _each_config(args, configs: dict[str, dict], rounds: int, run) -> dict[str, 
                 results[label].append(run(node, client, work, r))
             finally:
                 close()
+            for line in node.text().splitlines():          # what standing questions did beside the queries
+                if "summary: standing" in line:
+                    print(f"{args.bag_command} {label or 'baseline'}: {line[line.index('standing'):]}")
     return results
 
 

@@ -173,8 +173,8 @@ class Pipeline:
         )  # (at max_turns: none may follow)
         q.rows = prompt_rows(rt, q.prompt.length) if followable else None
         q.prompt_sha256 = prompt_digest(rt.arena.prompt_ids[:layout.length].tolist())    # what assemble_prompt wrote
-        if q.request.explain and not q.history and plan.frames == 1:   # (a conversation's or a K-frame prompt
-            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length)   # is not explained yet)
+        if q.request.explain and not q.history:        # (a conversation's prompt is not explained yet)
+            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length, plan.frames)
         q.reused = [v for v in views if v in cached or v in in_kv]
         q.encoded = len(todo)
         return q

@@ -398,3 +398,8 @@ class DriveNode(LifecycleNodeMixin, Node):
             f"frames {sum(s['frames_received'].values())} received, stamp->arrival p50 {d50:.2f} ms p90 {d90:.2f} ms; "
             "pipeline total " + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-") + f"; all counted "
             f"{self.counted_since()}")
+        for name, q in s["standing"].items():
+            self.get_logger().info(
+                f"summary: standing {name}: {q['answered']} answered, {q['unchanged']} unchanged sets, "
+                f"{q['preempted']} preempted by asked queries, {q['replaced']} replaced by a newer set, "
+                f"{q['unmatched']} unmatched, {q['errors']} errors")

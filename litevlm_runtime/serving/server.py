@@ -108,6 +108,7 @@ class QueryServer:
         self._stats_lock = threading.Lock()
         self.status_counts = {s: 0 for s in STATUS_CODES}
         self.publish_failed = 0
+        self.views_encoded = self.views_reused = 0     # (camera, frame) views of ok answers: encoded, from the cache
         self.latency_ms: dict[str, deque] = {s: deque(maxlen=1000) for s in (*STAGES, "total", "queue")}
         self.last_error = ""
         # Camera stamp -> arrival at the node: DDS transport (plus the camera's own delay on a live rig).
@@ -474,6 +475,8 @@ class QueryServer:
         with self._stats_lock:
             self.status_counts[rec.status] += 1
             if rec.status == "ok":
+                self.views_encoded += rec.encoded_views
+                self.views_reused += rec.reused_views
                 for s, ms in rec.stage_ms.items():
                     self.latency_ms.setdefault(s, deque(maxlen=1000)).append(ms)
                 self.latency_ms["total"].append(rec.total_ms)
@@ -652,6 +655,9 @@ class QueryServer:
             "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "explanations": self.explainer.stats() if self.explainer is not None else None,
             "standing": self.standing.stats(),
+            "views_encoded": self.views_encoded,
+            "views_reused": self.views_reused,
+            "following_frames": self.ticking(),      # the idle worker prefetches new frame sets (idle_job)
             "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))
                                if len(self.frame_delay_ms) else (0.0, 0.0)) + (len(self.frame_delay_ms),),
         }
