@@ -28,7 +28,8 @@ def domain_id(k: int) -> int:
     test_ros_replay, 4 test_bag_replay, 5..9 the node tests, 10..14 test_ros_reliability, 15..17
     the bag tools agreeing, 18 lifecycle services, 19 explanations, 22 batching, 23 follow-ups,
     24..31 reconfigure, memory, bags as they come, shutdown, the real launch, 32 partials, 33 and
-    37 the node serving OpenVINO and int4 (test_node_backends), 36 priority, 40..44 the soak/peak
+    37 the node serving OpenVINO and int4 (test_node_backends), 34..35 frame sets over time and
+    standing questions, 36 priority, 39 a sequence bag into the real launch, 40..44 the soak/peak
     harness, 45..46 callback faults, 47 a lost change_state reply. Concurrent suites on one
     machine (the pid's residue picks one of four blocks of 50) collide only if their pids do mod 4."""
     if not 1 <= k < 50:
@@ -291,3 +292,49 @@ def run_replay(tmp_path: Path, bag: Path, params: Path, n_answers: int, domain: 
             if p is not None:
                 p.stop()
     return read_jsonl(out), node.text()
+
+
+def record_topic(tmp_path: Path, env: dict, name: str, topic: str, count: int | None = None) -> tuple[Proc, Path]:
+    """`litevlm bag record` of `topic` into NAME.jsonl (until `count` answers; without one, until
+    stopped), started and subscribed."""
+    out = tmp_path / f"{name}.jsonl"
+    until = ["--count", str(count), "--timeout", "240"] if count else []
+    proc = Proc(["bag", "record", "--out", str(out), "--topic", topic, *until], env, tmp_path / f"{name}.log")
+    proc.wait_for("record: ready", timeout=90)
+    return proc, out
+
+
+def sequence_bag(root: Path, frames: int = 4, scenes: int = 3, seed: int = 4545, query_frames: int | None = None,
+                 questions: int = 2) -> Path:
+    """A bag of SynthDrive in motion (`synth --frames K`, 0.5 s stride, 160 x 90, in root/synth) made
+    as `bag make --from-synth --query-frames K` makes it: `questions` per key frame, each over K
+    frame sets (query_frames: another Query.frames; 0: the node's temporal.frames)."""
+    from litevlm_runtime.bag.io import write_bag
+    from litevlm_runtime.bag.make import drivelm_contents
+    from litevlm_runtime.synth.generate import generate
+
+    generate(root / "synth", scenes, seed, 160, 90, val_fraction=0.0, workers=1, progress=False, frames=frames,
+             stride=0.5)
+    return write_bag(drivelm_contents(root / "synth", questions_per_frame=questions,
+                                      query_frames=frames if query_frames is None else query_frames), root / "bag")
+
+
+def replayed_as_evaluated(tmp_path: Path, env: dict, bag: Path, params: Path, evaluated: list[dict], label: str,
+                          node_text=lambda: "") -> list[dict]:
+    """Replay `bag` into the running node and record its answers: every query answered once, each
+    as `bag eval` answered it (`evaluated`: its JSON rows). Returns the recorded rows."""
+    from litevlm_runtime.bag.compare import compare_runs
+
+    recorder, out = record_topic(tmp_path, env, label, "/litevlm/answer", len(evaluated))
+    replayer = Proc(["bag", "replay", str(bag), "--params", str(params)], env, tmp_path / f"replay_{label}.log")
+    try:
+        assert replayer.wait(240) == 0, replayer.text()
+        assert recorder.wait(240) == 0, recorder.text() + node_text()[-3000:]
+    finally:
+        replayer.stop()
+        recorder.stop()
+    rows = read_jsonl(out)
+    assert sorted(r["query_id"] for r in rows) == sorted(e["query_id"] for e in evaluated)     # one answer each
+    cmp = compare_runs(evaluated, rows)
+    assert cmp.matched == len(evaluated) and cmp.ok, (label, cmp.differences)
+    return rows

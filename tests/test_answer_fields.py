@@ -39,7 +39,8 @@ def populated() -> AnswerRecord:
         stage_ms={s: float(i + 1) for i, s in enumerate(STAGES)}, cameras=["CAM_BACK"], visual_tokens=64,
         kept_tokens=51, input_tokens=140, decode_steps=3, accepted_length=1.5, pipeline="litevlm[views]",
         reused_cameras=["CAM_BACK"], degraded=["views 3->1"], budget_ms=50.0, turn=2, reused_tokens=90,
-        prompt_sha256="ab" * 32, batched_steps=2,
+        prompt_sha256="ab" * 32, batched_steps=2, frames=3, encoded_views=4, reused_views=2,
+        kept_per_frame=[10, 12, 64],
         objects=[ObjectRef("c1", "CAM_BACK", 1088.3, 497.5, "It is <c1,CAM_BACK,1088.3,497.5>.",
                            "<c1,CAM_BACK,1088.3,497.5>", 6, 32)],
         question_objects=[ObjectRef("c2", "CAM_FRONT", 10.0, 20.0, "Is <c2,CAM_FRONT,10,20> moving?",
@@ -47,6 +48,7 @@ def populated() -> AnswerRecord:
         malformed_tags=["answer '<c3,CAM_BAK,1,2>': unknown camera CAM_BAK"], query_id="q9", status="queue_full",
         status_message="fine", queue_ms=1.25, follow_up_of="q8", query_stamp_ns=1_700_000_000_123_456_789,
         frame_stamps_ns={"CAM_BACK": 1_700_000_000_100_000_000}, model_integrity="unverified (no manifest)",
+        frame_set_stamps_ns=[1_699_999_999_100_000_000, 1_699_999_999_600_000_000, 1_700_000_000_100_000_000],
         cpu_ms=3.5, gc_ms=0.5)
 
 

@@ -66,6 +66,18 @@ class Cli:
         return got
 
 
+def start_launch(tmp_path: Path, installed: Path, params: Path, env: dict):
+    """`ros2 launch litevlm drive.launch.py` with `params` and the installed Fast DDS profile, in a
+    session of its own (a terminal's Ctrl-C is os.killpg): (process, its log file, the log's text)."""
+    log_path = tmp_path / "launch.log"
+    log = log_path.open("w")
+    profile = installed / "share/litevlm/config/fastdds_large_data.xml"
+    launch = subprocess.Popen(ros2_command(f"launch litevlm drive.launch.py params_file:={params} "
+                                           f"fastdds_profile:={profile}"),
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return launch, log, lambda: log_path.read_text(errors="replace")
+
+
 def test_ros2_launch_lifecycle_param_and_ctrl_c(tmp_path, tiny_model):
     installed = Path(subprocess.run(ros2_command("pkg prefix litevlm"), capture_output=True, text=True,
                                     timeout=120).stdout.strip())
@@ -77,14 +89,8 @@ def test_ros2_launch_lifecycle_param_and_ctrl_c(tmp_path, tiny_model):
     domain = domain_id(31)
     env = ros_env(domain)
     cli = Cli(env)
-    log_path = tmp_path / "launch.log"
-    log = log_path.open("w")
-    profile = installed / "share/litevlm/config/fastdds_large_data.xml"
-    launch = subprocess.Popen(ros2_command(f"launch litevlm drive.launch.py params_file:={params} "
-                                           f"fastdds_profile:={profile}"),
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    launch, log, text = start_launch(tmp_path, installed, params, env)
     client = RosClient(domain)
-    text = lambda: log_path.read_text(errors="replace")  # noqa: E731
     try:
         assert cli.wait_state("active") == "active [3]", text()[-3000:]      # the launch's configure + activate
         # A pipeline setting is refused while active, with the node's reason as the CLI prints it.
@@ -173,3 +179,37 @@ def test_ctrl_c_during_configure_of_a_2b_checkpoint(tmp_path):
                     "--shard-mb", "1024", str(model)], check=True, timeout=3600)
     launch_ctrl_c("--count", "2", "--during-configure", "1.0", "--model", str(model))
     launch_ctrl_c("--count", "2", "--shutdown-during-configure", "1.0", "--model", str(model))
+
+
+def test_a_bag_of_sequences_replayed_twice_into_ros2_launch_answers_as_bag_eval(tmp_path, tiny_model):
+    """`ros2 launch litevlm drive.launch.py` as a terminal starts it, a bag of SynthDrive sequences
+    (every question over 4 frame sets, `bag make --query-frames 4`) replayed into it twice in a row:
+    each time every query answered once and as `bag eval` answers it (tokens, frame sets, kept
+    tokens per set); then Ctrl-C ends it cleanly."""
+    from ros_helpers import replayed_as_evaluated, sequence_bag
+
+    from litevlm_runtime.bag.evaluate import evaluate
+    from litevlm_runtime.ros.params_file import load_node_params
+
+    bag = sequence_bag(tmp_path / "motion", frames=4)
+    params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model), warmup=False, max_new_tokens=6,
+                          queue_size=16, **{"decoding.mode": "greedy"})
+    evaluated = [e.to_json() for e in evaluate(bag, load_node_params(params))]
+    assert len(evaluated) == 6 and all(e["status"] == "ok" and e["frames"] == 4 for e in evaluated)
+    installed = Path(subprocess.run(ros2_command("pkg prefix litevlm"), capture_output=True, text=True,
+                                    timeout=120).stdout.strip())
+    env = ros_env(domain_id(39))
+    cli = Cli(env)
+    launch, log, text = start_launch(tmp_path, installed, params, env)
+    try:
+        assert cli.wait_state("active") == "active [3]", text()[-3000:]
+        for label in ("first", "second"):
+            replayed_as_evaluated(tmp_path, env, bag, params, evaluated, label, text)
+        os.killpg(launch.pid, signal.SIGINT)
+        assert launch.wait(60) == 0, text()[-3000:]
+        assert "process has finished cleanly" in text() and "summary: 12 answered (0 errors)" in text(), text()[-3000:]
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+        subprocess.run(ros2_command("daemon stop"), env=env, capture_output=True, timeout=60)
+        log.close()

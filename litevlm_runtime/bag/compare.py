@@ -18,6 +18,10 @@ STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 
 
 ANSWER_FIELDS = ("status", "answer", "token_ids", "cameras")
+# Compared where both rows have them (runs recorded before frame sets over time lack them): how many
+# frame sets the answer used, its kept tokens per set, and the sets' offsets from the query's stamp
+# (which survive a replay's re-stamping), to the microsecond.
+OVER_TIME_FIELDS = ("frames", "kept_per_frame", "frame_set_offsets_ms")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -67,6 +71,9 @@ def compare_runs(a_rows: list[dict], b_rows: list[dict]) -> Comparison:
         for f in ANSWER_FIELDS:
             if ra.get(f) != rb.get(f):
                 diffs.append(f"{qid}: {f} differs: A {ra.get(f)!r} / B {rb.get(f)!r}")
+        for f in OVER_TIME_FIELDS:
+            if f in ra and f in rb and _rounded(ra[f]) != _rounded(rb[f]):
+                diffs.append(f"{qid}: {f} differs: A {ra[f]!r} / B {rb[f]!r}")
     rows = []
     for stage in (*STAGES, "total"):
         def vals(d):
@@ -81,6 +88,10 @@ def compare_runs(a_rows: list[dict], b_rows: list[dict]) -> Comparison:
             rows.append((stage, float(np.median(va)), float(np.median(vb)),
                          float(np.percentile(va, 90)), float(np.percentile(vb, 90))))
     return Comparison(diffs, rows, len(common))
+
+
+def _rounded(value):
+    return [round(v, 3) if isinstance(v, float) else v for v in value] if isinstance(value, list) else value
 
 
 def reuse_summary(rows: list[dict]) -> dict | None:

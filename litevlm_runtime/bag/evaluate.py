@@ -19,7 +19,7 @@ from ..serving.frame_store import Frame
 from ..serving.images import payload_from_msg
 from ..serving.record import AnswerRecord
 from ..serving.server import QueryServer
-from ..serving.settings import ServerSettings
+from ..serving.settings import ServerSettings, check_window
 from ..weights.integrity import integrity_label
 from .damage import decode
 from .io import bag_topics, missing_cameras, read_bag
@@ -46,6 +46,7 @@ def evaluate(
             on_record(rec)
 
     settings = ServerSettings.from_values(params, CAMERAS)
+    check_window(settings, pipeline_options_from(params).temporal)     # as the node's configure does
     if explainer is not None:
         settings = replace(settings, explain="always")
     clock = [0]

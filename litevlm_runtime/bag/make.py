@@ -8,7 +8,8 @@ with `--frames K --stride S` holds each key frame's K - 1 earlier frame sets S a
 replayed into the node, the frame store has the history a K-frame question needs. In a scene with
 QA, only its key frames (the frames with QA) are asked questions; the frame sets before them are
 history. Scenes are `scene_gap_s` apart, longer than a question's history window, so no history
-reaches into the scene before."""
+reaches into the scene before. `query_frames` K writes Query.frames K into every question (0, the
+default: the node's temporal.frames decides, as `litevlm eval --set temporal.frames=K` does)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ class BagTiming:
 
 def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_frame: int = 2,
                      max_width: int | None = None, timing: BagTiming = BagTiming(),
-                     raw_encoding: str | None = None) -> BagContents:
+                     raw_encoding: str | None = None, query_frames: int = 0) -> BagContents:
     """Key frames of a DriveLM-layout folder (samples/CAM_X/*.jpg + QA json files) as six
     camera streams at their capture times, with that frame's DriveLM questions asked
     `timing.query_delay_s` after the frame set (then every `query_spacing_s`).
@@ -114,6 +115,8 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
 
     if raw_encoding:
         check_encoding(raw_encoding)
+    if not 0 <= query_frames <= 255:
+        raise InputError(f"--query-frames {query_frames}: 0 (the node's temporal.frames) to 255 (Query.frames)")
     folder = Path(folder)
     samples = folder / "samples" if (folder / "samples").is_dir() else folder
     if not all((samples / c).is_dir() for c in CAMERAS):
@@ -159,7 +162,7 @@ def drivelm_contents(folder: Path, max_frames: int | None = None, questions_per_
             qs = questions.get(front, []) if with_qa else list(GENERIC_QUESTIONS)
             for j, text in enumerate(qs[:questions_per_frame]):
                 t = set_ns + int((timing.query_delay_s + j * timing.query_spacing_s) * 1e9)
-                contents.queries.append(QueryRequest(text, stamp_ns=t, query_id=f"f{n_sets}q{j}"))
+                contents.queries.append(QueryRequest(text, stamp_ns=t, query_id=f"f{n_sets}q{j}", frames=query_frames))
                 last_ns = max(last_ns, t)
             last_ns = max(last_ns, set_ns)
             n_sets += 1

@@ -38,7 +38,7 @@ def cmd_make(args) -> int:
     contents = drivelm_contents(src, max_frames=args.max_frames, questions_per_frame=args.questions_per_frame,
                                 max_width=args.max_width,
                                 timing=BagTiming(query_delay_s=args.query_delay, scene_gap_s=args.scene_gap),
-                                raw_encoding=args.raw)
+                                raw_encoding=args.raw, query_frames=args.query_frames)
     write_bag(contents, args.out, storage=args.storage)
     n_frames = sum(len(v) for v in contents.frames.values())
     print(f"wrote {args.out}: {n_frames} camera frames ({n_frames // 6} sets), {len(contents.queries)} queries, "
@@ -225,6 +225,9 @@ def _each_config(args, configs: dict[str, dict], rounds: int, run) -> dict[str, 
                 results[label].append(run(node, client, work, r))
             finally:
                 close()
+            for line in node.text().splitlines():          # what standing questions did beside the queries
+                if "summary: standing" in line:
+                    print(f"{args.bag_command} {label or 'baseline'}: {line[line.index('standing'):]}")
     return results
 
 
@@ -352,6 +355,9 @@ def _make_parser(sub) -> None:
                         "nv21 (docs/ros.md lists them all)")
     p.add_argument("--query-delay", type=float, default=0.2,
                    help="seconds after a frame set that its first question comes")
+    p.add_argument("--query-frames", type=int, default=0, metavar="K",
+                   help="Query.frames of every question: K frame sets, temporal.stride_s apart (0: the node's "
+                        "temporal.frames; a --frames K SynthDrive set has each key frame's K sets)")
     p.add_argument("--scene-gap", type=float, default=2.0,
                    help="seconds between one scene's last frame set or question and the next scene's first frame "
                         "set (default 2; keep it longer than the history a question may ask for, frames x stride, "

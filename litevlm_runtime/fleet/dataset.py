@@ -69,6 +69,7 @@ class RunWriteError(InputError):
 
 ARROW = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_(),
          list[str]: pa.list_(pa.string()), list[int]: pa.list_(pa.int64()),
+         list[float]: pa.list_(pa.float64()),
          dict[str, int]: pa.map_(pa.string(), pa.int64()), dict[str, float]: pa.map_(pa.string(), pa.float64())}
 
 

@@ -52,12 +52,11 @@ class Answer:
     malformed_tags: list[str] = field(default_factory=list)
     # Frame sets over time (issue 45): the frame sets per camera it was answered from (1: the newest
     # only), the (camera, frame) views the vision stage encoded and those the feature cache held, and
-    # the visual tokens kept per frame set, oldest first. In no record, message or row yet: the node's
-    # work on frame sets over time carries them (Answer.msg, the record, bag rows, the fleet's columns).
-    frames: int = field(default=1, metadata={"wire": False})
-    encoded_views: int = field(default=0, metadata={"wire": False})
-    reused_views: int = field(default=0, metadata={"wire": False})
-    kept_per_frame: list[int] = field(default_factory=list, metadata={"wire": False})
+    # the visual tokens kept per frame set, oldest first.
+    frames: int = 1
+    encoded_views: int = 0
+    reused_views: int = 0
+    kept_per_frame: list[int] = field(default_factory=list)
     # Diagnostics of this process only (EAGLE-2's rounds): in no record, message or row.
     extra: dict = field(default_factory=dict, metadata={"wire": False})
     # What its explanation reads (pipeline/explanation.py QueryTrace), taken only when the request asked

@@ -99,9 +99,12 @@ class QueryTrace:
     answer_ids: tuple[int, ...]         # the answer's tokens, end token excluded (Decoded.tokens)
     cameras: tuple[str, ...]            # the cameras the prompt holds, in its order (rig order)
     prompt_embeds: torch.Tensor         # [L, D] the full prompt's embeddings, every visual token
-    layout: PromptLayout                # per camera (first row, count), the question's rows, L
-    keep: tuple[torch.Tensor, ...]      # per camera: kept token indices [k_c], ascending
+    layout: PromptLayout                # per view (first row, count), the question's rows, L
+    keep: tuple[torch.Tensor, ...]      # per view: kept token indices [k_v], ascending
     rows: torch.Tensor                  # [n] the full-prompt row of each prefill row (its position id)
+    # Frame sets the prompt holds: its views are (camera, frame) camera by camera, each camera's
+    # frames oldest first (the prompt's order, pipeline.query_views); 1: one view per camera.
+    frames: int = 1
 
     def check(self, rt: Runtime) -> None:
         """Refuse a trace that does not fit this runtime, naming what is wrong."""
@@ -109,13 +112,15 @@ class QueryTrace:
         if tuple(self.prompt_embeds.shape) != (length, width):
             raise InputError(f"explanation: prompt_embeds {tuple(self.prompt_embeds.shape)}, expected "
                              f"({length}, {width}) for a prompt of {length} rows")
-        if not (len(self.cameras) == len(self.layout.spans) == len(self.keep)):
-            raise InputError(f"explanation: {len(self.cameras)} cameras, {len(self.layout.spans)} image spans, "
-                             f"{len(self.keep)} kept-token lists: one each per camera")
+        if not (len(self.cameras) * self.frames == len(self.layout.spans) == len(self.keep)):
+            raise InputError(f"explanation: {len(self.cameras)} cameras x {self.frames} frame sets, "
+                             f"{len(self.layout.spans)} image spans, {len(self.keep)} kept-token lists: one each "
+                             f"per (camera, frame set)")
         unknown = [c for c in self.cameras if c not in rt.options.cameras]
         if unknown:
             raise InputError(f"explanation: camera(s) {', '.join(unknown)} are not the rig's", camera=unknown[0])
-        for cam, (_, count), kept in zip(self.cameras, self.layout.spans, self.keep):
+        for cam, (_, count), kept in zip((c for c in self.cameras for _ in range(self.frames)), self.layout.spans,
+                                         self.keep):
             if count != rt.tokens_per_camera or (len(kept) and (int(kept.min()) < 0 or int(kept.max()) >= count)):
                 raise InputError(f"explanation: {cam}'s image span has {count} tokens (expected "
                                  f"{rt.tokens_per_camera}) or kept indices outside it", camera=cam)
@@ -131,7 +136,8 @@ class QueryTrace:
         return replace(self, answer=text, answer_ids=tuple(token_ids))
 
 
-def prompt_trace(rt: Runtime, question: str, cameras, layout: PromptLayout, prefill_rows: int) -> QueryTrace:
+def prompt_trace(rt: Runtime, question: str, cameras, layout: PromptLayout, prefill_rows: int,
+                 frames: int = 1) -> QueryTrace:
     """The trace of the query whose prompt the arena holds, taken right after its prefill
     (`Pipeline.begin` does, when the request asks for an explanation): the full prompt's embeddings
     `assemble_prompt` wrote and the positions of the `prefill_rows` rows `prefill` ran (decoding
@@ -140,7 +146,8 @@ def prompt_trace(rt: Runtime, question: str, cameras, layout: PromptLayout, pref
     a = rt.arena
     rows = a.positions[:prefill_rows].clone()
     keep = tuple(rows[(rows >= start) & (rows < start + count)] - start for start, count in layout.spans)
-    return QueryTrace(question, "", (), tuple(cameras), a.prompt_embeds[:layout.length].clone(), layout, keep, rows)
+    return QueryTrace(question, "", (), tuple(cameras), a.prompt_embeds[:layout.length].clone(), layout, keep, rows,
+                      frames)
 
 
 def trace_from_arena(rt: Runtime, answer: Answer) -> QueryTrace:
@@ -176,6 +183,17 @@ class CameraView:
     token_scores: np.ndarray | None = None   # [tokens] float32, the token selector's; None: unselected or none ran
     kept: np.ndarray | None = None           # [tokens] bool; None: unselected
     attention: np.ndarray | None = None      # [tokens] float32 answer attention; 0 where not kept; None: unselected
+    # Over frame sets (Explanation.frames > 1): the fields above are the newest set's view; these the
+    # older sets', oldest first (their kept tokens are those temporal token selection kept).
+    past: tuple["PastView", ...] = ()
+
+
+@dataclass(frozen=True)
+class PastView:
+    """A selected camera's view in an older frame set of the prompt."""
+
+    kept: np.ndarray                         # [tokens] bool: changed against the newest set (stages/temporal.py)
+    attention: np.ndarray                    # [tokens] float32 answer attention; 0 where not kept
 
 
 @dataclass(frozen=True)
@@ -193,6 +211,7 @@ class Explanation:
     malformed: tuple[MalformedTag, ...]  # tag-like text in the question or answer that names no object
     cost_ms: dict[str, float] = field(default_factory=dict)   # per part: views, token_scores, attention
     notes: tuple[str, ...] = ()
+    frames: int = 1                      # frame sets the prompt held (CameraView.past: the older ones)
 
     @property
     def cameras(self) -> list[str]:
@@ -213,8 +232,10 @@ class Explanation:
             "view_reason": self.view_reason,
             "views": [{"camera": v.camera, "selected": v.selected, "view_score": v.view_score,
                        "view_probability": v.view_probability, "keyword": v.keyword,
-                       "token_scores": arr(v.token_scores), "kept": arr(v.kept), "attention": arr(v.attention)}
+                       "token_scores": arr(v.token_scores), "kept": arr(v.kept), "attention": arr(v.attention),
+                       "past": [{"kept": arr(p.kept), "attention": arr(p.attention)} for p in v.past]}
                       for v in self.views],
+            "frames": self.frames,
             "grid": {"tiles": self.grid.tiles, "side": self.grid.side, "tile_px": self.grid.tile_px},
             "attention_layers": list(self.attention_layers), "attention_rows": self.attention_rows,
             "visual_share": self.visual_share,
@@ -280,17 +301,23 @@ def explain(rt: Runtime, trace: QueryTrace, layers: Sequence[int] | None = None)
         if cam not in trace.cameras:
             views.append(CameraView(selected=False, **common))
             continue
-        i = trace.cameras.index(cam)
-        kept = np.zeros(grid.tokens, dtype=bool)
-        kept[trace.keep[i].cpu().numpy()] = True
+        first = trace.cameras.index(cam) * trace.frames      # its views: first .. first + frames - 1, newest last
+
+        def kept_mask(view: int) -> np.ndarray:
+            kept = np.zeros(grid.tokens, dtype=bool)
+            kept[trace.keep[view].cpu().numpy()] = True
+            return kept
+        i = first + trace.frames - 1
+        past = tuple(PastView(kept_mask(v), attention[v]) for v in range(first, i))
         views.append(CameraView(selected=True, token_scores=None if token_scores is None else token_scores[i],
-                                kept=kept, attention=attention[i], **common))
+                                kept=kept_mask(i), attention=attention[i], past=past, **common))
     question = parse_objects(trace.question, rt.options.cameras)
     answer = parse_objects(trace.answer, rt.options.cameras)
     notes = ("FastV ran in the query: this pass attends over every prefill row in every layer",) \
         if rt.fastv is not None else ()
     return Explanation(trace.question, trace.answer, tuple(views), reason, grid, layers, rows, share,
-                       question.objects, answer.objects, question.malformed + answer.malformed, cost, notes)
+                       question.objects, answer.objects, question.malformed + answer.malformed, cost, notes,
+                       trace.frames)
 
 
 def _side(rt: Runtime) -> int:
@@ -301,21 +328,28 @@ def _side(rt: Runtime) -> int:
 
 
 def _token_scores(rt: Runtime, trace: QueryTrace) -> list[np.ndarray] | None:
-    """Per camera, the token selector's score of every visual token [tokens] (the function its
-    `select` ranks by, over the same full prompt), or None where no selector ran."""
+    """Per view, the token selector's score of every visual token [tokens] (the function its
+    `select` ranks by, over the same full prompt and the same views: the newest frame set's, which
+    it ranked; None for an older set's view, whose tokens temporal selection kept), or None where
+    no selector ran."""
     if rt.token_selector is None:
         return None
     embeds = trace.prompt_embeds.to(rt.device, rt.dtype)
     positions = torch.arange(trace.layout.length, device=rt.device)
-    visual_rows = torch.cat([torch.arange(s, s + c, device=rt.device) for s, c in trace.layout.spans])
+    ranked = [i for i in range(len(trace.layout.spans)) if i % trace.frames == trace.frames - 1]
+    spans = [trace.layout.spans[i] for i in ranked]
+    visual_rows = torch.cat([torch.arange(s, s + c, device=rt.device) for s, c in spans])
     with torch.inference_mode():
         score = rt.token_selector.scores(embeds, positions, trace.layout.question, visual_rows)
-    return [part.float().cpu().numpy() for part in score.split([c for _, c in trace.layout.spans])]
+    out: list = [None] * len(trace.layout.spans)
+    for i, part in zip(ranked, score.split([c for _, c in spans])):
+        out[i] = part.float().cpu().numpy()
+    return out
 
 
 def _answer_attention(rt: Runtime, trace: QueryTrace,
                       layers: tuple[int, ...]) -> tuple[list[np.ndarray], int, float]:
-    """Per camera [tokens] the answer rows' mean attention (0 at dropped tokens), the number of
+    """Per view [tokens] the answer rows' mean attention (0 at dropped tokens), the number of
     rows averaged, and their attention's share on visual tokens."""
     rows = trace.rows.to(rt.device)
     n, length = len(rows), trace.layout.length

@@ -173,8 +173,8 @@ class Pipeline:
         )  # (at max_turns: none may follow)
         q.rows = prompt_rows(rt, q.prompt.length) if followable else None
         q.prompt_sha256 = prompt_digest(rt.arena.prompt_ids[:layout.length].tolist())    # what assemble_prompt wrote
-        if q.request.explain and not q.history and plan.frames == 1:   # (a conversation's or a K-frame prompt
-            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length)   # is not explained yet)
+        if q.request.explain and not q.history:        # (a conversation's prompt is not explained yet)
+            q.trace = prompt_trace(rt, first, plan.cameras, layout, q.prompt.length, plan.frames)
         q.reused = [v for v in views if v in cached or v in in_kv]
         q.encoded = len(todo)
         return q
@@ -235,7 +235,8 @@ class Pipeline:
         device and backend at that prompt length (speculative.py uses it per round)."""
         rt = self.rt
         images = images or {c: np.zeros((448, 448, 3), dtype=np.uint8) for c in rt.options.cameras}
-        ans = self.answer(images, "warm-up: describe the scene.")
+        ans = self.answer(images, QueryRequest("warm-up: describe the scene.", frames=1))   # (one set, whatever
+        # temporal.frames says: the node warms up before any frames came)
         rt.planner.measure()                          # the latency-budget planner's stage costs
         if rt.options.decoding.mode == DecodingMode.EAGLE:
             learned = rt.costs                        # what the warm-up answer's rounds measured online

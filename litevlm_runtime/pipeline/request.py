@@ -49,9 +49,9 @@ class QueryRequest:
     priority: int = 0                   # 0-255, higher first (the queue and the batch decoder)
     explain: bool = False               # take what its explanation reads (Answer.trace; pipeline/explanation.py)
     # Frame sets to answer from (0: temporal.frames; 1: the newest only; K: the newest and the K - 1
-    # before it, temporal.stride_s apart): the upper bound, the time selector may use fewer. Query.msg
-    # carries it once the node matches past frame sets (issue 45); until then Python callers' only.
-    frames: int = field(default=0, metadata=LOCAL)
+    # before it, temporal.stride_s apart): the upper bound, the time selector may use fewer (Query.frames;
+    # the node's frame store matches each past set by its stamps: serving/frame_store.py).
+    frames: int = 0
     # Python callers' only (not in the Query message):
     history: tuple[tuple[str, str], ...] = field(
         default=(), metadata=LOCAL

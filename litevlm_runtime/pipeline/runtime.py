@@ -86,8 +86,11 @@ def arena_limits(cfg: ModelConfig, tok: Tokenizer, options: PipelineOptions, lay
 def feature_slots(options: PipelineOptions) -> int:
     """Camera frames the feature cache holds: serving.feature_cache_cameras, and at least every
     view of a query over temporal.max_frames frame sets (its window: a K-frame query's views live
-    there between vision and prefill, so that none of them evicts another)."""
-    window = options.temporal.max_frames * len(options.cameras) if options.temporal.max_frames > 1 else 0
+    there between vision and prefill, so that none of them evicts another); with reuse on, one frame
+    set more: the next set, which the node encodes while idle (serving/server.py idle_job), then
+    comes in without evicting the window the next query reuses."""
+    sets = options.temporal.max_frames + (1 if options.serving.feature_cache else 0)
+    window = sets * len(options.cameras) if options.temporal.max_frames > 1 else 0
     return max(options.serving.feature_cache_cameras if options.serving.feature_cache else 0, window)
 
 

@@ -105,6 +105,34 @@ def explanation_values(mode: str, stats: dict | None) -> dict:
     return values
 
 
+def temporal_values(node, s: dict) -> dict:
+    """Frame sets over time: the temporal settings served with, the (camera, frame) views the answers
+    encoded and those the feature cache held, whether the idle worker follows new frame sets, and each
+    standing question's counts (serving/standing.py)."""
+    pipeline, settings = node.server.pipeline, node.server.settings
+    temporal = pipeline.options.temporal if pipeline is not None else None
+    values = {
+        "temporal.frames": temporal.frames if temporal else node.get_parameter("temporal.frames").value,
+        "temporal.max_frames": temporal.max_frames if temporal else node.get_parameter("temporal.max_frames").value,
+        "temporal.stride_s": f"{temporal.stride_s if temporal else node.get_parameter('temporal.stride_s').value:g}",
+        "views_encoded": s["views_encoded"],
+        "views_reused": s["views_reused"],
+        "following_frame_sets": s["following_frames"],
+        "standing_rate_hz": f"{settings.standing_rate_hz:g}",
+        "standing_change": f"{settings.standing_change:g}",
+        "standing_questions": len(s["standing"]),
+    }
+    for name, q in s["standing"].items():
+        values[f"standing.{name}.question"] = q["question"]
+        values[f"standing.{name}.cameras"] = " ".join(q["cameras"])
+        values[f"standing.{name}.frames"] = q["frames"]
+        for count in ("answered", "unchanged", "preempted", "replaced", "unmatched", "errors"):
+            values[f"standing.{name}.{count}"] = q[count]
+        values[f"standing.{name}.last_change"] = f"{q['last_change']:.4f}"
+        values[f"standing.{name}.last_error"] = q["last_error"]
+    return values
+
+
 def batching_values(pipeline, policy) -> dict:
     """In-flight batching (pipeline/batching.py BatchPolicy): which mode runs and why."""
     if pipeline is None:
@@ -168,6 +196,7 @@ def diagnostic_array(node) -> DiagnosticArray:
             values[f"latency_ms.{stage}.p50"] = f"{p50:.2f}"
             values[f"latency_ms.{stage}.p90"] = f"{p90:.2f}"
     values.update(batching_values(pipeline, node.server.batch_policy))
+    values.update(temporal_values(node, s))
     values.update(explanation_values(node.server.settings.explain, s["explanations"]))
     values.update(cameras)
     status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]

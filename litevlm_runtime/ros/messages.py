@@ -43,6 +43,8 @@ SHAPED = {
                  lambda m: dict(zip(m.stage_names, (float(x) for x in m.stage_ms)))),
     "frame_stamps_ns": (("frame_cameras", "frame_stamps"), lambda d: (list(d), [time_of(s) for s in d.values()]),
                         lambda m: {c: ns_of(s) for c, s in zip(m.frame_cameras, m.frame_stamps)}),
+    "frame_set_stamps_ns": (("frame_set_stamps",), lambda v: ([time_of(s) for s in v],),
+                            lambda m: [ns_of(s) for s in m.frame_set_stamps]),
     # the query's stamp: receipt - header.stamp = end-to-end latency
     "query_stamp_ns": (("header",), None, lambda m: ns_of(m.header.stamp)),
 }

@@ -58,7 +58,7 @@ from .parameters import (
     declare_parameters,
     validate_values,
 )
-from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, EXPLANATION, QUERY, QUESTION
+from .topics import ANSWER, ANSWER_JSON, ANSWER_PARTIAL, DIAGNOSTICS, EXPLANATION, QUERY, QUESTION, standing_topic
 
 # Queries and answers must not be lost: reliable, and deep enough for a burst of questions.
 RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
@@ -94,7 +94,9 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.explanation_pub = self.create_publisher(CompressedImage, EXPLANATION, EXPLANATION_QOS)
         self.server = QueryServer(self.settings.server_settings(CAMERAS), self._publish, clock_ns=self.now_ns,
                                   publish_partial=self._publish_partial, explainer=Explainer(self._publish_explanation),
-                                  explanation_subscribed=lambda: self.explanation_pub.get_subscription_count() > 0)
+                                  explanation_subscribed=lambda: self.explanation_pub.get_subscription_count() > 0,
+                                  publish_standing=self._publish_standing)
+        self.standing_pubs: dict = {}        # standing question name -> its ~/standing/NAME publisher (configure)
         self.cameras = CameraMonitor()
         self.answer_pub = self.create_publisher(Answer, ANSWER, RELIABLE)
         self.answer_json_pub = self.create_publisher(String, ANSWER_JSON, RELIABLE)
@@ -213,6 +215,7 @@ class DriveNode(LifecycleNodeMixin, Node):
         self.settings = settings
         self.readers.max_pixels = options.images.max_pixels
         self.server.apply_settings(settings.server_settings(CAMERAS))   # nothing is queued before activate
+        self._standing_publishers(settings)
         if self._diag_timer.timer_period_ns != int(settings.diagnostics_period_s * 1e9):
             self.destroy_timer(self._diag_timer)
             self._diag_timer = self.create_timer(settings.diagnostics_period_s, self.publish_diagnostics)
@@ -346,6 +349,28 @@ class DriveNode(LifecycleNodeMixin, Node):
         else:
             self.get_logger().warning(f"{rec.query_id} [{rec.status}] {rec.status_message}")
 
+    def _standing_publishers(self, settings: NodeSettings) -> None:
+        """One litevlm_msgs/Answer publisher per standing question, ~/standing/NAME (those of
+        questions no longer configured are destroyed)."""
+        from ..serving.settings import standing_questions
+
+        names = set(standing_questions(settings.standing_questions))
+        for name in set(self.standing_pubs) - names:
+            self.destroy_publisher(self.standing_pubs.pop(name))
+        for name in sorted(names - set(self.standing_pubs)):
+            self.standing_pubs[name] = self.create_publisher(Answer, standing_topic(name), RELIABLE)
+
+    def _publish_standing(self, name: str, rec: AnswerRecord) -> None:
+        """A standing question's answer (worker thread), stamped with the frames it used: header.stamp
+        is the newest frame's stamp of the set it was asked on, frame_stamps each camera's."""
+        pub = self.standing_pubs.get(name)
+        if pub is not None:
+            pub.publish(record_to_msg(rec))
+        if rec.status == "ok":
+            self.get_logger().debug(f"standing {rec.query_id}: {rec.text[:80]!r}")
+        else:
+            self.get_logger().warning(f"standing {rec.query_id} [{rec.status}] {rec.status_message}")
+
     def _publish_explanation(self, done: Explained) -> None:
         """An explained answer's picture on ~/explanation (explainer thread), tied to its Answer: the
         same header.stamp (the query's stamp) and header.frame_id = its query_id (docs/ros.md)."""
@@ -373,3 +398,8 @@ class DriveNode(LifecycleNodeMixin, Node):
             f"frames {sum(s['frames_received'].values())} received, stamp->arrival p50 {d50:.2f} ms p90 {d90:.2f} ms; "
             "pipeline total " + (f"p50 {lat[0]:.1f} ms p90 {lat[1]:.1f} ms" if lat else "-") + f"; all counted "
             f"{self.counted_since()}")
+        for name, q in s["standing"].items():
+            self.get_logger().info(
+                f"summary: standing {name}: {q['answered']} answered, {q['unchanged']} unchanged sets, "
+                f"{q['preempted']} preempted by asked queries, {q['replaced']} replaced by a newer set, "
+                f"{q['unmatched']} unmatched, {q['errors']} errors")

@@ -25,7 +25,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 
 from ..errors import InputError
 from ..options import Setting, options_from_flat, parse_value, setting, settings
-from ..serving.settings import ServerSettings
+from ..serving.settings import ServerSettings, check_window
 from .topics import DEFAULT_CAMERA_TOPICS, expand
 
 ROS_TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
@@ -94,6 +94,10 @@ def descriptor(s: Setting, read_only: bool = False) -> ParameterDescriptor:
     unconfigured included); the description ends with when it applies (LIVE_NOTE/CONFIGURE_NOTE)."""
     d = ParameterDescriptor(name=s.key, type=ROS_TYPES[s.kind], read_only=read_only,
                             description=s.help + (LIVE_NOTE if s.live else CONFIGURE_NOTE))
+    if s.kind is tuple and not s.default:
+        # An empty list has no element type: rclpy declares it a byte array, and a string array set
+        # later (ros2 param set, a params file) would be refused for its type without this.
+        d.dynamic_typing = True
     if s.choices:
         d.additional_constraints = "one of: " + ", ".join(map(str, s.choices))
     if s.kind is float and (s.lo is not None or s.hi is not None):
@@ -133,10 +137,12 @@ def node_settings_from(values: dict) -> NodeSettings:
     for f in fields(NodeSettings):
         if f.name in values:
             raw = values[f.name]
-            kwargs[f.name] = tuple(raw) if isinstance(raw, (list, tuple)) else parse_value(
-                f.name, type(f.default) if f.name != "camera_topics" else tuple, raw)
-    if "camera_topics" in kwargs and not all(isinstance(t, str) for t in kwargs["camera_topics"]):
-        raise InputError(f"camera_topics: {list(kwargs['camera_topics'])!r} is not a list of strings")
+            if isinstance(f.default, tuple):          # string arrays (camera_topics, standing_questions)
+                if not isinstance(raw, (list, tuple)) or not all(isinstance(t, str) for t in raw):
+                    raise InputError(f"{f.name}: {raw!r} is not a list of strings")
+                kwargs[f.name] = tuple(raw)
+            else:
+                kwargs[f.name] = parse_value(f.name, type(f.default), raw)
     return NodeSettings(**kwargs)
 
 
@@ -147,8 +153,11 @@ def pipeline_options_from(values: dict):
 
 
 def validate_values(values: dict):
-    """Everything configure checks before it loads anything: (NodeSettings, PipelineOptions)."""
-    return node_settings_from(values), pipeline_options_from(values)
+    """Everything configure checks before it loads anything: (NodeSettings, PipelineOptions), and
+    that the two agree (the frame store's window holds what temporal.max_frames needs)."""
+    settings, options = node_settings_from(values), pipeline_options_from(values)
+    check_window(settings, options.temporal)
+    return settings, options
 
 
 def check_live_change(name: str, value, configured: bool = True) -> str | None:

@@ -9,6 +9,8 @@ Inside the node every name is relative, so `__ns` and remapping place an instanc
     answer_partial                       out: litevlm_msgs/AnswerPartial (serving.stream_partials)
     ~/explanation                        out: sensor_msgs/CompressedImage, explained answers' pictures
                                          (private: /litevlm_drive/explanation; parameter `explain`)
+    ~/standing/NAME                      out: litevlm_msgs/Answer, the answers of standing question NAME
+                                         (parameter standing_questions; serving/standing.py)
     /diagnostics                         absolute, by ROS convention
 
 The shipped names (`/cam_front/image_raw/compressed`, `/litevlm/query`, ...) come from the root
@@ -24,6 +26,12 @@ from ..cameras import CAMERAS
 QUERY, QUESTION, ANSWER, ANSWER_JSON = "query", "question", "answer", "answer_json"
 ANSWER_PARTIAL = "answer_partial"
 EXPLANATION = "~/explanation"
+STANDING = "~/standing"
+
+
+def standing_topic(name: str) -> str:
+    """The topic of standing question `name`'s answers (private: /litevlm_drive/standing/NAME)."""
+    return f"{STANDING}/{name}"
 DIAGNOSTICS = "/diagnostics"
 DEFAULT_CAMERA_TOPICS = tuple(f"{c.lower()}/image_raw/compressed" for c in CAMERAS)
 

@@ -19,6 +19,13 @@ and runs again from its start later (vLLM's preemption by recomputation: its ans
 greedy or seeded; its partial answers resume where they stopped). So a burst of low-priority
 questions delays a high-priority one by at most one running pass.
 
+Standing questions (standing.py) run at the lowest priority: one is admitted only when nothing
+runs and no request is queued (QueryServer.idle_job hands it over), and as soon as a request is
+queued, whatever the batching policy says, it stops after its current decode pass (a lone query's
+decoding checks `waiting` between passes) and is preempted: it takes no region from the request and
+runs again later from its start. An asked query thus waits at most one decode pass for it, or the
+rest of its admission (view selection .. prefill) when one had begun.
+
 Every request still gets exactly one record (QueryServer.deliver); shutdown answers the requests
 of a batch still running after drain_timeout_s (QueryServer.running).
 """
@@ -54,11 +61,17 @@ class BatchWorker:
         """One turn of the loop: admit what fits (waiting up to `timeout` for a request when nothing
         runs), preempt for a waiting request that outranks a running one, one decode pass, publish."""
         server, batch = self.server, self.batch
+        self.yield_to_asked()
         if not len(batch):
-            req = server.queue.get(timeout=timeout)
+            req = server.queue.get(timeout=0)
+            if req is None:
+                req = server.idle_job()          # prefetching new frame sets, and a standing question due
+            if req is None:
+                req = server.queue.get(timeout=server.idle_wait(timeout))
             if req is None:
                 return
             self.admit(req)
+        self.yield_to_asked()               # (a request that came during a standing question's admission)
         self.preempt_for_waiting()
         while batch.has_room and len(server.queue) and not server.stopping.is_set() and (
                 not len(batch) or self.policy.batching):
@@ -81,11 +94,28 @@ class BatchWorker:
 
     def waiting(self) -> bool:
         """Whether a queued request wants a region: a free one, or a running query's it outranks
-        (a lone query then stops decoding alone after its current pass)."""
+        (a lone query then stops decoding alone after its current pass); always while a standing
+        question runs."""
         first = self.server.queue.first_priority()
-        if first is None or not self.policy.batching:
+        if first is None:
+            return False
+        if any(r.tag[0].standing for r in self.batch.running):
+            return True
+        if not self.policy.batching:
             return False
         return self.batch.has_room or first > self.lowest_running()[0]
+
+    def yield_to_asked(self) -> None:
+        """Preempt every running standing question when a request is queued (it runs again later)."""
+        server = self.server
+        if not len(server.queue):
+            return
+        for r in [r for r in self.batch.running if r.tag[0].standing and not r.done]:
+            req, _ = r.tag
+            self.batch.preempt(r)
+            self.started.pop(id(req), None)
+            server.running.remove(req)
+            server.standing.put_back(req)
 
     def lowest_running(self) -> tuple[int, Running | None]:
         """(priority, query) of the running query a waiting one would preempt: the lowest priority,
@@ -120,14 +150,15 @@ class BatchWorker:
         self.started[id(req)] = (time.thread_time_ns(), self.gc_clock.total_ns)
         server.running.append(req)            # running from here on (a drain may give up on it)
         try:
-            self.batch.admit(server.images(req), req.request, req.frame_keys, on_tokens=server.partials_of(req),
-                             tag=(req, rec))
+            images, keys = server.inputs(req)
+            self.batch.admit(images, req.request, keys, on_tokens=server.partials_of(req), tag=(req, rec))
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             self.started.pop(id(req), None)
             server.running.remove(req)
             server.deliver(req, server.failed(req, rec, exc))
             return
-        self.last = req
+        if not req.standing:
+            self.last = req
 
     def publish(self, done) -> None:
         server = self.server

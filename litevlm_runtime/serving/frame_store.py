@@ -41,6 +41,23 @@ Clock faults. Stamps are the camera's clock, ages are the node's (`clock_ns`):
   - a held frame that is ahead of the node's clock by more than the tolerance when a query
     arrives (the node's clock stepped back) is not matched.
 
+Frame sets over time (a query's `frames` K > 1, issue 45). Past set i (t-i, i = 1 .. K - 1) is
+matched after the key set (the set above, t-0): the complete set within max_skew whose newest frame
+is nearest to the key set's newest stamp minus i x stride (temporal.stride_s), within a quarter of
+the stride (PAST_TOLERANCE; the loader's rule for files, frames.py), every frame of it at or before
+the node's clock plus max_future. Its stamps alone decide it (as_asked stays deterministic), and the
+tolerance keeps two steps from ever taking one set. A step that cannot be matched is a
+FrameMatchError naming the camera and the step ("frame set t-2 ..."), with the status of why:
+too_old (the window no longer holds that time: frame_window_s, frame_memory_mb), no_frames (the
+camera's first frame came after it), stale_frames (a gap in the camera's frames around it),
+out_of_sync (every camera has frames there, no set of them fits max_skew). The window must reach
+back that far: check_window (settings.py) refuses a frame_window_s below temporal.max_frames x
+temporal.stride_s.
+
+New frame sets (`sets_after`): the complete sets, in stamp order, whose newest frame is after a
+stamp, each final (every camera has sent a frame stamped at or after it, so no frame of it is still
+in flight): what the query server prefetches while idle and offers to standing questions.
+
 Memory: each camera's held frames take at most `max_bytes` (the frame_memory_mb setting) by their
 payloads' sizes (payload_bytes), whatever the cameras send: a new frame makes room by dropping
 the camera's oldest frames (counted in `memory_evictions`; the window then reaches less far back),
@@ -108,6 +125,9 @@ class FrameMatchError(Exception):
 # stepped back (one such frame is a late straggler).
 STEPS_BACK_TO_RESET = 2
 DEFAULT_WINDOW_NS = 5_000_000_000
+# A past frame set is matched within this fraction of the stride of its time (frames.py's loader
+# takes the same quarter): consecutive steps' ranges never overlap.
+PAST_TOLERANCE = 0.25
 
 
 class FrameStore:
@@ -381,6 +401,107 @@ class FrameStore:
             f"no set of {len(self.cameras)} frames within max_skew {self.max_skew_ns / 1e6:.1f} ms "
             f"(newest frames span {spread:.1f} ms; oldest is {laggard})",
         )
+
+    def match_over_time(self, now_ns: int, as_of_ns: int | None, frames: int, stride_ns: int) -> tuple[FrameSet, ...]:
+        """The `frames` frame sets of a query, oldest first, the key set (`match`) last; each past
+        set by the rule in the module's docstring. FrameMatchError names the camera and the step."""
+        key = self.match(now_ns, as_of_ns)
+        sets = [key]
+        for step in range(1, frames):
+            sets.append(self.past_set(now_ns, key, step, stride_ns))
+        return tuple(reversed(sets))
+
+    def past_set(self, now_ns: int, key: FrameSet, step: int, stride_ns: int) -> FrameSet:
+        """Frame set t-`step`: the complete set whose newest frame is nearest to `key`'s minus
+        step x stride, within PAST_TOLERANCE x stride."""
+        target = key.newest_ns - step * stride_ns
+        tol = int(stride_ns * PAST_TOLERANCE)
+        future = now_ns + self.max_future_ns
+        lo, hi = target - tol - self.max_skew_ns, min(target + tol, future)
+        with self._lock:
+            near = {}                    # camera -> its frames that a set near the target can hold
+            for c in self.cameras:
+                frames, stamps = self._frames[c], self._stamps[c]
+                near[c] = frames[bisect.bisect_left(stamps, lo):bisect.bisect_right(stamps, hi)]
+            held = {c: (self._stamps[c][0], self._stamps[c][-1]) if self._stamps[c] else None for c in self.cameras}
+            nearest = {c: self._nearest(c, target) for c in self.cameras}
+            ever_held = dict(self.ever_held)
+        anchors = sorted((f for fs in near.values() for f in fs if target - tol <= f.stamp_ns <= hi),
+                         key=lambda f: (abs(f.stamp_ns - target), -f.stamp_ns))
+        stamps = {c: [f.stamp_ns for f in fs] for c, fs in near.items()}
+        for anchor in anchors:
+            chosen = {}
+            for c in self.cameras:
+                i = bisect.bisect_right(stamps[c], anchor.stamp_ns) - 1
+                if i < 0 or near[c][i].stamp_ns < anchor.stamp_ns - self.max_skew_ns:
+                    break
+                chosen[c] = near[c][i]
+            else:
+                return FrameSet(frames=chosen)
+        raise self._past_error(key, step, stride_ns, target, tol, near, held, nearest, ever_held)
+
+    def _nearest(self, cam: str, target: int) -> int | None:
+        """The held stamp of `cam` nearest to `target` (under the lock), or None."""
+        stamps = self._stamps[cam]
+        i = bisect.bisect_left(stamps, target)
+        return min(stamps[max(0, i - 1):i + 1], key=lambda s: abs(s - target), default=None)
+
+    def _past_error(self, key: FrameSet, step: int, stride_ns: int, target: int, tol: int, near: dict,
+                    held: dict, nearest: dict, ever_held: dict) -> FrameMatchError:
+        """Why frame set t-`step` could not be matched, naming the cameras and the step."""
+        where = (f"frame set t-{step} ({step} x temporal.stride_s {stride_ns / 1e9:g} s = {step * stride_ns / 1e9:g} s "
+                 f"before the newest set, within {tol / 1e9:g} s)")
+        missing = [c for c in self.cameras if not any(abs(f.stamp_ns - target) <= tol for f in near[c])]
+        if not missing:
+            return FrameMatchError("out_of_sync", f"{where}: no set of {len(self.cameras)} frames within max_skew "
+                                                  f"{self.max_skew_ns / 1e6:.1f} ms near that time")
+        gone = [c for c in missing if held[c] is None or held[c][0] > target + tol]     # nothing held that early
+        if gone:
+            window = f"frame_window_s {self.window_ns / 1e9:g}" + (
+                f", frame_memory_mb {self.max_bytes / 1e6:g}" if self.max_bytes is not None else "") + (
+                f", frame_history {self.history}" if self.history else "")
+            trimmed = [c for c in gone if held[c] is not None and ever_held[c]]
+            if trimmed:
+                reach = ", ".join(f"{c} from {(held[c][0] - key.newest_ns) / 1e9:+.3f} s" for c in trimmed)
+                return FrameMatchError("too_old", f"{where}: the frames held no longer reach back that far ({reach}; "
+                                                  f"the window: {window})")
+            first = ", ".join(f"{c} (its first frame {(held[c][0] - key.newest_ns) / 1e9:+.3f} s)"
+                              if held[c] is not None else c for c in gone)
+            if len(gone) == len(self.cameras) and all(held[c] is not None for c in gone):
+                first = (f"any camera (their first frames from "
+                         f"{(min(held[c][0] for c in gone) - key.newest_ns) / 1e9:+.3f} s)")
+            return FrameMatchError("no_frames", f"{where}: no frame that early received from {first}")
+        gaps = ", ".join(f"{c} (its nearest {(nearest[c] - key.newest_ns) / 1e9:+.3f} s)" for c in missing)
+        return FrameMatchError("stale_frames", f"{where}: no frame near that time from {gaps}")
+
+    def sets_after(self, after_ns: int, now_ns: int, wait_ns: int = 0) -> list[FrameSet]:
+        """The complete frame sets whose newest frame is stamped after `after_ns`, in stamp order, each
+        final: every camera has sent a frame stamped at or after its newest (frames come in stamp order
+        per camera, so none of it is still in flight), or the node's clock is `wait_ns` past it (the
+        match_wait_s a query waits for frames in flight); none ahead of the node's clock by more than
+        max_future. A set is the one `match(as_of_ns=its newest stamp)` returns: where every camera
+        has sent on, the stamps alone decide which sets there are."""
+        future = now_ns + self.max_future_ns
+        with self._lock:
+            frames = {c: self._frames[c][max(0, bisect.bisect_right(self._stamps[c], after_ns - self.max_skew_ns) - 1):]
+                      for c in self.cameras}
+        if not all(frames.values()):
+            return []
+        final = max(min(fs[-1].stamp_ns for fs in frames.values()), now_ns - wait_ns if wait_ns else 0)
+        last = min(final, future)
+        stamps = {c: [f.stamp_ns for f in fs] for c, fs in frames.items()}
+        anchors = sorted({f.stamp_ns for fs in frames.values() for f in fs if after_ns < f.stamp_ns <= last})
+        out = []
+        for anchor in anchors:
+            chosen = {}
+            for c in self.cameras:
+                i = bisect.bisect_right(stamps[c], anchor) - 1
+                if i < 0 or frames[c][i].stamp_ns < anchor - self.max_skew_ns:
+                    break
+                chosen[c] = frames[c][i]
+            else:
+                out.append(FrameSet(frames=chosen))
+        return out
 
     def _newest_set(self, fresh: dict[str, list[Frame]]) -> dict[str, Frame] | None:
         """Each fresh frame as the newest member of a set, newest first; the first anchor for which

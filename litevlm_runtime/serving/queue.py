@@ -30,7 +30,9 @@ class Queued:
     submit; never changed after), the frame set matched to it, and the server's bookkeeping."""
     request: QueryRequest
     received_ns: int
-    frames: FrameSet | None = None   # None while it waits for frames (match_wait_s)
+    frames: FrameSet | None = None   # None while it waits for frames (match_wait_s); the newest set (t-0)
+    history: tuple[FrameSet, ...] = ()   # with frames K > 1: the K - 1 sets before it, oldest first
+    standing: str = ""               # the standing question's name (standing.py), "" for an asked query
     answered: bool = False           # set once, under QueryServer's answer lock
     streamed: bool = False           # a partial answer was published: the last partial (final) must follow
     partial_tokens: int = 0          # tokens the last partial showed (a preempted query, run again, resumes there)
@@ -44,6 +46,11 @@ class Queued:
     @property
     def query_id(self) -> str:
         return self.request.query_id
+
+    @property
+    def sets(self) -> tuple[FrameSet, ...]:
+        """Its frame sets, oldest first, the newest (`frames`) last."""
+        return (*self.history, self.frames)
 
     @property
     def frame_keys(self) -> FrameKeys:

@@ -37,7 +37,7 @@ STATUS_CODES = {
 }
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 # What the JSON form adds, computed from the fields (the Answer's TOTALS and the envelope's): name -> type.
-DERIVED = {**TOTALS, "status_code": int, "frame_offsets_ms": dict[str, float]}
+DERIVED = {**TOTALS, "status_code": int, "frame_offsets_ms": dict[str, float], "frame_set_offsets_ms": list[float]}
 
 
 @dataclass
@@ -61,6 +61,9 @@ class AnswerRecord(Answer):
     follow_up_of: str = ""              # the query it continues ("" for a first question)
     query_stamp_ns: int = 0             # when the question was asked (its header stamp, or its arrival)
     frame_stamps_ns: dict[str, int] = field(default_factory=dict)   # camera -> stamp of the frame it used
+    # Each frame set's stamp (its newest camera's), oldest first, of the `frames` sets the answer was
+    # computed from (the last: frame_stamps_ns's set); empty when no set was matched.
+    frame_set_stamps_ns: list[int] = field(default_factory=list)
     # The served model folder's file integrity (weights/integrity.py integrity_label): "verified (manifest)", or
     # "unverified (...)": weights no manifest vouches for (require_manifest off) are said in every answer.
     model_integrity: str = ""
@@ -87,7 +90,8 @@ class AnswerRecord(Answer):
         survives the replayer's re-stamping (bag eval and a DDS replay agree)."""
         out = self.to_dict()
         out.update(status_code=self.status_code,
-                   frame_offsets_ms={c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()})
+                   frame_offsets_ms={c: (s - self.query_stamp_ns) / 1e6 for c, s in self.frame_stamps_ns.items()},
+                   frame_set_offsets_ms=[(s - self.query_stamp_ns) / 1e6 for s in self.frame_set_stamps_ns])
         return out
 
 

@@ -46,15 +46,17 @@ from typing import Callable
 from ..errors import InputError
 from ..pipeline.answer import STAGES
 from ..pipeline.batching import BatchPolicy
+from ..pipeline.frame_sets import FrameSet as InputSet
 from ..pipeline.request import QueryRequest
 from ..timing import percentile
 from .batch_worker import BatchWorker
 from .explainer import Explainer, wants
-from .frame_store import FrameMatchError, FrameSet, FrameStore
+from .frame_store import PAST_TOLERANCE, FrameMatchError, FrameSet, FrameStore
 from .images import CameraImages, FrameKeys, ImageError
 from .queue import Queued, RequestQueue
 from .record import STATUS_CODES, AnswerRecord, PartialRecord
 from .settings import ServerSettings
+from .standing import Standing
 
 log = logging.getLogger("litevlm.server")
 
@@ -83,7 +85,8 @@ class QueryServer:
     def __init__(self, settings: ServerSettings, publish: Callable[[AnswerRecord], None],
                  clock_ns: Callable[[], int] = time.time_ns,
                  publish_partial: Callable[[PartialRecord], None] | None = None,
-                 explainer: Explainer | None = None, explanation_subscribed: Callable[[], bool] = lambda: False):
+                 explainer: Explainer | None = None, explanation_subscribed: Callable[[], bool] = lambda: False,
+                 publish_standing: Callable[[str, AnswerRecord], None] | None = None):
         self.publish_record = publish
         self.publish_partial = publish_partial    # None: no partial answers (serving.stream_partials)
         self.explainer = explainer                # None: nothing is explained (explainer.py)
@@ -105,6 +108,7 @@ class QueryServer:
         self._stats_lock = threading.Lock()
         self.status_counts = {s: 0 for s in STATUS_CODES}
         self.publish_failed = 0
+        self.views_encoded = self.views_reused = 0     # (camera, frame) views of ok answers: encoded, from the cache
         self.latency_ms: dict[str, deque] = {s: deque(maxlen=1000) for s in (*STAGES, "total", "queue")}
         self.last_error = ""
         # Camera stamp -> arrival at the node: DDS transport (plus the camera's own delay on a live rig).
@@ -114,6 +118,9 @@ class QueryServer:
         self._worker: threading.Thread | None = None
         self.running: list[Queued] = []     # what the worker runs now (several: a batch, batch_worker.py)
         self.stopping = threading.Event()
+        # Standing questions (standing.py), published on ~/standing/NAME; none without a publisher.
+        self.standing = Standing(self, publish_standing or (lambda name, rec: None))
+        self._temporal_until = 0            # until then (node clock) a query over time was asked recently
 
     def apply_settings(self, settings: ServerSettings) -> None:
         """(Re)build the frame store and the queue for new limits (the node does this on configure).
@@ -129,6 +136,8 @@ class QueryServer:
         old, self.queue = self.queue, RequestQueue(settings.queue_size, settings.overflow_policy)
         for req in old.drain() if old is not None else ():
             self._enqueue(req)
+        self._seen_ns = 0                   # the newest frame set the idle worker has looked at (idle_job)
+        self._prefetch_ns: int | None = None    # the newest it prefetched
 
     def apply_live(self, settings: ServerSettings) -> None:
         """Live limits (the settings marked live) while serving, in place. apply_settings would
@@ -149,12 +158,14 @@ class QueryServer:
         server then answers every query with pipeline_error naming it, instead of going silent."""
         try:
             pipe = factory()
+            self.standing.configure(pipe)       # (a bad standing question fails the load, named)
             if warmup:
                 pipe.warm_up()       # one synthetic query; measures the speculation costs
             self.pipeline, self.load_error = pipe, ""
             self.batch_policy = BatchPolicy()     # batched or one at a time, as it pays (batch_worker.py)
         except Exception as exc:  # noqa: BLE001 - reported in every answer and in /diagnostics
             self.pipeline, self.load_error = None, f"{type(exc).__name__}: {exc}"
+            self.standing.configure(None)
             self.last_error = self.load_error
             log.error("model failed to load: %s", self.load_error)
             raise
@@ -226,24 +237,39 @@ class QueryServer:
             return self._enqueue(job)
         final = not (allow_wait and self.settings.match_wait_s > 0)
         try:
-            job.frames = self._match(job, now, final)
+            matched = self._match(job, now, final)
         except FrameMatchError as exc:
             return refuse(exc.status, str(exc))
-        if job.frames is None:
+        if matched is None:
             with self._pending_lock:
                 self._pending.append((now + int(self.settings.match_wait_s * 1e9), job))
             return None
+        *job.history, job.frames = matched
+        job.history = tuple(job.history)
+        if job.history:                   # the idle worker prefetches frame sets for a while (idle_job)
+            self._temporal_until = now + int(self.settings.frame_window_s * 1e9)
         return self._enqueue(job)
 
-    def _match(self, job: Queued, now: int, final: bool) -> FrameSet | None:
-        """The frame set of `job` (settings.frame_match), or None to wait for frames still in
-        flight (not `final`): as_asked waits until every camera has sent a frame from after the
-        question; either rule waits while the match fails. FrameMatchError when final."""
+    def stride_ns(self) -> int:
+        pipeline = self.pipeline
+        return int(pipeline.rt.options.temporal.stride_s * 1e9) if pipeline is not None else 0
+
+    def frames_asked(self, request: QueryRequest) -> int:
+        """How many frame sets a (checked) request is matched to: its `frames`, else temporal.frames."""
+        pipeline = self.pipeline
+        return request.frames or (pipeline.rt.options.temporal.frames if pipeline is not None else 1)
+
+    def _match(self, job: Queued, now: int, final: bool) -> tuple[FrameSet, ...] | None:
+        """The frame sets of `job`, oldest first (settings.frame_match; with frames K > 1 the K - 1
+        sets before the newest, temporal.stride_s apart: frame_store.py), or None to wait for frames
+        still in flight (not `final`): as_asked waits until every camera has sent a frame from after
+        the question; either rule waits while the match fails. FrameMatchError when final."""
         as_asked = self.settings.frame_match == "as_asked"
         if as_asked and not final and not self.frames.complete(job.request.stamp_ns):
             return None
         try:
-            return self.frames.match(now, job.request.stamp_ns if as_asked else None)
+            return self.frames.match_over_time(now, job.request.stamp_ns if as_asked else None,
+                                               self.frames_asked(job.request), self.stride_ns())
         except FrameMatchError:
             if final or as_asked:       # (as_asked: every frame up to the question is in; waiting cannot help)
                 raise
@@ -286,17 +312,19 @@ class QueryServer:
         for item in pending:
             until, req = item
             try:
-                req.frames = self._match(req, now, final=now >= until)
+                matched = self._match(req, now, final=now >= until)
             except FrameMatchError as exc:
                 waited = f" (after waiting {self.settings.match_wait_s:.2f} s for frames)" if now >= until else ""
                 rec = self._record_for(req, exc.status, f"{exc}{waited}")
                 rec.queue_ms = (now - req.received_ns) / 1e6
                 self._finish(rec)
                 continue
-            if req.frames is None:
+            if matched is None:
                 with self._pending_lock:
                     self._pending.append(item)
                 continue
+            *history, req.frames = matched
+            req.history = tuple(history)
             self._enqueue(req)
 
     def expire_deadlines(self, now_ns: int | None = None) -> None:
@@ -328,8 +356,8 @@ class QueryServer:
         try:
             # Later questions about this frame set reuse its visual features (keyed by FrameKeys).
             cpu0, gc0 = time.thread_time_ns(), GC_CLOCK.total_ns
-            ans = self.pipeline.answer(self.images(req), req.request, frame_keys=req.frame_keys,
-                                       on_tokens=self.partials_of(req))
+            images, keys = self.inputs(req)
+            ans = self.pipeline.answer(images, req.request, frame_keys=keys, on_tokens=self.partials_of(req))
             rec.cpu_ms, rec.gc_ms = (time.thread_time_ns() - cpu0) / 1e6, (GC_CLOCK.total_ns - gc0) / 1e6
         except Exception as exc:  # noqa: BLE001 - a failing query must not stop the server
             return self.deliver(req, self.failed(req, rec, exc))
@@ -345,10 +373,19 @@ class QueryServer:
                 f"deadline passed after {rec.queue_ms:.1f} ms in the queue")
         return rec
 
-    def images(self, req: Queued) -> CameraImages:
-        return CameraImages(
-            {c: f.payload for c, f in req.frames.frames.items()}, self.pipeline.rt.options.images.max_pixels
-        )
+    def images(self, req: Queued, frames: FrameSet | None = None) -> CameraImages:
+        """The images of `req`'s newest frame set (or of `frames`), converted when the pipeline reads them."""
+        frames = req.frames if frames is None else frames
+        return CameraImages({c: f.payload for c, f in frames.frames.items()},
+                            self.pipeline.rt.options.images.max_pixels)
+
+    def inputs(self, req: Queued) -> tuple:
+        """What Pipeline.answer (and the batch decoder) takes for `req`: (images, frame_keys) of its one
+        frame set, or (its frame sets oldest first, None) over time (pipeline/frame_sets.py; each set
+        keyed by its frames' stamps, so that a camera frame is encoded once in every window it is in)."""
+        if not req.history:
+            return self.images(req), req.frame_keys
+        return [InputSet(self.images(req, s), FrameKeys(s.frames)) for s in req.sets], None
 
     def failed(self, req: Queued, rec: AnswerRecord, exc: Exception) -> AnswerRecord:
         """`rec` with the status of a pipeline failure."""
@@ -371,6 +408,7 @@ class QueryServer:
             query_stamp_ns=req.request.stamp_ns, follow_up_of=req.request.follow_up_of,
             model_integrity=self.integrity if self.pipeline is not None else "",
             frame_stamps_ns={c: f.stamp_ns for c, f in req.frames.frames.items()} if req.frames is not None else {},
+            frame_set_stamps_ns=[s.newest_ns for s in req.sets] if req.frames is not None else [],
         )
 
     def deliver(self, req: Queued, rec: AnswerRecord) -> AnswerRecord:
@@ -381,11 +419,16 @@ class QueryServer:
         refused = req.frames.refused if req.frames is not None else {}
         if rec.status == "ok" and refused:         # a camera it used was answered from an older frame
             rec.degraded = [*rec.degraded, *(f"older frame: {refused[c]}" for c in rec.cameras if c in refused)]
+        if rec.status == "ok":                      # the sets it was computed from: the time selector's newest
+            rec.frame_set_stamps_ns = rec.frame_set_stamps_ns[-rec.frames:]
         with self._answer_lock:
             if req.answered:
                 log.warning("%s: already answered; a late %s record is discarded", req.query_id, rec.status)
                 return rec
             req.answered = True
+        if req.standing:                          # ~/standing/NAME, not the answer topic (standing.py)
+            self.standing.answered(req, rec)
+            return rec
         if req.streamed:
             self._send_partial(PartialRecord(req.query_id, rec.text, len(rec.token_ids), final=True))
         self._finish(rec)
@@ -432,6 +475,8 @@ class QueryServer:
         with self._stats_lock:
             self.status_counts[rec.status] += 1
             if rec.status == "ok":
+                self.views_encoded += rec.encoded_views
+                self.views_reused += rec.reused_views
                 for s, ms in rec.stage_ms.items():
                     self.latency_ms.setdefault(s, deque(maxlen=1000)).append(ms)
                 self.latency_ms["total"].append(rec.total_ms)
@@ -500,10 +545,15 @@ class QueryServer:
         return finished
 
     def _work(self) -> None:
-        if self.pipeline is not None and self.pipeline.rt.arena.limits.batch > 1:
-            return BatchWorker(self, GC_CLOCK).run()       # in-flight batching (serving.max_batch)
+        if self.pipeline is not None and (self.pipeline.rt.arena.limits.batch > 1 or self.standing.questions):
+            # in-flight batching (serving.max_batch), and standing questions, which yield to asked
+            # queries after a decode pass
+            return BatchWorker(self, GC_CLOCK).run()
         while not self.stopping.is_set():
-            req = self.queue.get(timeout=0.2)
+            req = self.queue.get(timeout=0)
+            if req is None:
+                self.idle_job()
+                req = self.queue.get(timeout=self.idle_wait(0.2))
             if req is not None:
                 self.running.append(req)
                 self.serve(req)
@@ -529,6 +579,50 @@ class QueryServer:
             pipe.prefetch(images, FrameKeys(frames), stop=lambda: len(self.queue) > 0 or self.stopping.is_set())
         except Exception:  # noqa: BLE001 - prefetching is an optimisation: a failure must not stop serving
             log.error("prefetch after %s failed: %s", req.query_id, traceback.format_exc())
+
+    def ticking(self) -> bool:
+        """Whether the idle worker follows new frame sets (prefetching them, offering them to standing
+        questions): with standing questions on, with temporal.frames > 1, or for frame_window_s after
+        a query over time. Otherwise it prefetches after a query only: a CPU that serves rare
+        one-frame questions is not kept busy encoding every frame set for nothing."""
+        pipe = self.pipeline
+        return pipe is not None and (self.standing.active or pipe.rt.options.temporal.frames > 1
+                                     or self.clock_ns() < self._temporal_until)
+
+    def idle_wait(self, timeout: float) -> float:
+        """How long the idle worker waits for a query before it looks at the frames again."""
+        return min(timeout, 0.05) if self.ticking() else timeout
+
+    def idle_job(self) -> Queued | None:
+        """What the worker does while no query waits, stopping as soon as one arrives: the new frame
+        sets since it last looked (frame_store.sets_after, in stamp order) are offered to the standing
+        questions, and those at least temporal.stride_s apart (the spacing of a query's sets, at most
+        temporal.max_frames of them, newest first) are encoded into the feature cache, so that a
+        query over time encodes only what is new; then the standing question due, if any (run by
+        the batch worker at the lowest priority)."""
+        pipe = self.pipeline
+        if pipe is None or not self.ticking():
+            return None
+        stop = lambda: len(self.queue) > 0 or self.stopping.is_set()     # noqa: E731
+        now, stride = self.clock_ns(), self.stride_ns()
+        fresh = []
+        for frame_set in self.frames.sets_after(self._seen_ns, now, int(self.settings.match_wait_s * 1e9)):
+            self._seen_ns = frame_set.newest_ns
+            self.standing.offer(frame_set, now)
+            if self._prefetch_ns is None or frame_set.newest_ns - self._prefetch_ns >= stride * (1 - PAST_TOLERANCE):
+                self._prefetch_ns = frame_set.newest_ns
+                fresh.append(frame_set)
+        if pipe.rt.options.serving.feature_cache:
+            for frame_set in reversed(fresh[-pipe.rt.options.temporal.max_frames:]):
+                if stop():
+                    return None
+                images = CameraImages({c: f.payload for c, f in frame_set.frames.items()},
+                                      pipe.rt.options.images.max_pixels)
+                try:
+                    pipe.prefetch(images, FrameKeys(frame_set.frames), stop=stop)
+                except Exception:  # noqa: BLE001 - prefetching is an optimisation: a failure must not stop serving
+                    log.error("prefetching the frame set at %d failed: %s", frame_set.newest_ns, traceback.format_exc())
+        return self.standing.next_job(stop) if self.standing.active and not stop() else None
 
     # ---- diagnostics ----
     def stats(self) -> dict:
@@ -560,6 +654,10 @@ class QueryServer:
             # answered queries a follow-up may name now (serving.conversations at most)
             "conversations": len(self.pipeline.rt.conversations.turns) if self.pipeline is not None else 0,
             "explanations": self.explainer.stats() if self.explainer is not None else None,
+            "standing": self.standing.stats(),
+            "views_encoded": self.views_encoded,
+            "views_reused": self.views_reused,
+            "following_frames": self.ticking(),      # the idle worker prefetches new frame sets (idle_job)
             "frame_delay_ms": ((percentile(self.frame_delay_ms, 50), percentile(self.frame_delay_ms, 90))
                                if len(self.frame_delay_ms) else (0.0, 0.0)) + (len(self.frame_delay_ms),),
         }

@@ -5,9 +5,11 @@ field (`from_values`), so the three can no longer drift apart."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from ..cameras import CAMERAS
+from ..errors import InputError
 from ..options import _Validated, setting
 
 OVERFLOW_POLICIES = ("reject_new", "drop_oldest")
@@ -70,9 +72,69 @@ class ServerSettings(_Validated):
                                           "waited for until 0.5 s before it, the answers' acknowledgements until it",
                                      lo=0.0, hi=3600.0)
 
+    # Standing questions (standing.py): asked on new frame sets, answered when the cameras they need
+    # changed; their answers on ~/standing/NAME, at the lowest priority.
+    standing_questions: tuple = setting((), "questions the node asks itself on new frame sets, each 'NAME: QUESTION' "
+                                            "(NAME: letters, digits and _, not first a digit); answered only when the "
+                                            "cameras it needs changed by standing_change, on ~/standing/NAME "
+                                            "(litevlm_msgs/Answer), at the lowest priority (docs/serving.md)")
+    standing_rate_hz: float = setting(2.0, "standing questions are asked on new frame sets at most this often, by "
+                                           "their stamps (0: off)", lo=0.0, hi=100.0, live=True)
+    standing_change: float = setting(0.05, "a standing question is answered again when a camera it needs changed by "
+                                           "at least this since its last answer: mean relative L2 distance of the "
+                                           "camera's visual tokens (the feature cache's; 0: on every set)",
+                                     lo=0.0, hi=10.0, live=True)
+    standing_frames: int = setting(0, "frame sets a standing question asks for (0: temporal.frames; the time "
+                                      "selector may use fewer)", lo=0, hi=16)
+
+    def __post_init__(self):
+        super().__post_init__()
+        standing_questions(self.standing_questions)      # InputError naming the bad entry
+
     @classmethod
     def from_values(cls, values: dict, cameras=CAMERAS) -> "ServerSettings":
         """The server's settings out of a mapping that holds them by name (the node's parameters,
         NodeSettings' fields): every field but `cameras` taken from it when present."""
-        return cls(cameras=tuple(cameras), **{f.name: values[f.name] for f in fields(cls)
+        return cls(cameras=tuple(cameras), **{f.name: tuple(values[f.name]) if isinstance(values[f.name], list)
+                                               else values[f.name] for f in fields(cls)
                                                if f.name != "cameras" and f.name in values})
+
+
+STANDING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def standing_questions(entries) -> dict[str, str]:
+    """standing_questions' entries ('NAME: QUESTION') as {name: question}, in order; InputError naming
+    the entry that is not one, or a name given twice."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, sep, question = str(entry).partition(":")
+        name, question = name.strip(), question.strip()
+        if not sep or not STANDING_NAME.match(name) or not question:
+            raise InputError(f"standing_questions: {entry!r} is not 'NAME: QUESTION' (NAME: letters, digits and _, "
+                             f"not first a digit; it names the topic ~/standing/NAME)")
+        if name in out:
+            raise InputError(f"standing_questions: {name!r} is named twice")
+        out[name] = question
+    return out
+
+
+def check_window(settings: ServerSettings, temporal) -> None:
+    """The frame store must hold what a query over temporal.max_frames sets needs (frame_store.py):
+    its window reaches back max_frames x stride_s, and the stride is long enough that two steps of
+    max_skew_s never share a frame. InputError naming both settings when they cannot agree."""
+    from .frame_store import PAST_TOLERANCE
+
+    need = temporal.max_frames * temporal.stride_s
+    if temporal.max_frames > 1 and settings.frame_window_s < need:
+        raise InputError(f"frame_window_s {settings.frame_window_s:g} cannot hold temporal.max_frames "
+                         f"{temporal.max_frames} frame sets temporal.stride_s {temporal.stride_s:g} s apart: it needs "
+                         f"at least {need:g} s (raise frame_window_s or lower temporal.max_frames / temporal.stride_s)")
+    if temporal.max_frames > 1 and temporal.stride_s * (1 - PAST_TOLERANCE) <= settings.max_skew_s:
+        raise InputError(f"temporal.stride_s {temporal.stride_s:g} s is too short for max_skew_s "
+                         f"{settings.max_skew_s:g} s: a past frame set is matched within {PAST_TOLERANCE:g} of the "
+                         f"stride, and two steps must not share a frame (stride_s above max_skew_s / "
+                         f"{1 - PAST_TOLERANCE:g})")
+    if settings.standing_frames > temporal.max_frames:
+        raise InputError(f"standing_frames {settings.standing_frames} is above temporal.max_frames "
+                         f"{temporal.max_frames}")
