@@ -215,9 +215,10 @@ class Backend(_Validated):
         "auto",
         "GEMM of the int4/int8/fp16 weight forms' calls of many rows (prefill, vision-free stages): float32 (each "
         "weight tile dequantized to float32, the float32 GEMM) | bfloat16 (tiles and input rounded to bfloat16, the "
-        "bfloat16 GEMM: the numerics of backend.weights bf16) | auto (bfloat16 where the CPU has bfloat16 units, "
-        "avx512_bf16 or amx_bf16; float32 elsewhere): weights/lowbit.py",
-        choices=("auto", "float32", "bfloat16"),
+        "bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (int4/int8: the input quantized to int8 per "
+        "block of 128, integer products on AVX-512 VNNI; fp16 takes bfloat16) | auto (int8 where the CPU has AVX-512 "
+        "VNNI, else bfloat16 where it has bfloat16 units, avx512_bf16 or amx_bf16, else float32): weights/lowbit.py",
+        choices=("auto", "float32", "bfloat16", "int8"),
     )
     quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "
                                  "--out`; '': <model folder>/quantized-int4)")

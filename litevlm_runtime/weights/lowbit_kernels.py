@@ -123,6 +123,11 @@ def load() -> bool:
     return True
 
 
+def has_vnni() -> bool:
+    """Whether the kernels run the int8 prefill GEMM here (built, loaded, and the CPU has AVX-512 VNNI)."""
+    return load() and bool(torch.ops.litevlm_lowbit.has_avx512_vnni())
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels run this call: float32 on the CPU, kernels loaded."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and load()
@@ -133,11 +138,11 @@ def _register_fakes() -> None:
     ops = torch.ops.litevlm_lowbit
 
     @torch.library.register_fake("litevlm_lowbit::int4_linear")
-    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False):
+    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False, prefill_int8=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::int8_linear")
-    def _(x, codes, scales, gemv_max_rows, tile_bytes, prefill_bf16=False):
+    def _(x, codes, scales, gemv_max_rows, tile_bytes, prefill_bf16=False, prefill_int8=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::fp16_linear")
