@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..errors import CheckpointError, InputError
@@ -196,7 +197,7 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
                     model_dir: str | Path | None = None, prefill: str = "auto") -> LinearForms:
     """Replace the linears `kind` names by their `kind` form, in place, at load. `quantized`: the
     folder of stored weights (`int4`); `prefill`: the low-bit forms' many-row GEMM
-    (backend.lowbit_prefill: auto | float32 | bfloat16)."""
+    (backend.lowbit_prefill: auto | float32 | bfloat16 | int8)."""
     if kind == "bf16" and cpu_has_bf16_units() is False:
         log.warning("backend.weights bf16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
                     "emulates them, several times slower than float32 here; use backend.weights float",
@@ -213,6 +214,38 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
     forms.use(kind)
     forms.prefill = set_prefill_gemm([model, *extra], prefill) if kind in DECODER_KINDS else None
     return forms
+
+
+VISION_GEMMS = ("auto", "float32", "bfloat16")
+
+
+def resolve_vision_gemm(setting: str, weights: str, device, dtype) -> str:
+    """`float32` or `bfloat16`: the GEMM the vision encoder and projector run (backend.vision_gemm).
+    auto: bfloat16 with a low-bit decoder form (int8, int4, fp16: its prompt already runs bfloat16 or
+    int8 GEMMs, `backend.lowbit_prefill`) on a CPU with bfloat16 units; float32 for a float pipeline,
+    whose numbers stay those of float32 unless asked. backend.weights bf16 converts vision itself."""
+    if setting not in VISION_GEMMS:
+        raise ValueError(f"backend.vision_gemm {setting!r}: one of {', '.join(VISION_GEMMS)}")
+    if weights == "bf16":
+        return "bfloat16"
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "float32"
+    if setting == "auto":
+        return "bfloat16" if weights in DECODER_KINDS and cpu_has_bf16_units() else "float32"
+    if setting == "bfloat16" and cpu_has_bf16_units() is False:
+        log.warning("backend.vision_gemm bfloat16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
+                    "emulates them, several times slower than float32 here", " or ".join(BF16_UNIT_FLAGS))
+    return setting
+
+
+def vision_to_bf16(model: nn.Module) -> int:
+    """The vision encoder's and projector's nn.Linear layers as Bf16Linear (bf16.py), in place; returns how
+    many. Why: a tile is ~1,000 rows through every vision weight, compute-bound, and the bfloat16 GEMM runs
+    at about twice float32's rate on a CPU with bfloat16 units (scripts/cpu_stages.py)."""
+    found = child_linears([model.vision_model, getattr(model, "mlp1", None)])
+    for parent, name, module in found:
+        setattr(parent, name, Bf16Linear(module))
+    return len(found)
 
 
 def weight_bytes(modules, many_rows: bool = False) -> int:
