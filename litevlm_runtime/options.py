@@ -223,11 +223,12 @@ class Backend(_Validated):
     vision_gemm: str = setting(
         "auto",
         "GEMM of the vision encoder's and projector's linears on the CPU: float32 | bfloat16 (input rounded to "
-        "bfloat16, the bfloat16 GEMM: the numerics of backend.weights bf16) | auto (bfloat16 where the CPU has "
-        "bfloat16 units and backend.weights is a low-bit form, whose prompt already runs reduced-precision GEMMs; "
-        "float32 otherwise: a float pipeline stays float32, backend.weights bf16 covers vision itself): "
+        "bfloat16, the bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (weights quantized per channel "
+        "to int8 at load, the input per block of 128, integer products on AVX-512 VNNI) | auto (bfloat16 where the "
+        "CPU has bfloat16 units and backend.weights is a low-bit form, whose prompt already runs reduced-precision "
+        "GEMMs; float32 otherwise: a float pipeline stays float32, backend.weights bf16 covers vision itself): "
         "weights/linear_forms.py",
-        choices=("auto", "float32", "bfloat16"),
+        choices=("auto", "float32", "bfloat16", "int8"),
     )
     quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "
                                  "--out`; '': <model folder>/quantized-int4)")
@@ -317,13 +318,13 @@ class PipelineOptions(_Validated):
         if self.backend.compress != "none" and self.backend.name != BackendName.OPENVINO:
             raise InputError(f"backend.compress {self.backend.compress}: NNCF compresses the weights OpenVINO runs "
                              f"(backend.name openvino); backend.name is {self.backend.name.value}")
-        if self.backend.vision_gemm == "bfloat16" and (
+        if self.backend.vision_gemm in ("bfloat16", "int8") and (
                 self.dtype != "float32" or str(self.device).startswith("cuda")
                 or self.backend.name not in (BackendName.TORCH, BackendName.TORCH_COMPILE)):
             raise InputError(
-                f"backend.vision_gemm bfloat16 runs the vision encoder's GEMMs of a float32 pipeline on the CPU's "
-                f"bfloat16 units (PyTorch engines); with dtype {self.dtype} on {self.device}, backend.name "
-                f"{self.backend.name.value}, leave it auto"
+                f"backend.vision_gemm {self.backend.vision_gemm} runs the vision encoder's GEMMs of a float32 "
+                f"pipeline on the CPU's bfloat16 / VNNI units (PyTorch engines); with dtype {self.dtype} on "
+                f"{self.device}, backend.name {self.backend.name.value}, leave it auto"
             )
         if self.backend.weights == "bf16":
             if self.dtype != "float32" or str(self.device).startswith("cuda"):

@@ -10,8 +10,9 @@ prefill   the decoder over --prefill-rows prompt rows (the torch engine's prefil
           K/V rows stored), per `backend.lowbit_prefill` variant (set_prefill_gemm on the same
           low-bit forms; with --weights float or bf16 the one GEMM those run)
 vision    InternViT + projector over --tiles tiles of random pixels, per `backend.vision_gemm`
-          variant: float32 (the vision linears as built: oneDNN or MKL float32, weights/gemm.py) or
-          bfloat16 (the same linears as Bf16Linear, weights/bf16.py)
+          variant: float32 (the vision linears as built: oneDNN or MKL float32, weights/gemm.py),
+          bfloat16 (the same linears as Bf16Linear, weights/bf16.py) or int8 (as Int8Linear, on the
+          int8 GEMM: AVX-512 VNNI)
 
 Variants alternate within every round (order reversed every other round); the table gives each
 round's ms, the median, GFLOP/s (FLOPs counted once per stage by torch's FlopCounterMode) and the
@@ -38,10 +39,11 @@ from litevlm_runtime.bench.contention import Hog
 from litevlm_runtime.bench.roofline import count_flops
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
+from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import Bf16Linear
 from litevlm_runtime.weights.cpuinfo import read_cpuinfo
 from litevlm_runtime.weights.linear_forms import child_linears
-from litevlm_runtime.weights.lowbit import set_prefill_gemm
+from litevlm_runtime.weights.lowbit import Int8Linear, set_prefill_gemm
 
 
 def build(args):
@@ -59,17 +61,23 @@ def build(args):
 
 
 class VisionSwitch:
-    """The vision encoder's and projector's linears as built (float32) or as Bf16Linear, swapped in place."""
+    """The vision encoder's and projector's linears as built (float32), as Bf16Linear or as Int8Linear on
+    the int8 GEMM (backend.vision_gemm's forms), swapped in place; a form is made when first used."""
 
     def __init__(self, model):
-        self.slots = [(parent, name, module, Bf16Linear(module))
+        self.slots = [(parent, name, {"float32": module})
                       for parent, name, module in child_linears([model.vision_model, model.mlp1])]
 
     def use(self, variant: str) -> None:
-        if variant not in ("float32", "bfloat16"):
-            raise SystemExit(f"--vision-gemm {variant!r}: float32 or bfloat16")
-        for parent, name, f32, bf16 in self.slots:
-            setattr(parent, name, bf16 if variant == "bfloat16" else f32)
+        if variant not in ("float32", "bfloat16", "int8"):
+            raise SystemExit(f"--vision-gemm {variant!r}: float32, bfloat16 or int8")
+        if variant == "int8" and not lowbit_kernels.has_vnni():
+            raise SystemExit("--vision-gemm int8: needs the low-bit kernels on a CPU with AVX-512 VNNI")
+        for parent, name, forms in self.slots:
+            if variant not in forms:
+                forms[variant] = Bf16Linear(forms["float32"]) if variant == "bfloat16" else Int8Linear(forms["float32"])
+                forms[variant].prefill_int8 = variant == "int8"
+            setattr(parent, name, forms[variant])
 
 
 def main() -> int:
