@@ -14,6 +14,11 @@ vision    InternViT + projector over --tiles tiles of random pixels, per `backen
           bfloat16 (the same linears as Bf16Linear, weights/bf16.py) or int8 (as Int8Linear, on the
           int8 GEMM: AVX-512 VNNI)
 
+A variant may name its attention after a slash, GEMM/ATTENTION with ATTENTION sdpa (torch's
+scaled_dot_product_attention) or bf16 (the kernels' bfloat16 attention): e.g. --prefill-gemm
+int8/sdpa,int8/bf16 times the attention alone; without one it follows the GEMM as a pipeline's does
+(bfloat16 attention beside bfloat16 or int8 GEMMs where the CPU has AVX-512 BF16).
+
 Variants alternate within every round (order reversed every other round); the table gives each
 round's ms, the median, GFLOP/s (FLOPs counted once per stage by torch's FlopCounterMode) and the
 median's speed-up over the first variant. The first variant is the reference of the same run:
@@ -42,7 +47,7 @@ from litevlm_runtime.report import table
 from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import Bf16Linear
 from litevlm_runtime.weights.cpuinfo import read_cpuinfo
-from litevlm_runtime.weights.linear_forms import child_linears
+from litevlm_runtime.weights.linear_forms import child_linears, use_bf16_attention
 from litevlm_runtime.weights.lowbit import Int8Linear, set_prefill_gemm
 
 
@@ -65,6 +70,7 @@ class VisionSwitch:
     the int8 GEMM (backend.vision_gemm's forms), swapped in place; a form is made when first used."""
 
     def __init__(self, model):
+        self.vision = model.vision_model
         self.slots = [(parent, name, {"float32": module})
                       for parent, name, module in child_linears([model.vision_model, model.mlp1])]
 
@@ -73,6 +79,7 @@ class VisionSwitch:
             raise SystemExit(f"--vision-gemm {variant!r}: float32, bfloat16 or int8")
         if variant == "int8" and not lowbit_kernels.has_vnni():
             raise SystemExit("--vision-gemm int8: needs the low-bit kernels on a CPU with AVX-512 VNNI")
+        use_bf16_attention([self.vision], variant != "float32")       # as vision_to sets it
         for parent, name, forms in self.slots:
             if variant not in forms:
                 forms[variant] = Bf16Linear(forms["float32"]) if variant == "bfloat16" else Int8Linear(forms["float32"])
@@ -114,9 +121,19 @@ def main() -> int:
     def encode():
         e.vision.run(pixels)
 
+    def variant(use, roots):
+        def apply(v: str) -> None:
+            gemm, _, attention = v.partition("/")
+            use(gemm)
+            if attention:
+                if attention not in ("sdpa", "bf16"):
+                    raise SystemExit(f"variant {v!r}: attention sdpa or bf16 after the slash")
+                use_bf16_attention(roots, attention == "bf16")
+        return apply
+
     runs = {"prefill": (prefill, args.prefill_gemm.split(",") if lowbit else [args.weights],
-                        lambda v: set_prefill_gemm([rt.model], v) if lowbit else None),
-            "vision": (encode, args.vision_gemm.split(","), vision.use)}
+                        variant(lambda v: set_prefill_gemm([rt.model], v) if lowbit else None, [rt.lm])),
+            "vision": (encode, args.vision_gemm.split(","), variant(vision.use, [rt.model.vision_model]))}
     unknown = [s for s in stages if s not in runs]
     if unknown:
         raise SystemExit(f"--stages {','.join(unknown)}: prefill, vision")

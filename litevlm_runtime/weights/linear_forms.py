@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, InputError
+from ..models.decoder import DecoderLayer
+from ..models.intern_vit import VisionAttention
 from . import lowbit_kernels
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
 from .lowbit import Fp16Linear, Int4Linear, Int8Linear, LowBitEmbedding, embedding_as_linear, set_prefill_gemm
@@ -158,7 +160,9 @@ class LinearForms:
 
     def __init__(self, model: nn.Module, kinds, extra=(), keep_float: bool = True, quantized: Quantized | None = None,
                  group_size: int = GROUP_SIZE):
+        kinds = list(kinds)
         self.slots: dict[tuple[int, str], tuple[nn.Module, str, dict]] = {}
+        self.root, self.extra, self.has_bf16 = model, tuple(extra), "bf16" in kinds
         names = module_names(model)
         wanted: dict[tuple[int, str], list[str]] = {}
         for kind in kinds:
@@ -187,6 +191,9 @@ class LinearForms:
             if module is None:
                 raise ValueError("float weights were not kept (LinearForms(keep_float=True))")
             setattr(parent, name, module)
+        if self.has_bf16 and kind in ("float", "bf16"):
+            # bf16's attention with its GEMMs; the low-bit forms' follows set_prefill_gemm, vision's vision_to
+            use_bf16_attention([self.root, *self.extra], kind == "bf16")
         self.kind = kind
 
 
@@ -260,6 +267,7 @@ def vision_to(model: nn.Module, gemm: str) -> int:
     (scripts/cpu_stages.py). A Bf16Linear under bf16 weights is quantized from its float weight."""
     found = [(parent, name, module) for parent, name, module in
              child_modules([model.vision_model, getattr(model, "mlp1", None)], (nn.Linear, Bf16Linear))]
+    use_bf16_attention([model.vision_model], gemm in ("bfloat16", "int8"))
     count = 0
     for parent, name, module in found:
         if gemm == "int8":
@@ -272,6 +280,15 @@ def vision_to(model: nn.Module, gemm: str) -> int:
         setattr(parent, name, form)
         count += 1
     return count
+
+
+def use_bf16_attention(roots, on: bool) -> None:
+    """The attention of every decoder layer and vision tile below `roots` (None skipped) on the kernels'
+    bfloat16 attention (on, where it applies: a causal prompt, a vision tile; models/) or torch's SDPA."""
+    for root in roots:
+        for m in (root.modules() if root is not None else ()):
+            if isinstance(m, (DecoderLayer, VisionAttention)):
+                m.bf16_attention = on
 
 
 def _as_linear(module: Bf16Linear) -> nn.Linear:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.decoder import DecoderLayer
 from . import lowbit_kernels
 from .bf16 import BF16_UNIT_FLAGS, cpu_has_bf16_units
 from .quantize import (
@@ -265,6 +266,9 @@ def set_prefill_gemm(modules, prefill: str = "auto") -> str:
             if isinstance(m, LowBitLinear):
                 m.prefill_int8 = prefill == "int8" and not isinstance(m, Fp16Linear)
                 m.prefill_bf16 = sixteen if isinstance(m, Fp16Linear) else prefill == "bfloat16"
+            elif isinstance(m, DecoderLayer):
+                # the prompt's attention in bfloat16 products beside its bfloat16 or int8 GEMMs (models/decoder.py)
+                m.bf16_attention = prefill in ("bfloat16", "int8")
     return prefill
 
 

@@ -804,6 +804,216 @@ int64_t vnni_block(int64_t K, int64_t G) {
   return 0;
 }
 
+// ------------------------------------------------------------------------------ bfloat16 attention
+// Attention over many rows (a vision tile's 1,025 tokens, a prompt) on a CPU with AVX-512 BF16:
+// q, k and v rounded to bfloat16, the scores q.k in float32 (vdpbf16ps: exact products, float32
+// sums), an online softmax in float32 (flash attention: per block of ATT_KEYS keys the running
+// maximum, the rescaled sum and output), the probabilities rounded to bfloat16 for p.v, float32
+// sums. Why our own: torch's CPU scaled_dot_product_attention runs its blocks through MKL's float32
+// GEMM (on AMD its AVX2 path) and its bfloat16 path was no faster here (InternViT's 1,025 x 1,025 x
+// 16 heads, Zen 4); oneDNN's bfloat16 matmul, as torch exposes it, rounds the scores to bfloat16
+// (their error then grows with their size: 0.25 at a score of 50, before the exponential), and the
+// bfloat16 -> float32 GEMM torch has inside (cpublas) is not exported.
+// Layout: K and V of each (batch, KV head) are packed once into bfloat16 pairs, K as
+// [key block][D/2][ATT_KEYS][2] (a 64-byte load: 16 keys x one pair of d) and V as
+// [key block][ATT_KEYS/2][D][2] (16 d x one pair of keys); a tile is ATT_ROWS query rows, their q
+// pairs broadcast. Masks: none, or causal with an offset (query i sees keys j <= i + offset: a prompt
+// after `offset` cached columns, all visible); key blocks wholly past a tile's last row are skipped.
+#define LITEVLM_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+constexpr int ATT_ROWS = 4;       // query rows per tile
+constexpr int ATT_KEYS = 128;     // keys per block (the scores in two halves of 4 registers of 16)
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+const bool has_avx512_bf16 = cpu_has_avx512_bf16();
+
+// float32 -> bfloat16 bits, round to nearest even (finite values), as torch rounds.
+inline uint16_t bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+// acc += a . b per float32 lane over its two bfloat16 pairs (vdpbf16ps; an asm statement for the
+// reason dpbusd is one).
+LITEVLM_BF16 inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// exp(x) for x <= 0 (Cephes' expf: 2^n e^r, r in [-ln2/2, ln2/2], a degree-5 polynomial; ~1 ulp);
+// below -87 the result is under float32's normal range and flushes towards 0.
+LITEVLM_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One (batch, KV head)'s K and V [S, D] (any strides) packed as the kernel reads them, S padded to
+// whole blocks with zeros.
+void pack_kv(const at::TensorAccessor<float, 2>& k, const at::TensorAccessor<float, 2>& v, int64_t S, int64_t D,
+             uint16_t* kp, uint16_t* vp) {
+  const int64_t blocks = (S + ATT_KEYS - 1) / ATT_KEYS;
+  std::memset(kp, 0, blocks * ATT_KEYS * D * 2);
+  std::memset(vp, 0, blocks * ATT_KEYS * D * 2);
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t b = j / ATT_KEYS, jj = j % ATT_KEYS;
+    uint16_t* kb = kp + b * ATT_KEYS * D;
+    uint16_t* vb = vp + b * ATT_KEYS * D;
+    for (int64_t d = 0; d < D; ++d) {
+      kb[((d / 2) * ATT_KEYS + jj) * 2 + d % 2] = bf16_bits(k[j][d]);
+      vb[((jj / 2) * D + d) * 2 + jj % 2] = bf16_bits(v[j][d]);
+    }
+  }
+}
+
+// The scores of ATT_ROWS query rows (their bfloat16 pairs) against one block of packed keys: sc
+// [ATT_ROWS][ATT_KEYS], 64 keys (half of a block: `half`) at a time. A function of its own so that
+// its 16 accumulators stay in registers (inside attention_tile g++ 12 kept them on the stack, a load
+// and a store around every vdpbf16ps).
+LITEVLM_BF16 __attribute__((noinline)) void qk_block(const uint32_t (*qpair)[128], const uint16_t* kb, int64_t D,
+                                                     int half, float (*sc)[ATT_KEYS]) {
+  __m512 s[ATT_ROWS][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < D / 2; ++pr) {
+    const uint16_t* kk = kb + pr * ATT_KEYS * 2 + half * 128;
+    const __m512i k0 = _mm512_loadu_si512(kk), k1 = _mm512_loadu_si512(kk + 32), k2 = _mm512_loadu_si512(kk + 64),
+                  k3 = _mm512_loadu_si512(kk + 96);
+#pragma GCC unroll 4
+    for (int r = 0; r < ATT_ROWS; ++r) {
+      const __m512i qv = _mm512_set1_epi32(static_cast<int>(qpair[r][pr]));
+      dpbf16(s[r][0], qv, k0);
+      dpbf16(s[r][1], qv, k1);
+      dpbf16(s[r][2], qv, k2);
+      dpbf16(s[r][3], qv, k3);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(&sc[r][half * 64 + c * 16], s[r][c]);
+}
+
+// o [ATT_ROWS][D] += p [ATT_ROWS][ATT_KEYS] (bfloat16) . one block of packed values, 64 d at a time.
+LITEVLM_BF16 __attribute__((noinline)) void pv_block(const uint16_t (*p16)[ATT_KEYS], const uint16_t* vb, int64_t D,
+                                                     float (*o)[256]) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[ATT_ROWS][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_load_ps(&o[r][d0 + c * 16]);
+    for (int64_t pr = 0; pr < ATT_KEYS / 2; ++pr) {
+      const uint16_t* vv = vb + (pr * D + d0) * 2;
+      const __m512i v0 = _mm512_loadu_si512(vv), v1 = _mm512_loadu_si512(vv + 32), v2 = _mm512_loadu_si512(vv + 64),
+                    v3 = _mm512_loadu_si512(vv + 96);
+#pragma GCC unroll 4
+      for (int r = 0; r < ATT_ROWS; ++r) {
+        uint32_t pp;
+        std::memcpy(&pp, &p16[r][pr * 2], 4);
+        const __m512i pv = _mm512_set1_epi32(static_cast<int>(pp));
+        dpbf16(acc[r][0], pv, v0);
+        dpbf16(acc[r][1], pv, v1);
+        dpbf16(acc[r][2], pv, v2);
+        dpbf16(acc[r][3], pv, v3);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(&o[r][d0 + c * 16], acc[r][c]);
+  }
+}
+
+// Rows q0 .. q0 + rows of one query head against its packed K/V: out [rows][D] (float32, strided).
+LITEVLM_BF16 void attention_tile(const at::TensorAccessor<float, 2>& q, int64_t q0, int rows, int64_t S, int64_t D,
+                                 const uint16_t* kp, const uint16_t* vp, float scale, int64_t offset,
+                                 at::TensorAccessor<float, 2> out) {
+  alignas(64) uint32_t qpair[ATT_ROWS][128];         // D <= 256
+  alignas(64) uint16_t p16[ATT_ROWS][ATT_KEYS];
+  alignas(64) float sc[ATT_ROWS][ATT_KEYS];
+  alignas(64) float o[ATT_ROWS][256];
+  float m[ATT_ROWS], l[ATT_ROWS];
+  for (int r = 0; r < ATT_ROWS; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    for (int64_t d = 0; d < D; ++d) o[r][d] = 0.f;
+    for (int64_t d = 0; d < D; d += 2) {
+      const int64_t qr = q0 + std::min(r, rows - 1);          // a short tile repeats its last row
+      qpair[r][d / 2] = bf16_bits(q[qr][d]) | (static_cast<uint32_t>(bf16_bits(q[qr][d + 1])) << 16);
+    }
+  }
+  const int64_t last = offset < 0 ? S : std::min(S, q0 + rows - 1 + offset + 1);   // keys the tile sees
+  const int64_t blocks = (last + ATT_KEYS - 1) / ATT_KEYS;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    qk_block(qpair, kp + b * ATT_KEYS * D, D, 0, sc);
+    qk_block(qpair, kp + b * ATT_KEYS * D, D, 1, sc);
+    // the online softmax, row by row: scaled scores, masked lanes out, the block's maximum and sum;
+    // then every row's factor for what it summed before, exp(old max - new max), in one call
+    constexpr int C = ATT_KEYS / 16;
+    alignas(64) float m_old[16], m_new[16], bsum[16];
+    for (int r = 0; r < 16; ++r) m_old[r] = m_new[r] = bsum[r] = 0.f;
+    for (int r = 0; r < ATT_ROWS; ++r) {
+      const int64_t limit = offset < 0 ? S : std::min(S, q0 + std::min(r, rows - 1) + offset + 1);
+      __mmask16 keep[C];
+      __m512 t[C];
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < C; ++c) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(b * ATT_KEYS + c * 16)));
+        keep[c] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit)));
+        t[c] = _mm512_mul_ps(_mm512_load_ps(&sc[r][c * 16]), _mm512_set1_ps(scale));
+        mx = _mm512_mask_max_ps(mx, keep[c], mx, t[c]);
+      }
+      const float bmax = _mm512_reduce_max_ps(mx);
+      if (bmax == -INFINITY) {                         // nothing visible to this row in this block
+        std::memset(p16[r], 0, sizeof(p16[r]));
+        continue;                                      // (alpha 1: exp(0))
+      }
+      const float mnew = std::max(m[r], bmax);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 pv = _mm512_maskz_mov_ps(keep[c], exp_nonpositive(_mm512_sub_ps(t[c], _mm512_set1_ps(mnew))));
+        sum = _mm512_add_ps(sum, pv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&p16[r][c * 16]), (__m256i)_mm512_cvtneps_pbh(pv));
+      }
+      bsum[r] = _mm512_reduce_add_ps(sum);
+      // a row that summed nothing yet (max -inf) rescales nothing: its factor is taken as exp(0)
+      m_old[r] = m[r] == -INFINITY ? mnew : m[r];
+      m_new[r] = m[r] = mnew;
+    }
+    alignas(64) float alpha[16];
+    _mm512_store_ps(alpha, exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_new))));
+    for (int r = 0; r < ATT_ROWS; ++r) {
+      l[r] = l[r] * alpha[r] + bsum[r];
+      if (alpha[r] != 1.f)
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_store_ps(&o[r][d], _mm512_mul_ps(_mm512_load_ps(&o[r][d]), _mm512_set1_ps(alpha[r])));
+    }
+    pv_block(p16, vp + b * ATT_KEYS * D, D, o);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) out[q0 + r][d] = o[r][d] * inv;
+  }
+}
+
 int64_t tile_rows(int64_t K, int64_t tile_bytes) {
   return std::max<int64_t>(16, (tile_bytes / (K * 4)) / 16 * 16);
 }
@@ -902,6 +1112,42 @@ at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t g
   return y;
 }
 
+// q [B, Hq, N, D], k, v [B, Hkv, S, D] float32 (any strides; Hq a multiple of Hkv: query head h reads
+// KV head h / (Hq / Hkv)) -> [B, Hq, N, D]: softmax(q k^T scale) v in bfloat16 products (above).
+// causal_offset < 0: no mask; else query i sees keys j <= i + causal_offset.
+at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                          int64_t causal_offset) {
+  TORCH_CHECK(has_avx512_bf16, "attention_bf16: needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attention_bf16: q, k, v float32 [B, H, N, D]");
+  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+              v.size(3) == D && Hq % Hkv == 0, "attention_bf16: shapes ", q.sizes(), k.sizes(), v.sizes());
+  TORCH_CHECK(D % 64 == 0 && D <= 256, "attention_bf16: head size ", D, " (a multiple of 64, at most 256)");
+  const int64_t blocks = (S + ATT_KEYS - 1) / ATT_KEYS, packed = blocks * ATT_KEYS * D;
+  std::vector<uint16_t> kp(B * Hkv * packed), vp(B * Hkv * packed);
+  const auto qa = q.accessor<float, 4>();
+  const auto ka = k.accessor<float, 4>();
+  const auto va = v.accessor<float, 4>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      pack_kv(ka[i / Hkv][i % Hkv], va[i / Hkv][i % Hkv], S, D, kp.data() + i * packed, vp.data() + i * packed);
+  });
+  at::Tensor out = at::empty({B, Hq, N, D}, q.options());
+  auto oa = out.accessor<float, 4>();
+  const int64_t tiles = (N + ATT_ROWS - 1) / ATT_ROWS, group = Hq / Hkv;
+  at::parallel_for(0, B * Hq * tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (Hq * tiles), h = (t / tiles) % Hq, q0 = (t % tiles) * ATT_ROWS;
+      const int64_t kv = b * Hkv + h / group;
+      attention_tile(qa[b][h], q0, static_cast<int>(std::min<int64_t>(ATT_ROWS, N - q0)), S, D, kp.data() + kv * packed,
+                     vp.data() + kv * packed, static_cast<float>(scale), causal_offset, oa[b][h]);
+    }
+  });
+  return out;
+}
+
 // The activation quantization the kernels apply (block 64: int4's, 32: int8's), in natural k order
 // (for the tests' error bounds): (codes int8 [M, K], block scales float32 [M, K/block]).
 std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x_, const c10::optional<at::Tensor>& pqs,
@@ -933,6 +1179,8 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("quantize_activations(Tensor x, Tensor? pre_quant_scale, int block) -> Tensor[]");
   m.def("use_avx512(bool enable) -> bool", &use_avx512);
   m.def("has_avx512_vnni() -> bool", [] { return has_avx512_vnni; });
+  m.def("has_avx512_bf16() -> bool", [] { return has_avx512_bf16; });
+  m.def("attention_bf16(Tensor q, Tensor k, Tensor v, float scale, int causal_offset) -> Tensor");
   m.def("use_row_pool(bool enable) -> bool", [](bool enable) { return row_pool_on.exchange(enable); });
   m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
     TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
@@ -945,4 +1193,5 @@ TORCH_LIBRARY_IMPL(litevlm_lowbit, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("fp16_linear", &fp16_linear);
   m.impl("quantize_activations", &quantize_activations_op);
+  m.impl("attention_bf16", &attention_bf16);
 }
