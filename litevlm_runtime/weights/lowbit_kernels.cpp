@@ -880,6 +880,22 @@ void pack_kv(const at::TensorAccessor<float, 2>& k, const at::TensorAccessor<flo
   }
 }
 
+// acc[r][c] += pairs[r] . the c-th of the 4 registers at p, for every row r: one bfloat16 pair of each
+// row broadcast against 4 x 16 lanes of packed pairs (keys for the scores, d for p.v).
+LITEVLM_BF16 __attribute__((always_inline)) inline void dp_rows(__m512 (&acc)[ATT_ROWS][4],
+                                                                const uint32_t (&pairs)[ATT_ROWS], const uint16_t* p) {
+  const __m512i b0 = _mm512_loadu_si512(p), b1 = _mm512_loadu_si512(p + 32), b2 = _mm512_loadu_si512(p + 64),
+                b3 = _mm512_loadu_si512(p + 96);
+#pragma GCC unroll 4
+  for (int r = 0; r < ATT_ROWS; ++r) {
+    const __m512i a = _mm512_set1_epi32(static_cast<int>(pairs[r]));
+    dpbf16(acc[r][0], a, b0);
+    dpbf16(acc[r][1], a, b1);
+    dpbf16(acc[r][2], a, b2);
+    dpbf16(acc[r][3], a, b3);
+  }
+}
+
 // The scores of ATT_ROWS query rows (their bfloat16 pairs) against one block of packed keys: sc
 // [ATT_ROWS][ATT_KEYS], 64 keys (half of a block: `half`) at a time. A function of its own so that
 // its 16 accumulators stay in registers (inside attention_tile g++ 12 kept them on the stack, a load
@@ -892,17 +908,9 @@ LITEVLM_BF16 __attribute__((noinline)) void qk_block(const uint32_t (*qpair)[128
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
   for (int64_t pr = 0; pr < D / 2; ++pr) {
-    const uint16_t* kk = kb + pr * ATT_KEYS * 2 + half * 128;
-    const __m512i k0 = _mm512_loadu_si512(kk), k1 = _mm512_loadu_si512(kk + 32), k2 = _mm512_loadu_si512(kk + 64),
-                  k3 = _mm512_loadu_si512(kk + 96);
-#pragma GCC unroll 4
-    for (int r = 0; r < ATT_ROWS; ++r) {
-      const __m512i qv = _mm512_set1_epi32(static_cast<int>(qpair[r][pr]));
-      dpbf16(s[r][0], qv, k0);
-      dpbf16(s[r][1], qv, k1);
-      dpbf16(s[r][2], qv, k2);
-      dpbf16(s[r][3], qv, k3);
-    }
+    uint32_t pairs[ATT_ROWS];
+    for (int r = 0; r < ATT_ROWS; ++r) pairs[r] = qpair[r][pr];
+    dp_rows(s, pairs, kb + pr * ATT_KEYS * 2 + half * 128);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < ATT_ROWS; ++r)
@@ -920,19 +928,9 @@ LITEVLM_BF16 __attribute__((noinline)) void pv_block(const uint16_t (*p16)[ATT_K
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_load_ps(&o[r][d0 + c * 16]);
     for (int64_t pr = 0; pr < ATT_KEYS / 2; ++pr) {
-      const uint16_t* vv = vb + (pr * D + d0) * 2;
-      const __m512i v0 = _mm512_loadu_si512(vv), v1 = _mm512_loadu_si512(vv + 32), v2 = _mm512_loadu_si512(vv + 64),
-                    v3 = _mm512_loadu_si512(vv + 96);
-#pragma GCC unroll 4
-      for (int r = 0; r < ATT_ROWS; ++r) {
-        uint32_t pp;
-        std::memcpy(&pp, &p16[r][pr * 2], 4);
-        const __m512i pv = _mm512_set1_epi32(static_cast<int>(pp));
-        dpbf16(acc[r][0], pv, v0);
-        dpbf16(acc[r][1], pv, v1);
-        dpbf16(acc[r][2], pv, v2);
-        dpbf16(acc[r][3], pv, v3);
-      }
+      uint32_t pairs[ATT_ROWS];
+      for (int r = 0; r < ATT_ROWS; ++r) std::memcpy(&pairs[r], &p16[r][pr * 2], 4);
+      dp_rows(acc, pairs, vb + (pr * D + d0) * 2);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < ATT_ROWS; ++r)
