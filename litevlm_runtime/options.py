@@ -215,9 +215,20 @@ class Backend(_Validated):
         "auto",
         "GEMM of the int4/int8/fp16 weight forms' calls of many rows (prefill, vision-free stages): float32 (each "
         "weight tile dequantized to float32, the float32 GEMM) | bfloat16 (tiles and input rounded to bfloat16, the "
-        "bfloat16 GEMM: the numerics of backend.weights bf16) | auto (bfloat16 where the CPU has bfloat16 units, "
-        "avx512_bf16 or amx_bf16; float32 elsewhere): weights/lowbit.py",
-        choices=("auto", "float32", "bfloat16"),
+        "bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (int4/int8: the input quantized to int8 per "
+        "block of 128, integer products on AVX-512 VNNI; fp16 takes bfloat16) | auto (int8 where the CPU has AVX-512 "
+        "VNNI, else bfloat16 where it has bfloat16 units, avx512_bf16 or amx_bf16, else float32): weights/lowbit.py",
+        choices=("auto", "float32", "bfloat16", "int8"),
+    )
+    vision_gemm: str = setting(
+        "auto",
+        "GEMM of the vision encoder's and projector's linears on the CPU: float32 | bfloat16 (input rounded to "
+        "bfloat16, the bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (weights quantized per channel "
+        "to int8 at load, the input per block of 128, integer products on AVX-512 VNNI) | auto (bfloat16 where the "
+        "CPU has bfloat16 units and backend.weights is a low-bit form, whose prompt already runs reduced-precision "
+        "GEMMs; float32 otherwise: a float pipeline stays float32, backend.weights bf16 covers vision itself): "
+        "weights/linear_forms.py",
+        choices=("auto", "float32", "bfloat16", "int8"),
     )
     quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "
                                  "--out`; '': <model folder>/quantized-int4)")
@@ -333,6 +344,14 @@ class PipelineOptions(_Validated):
         if self.backend.compress != "none" and self.backend.name != BackendName.OPENVINO:
             raise InputError(f"backend.compress {self.backend.compress}: NNCF compresses the weights OpenVINO runs "
                              f"(backend.name openvino); backend.name is {self.backend.name.value}")
+        if self.backend.vision_gemm in ("bfloat16", "int8") and (
+                self.dtype != "float32" or str(self.device).startswith("cuda")
+                or self.backend.name not in (BackendName.TORCH, BackendName.TORCH_COMPILE)):
+            raise InputError(
+                f"backend.vision_gemm {self.backend.vision_gemm} runs the vision encoder's GEMMs of a float32 "
+                f"pipeline on the CPU's bfloat16 / VNNI units (PyTorch engines); with dtype {self.dtype} on "
+                f"{self.device}, backend.name {self.backend.name.value}, leave it auto"
+            )
         if self.backend.weights == "bf16":
             if self.dtype != "float32" or str(self.device).startswith("cuda"):
                 raise InputError(

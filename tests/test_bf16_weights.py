@@ -18,8 +18,10 @@ from torch import nn
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.pipeline.pipeline import Pipeline
+from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import BF16_MIN_ROWS, WIDEN_MAX_BYTES, Bf16Linear
 from litevlm_runtime.weights.linear_forms import LinearForms, child_linears, weight_bytes
+from litevlm_runtime.weights.lowbit import Int8Linear
 
 
 @torch.inference_mode()
@@ -147,3 +149,70 @@ def test_bf16_units_read_from_cpuinfo(tmp_path):
     assert cpu_has_bf16_units(str(amd)) is False
     assert cpu_has_bf16_units(str(sapphire)) is True
     assert cpu_has_bf16_units(str(tmp_path / "absent")) is None
+
+
+def test_vision_gemm_auto_is_bfloat16_with_low_bit_weights_on_bfloat16_units():
+    """backend.vision_gemm auto: bfloat16 beside a low-bit decoder form (its prompt already runs bfloat16 or
+    int8 GEMMs) where the CPU has bfloat16 units; a float pipeline stays float32; bf16 weights cover vision."""
+    from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
+    from litevlm_runtime.weights.linear_forms import resolve_vision_gemm
+
+    units = bool(cpu_has_bf16_units())
+    f32 = torch.float32
+    assert resolve_vision_gemm("auto", "float", "cpu", f32) == "float32"
+    for weights in ("int8", "int4", "int4-rtn", "fp16"):
+        assert resolve_vision_gemm("auto", weights, "cpu", f32) == ("bfloat16" if units else "float32")
+    assert resolve_vision_gemm("auto", "bf16", "cpu", f32) == "bfloat16"
+    assert resolve_vision_gemm("bfloat16", "float", "cpu", f32) == "bfloat16"
+    assert resolve_vision_gemm("float32", "int4", "cpu", f32) == "float32"
+    assert resolve_vision_gemm("auto", "int4", "cpu", torch.bfloat16) == "float32"     # a 16-bit pipeline
+    vnni = lowbit_kernels.has_vnni()
+    assert resolve_vision_gemm("int8", "float", "cpu", f32) == ("int8" if vnni else "bfloat16" if units else "float32")
+    assert resolve_vision_gemm("int8", "bf16", "cpu", f32) == ("int8" if vnni else "bfloat16")
+    with pytest.raises(InputError, match="backend.vision_gemm bfloat16"):
+        options(backend__vision_gemm="bfloat16", dtype="bfloat16")
+    with pytest.raises(InputError, match="backend.vision_gemm bfloat16"):
+        options(backend__vision_gemm="bfloat16", backend__name="onnxruntime")
+    with pytest.raises(InputError, match="backend.vision_gemm int8"):
+        options(backend__vision_gemm="int8", device="cuda")
+
+
+@torch.inference_mode()
+def test_vision_gemm_bfloat16_converts_the_vision_linears_only(bundled_float):
+    """backend.vision_gemm bfloat16 in a float pipeline: the vision encoder's and projector's linears
+    become Bf16Linear, the decoder's stay float; the visual tokens within bfloat16's rounding of the
+    float32 ones (2e-2 of the largest value over the tower's layers, as a bf16 prefill)."""
+    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options(max_new_tokens=8, backend__vision_gemm="bfloat16"))
+    rt = pipe.rt
+    assert rt.vision_gemm == "bfloat16"
+    for part in (rt.model.vision_model, rt.model.mlp1):
+        assert child_linears([part]) == [] and any(isinstance(m, Bf16Linear) for m in part.modules())
+    assert not any(isinstance(m, Bf16Linear) for m in rt.lm.modules())
+    pixels = torch.randn(rt.arena.pixels[:2].shape, generator=torch.Generator().manual_seed(5))
+    ref = bundled_float.rt.engines.vision.run(pixels)
+    got = rt.engines.vision.run(pixels)
+    assert not torch.equal(got, ref)
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 2e-2
+    assert bundled_float.rt.vision_gemm == "float32"
+
+
+@pytest.mark.skipif(not lowbit_kernels.has_vnni(), reason="no AVX-512 VNNI here: vision_gemm int8 falls back")
+@torch.inference_mode()
+def test_vision_gemm_int8_quantizes_the_vision_linears_per_channel(bundled_float):
+    """backend.vision_gemm int8: the vision encoder's and projector's linears as per-channel Int8Linear on the
+    int8 GEMM (int8 activations per block of 128); the visual tokens within 5e-2 of the largest float32 value
+    (measured 1.0e-2 on the bundled model's tower, bfloat16's 0.4e-2); each linear's own bounds are
+    tests/test_lowbit_weights.py's."""
+    pipe = Pipeline.from_pretrained(DEFAULT_MODEL, options(max_new_tokens=8, backend__vision_gemm="int8"))
+    rt = pipe.rt
+    assert rt.vision_gemm == "int8"
+    for part in (rt.model.vision_model, rt.model.mlp1):
+        forms = [m for m in part.modules() if isinstance(m, Int8Linear)]
+        assert child_linears([part]) == [] and forms and all(m.prefill_int8 for m in forms)
+    pixels = torch.randn(rt.arena.pixels[:2].shape, generator=torch.Generator().manual_seed(5))
+    ref = bundled_float.rt.engines.vision.run(pixels)
+    got = rt.engines.vision.run(pixels)
+    assert not torch.equal(got, ref)
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 5e-2
+    ans = pipe.answer(random_frames(0), "What is in front of the ego car?")
+    assert 1 <= len(ans.token_ids) <= 8

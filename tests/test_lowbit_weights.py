@@ -16,6 +16,9 @@ Tolerances (stated in weights/lowbit.py):
     x_b and W_b = dequant(W) rounded to bfloat16 (as torch rounds), within 2^-8 of each |output| (its
     one bfloat16 rounding) + 1e-5 of the largest (float32 accumulation).
   - the int4 small-call kernel's AVX-512 VNNI loop and its AVX2 loop: each within the bounds above.
+  - large calls through the int8 GEMM (backend.lowbit_prefill int8, a CPU with AVX-512 VNNI): the
+    small calls' bounds with the activations rounded per block of 128 (64 where the int4 group or K
+    asks), in the int4 kernels' even-then-odd order within a block (the same codes).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 from litevlm_runtime.errors import CheckpointError, InputError
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.weights import lowbit_kernels
+from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
 from litevlm_runtime.weights.linear_forms import LinearForms, decoder_linears
 from litevlm_runtime.weights.lowbit import (
     GEMV_MAX_ROWS,
@@ -144,16 +148,16 @@ def check_small_call(y, x, deq, pqs=None, block=32):
 
 
 @needs_kernels
-@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize("block", [32, 64, 128])
 def test_activation_rounding_is_reproduced_exactly(block):
     g = torch.Generator().manual_seed(block)
-    x = torch.randn(3, 192, generator=g) * torch.linspace(0.1, 5, 192)
+    x = torch.randn(3, 384, generator=g) * torch.linspace(0.1, 5, 384)
     x[1, :block] = 0.0                                                      # an all-zero block
-    pqs = torch.rand(192, generator=g) + 0.5
+    pqs = torch.rand(384, generator=g) + 0.5
     xq, dx = ops.quantize_activations(x, pqs, block)
     q, d = activation_rounding(x, pqs, block)
     assert torch.equal(xq.float(), q) and torch.equal(dx, d)
-    assert bool(((x * pqs - (xq.float().view(3, -1, block) * dx[..., None]).view(3, 192)).abs()
+    assert bool(((x * pqs - (xq.float().view(3, -1, block) * dx[..., None]).view(3, 384)).abs()
                  <= dx.repeat_interleave(block, 1) / 2 * (1 + 1e-6)).all())
 
 
@@ -225,9 +229,89 @@ def test_prefill_gemm_setting_reaches_every_low_bit_form():
     assert set_prefill_gemm([model, None], "bfloat16") == "bfloat16"
     assert model[0].prefill_bf16 and model[2].prefill_bf16
     assert set_prefill_gemm([model], "float32") == "float32" and not model[0].prefill_bf16
-    assert set_prefill_gemm([model], "auto") in ("float32", "bfloat16")
+    assert set_prefill_gemm([model], "auto") in ("float32", "bfloat16", "int8")
     with pytest.raises(ValueError, match="lowbit_prefill 'fp8'"):
         set_prefill_gemm([model], "fp8")
+    chosen = set_prefill_gemm([model], "int8")
+    if lowbit_kernels.has_vnni():
+        # int8 for the int8/int4 forms; the fp16 form's weights stay 16-bit: bfloat16 where the units are
+        assert chosen == "int8" and model[0].prefill_int8 and not model[0].prefill_bf16
+        assert not model[2].prefill_int8 and model[2].prefill_bf16 == bool(cpu_has_bf16_units())
+        assert set_prefill_gemm([model], "auto") == "int8"
+    else:                                                   # no VNNI: the next GEMM, said in a warning
+        assert chosen in ("bfloat16", "float32") and not model[0].prefill_int8
+    assert set_prefill_gemm([model], "bfloat16") == "bfloat16" and not model[0].prefill_int8
+
+
+needs_vnni = pytest.mark.skipif(not lowbit_kernels.has_vnni(), reason="no AVX-512 VNNI here: the int8 prefill GEMM "
+                                                                      "does not run (lowbit_prefill falls back)")
+
+
+def int8_gemm_rounding(x: torch.Tensor, block: int, int4_order: bool):
+    """x_hat of the int8 GEMM: the kernels' rounding per block, computed in their k order (int4: each
+    block's even elements, then its odd ones) and put back in natural order: the same codes."""
+    if not int4_order:
+        return activation_rounding(x, None, block)
+    m, k = x.shape
+    order = torch.cat([torch.arange(0, block, 2), torch.arange(1, block, 2)])
+    perm = (torch.arange(0, k, block)[:, None] + order).reshape(-1)
+    q, d = activation_rounding(x[:, perm], None, block)
+    back = torch.empty_like(q)
+    back[:, perm] = q
+    return back, d
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,n,k,group", [(GEMV_MAX_ROWS + 1, 203, 384, 128), (33, 37, 256, 64),
+                                            (70, 131, 1536, 128), (100, 6, 640, 128)])
+def test_int8_prefill_gemm_matches_float64(rows, n, k, group):
+    """Large calls with prefill_int8: float64 x_hat @ dequant(W).T within 1e-5 of the largest output, and
+    the float-activation product within the rounding bound, for int4 (AWQ scales, a group of 64 where
+    given) and int8; row counts that are not a multiple of the GEMM's 32-row tiles, weight rows that are
+    not a multiple of its 6-row panels."""
+    w, x = weights(n, k, seed=rows + n), torch.randn(rows, k) * torch.linspace(0.2, 4, k)
+    pqs = torch.rand(k) + 0.5
+    q4 = quantize_int4(w, group, pre_quant_scale=pqs)
+    y4 = ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, q4.pre_quant_scale, group, GEMV_MAX_ROWS, 1 << 16,
+                         False, True)
+    block = 128 if group % 128 == 0 and k % 128 == 0 else 64
+    q, d = int8_gemm_rounding(x * pqs, block, int4_order=True)
+    check_rounded_product(y4, x * pqs, q, d, block, dequantize_int4(q4, torch.float64))
+    q8 = quantize_int8(w)
+    y8 = ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 16, False, True)
+    block = 128 if k % 128 == 0 else 64
+    q, d = int8_gemm_rounding(x, block, int4_order=False)
+    check_rounded_product(y8, x, q, d, block, dequantize_int8(q8, torch.float64))
+    assert not torch.equal(y8, ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 16))   # the GEMM ran
+
+
+def check_rounded_product(y, xs, q, d, block, deq):
+    """y against float64 x_hat @ deq.T (1e-5 of the largest) and the float-activation product (the bound)."""
+    x_hat = (q.double().view(xs.shape[0], -1, block) * d.double()[..., None]).view_as(xs)
+    ref = x_hat @ deq.T
+    scale = float(ref.abs().max())
+    assert float((y.double() - ref).abs().max()) <= 1e-5 * scale
+    exact = xs.double() @ deq.T
+    bound = (deq.abs() @ (d.double().repeat_interleave(block, 1) / 2).T).T + 1e-5 * scale
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
+@needs_vnni
+def test_int8_prefill_gemm_gives_the_one_thread_result_on_more_threads():
+    """Every output of the int8 GEMM is summed by one thread in one order, whatever the thread count."""
+    w, x = weights(301, 1536, seed=3), torch.randn(200, 1536)
+    q4, q8 = quantize_int4(w, 128), quantize_int8(w)
+    calls = [lambda: ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 128, GEMV_MAX_ROWS, 1 << 20, False, True),
+             lambda: ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20, False, True)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [call() for call in calls]
+        torch.set_num_threads(3)
+        three = [call() for call in calls]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
 
 
 @needs_kernels

@@ -20,6 +20,7 @@ A decode step is one row through every layer: its floor is the weight bytes over
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -113,6 +114,20 @@ def _linear_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 
 
 register_flop_formula(torch.ops.aten._weight_int8pack_mm)(_linear_flops)
+
+
+@register_flop_formula(torch.ops.mkldnn._linear_pointwise)
+def _onednn_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """oneDNN's linear (backend.gemm onednn, weights/gemm.py): x [..., K] @ W [N, K].T; torch counts none."""
+    return 2 * math.prod(x_shape) * w_shape[0]
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+def _cpu_attention_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """The CPU flash kernel SDPA runs (torch counts only the CUDA kernels'): q [B, H, N, D] over k, v
+    [B, Hkv, S, D], every column it is given (a mask is applied after the products)."""
+    b, h, n, d = q_shape
+    return 2 * b * h * n * k_shape[-2] * (d + v_shape[-1])
 _lowbit_flops_registered = False
 
 

@@ -294,7 +294,7 @@ def run(args) -> int:
           f"device {options.device} {options.dtype}  pipeline {pipe.rt.options.label()}  backend "
           f"{pipe.rt.engines.backend}  weights {options.backend.weights}"
           + (f" (prompt GEMM {pipe.rt.weights.prefill})" if pipe.rt.weights and pipe.rt.weights.prefill else "")
-          + f"  float32 GEMM {pipe.rt.gemm}\n")
+          + f"  float32 GEMM {pipe.rt.gemm}  vision GEMM {pipe.rt.vision_gemm}\n")
     print(table(["stage", "median ms", "p90 ms"], rows))
     rt = pipe.rt
     seconds = getattr(rt.engines.decoder, "compile_seconds", None)

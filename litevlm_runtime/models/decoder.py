@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..weights import lowbit_kernels
 from .config import LLMConfig
 from .kv_cache import read as read_kv
 from .rope import RotaryTable, apply_rope  # the rest of the code imports them from here
@@ -103,11 +104,28 @@ def in_chunks(mask_new: torch.Tensor) -> bool:
     return not any(bool(mask_new[s:s + c, s + c:].any()) for s in range(0, t - c, c))
 
 
-def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunks: bool | None = None) -> torch.Tensor:
+def causal_prompt(mask_new: torch.Tensor, mask_cache) -> bool:
+    """Whether a call's rows are a prompt the bfloat16 attention kernel takes (`attend`'s bf16): more than
+    CAUSAL_CHUNK_ROWS rows, exactly causal among themselves (mask_new the lower triangle), every cached
+    column visible to every row, eager on the CPU. Reads the masks once (run_layers decides per forward)."""
+    t = mask_new.shape[0]
+    if (mask_new.device.type != "cpu" or t <= CAUSAL_CHUNK_ROWS or in_graph() or isinstance(mask_cache, list)
+            or mask_new.dim() != 2 or mask_new.shape[1] != t):
+        return False
+    if mask_cache is not None and not bool(mask_cache.all()):
+        return False
+    return bool(torch.equal(mask_new, torch.ones_like(mask_new).tril()))
+
+
+def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunks: bool | None = None,
+           bf16: bool = False) -> torch.Tensor:
     """q [T, Hq, D] over this call's rows k, v [T, Hkv, D] (mask_new [T, T]) and, when given, this
     layer's old cache [Hkv, L, D] (mask_cache [T, L]): one softmax over both. Returns [T, Hq*D].
     A row must be allowed at least one column (its own, in every caller). `chunks`: in_chunks(mask_new),
-    when the caller has it (None: decided here).
+    when the caller has it (None: decided here). `bf16`: the caller found the rows a causal prompt over a
+    cache they see whole (causal_prompt) in a layer whose many-row GEMMs run bfloat16 or int8: the
+    kernels' bfloat16 attention (weights/lowbit_kernels.cpp: q, k, v rounded to bfloat16 as a bfloat16
+    model holds them, float32 scores, softmax and sums; key blocks past a row's own never computed).
 
     Two kernels for the same attention: eager PyTorch (and CUDA-graph capture) call the fused
     scaled_dot_product_attention over [old cache | new rows] (measured 1.4x faster than the
@@ -131,6 +149,9 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunk
         allowed = torch.cat([mask_cache, mask_new], -1)
     queries = q.transpose(0, 1)[None]                                           # [1, Hq, T, D]
     t = q.shape[0]
+    if bf16 and q.dtype == torch.float32 and lowbit_kernels.takes_attention(q.shape[-1]):
+        old = allowed.shape[-1] - t
+        return lowbit_kernels.attention_bf16(queries, keys[None], values[None], old)[0].transpose(0, 1).reshape(t, -1)
     if allowed.dim() == 2 and (in_chunks(mask_new) if chunks is None else chunks):
         # A prompt's rows see only earlier rows: CAUSAL_CHUNK_ROWS rows at a time, each over the
         # old cache and the new rows up to its own last, so the columns every row of a chunk has
@@ -214,6 +235,7 @@ class DecoderLayer(nn.Module):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    bf16_attention = False      # a causal prompt's attention on the bfloat16 kernel (set with the prompt's GEMM)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]"""
@@ -224,13 +246,17 @@ class DecoderLayer(nn.Module):
         q, k, _ = self.qkv(self.attn_norm(x))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def forward(self, x, cos, sin, mask_new, k_cache=None, v_cache=None, mask_cache=None, probe=None, chunks=None):
-        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]). `chunks`: see `attend`."""
+    def forward(self, x, cos, sin, mask_new, k_cache=None, v_cache=None, mask_cache=None, probe=None, chunks=None,
+                prompt=False):
+        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]). `chunks`: see `attend`; `prompt`:
+        causal_prompt(mask_new, mask_cache), when the caller has it (attend's bf16 where this layer's
+        bf16_attention is set)."""
         q, k, v = self.qkv(self.attn_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if probe is not None:
             probe(q, k)                                     # the token selector's teacher reads q, k here
-        x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, chunks))
+        x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, chunks,
+                                     prompt and self.bf16_attention))
         h = self.ffn_norm(x)
         gate, up, down = self.mlp_gate_up_down()
         return x + down(F.silu(gate(h)) * up(h)), k.transpose(0, 1), v.transpose(0, 1)
@@ -257,13 +283,15 @@ class CausalLM(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         layers = layers if layers is not None else range(len(self.layers))
         chunks = in_chunks(mask_new)                        # the same mask in every layer: decided once
+        prompt = any(self.layers[i].bf16_attention for i in layers) and causal_prompt(mask_new, mask_cache)
         ks, vs = [], []
         for i in layers:
             layer_mask = mask_cache[i] if isinstance(mask_cache, list) else mask_cache
             layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
             x, k, v = self.layers[i](x, cos, sin, mask_new,
                                      None if k_cache is None else k_cache[i],
-                                     None if v_cache is None else v_cache[i], layer_mask, layer_probe, chunks)
+                                     None if v_cache is None else v_cache[i], layer_mask, layer_probe, chunks,
+                                     prompt)
             ks.append(k)
             vs.append(v)
         return x, torch.stack(ks), torch.stack(vs)

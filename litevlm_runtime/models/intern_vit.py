@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..weights import lowbit_kernels
 from .config import VisionConfig
+from .decoder import in_graph
 
 
 class VisionEmbeddings(nn.Module):
@@ -42,7 +44,22 @@ class VisionEmbeddings(nn.Module):
         return x + (pos_embed if pos_embed is not None else self.position_embedding_for(h, w))
 
 
+def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """q, k, v [B, H, N, D] -> [B, H, N, D]: every token of a tile over every token of it (no mask).
+    `bf16` (a vision tower whose GEMMs run in bfloat16 or int8, backend.vision_gemm), eager, float32 on
+    a CPU with AVX-512 BF16: the kernels' bfloat16 attention (weights/lowbit_kernels.cpp: bfloat16 products,
+    float32 scores, softmax and sums; 1.8x torch's CPU SDPA at InternViT's 1,025 tokens x 16 heads on Zen
+    4, whose float32 path runs MKL's AVX2 GEMM there). Otherwise torch's scaled_dot_product_attention."""
+    if (bf16 and q.dtype == torch.float32 and q.device.type == "cpu" and not in_graph()
+            and lowbit_kernels.takes_attention(q.shape[-1])
+            and not (torch.is_grad_enabled() and q.requires_grad)):
+        return lowbit_kernels.attention_bf16(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 class VisionAttention(nn.Module):
+    bf16_attention = False          # tile_attention's bfloat16 kernel (set with the vision GEMMs' form)
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -53,7 +70,7 @@ class VisionAttention(nn.Module):
         """x [B, N, C] -> [B, N, C]"""
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v)          # [B, H, N, D]
+        out = tile_attention(q, k, v, self.bf16_attention)     # [B, H, N, D]
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 

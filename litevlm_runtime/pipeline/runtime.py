@@ -38,7 +38,7 @@ from ..stages.view_selector import LoadedViewSelector, load_view_selector
 from ..weights.checkpoint import load_model, read_config
 from ..weights.draft_head import load_draft_head
 from ..weights.gemm import resolve_gemm, use_onednn
-from ..weights.linear_forms import LinearForms, convert_linears
+from ..weights.linear_forms import LinearForms, convert_linears, resolve_vision_gemm, vision_to
 from ..weights.tokenizer import Tokenizer
 from .arena import Arena, Limits
 from .conversation import Conversations
@@ -144,6 +144,7 @@ class Runtime:
     conversations: Conversations | None = None   # answered turns kept for follow-up questions
     prefix: PromptPrefix | None = None         # the KV of the prompt prefix every query shares, or None
     gemm: str = "torch"               # the float32 GEMM kernel its linears run: torch | onednn (weights/gemm.py)
+    vision_gemm: str = "float32"      # the vision encoder's GEMM: float32 | bfloat16 | int8 (weights/linear_forms.py)
     _regions: dict[int, KVRegion] = field(default_factory=dict, repr=False)
     _regions_of: object = field(default=None, repr=False)      # the decoder engine they were made for
 
@@ -215,6 +216,9 @@ class Runtime:
             rt.weights = convert_linears(model, options.backend.weights, extra=(rt.token_selector, rt.draft),
                                          quantized=options.backend.quantized, model_dir=model_dir,
                                          prefill=options.backend.lowbit_prefill)
+        rt.vision_gemm = resolve_vision_gemm(options.backend.vision_gemm, options.backend.weights, device, dtype)
+        if rt.vision_gemm != "float32":
+            vision_to(model, rt.vision_gemm)            # (bf16 weights converted vision to bfloat16 already)
         rt.gemm = resolve_gemm(options.backend.gemm, device, dtype)
         if rt.gemm == "onednn":                         # the linears no weight form took (weights/gemm.py)
             use_onednn([model, rt.token_selector, rt.draft])

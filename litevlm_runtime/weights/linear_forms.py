@@ -20,9 +20,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..errors import CheckpointError, InputError
+from ..models.decoder import DecoderLayer
+from ..models.intern_vit import VisionAttention
+from . import lowbit_kernels
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
 from .lowbit import (
     Fp16Linear,
@@ -44,13 +48,18 @@ log = logging.getLogger("litevlm.weights")
 
 def child_linears(roots) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, nn.Linear) of every nn.Linear below `roots` (None entries skipped)."""
+    return child_modules(roots, nn.Linear)
+
+
+def child_modules(roots, kinds) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of every module of the classes `kinds` below `roots` (None skipped)."""
     found = []
     for root in roots:
         if root is None:
             continue
         for parent in root.modules():
             for name, child in parent.named_children():
-                if isinstance(child, nn.Linear):
+                if isinstance(child, kinds):
                     found.append((parent, name, child))
     return found
 
@@ -160,7 +169,9 @@ class LinearForms:
 
     def __init__(self, model: nn.Module, kinds, extra=(), keep_float: bool = True, quantized: Quantized | None = None,
                  group_size: int = GROUP_SIZE):
+        kinds = list(kinds)
         self.slots: dict[tuple[int, str], tuple[nn.Module, str, dict]] = {}
+        self.root, self.extra, self.has_bf16 = model, tuple(extra), "bf16" in kinds
         names = module_names(model)
         wanted: dict[tuple[int, str], list[str]] = {}
         for kind in kinds:
@@ -190,6 +201,9 @@ class LinearForms:
             if module is None:
                 raise ValueError("float weights were not kept (LinearForms(keep_float=True))")
             setattr(parent, name, module)
+        if self.has_bf16 and kind in ("float", "bf16"):
+            # bf16's attention with its GEMMs; the low-bit forms' follows set_prefill_gemm, vision's vision_to
+            use_bf16_attention([self.root, *self.extra], kind == "bf16")
         self.kind = kind
 
 
@@ -206,7 +220,7 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
                     model_dir: str | Path | None = None, prefill: str = "auto") -> LinearForms:
     """Replace the linears `kind` names by their `kind` form, in place, at load. `quantized`: the
     folder of stored weights (`int4`); `prefill`: the low-bit forms' many-row GEMM
-    (backend.lowbit_prefill: auto | float32 | bfloat16)."""
+    (backend.lowbit_prefill: auto | float32 | bfloat16 | int8)."""
     if kind == "bf16" and cpu_has_bf16_units() is False:
         log.warning("backend.weights bf16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
                     "emulates them, several times slower than float32 here; use backend.weights float",
@@ -224,6 +238,75 @@ def convert_linears(model: nn.Module, kind: str, extra=(), quantized: str | Path
     forms.prefill = set_prefill_gemm([model, *extra], prefill) if kind in DECODER_KINDS else None
     forms.kernels = path_in_words(runs_kernels(model)) if kind in DECODER_KINDS else ""
     return forms
+
+
+VISION_GEMMS = ("auto", "float32", "bfloat16", "int8")
+
+
+def resolve_vision_gemm(setting: str, weights: str, device, dtype) -> str:
+    """`float32`, `bfloat16` or `int8`: the GEMM the vision encoder and projector run (backend.vision_gemm).
+    auto: bfloat16 with a low-bit decoder form (int8, int4, fp16: its prompt already runs bfloat16 or
+    int8 GEMMs, `backend.lowbit_prefill`) on a CPU with bfloat16 units; float32 for a float pipeline,
+    whose numbers stay those of float32 unless asked. backend.weights bf16 converts vision itself.
+    int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (else bfloat16 or float32, with a warning)."""
+    if setting not in VISION_GEMMS:
+        raise ValueError(f"backend.vision_gemm {setting!r}: one of {', '.join(VISION_GEMMS)}")
+    if weights == "bf16" and setting != "int8":
+        return "bfloat16"
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "float32"
+    units = cpu_has_bf16_units()
+    if setting == "auto":
+        return "bfloat16" if weights in DECODER_KINDS and units else "float32"
+    if setting == "int8" and not lowbit_kernels.has_vnni():
+        fallback = "bfloat16" if units else "float32"
+        log.warning("backend.vision_gemm int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (avx512_vnni in "
+                    "/proc/cpuinfo): %s instead", fallback)
+        return fallback
+    if setting == "bfloat16" and units is False:
+        log.warning("backend.vision_gemm bfloat16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
+                    "emulates them, several times slower than float32 here", " or ".join(BF16_UNIT_FLAGS))
+    return setting
+
+
+def vision_to(model: nn.Module, gemm: str) -> int:
+    """The vision encoder's and projector's linears in the form `gemm` names, in place; returns how many.
+    bfloat16: Bf16Linear (bf16.py); int8: Int8Linear (per-channel int8 weights quantized here, lowbit.py)
+    whose calls of many rows run the int8 GEMM (int8 activations per block of 128, AVX-512 VNNI). Why: a
+    tile is ~1,000 rows through every vision weight, compute-bound; the bfloat16 GEMM runs at about twice
+    float32's rate on a CPU with bfloat16 units, int8 products at twice bfloat16's on one with VNNI
+    (scripts/cpu_stages.py). A Bf16Linear under bf16 weights is quantized from its float weight."""
+    found = [(parent, name, module) for parent, name, module in
+             child_modules([model.vision_model, getattr(model, "mlp1", None)], (nn.Linear, Bf16Linear))]
+    use_bf16_attention([model.vision_model], gemm in ("bfloat16", "int8"))
+    count = 0
+    for parent, name, module in found:
+        if gemm == "int8":
+            form = Int8Linear(module if isinstance(module, nn.Linear) else _as_linear(module))
+            form.prefill_int8 = True
+        elif gemm == "bfloat16" and isinstance(module, nn.Linear):
+            form = Bf16Linear(module)
+        else:
+            continue
+        setattr(parent, name, form)
+        count += 1
+    return count
+
+
+def use_bf16_attention(roots, on: bool) -> None:
+    """The attention of every decoder layer and vision tile below `roots` (None skipped) on the kernels'
+    bfloat16 attention (on, where it applies: a causal prompt, a vision tile; models/) or torch's SDPA."""
+    for root in roots:
+        for m in (root.modules() if root is not None else ()):
+            if isinstance(m, (DecoderLayer, VisionAttention)):
+                m.bf16_attention = on
+
+
+def _as_linear(module: Bf16Linear) -> nn.Linear:
+    """An nn.Linear view (no copy) of a Bf16Linear's float weight and bias."""
+    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    linear.weight, linear.bias = module.weight, module.bias
+    return linear
 
 
 def weight_bytes(modules, many_rows: bool = False) -> int:

@@ -13,15 +13,20 @@ How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels
                             max|x| / 127), multiplied by the codes in integer arithmetic, float32
                             accumulation (int4: AVX-512 VNNI where the CPU has it, else AVX2);
                             fp16: float32 activations, the weights widened in registers, exact products
-    more rows               (prefill: compute-bound) the weights dequantized a tile at a time into
-                            a reused buffer and multiplied by a GEMM (`backend.lowbit_prefill`):
-                            float32 (exact float activations over the same quantized weights, the
-                            same GEMM as float) or, where the CPU has bfloat16 units (the default
-                            there), bfloat16 tiles and activations through the bfloat16 GEMM (the
-                            prompt at 0.55-0.61x float32's time at InternVL3-2B's shapes on Zen 4,
-                            scripts/peers.py; docs/performance.md section 6), and
-                            the numerics of `backend.weights bf16` (input and output rounded to
-                            bfloat16, products exact, float32 accumulation)
+    more rows               (prefill: compute-bound) a GEMM (`backend.lowbit_prefill`): where the
+                            CPU has AVX-512 VNNI (the default there), int4/int8: the activations
+                            quantized to int8 per block of 128 (as the small calls, at another
+                            block) and multiplied by the int8 weights (int4: q - zero) in integer
+                            arithmetic, a float32 step per block (lowbit_kernels.cpp, vnni_gemm:
+                            int8 products run at twice the bfloat16 rate there); else the weights
+                            dequantized a tile at a time into a reused buffer and multiplied by a
+                            float32 GEMM (exact float activations over the same quantized weights,
+                            the same GEMM as float) or, where the CPU has bfloat16 units, bfloat16
+                            tiles and activations through the bfloat16 GEMM (the prompt at
+                            0.55-0.61x float32's time at InternVL3-2B's shapes on Zen 4,
+                            scripts/peers.py; docs/performance.md section 6), and the numerics of
+                            `backend.weights bf16` (input and output rounded to bfloat16, products
+                            exact, float32 accumulation); fp16 weights take the bfloat16 or float32 tiles
 Anything else (a GPU, float16/bfloat16 pipelines, an ONNX export trace, no kernels): the reference
 path, dequantize then F.linear (correct; slower).
 
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.decoder import DecoderLayer
 from . import lowbit_kernels
 from .bf16 import BF16_UNIT_FLAGS, cpu_has_bf16_units
 from .quantize import (
@@ -67,7 +73,7 @@ GEMV_MAX_ROWS = 16
 # model's widest K, 8960) against 2 MB ones (58 rows there, a narrow GEMM): 0.97x against 0.99x of
 # float32's prompt time for int4, 0.90x against 1.06x for int8 (2 threads, Zen 4, one run).
 TILE_BYTES = 8 << 20
-PREFILL_GEMMS = ("auto", "float32", "bfloat16")
+PREFILL_GEMMS = ("auto", "float32", "bfloat16", "int8")
 
 
 def _exporting() -> bool:
@@ -81,6 +87,7 @@ class LowBitLinear(nn.Module):
     out_features: int
     kind = ""
     prefill_bf16 = False      # many-row calls through the bfloat16 GEMM (set_prefill_gemm)
+    prefill_int8 = False      # many-row calls through the int8 GEMM (int4, int8; set_prefill_gemm)
 
     def _init_common(self, in_features: int, out_features: int, bias: torch.Tensor | None, device) -> None:
         self.in_features, self.out_features = in_features, out_features
@@ -138,7 +145,8 @@ class Int4Linear(LowBitLinear):
 
     def kernel_call(self, rows):
         return torch.ops.litevlm_lowbit.int4_linear(rows, self.codes, self.scales, self.zeros, self.pre_quant_scale,
-                                                    self.group_size, GEMV_MAX_ROWS, TILE_BYTES, self.prefill_bf16)
+                                                    self.group_size, GEMV_MAX_ROWS, TILE_BYTES, self.prefill_bf16,
+                                                    self.prefill_int8)
 
     def reference(self, rows):
         xs = rows if self.pre_quant_scale is None else rows * self.pre_quant_scale.to(rows.dtype)
@@ -169,7 +177,7 @@ class Int8Linear(LowBitLinear):
 
     def kernel_call(self, rows):
         return torch.ops.litevlm_lowbit.int8_linear(rows, self.codes, self.scales, GEMV_MAX_ROWS, TILE_BYTES,
-                                                    self.prefill_bf16)
+                                                    self.prefill_bf16, self.prefill_int8)
 
     def reference(self, rows):
         return F.linear(rows, dequantize_int8(Int8Weight(self.codes, self.scales), rows.dtype))
@@ -235,19 +243,32 @@ def embedding_as_linear(embedding: nn.Embedding) -> nn.Linear:
 
 def set_prefill_gemm(modules, prefill: str = "auto") -> str:
     """Give every low-bit form under `modules` (None entries skipped) the many-row GEMM `prefill`
-    (backend.lowbit_prefill: auto | float32 | bfloat16); returns the one chosen."""
+    (backend.lowbit_prefill: auto | float32 | bfloat16 | int8); returns the one chosen. auto: int8
+    where the kernels run it (AVX-512 VNNI), else bfloat16 where the CPU has bfloat16 units, else
+    float32. Under int8 the fp16 form, whose weights int8 would round, takes bfloat16 (or float32)."""
     if prefill not in PREFILL_GEMMS:
         raise ValueError(f"backend.lowbit_prefill {prefill!r}: one of {', '.join(PREFILL_GEMMS)}")
     units = cpu_has_bf16_units()
+    vnni = lowbit_kernels.has_vnni()
     if prefill == "auto":
-        prefill = "bfloat16" if units else "float32"
+        prefill = "int8" if vnni else "bfloat16" if units else "float32"
+    elif prefill == "int8" and not vnni:
+        fallback = "bfloat16" if units else "float32"
+        log.warning("backend.lowbit_prefill int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (avx512_vnni "
+                    "in /proc/cpuinfo): the %s GEMM instead", fallback)
+        prefill = fallback
     elif prefill == "bfloat16" and units is False:
         log.warning("backend.lowbit_prefill bfloat16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): "
                     "oneDNN emulates them, slower than float32 here", " or ".join(BF16_UNIT_FLAGS))
+    sixteen = prefill == "bfloat16" or (prefill == "int8" and bool(units))     # the fp16 form's under int8
     for root in modules:
         for m in (root.modules() if root is not None else ()):
             if isinstance(m, LowBitLinear):
-                m.prefill_bf16 = prefill == "bfloat16"
+                m.prefill_int8 = prefill == "int8" and not isinstance(m, Fp16Linear)
+                m.prefill_bf16 = sixteen if isinstance(m, Fp16Linear) else prefill == "bfloat16"
+            elif isinstance(m, DecoderLayer):
+                # the prompt's attention in bfloat16 products beside its bfloat16 or int8 GEMMs (models/decoder.py)
+                m.bf16_attention = prefill in ("bfloat16", "int8")
     return prefill
 
 

@@ -13,10 +13,12 @@
 //   int8: the same with signed int8 weights, activation blocks of 32 (vpsignb moves the weight's
 //         sign onto the activation).
 //   fp16: float activations, fp16 weights widened in registers (vcvtph2ps) and FMA: exact products.
-// Large calls (prefill: compute-bound): the weights are dequantized tile by tile (a few MB, cache
-//   resident) into a scratch buffer and multiplied by the GEMM at::mm runs (MKL/oneDNN): float32
-//   (exact float activations) or, with prefill_bf16, bfloat16 (tiled_gemm); the weights are read
-//   from memory at their low-bit size.
+// Large calls (prefill: compute-bound): int4/int8 with prefill_int8 on a CPU with AVX-512 VNNI, the
+//   activations quantized to int8 per block of 128 and an int8 GEMM of our own (vnni_gemm, below);
+//   otherwise the weights are dequantized tile by tile (a few MB, cache resident) into a scratch
+//   buffer and multiplied by the GEMM at::mm runs (MKL/oneDNN): float32 (exact float activations)
+//   or, with prefill_bf16, bfloat16 (tiled_gemm); the weights are read from memory at their
+//   low-bit size either way.
 // Threads: as many as torch.set_num_threads (or set_small_call_threads) says. Large calls run on
 //   torch's own OpenMP pool (at::parallel_for; compiled with -fopenmp but linked to no OpenMP
 //   library of its own, so its regions run on the runtime libtorch already loaded, with the passive
@@ -44,6 +46,7 @@ namespace {
 
 constexpr int QBLOCK8 = 32;  // int8 kernel: activations quantized per block of 32 (one 32-byte load of weights)
 constexpr int QBLOCK4 = 64;  // int4 kernel: per block of 64 (one 32-byte load of codes: 64 weights)
+constexpr int QBLOCK_MAX = 128;  // the int8 prefill GEMM's block (vnni_gemm): the largest block quantized
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -101,8 +104,8 @@ void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K
   // a 2B decode step's ~510k activation elements).
   const int64_t nb = K / block;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  alignas(32) float v[QBLOCK4];
-  alignas(32) int32_t q[QBLOCK4];
+  alignas(32) float v[QBLOCK_MAX];
+  alignas(32) int32_t q[QBLOCK_MAX];
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     for (int64_t b = 0; b < nb; ++b) {
@@ -283,7 +286,8 @@ bool cpu_has_avx512_vnni() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512vnni");
 }
-std::atomic<bool> avx512_int4{cpu_has_avx512_vnni()};
+const bool has_avx512_vnni = cpu_has_avx512_vnni();
+std::atomic<bool> avx512_int4{has_avx512_vnni};
 
 template <int R>
 void int8_rows(const int8_t* codes, const float* scales, int64_t n0, int64_t K, const QuantizedRows& a, int64_t M,
@@ -584,6 +588,430 @@ at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, int64_t K, int64_t tile, b
   return y;
 }
 
+// ------------------------------------------------------------------------------ int8 prefill GEMM
+// Large calls of the int4 and int8 forms with `prefill_int8` (a CPU with AVX-512 VNNI): the
+// activations quantized to int8 per block of KB = 128 elements (64 where the weight's group or K
+// asks; scale max|x| / 127, the rounding of quantize_activations), multiplied by the int8 weights
+// (int4: q - zero, in [-15, 15]; int8: the codes) with vpdpbusd, int32 sums per block, float32
+// across blocks: y[m, n] = sum_b dx[m, b] * s[n, b] * sum_{k in b} xq[m, k] * w[n, k], exact in
+// int32 within a block. The same scheme as the small-call kernels (llama.cpp's Q8_0 activations),
+// as a register-tiled GEMM.
+// Why our own: on a CPU with VNNI, int8 products run at twice the rate of bfloat16 ones (Zen 4:
+// torch._int_mm 2.0x oneDNN's bfloat16 matmul per CPU-second at 512 x 1536 x 4480), and the
+// weights' per-group scales need a float step per block that no library GEMM torch ships offers
+// (torch._int_mm has one int32 sum over all of K; oneDNN's grouped-scale int8 matmul is not
+// reachable through torch); it also skips the dequantized tiles' pass over every weight.
+// Layout: vpdpbusd multiplies unsigned by signed bytes, four at a time into an int32 lane. The
+// activations are the unsigned side, xq + 128 (in [1, 255]), packed per block of 32 rows as
+// [M'/32][K/4][32][4], so that one 64-byte load holds 4 consecutive k of 16 rows and a micro-tile
+// reads its rows' activations as one sequential stream; the weights are the signed side, 4 bytes of
+// one row broadcast to every lane. sum (xq + 128) w = sum xq w + 128 sum w: each block's sum starts
+// at -128 * sum w (the weights' block sums). A micro-tile is VNNI_R weight rows x 32 activation
+// rows (2 x R int32 and 2 x R float32 accumulators in registers). int4 codes are unpacked per
+// panel of VNNI_R rows into int8 (low nibbles, then high ones, per block: the activations are
+// quantized in that order, int4_order), kept in L1/L2 while every activation row of an L2-sized
+// chunk passes over them.
+constexpr int VNNI_R = 6;                    // weight rows per micro-tile (12 + 12 accumulators)
+constexpr int64_t VNNI_MB = 32;              // activation rows per micro-tile (two 16-lane registers)
+constexpr int64_t VNNI_CHUNK_BYTES = 4 << 20;  // activation bytes an m-chunk reads per panel (L2/L3)
+
+struct VnniActivations {
+  std::vector<uint8_t> xu;     // [m_pad/32][K/4][32][4]: xq + 128
+  std::vector<float> dxt;      // [m_pad/32][K/KB][32]: block scales (0 for padded rows)
+  int64_t m_pad = 0;
+};
+
+VnniActivations vnni_activations(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int64_t KB,
+                                 bool int4_order) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / KB;
+  VnniActivations a;
+  a.m_pad = (M + VNNI_MB - 1) / VNNI_MB * VNNI_MB;
+  a.xu.assign(static_cast<size_t>(K * a.m_pad), 0x80);   // padded rows: code 0
+  a.dxt.assign(static_cast<size_t>(nb * a.m_pad), 0.f);
+  const float* xp = x.data_ptr<float>();
+  const float* pp = pqs ? pqs->data_ptr<float>() : nullptr;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<int8_t> xq(K);
+    std::vector<float> dx(nb);
+    std::vector<int32_t> bsum(nb);
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_activations(xp + m * K, pp, 1, K, static_cast<int>(KB), int4_order, xq.data(), dx.data(), bsum.data());
+      for (int64_t q = 0; q < K / 4; ++q) {
+        uint32_t w;
+        std::memcpy(&w, xq.data() + q * 4, 4);
+        w ^= 0x80808080u;                                      // xq + 128, byte by byte
+        std::memcpy(a.xu.data() + (((m / VNNI_MB) * (K / 4) + q) * VNNI_MB + m % VNNI_MB) * 4, &w, 4);
+      }
+      for (int64_t b = 0; b < nb; ++b) a.dxt[((m / VNNI_MB) * nb + b) * VNNI_MB + m % VNNI_MB] = dx[b];
+    }
+  });
+  return a;
+}
+
+// One panel of up to VNNI_R weight rows as the GEMM reads them: int8 rows [R][K] (in the
+// activations' k order), per row and block the scale s[n, b] and the sum of its int8 weights.
+struct VnniPanel {
+  std::vector<int8_t> w;
+  std::vector<float> scale;     // [R][nb]
+  std::vector<int32_t> bias;    // [R][nb]: -128 * sum of the block's weights
+  const int8_t* rows[VNNI_R];
+};
+
+LITEVLM_AVX512 inline int32_t sum_s8(const int8_t* p, int64_t n) {   // n a multiple of 32
+  __m512i acc = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 64) {   // sum (w + 128) by vpsadbw, then less 128 per byte
+    const __mmask64 m = n - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - i)) - 1;
+    acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_maskz_mov_epi8(m, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, p + i), flip)), zero));
+  }
+  return static_cast<int32_t>(_mm512_reduce_add_epi64(acc) - 128 * n);
+}
+
+// int4 rows n0 .. n0 + r: codes (k even: low nibble) -> int8 q - zero, per block [low nibbles | high nibbles].
+LITEVLM_AVX512 void vnni_panel_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0,
+                                    int r, int64_t K, int64_t G, int64_t KB, VnniPanel& p) {
+  const int64_t nb = K / KB, ng = K / G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __mmask64 half = KB == 128 ? ~__mmask64(0) : (__mmask64(1) << (KB / 2)) - 1;
+  for (int i = 0; i < r; ++i) {
+    const int64_t n = n0 + i;
+    int8_t* out = p.w.data() + i * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t g = b * KB / G;
+      const __m512i z = _mm512_set1_epi8(static_cast<char>(zeros[n * ng + g]));
+      const __m512i v = _mm512_maskz_loadu_epi8(half, codes + n * (K / 2) + b * KB / 2);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512i qs = _mm512_add_epi8(lo, hi);
+      const int64_t qsum = _mm512_reduce_add_epi64(_mm512_sad_epu8(_mm512_maskz_mov_epi8(half, qs), _mm512_setzero_si512()));
+      _mm512_mask_storeu_epi8(out + b * KB, half, _mm512_sub_epi8(lo, z));
+      _mm512_mask_storeu_epi8(out + b * KB + KB / 2, half, _mm512_sub_epi8(hi, z));
+      p.scale[i * nb + b] = half_to_float(scales[n * ng + g]);
+      p.bias[i * nb + b] = -128 * static_cast<int32_t>(qsum - KB * static_cast<int64_t>(zeros[n * ng + g]));
+    }
+    p.rows[i] = out;
+  }
+}
+
+// int8 rows n0 .. n0 + r: read in place (natural k order); the scale is the row's for every block.
+LITEVLM_AVX512 void vnni_panel_int8(const int8_t* codes, const float* scales, int64_t n0, int r, int64_t K, int64_t KB,
+                                    VnniPanel& p) {
+  const int64_t nb = K / KB;
+  for (int i = 0; i < r; ++i) {
+    const int8_t* row = codes + (n0 + i) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      p.scale[i * nb + b] = scales[n0 + i];
+      p.bias[i * nb + b] = -128 * sum_s8(row + b * KB, KB);
+    }
+    p.rows[i] = row;
+  }
+}
+
+// acc += the products of unsigned bytes u and signed bytes w, four per int32 lane (vpdpbusd), as
+// an asm statement: g++ 12 compiled the intrinsic in this loop with two register copies per
+// instruction (the accumulator moved out and back), an asm operand that is read and written ("+v")
+// stays in its register.
+LITEVLM_AVX512 inline void dpbusd(__m512i& acc, __m512i u, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+}
+
+// y[m0 .. m0+32, n0 .. n0+R] for one panel: out[R][32] (row-major by weight row).
+template <int R>
+LITEVLM_AVX512 void vnni_tile(const VnniPanel& p, int64_t nb, int64_t KB, const VnniActivations& a, int64_t m0,
+                              float* out) {
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  const uint8_t* x = a.xu.data() + m0 * nb * KB;              // this block of 32 rows: [K/4][32][4]
+  const float* dx = a.dxt.data() + m0 * nb;                   // [nb][32]
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_set1_epi32(p.bias[r * nb + b]);
+    const int8_t* w[R];
+    for (int r = 0; r < R; ++r) w[r] = p.rows[r] + b * KB;
+#pragma GCC unroll 4
+    for (int64_t q = 0; q < KB / 4; ++q, x += VNNI_MB * 4) {
+      const __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t wq;
+        std::memcpy(&wq, w[r] + q * 4, 4);
+        const __m512i wv = _mm512_set1_epi32(wq);
+        dpbusd(acc[r][0], x0, wv);
+        dpbusd(acc[r][1], x1, wv);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(dx + b * VNNI_MB), d1 = _mm512_loadu_ps(dx + b * VNNI_MB + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(p.scale[r * nb + b]);
+      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(d0, s), f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(d1, s), f[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * VNNI_MB, f[r][0]);
+    _mm512_storeu_ps(out + r * VNNI_MB + 16, f[r][1]);
+  }
+}
+
+template <int R>
+void vnni_tiles(const VnniPanel& p, int64_t nb, int64_t KB, const VnniActivations& a, int64_t m0, int64_t m1,
+                int64_t M, int64_t n0, float* y, int64_t N) {
+  alignas(64) float out[R * VNNI_MB];
+  for (int64_t m = m0; m < m1; m += VNNI_MB) {
+    vnni_tile<R>(p, nb, KB, a, m, out);
+    for (int64_t i = 0; i < std::min(VNNI_MB, M - m); ++i)
+      for (int r = 0; r < R; ++r) y[(m + i) * N + n0 + r] = out[r * VNNI_MB + i];
+  }
+}
+
+// y [M, N] = the int8 product of x [M, K] and the panels `prepare` writes (prepare(n0, rows, panel)).
+template <typename Prepare>
+at::Tensor vnni_gemm(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int64_t N, int64_t KB, bool int4_order,
+                     Prepare prepare) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / KB;
+  const VnniActivations a = vnni_activations(x, pqs, KB, int4_order);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t panels = (N + VNNI_R - 1) / VNNI_R;
+  const int64_t chunk = std::max<int64_t>(VNNI_MB, VNNI_CHUNK_BYTES / K / VNNI_MB * VNNI_MB);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    VnniPanel p;
+    p.w.resize(VNNI_R * K);
+    p.scale.resize(VNNI_R * nb);
+    p.bias.resize(VNNI_R * nb);
+    for (int64_t m0 = 0; m0 < a.m_pad; m0 += chunk) {
+      const int64_t m1 = std::min(a.m_pad, m0 + chunk);
+      for (int64_t pi = p0; pi < p1; ++pi) {
+        const int64_t n0 = pi * VNNI_R;
+        const int r = static_cast<int>(std::min<int64_t>(VNNI_R, N - n0));
+        prepare(n0, r, p);
+        switch (r) {
+          case 6: vnni_tiles<6>(p, nb, KB, a, m0, m1, M, n0, yp, N); break;
+          case 5: vnni_tiles<5>(p, nb, KB, a, m0, m1, M, n0, yp, N); break;
+          case 4: vnni_tiles<4>(p, nb, KB, a, m0, m1, M, n0, yp, N); break;
+          case 3: vnni_tiles<3>(p, nb, KB, a, m0, m1, M, n0, yp, N); break;
+          case 2: vnni_tiles<2>(p, nb, KB, a, m0, m1, M, n0, yp, N); break;
+          default: vnni_tiles<1>(p, nb, KB, a, m0, m1, M, n0, yp, N); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// The int8 GEMM's block for K (and an int4 group G, 0 for int8): 128 where it divides both, else 64, else 32.
+int64_t vnni_block(int64_t K, int64_t G) {
+  for (int64_t kb : {128, 64, 32})
+    if (K % kb == 0 && (G == 0 || G % kb == 0)) return kb;
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ bfloat16 attention
+// Attention over many rows (a vision tile's 1,025 tokens, a prompt) on a CPU with AVX-512 BF16:
+// q, k and v rounded to bfloat16, the scores q.k in float32 (vdpbf16ps: exact products, float32
+// sums), an online softmax in float32 (flash attention: per block of ATT_KEYS keys the running
+// maximum, the rescaled sum and output), the probabilities rounded to bfloat16 for p.v, float32
+// sums. Why our own: torch's CPU scaled_dot_product_attention runs its blocks through MKL's float32
+// GEMM (on AMD its AVX2 path) and its bfloat16 path was no faster here (InternViT's 1,025 x 1,025 x
+// 16 heads, Zen 4); oneDNN's bfloat16 matmul, as torch exposes it, rounds the scores to bfloat16
+// (their error then grows with their size: 0.25 at a score of 50, before the exponential), and the
+// bfloat16 -> float32 GEMM torch has inside (cpublas) is not exported.
+// Layout: K and V of each (batch, KV head) are packed once into bfloat16 pairs, K as
+// [key block][D/2][ATT_KEYS][2] (a 64-byte load: 16 keys x one pair of d) and V as
+// [key block][ATT_KEYS/2][D][2] (16 d x one pair of keys); a tile is ATT_ROWS query rows, their q
+// pairs broadcast. Masks: none, or causal with an offset (query i sees keys j <= i + offset: a prompt
+// after `offset` cached columns, all visible); key blocks wholly past a tile's last row are skipped.
+#define LITEVLM_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+constexpr int ATT_ROWS = 4;       // query rows per tile
+constexpr int ATT_KEYS = 128;     // keys per block (the scores in two halves of 4 registers of 16)
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+const bool has_avx512_bf16 = cpu_has_avx512_bf16();
+
+// float32 -> bfloat16 bits, round to nearest even (finite values), as torch rounds.
+inline uint16_t bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+// acc += a . b per float32 lane over its two bfloat16 pairs (vdpbf16ps; an asm statement for the
+// reason dpbusd is one).
+LITEVLM_BF16 inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// exp(x) for x <= 0 (Cephes' expf: 2^n e^r, r in [-ln2/2, ln2/2], a degree-5 polynomial; ~1 ulp);
+// below -87 the result is under float32's normal range and flushes towards 0.
+LITEVLM_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One (batch, KV head)'s K and V [S, D] (any strides) packed as the kernel reads them, S padded to
+// whole blocks with zeros.
+void pack_kv(const at::TensorAccessor<float, 2>& k, const at::TensorAccessor<float, 2>& v, int64_t S, int64_t D,
+             uint16_t* kp, uint16_t* vp) {
+  const int64_t blocks = (S + ATT_KEYS - 1) / ATT_KEYS;
+  std::memset(kp, 0, blocks * ATT_KEYS * D * 2);
+  std::memset(vp, 0, blocks * ATT_KEYS * D * 2);
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t b = j / ATT_KEYS, jj = j % ATT_KEYS;
+    uint16_t* kb = kp + b * ATT_KEYS * D;
+    uint16_t* vb = vp + b * ATT_KEYS * D;
+    for (int64_t d = 0; d < D; ++d) {
+      kb[((d / 2) * ATT_KEYS + jj) * 2 + d % 2] = bf16_bits(k[j][d]);
+      vb[((jj / 2) * D + d) * 2 + jj % 2] = bf16_bits(v[j][d]);
+    }
+  }
+}
+
+// acc[r][c] += pairs[r] . the c-th of the 4 registers at p, for every row r: one bfloat16 pair of each
+// row broadcast against 4 x 16 lanes of packed pairs (keys for the scores, d for p.v).
+LITEVLM_BF16 __attribute__((always_inline)) inline void dp_rows(__m512 (&acc)[ATT_ROWS][4],
+                                                                const uint32_t (&pairs)[ATT_ROWS], const uint16_t* p) {
+  const __m512i b0 = _mm512_loadu_si512(p), b1 = _mm512_loadu_si512(p + 32), b2 = _mm512_loadu_si512(p + 64),
+                b3 = _mm512_loadu_si512(p + 96);
+#pragma GCC unroll 4
+  for (int r = 0; r < ATT_ROWS; ++r) {
+    const __m512i a = _mm512_set1_epi32(static_cast<int>(pairs[r]));
+    dpbf16(acc[r][0], a, b0);
+    dpbf16(acc[r][1], a, b1);
+    dpbf16(acc[r][2], a, b2);
+    dpbf16(acc[r][3], a, b3);
+  }
+}
+
+// The scores of ATT_ROWS query rows (their bfloat16 pairs) against one block of packed keys: sc
+// [ATT_ROWS][ATT_KEYS], 64 keys (half of a block: `half`) at a time. A function of its own so that
+// its 16 accumulators stay in registers (inside attention_tile g++ 12 kept them on the stack, a load
+// and a store around every vdpbf16ps).
+LITEVLM_BF16 __attribute__((noinline)) void qk_block(const uint32_t (*qpair)[128], const uint16_t* kb, int64_t D,
+                                                     int half, float (*sc)[ATT_KEYS]) {
+  __m512 s[ATT_ROWS][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < D / 2; ++pr) {
+    uint32_t pairs[ATT_ROWS];
+    for (int r = 0; r < ATT_ROWS; ++r) pairs[r] = qpair[r][pr];
+    dp_rows(s, pairs, kb + pr * ATT_KEYS * 2 + half * 128);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(&sc[r][half * 64 + c * 16], s[r][c]);
+}
+
+// o [ATT_ROWS][D] += p [ATT_ROWS][ATT_KEYS] (bfloat16) . one block of packed values, 64 d at a time.
+LITEVLM_BF16 __attribute__((noinline)) void pv_block(const uint16_t (*p16)[ATT_KEYS], const uint16_t* vb, int64_t D,
+                                                     float (*o)[256]) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[ATT_ROWS][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_load_ps(&o[r][d0 + c * 16]);
+    for (int64_t pr = 0; pr < ATT_KEYS / 2; ++pr) {
+      uint32_t pairs[ATT_ROWS];
+      for (int r = 0; r < ATT_ROWS; ++r) std::memcpy(&pairs[r], &p16[r][pr * 2], 4);
+      dp_rows(acc, pairs, vb + (pr * D + d0) * 2);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < ATT_ROWS; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(&o[r][d0 + c * 16], acc[r][c]);
+  }
+}
+
+// Rows q0 .. q0 + rows of one query head against its packed K/V: out [rows][D] (float32, strided).
+LITEVLM_BF16 void attention_tile(const at::TensorAccessor<float, 2>& q, int64_t q0, int rows, int64_t S, int64_t D,
+                                 const uint16_t* kp, const uint16_t* vp, float scale, int64_t offset,
+                                 at::TensorAccessor<float, 2> out) {
+  alignas(64) uint32_t qpair[ATT_ROWS][128];         // D <= 256
+  alignas(64) uint16_t p16[ATT_ROWS][ATT_KEYS];
+  alignas(64) float sc[ATT_ROWS][ATT_KEYS];
+  alignas(64) float o[ATT_ROWS][256];
+  float m[ATT_ROWS], l[ATT_ROWS];
+  for (int r = 0; r < ATT_ROWS; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    for (int64_t d = 0; d < D; ++d) o[r][d] = 0.f;
+    for (int64_t d = 0; d < D; d += 2) {
+      const int64_t qr = q0 + std::min(r, rows - 1);          // a short tile repeats its last row
+      qpair[r][d / 2] = bf16_bits(q[qr][d]) | (static_cast<uint32_t>(bf16_bits(q[qr][d + 1])) << 16);
+    }
+  }
+  const int64_t last = offset < 0 ? S : std::min(S, q0 + rows - 1 + offset + 1);   // keys the tile sees
+  const int64_t blocks = (last + ATT_KEYS - 1) / ATT_KEYS;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    qk_block(qpair, kp + b * ATT_KEYS * D, D, 0, sc);
+    qk_block(qpair, kp + b * ATT_KEYS * D, D, 1, sc);
+    // the online softmax, row by row: scaled scores, masked lanes out, the block's maximum and sum;
+    // then every row's factor for what it summed before, exp(old max - new max), in one call
+    constexpr int C = ATT_KEYS / 16;
+    alignas(64) float m_old[16], m_new[16], bsum[16];
+    for (int r = 0; r < 16; ++r) m_old[r] = m_new[r] = bsum[r] = 0.f;
+    for (int r = 0; r < ATT_ROWS; ++r) {
+      const int64_t limit = offset < 0 ? S : std::min(S, q0 + std::min(r, rows - 1) + offset + 1);
+      __mmask16 keep[C];
+      __m512 t[C];
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < C; ++c) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(b * ATT_KEYS + c * 16)));
+        keep[c] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit)));
+        t[c] = _mm512_mul_ps(_mm512_load_ps(&sc[r][c * 16]), _mm512_set1_ps(scale));
+        mx = _mm512_mask_max_ps(mx, keep[c], mx, t[c]);
+      }
+      const float bmax = _mm512_reduce_max_ps(mx);
+      if (bmax == -INFINITY) {                         // nothing visible to this row in this block
+        std::memset(p16[r], 0, sizeof(p16[r]));
+        continue;                                      // (alpha 1: exp(0))
+      }
+      const float mnew = std::max(m[r], bmax);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 pv = _mm512_maskz_mov_ps(keep[c], exp_nonpositive(_mm512_sub_ps(t[c], _mm512_set1_ps(mnew))));
+        sum = _mm512_add_ps(sum, pv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&p16[r][c * 16]), (__m256i)_mm512_cvtneps_pbh(pv));
+      }
+      bsum[r] = _mm512_reduce_add_ps(sum);
+      // a row that summed nothing yet (max -inf) rescales nothing: its factor is taken as exp(0)
+      m_old[r] = m[r] == -INFINITY ? mnew : m[r];
+      m_new[r] = m[r] = mnew;
+    }
+    alignas(64) float alpha[16];
+    _mm512_store_ps(alpha, exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_new))));
+    for (int r = 0; r < ATT_ROWS; ++r) {
+      l[r] = l[r] * alpha[r] + bsum[r];
+      if (alpha[r] != 1.f)
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_store_ps(&o[r][d], _mm512_mul_ps(_mm512_load_ps(&o[r][d]), _mm512_set1_ps(alpha[r])));
+    }
+    pv_block(p16, vp + b * ATT_KEYS * D, D, o);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) out[q0 + r][d] = o[r][d] * inv;
+  }
+}
+
 int64_t tile_rows(int64_t K, int64_t tile_bytes) {
   return std::max<int64_t>(16, (tile_bytes / (K * 4)) / 16 * 16);
 }
@@ -598,7 +1026,7 @@ void check_rows(const at::Tensor& x, int64_t K, const char* what) {
 // ------------------------------------------------------------------------------ operators
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const c10::optional<at::Tensor>& pqs, int64_t group_size, int64_t gemv_max_rows,
-                       int64_t tile_bytes, bool prefill_bf16) {
+                       int64_t tile_bytes, bool prefill_bf16, bool prefill_int8) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = group_size;
   TORCH_CHECK(G % QBLOCK4 == 0 && K % G == 0, "int4_linear: group size ", G, " must be a multiple of 64 dividing K=",
               K);
@@ -612,6 +1040,12 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint8_t* z = zeros.data_ptr<uint8_t>();
+  if (M > gemv_max_rows && prefill_int8 && has_avx512_vnni) {
+    const int64_t KB = vnni_block(K, G);
+    return vnni_gemm(x, pqs, N, KB, true, [&](int64_t n0, int r, VnniPanel& p) {
+      vnni_panel_int4(c, s, z, n0, r, K, G, KB, p);
+    });
+  }
   if (M > gemv_max_rows) {
     const at::Tensor xs = pqs ? x * *pqs : x;
     return tiled_gemm(xs, N, K, tile_rows(K, tile_bytes), prefill_bf16,
@@ -631,7 +1065,7 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
 }
 
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, int64_t gemv_max_rows,
-                       int64_t tile_bytes, bool prefill_bf16) {
+                       int64_t tile_bytes, bool prefill_bf16, bool prefill_int8) {
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(K % QBLOCK8 == 0, "int8_linear: K=", K, " must be a multiple of 32");
   TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat && codes.is_contiguous(),
@@ -641,6 +1075,10 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const int64_t M = x.size(0);
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
+  if (M > gemv_max_rows && prefill_int8 && has_avx512_vnni)
+    return vnni_gemm(x, c10::nullopt, N, vnni_block(K, 0), false, [&](int64_t n0, int r, VnniPanel& p) {
+      vnni_panel_int8(c, s, n0, r, K, vnni_block(K, 0), p);
+    });
   if (M > gemv_max_rows)
     return tiled_gemm(x, N, K, tile_rows(K, tile_bytes), prefill_bf16,
                       [&](int64_t b, int64_t e, float* out) { dequant_int8_rows(c, s, b, e, K, out); });
@@ -672,12 +1110,49 @@ at::Tensor fp16_linear(const at::Tensor& x_, const at::Tensor& weight, int64_t g
   return y;
 }
 
+// q [B, Hq, N, D], k, v [B, Hkv, S, D] float32 (any strides; Hq a multiple of Hkv: query head h reads
+// KV head h / (Hq / Hkv)) -> [B, Hq, N, D]: softmax(q k^T scale) v in bfloat16 products (above).
+// causal_offset < 0: no mask; else query i sees keys j <= i + causal_offset.
+at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                          int64_t causal_offset) {
+  TORCH_CHECK(has_avx512_bf16, "attention_bf16: needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attention_bf16: q, k, v float32 [B, H, N, D]");
+  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+              v.size(3) == D && Hq % Hkv == 0, "attention_bf16: shapes ", q.sizes(), k.sizes(), v.sizes());
+  TORCH_CHECK(D % 64 == 0 && D <= 256, "attention_bf16: head size ", D, " (a multiple of 64, at most 256)");
+  const int64_t blocks = (S + ATT_KEYS - 1) / ATT_KEYS, packed = blocks * ATT_KEYS * D;
+  std::vector<uint16_t> kp(B * Hkv * packed), vp(B * Hkv * packed);
+  const auto qa = q.accessor<float, 4>();
+  const auto ka = k.accessor<float, 4>();
+  const auto va = v.accessor<float, 4>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      pack_kv(ka[i / Hkv][i % Hkv], va[i / Hkv][i % Hkv], S, D, kp.data() + i * packed, vp.data() + i * packed);
+  });
+  at::Tensor out = at::empty({B, Hq, N, D}, q.options());
+  auto oa = out.accessor<float, 4>();
+  const int64_t tiles = (N + ATT_ROWS - 1) / ATT_ROWS, group = Hq / Hkv;
+  at::parallel_for(0, B * Hq * tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (Hq * tiles), h = (t / tiles) % Hq, q0 = (t % tiles) * ATT_ROWS;
+      const int64_t kv = b * Hkv + h / group;
+      attention_tile(qa[b][h], q0, static_cast<int>(std::min<int64_t>(ATT_ROWS, N - q0)), S, D, kp.data() + kv * packed,
+                     vp.data() + kv * packed, static_cast<float>(scale), causal_offset, oa[b][h]);
+    }
+  });
+  return out;
+}
+
 // The activation quantization the kernels apply (block 64: int4's, 32: int8's), in natural k order
 // (for the tests' error bounds): (codes int8 [M, K], block scales float32 [M, K/block]).
 std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x_, const c10::optional<at::Tensor>& pqs,
                                                 int64_t block) {
   const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(block == QBLOCK4 || block == QBLOCK8, "block: ", QBLOCK4, " (int4) or ", QBLOCK8, " (int8)");
+  TORCH_CHECK(block == QBLOCK4 || block == QBLOCK8 || block == QBLOCK_MAX, "block: ", QBLOCK4, " (int4), ", QBLOCK8,
+              " (int8) or ", QBLOCK_MAX, " (the int8 prefill GEMM)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0, "x: float32 [M, block * n]");
   const QuantizedRows a = quantize_rows(x, pqs, static_cast<int>(block), false);
   at::Tensor xq = at::empty(x.sizes(), x.options().dtype(at::kChar));
@@ -695,12 +1170,15 @@ bool use_avx512(bool enable) {
 
 TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? pre_quant_scale, int group_size, "
-        "int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");
+        "int gemv_max_rows, int tile_bytes, bool prefill_bf16=False, bool prefill_int8=False) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int gemv_max_rows, int tile_bytes, "
-        "bool prefill_bf16=False) -> Tensor");
+        "bool prefill_bf16=False, bool prefill_int8=False) -> Tensor");
   m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");
   m.def("quantize_activations(Tensor x, Tensor? pre_quant_scale, int block) -> Tensor[]");
   m.def("use_avx512(bool enable) -> bool", &use_avx512);
+  m.def("has_avx512_vnni() -> bool", [] { return has_avx512_vnni; });
+  m.def("has_avx512_bf16() -> bool", [] { return has_avx512_bf16; });
+  m.def("attention_bf16(Tensor q, Tensor k, Tensor v, float scale, int causal_offset) -> Tensor");
   m.def("use_row_pool(bool enable) -> bool", [](bool enable) { return row_pool_on.exchange(enable); });
   m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
     TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
@@ -713,4 +1191,5 @@ TORCH_LIBRARY_IMPL(litevlm_lowbit, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("fp16_linear", &fp16_linear);
   m.impl("quantize_activations", &quantize_activations_op);
+  m.impl("attention_bf16", &attention_bf16);
 }

@@ -45,6 +45,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import sys
@@ -154,6 +155,30 @@ def path_in_words(on_kernels: bool) -> str:
     return f"reference path: {unavailable() or 'not on the CPU'}"
 
 
+def has_vnni() -> bool:
+    """Whether the kernels run the int8 prefill GEMM here (built, loaded, and the CPU has AVX-512 VNNI)."""
+    return load() and bool(torch.ops.litevlm_lowbit.has_avx512_vnni())
+
+
+def has_bf16_attention() -> bool:
+    """Whether the kernels run attention_bf16 here (built, loaded, and the CPU has AVX-512 BF16)."""
+    return load() and bool(torch.ops.litevlm_lowbit.has_avx512_bf16())
+
+
+def takes_attention(head_size: int) -> bool:
+    """Whether attention_bf16 runs heads of this size here (a multiple of 64 up to 256: InternViT's 64 and
+    the 2B decoders' 128; the small models' 32 stay on SDPA)."""
+    return head_size % 64 == 0 and head_size <= 256 and has_bf16_attention()
+
+
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = -1) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v with bfloat16 products and float32 sums (lowbit_kernels.cpp): q [B, Hq, N,
+    D], k, v [B, Hkv, S, D] float32 (any strides; query head h reads KV head h // (Hq / Hkv)) -> [B, Hq, N, D].
+    causal_offset < 0: no mask; else query i sees keys j <= i + causal_offset (a prompt after that many
+    cached columns, all visible). Needs has_bf16_attention()."""
+    return torch.ops.litevlm_lowbit.attention_bf16(q, k, v, 1.0 / math.sqrt(q.shape[-1]), causal_offset)
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels run this call: float32 on the CPU, kernels loaded."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and load()
@@ -165,11 +190,11 @@ def _register_fakes() -> None:
 
     # (each fake's parameters are its operator's schema, TORCH_LIBRARY in lowbit_kernels.cpp)
     @torch.library.register_fake("litevlm_lowbit::int4_linear")
-    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False):  # noqa: PLR0913
+    def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes, prefill_bf16=False, prefill_int8=False):  # noqa: PLR0913
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::int8_linear")
-    def _(x, codes, scales, gemv_max_rows, tile_bytes, prefill_bf16=False):
+    def _(x, codes, scales, gemv_max_rows, tile_bytes, prefill_bf16=False, prefill_int8=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::fp16_linear")
