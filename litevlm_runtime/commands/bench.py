@@ -88,6 +88,8 @@ def register(subparsers) -> None:
     peers.add_argument("--engines", help="--peers: comma list of litevlm, llama.cpp, openvino (default all)")
     peers.add_argument("--gguf", help="--peers: llama.cpp text model forms, comma list of f16, q8_0, q4_0 "
                                       "(default all; the mmproj is F16)")
+    peers.add_argument("--openvino", help="--peers: OpenVINO weight compressions, comma list of int8, int4 "
+                                          "(default both)")
     peers.add_argument("--pipelines", help="--peers --whole: this project's pipelines, baseline,litevlm (default both)")
     peers.add_argument("--new-tokens", type=int, default=32, help="--peers --whole: answer length cap (default 32)")
     peers.add_argument("--llama-preprocess", choices=("tile", "mtmd"), default="tile",

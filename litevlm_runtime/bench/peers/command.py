@@ -35,6 +35,7 @@ def cpu_line() -> str:
 
 ENGINES = ("litevlm", "llama.cpp", "openvino")
 GGUF = ("f16", "q8_0", "q4_0")
+OPENVINO = ("int8", "int4")
 PIPELINES = ("baseline", "litevlm")
 WEIGHTS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")
 
@@ -52,6 +53,7 @@ def check_flags(args) -> None:
         raise InputError(f"--questions {args.questions}: must be 1 or more")
     for flag, value, default, allowed in (("--engines", args.engines, ",".join(ENGINES), ENGINES),
                                           ("--gguf", args.gguf, ",".join(GGUF), GGUF),
+                                          ("--openvino", args.openvino, ",".join(OPENVINO), OPENVINO),
                                           ("--pipelines", args.pipelines, ",".join(PIPELINES), PIPELINES),
                                           ("--weights", args.weights, "float,int8,int4", WEIGHTS)):
         values = split(value, default)
@@ -105,7 +107,7 @@ def run_whole_command(args, model: Path, cache: Path, say) -> int:
     frames = holdout_frames(model) or holdout_frames(BUNDLED)
     questions = select_questions(data, count, frames)
     peer = peer_form(model, cache / "peer-forms" / weights_digest(model), say)
-    rows, skipped = plan_rows(engines, weights, gguf, pipelines, model)
+    rows, skipped = plan_rows(engines, weights, gguf, pipelines, model, split(args.openvino, ",".join(OPENVINO)))
     for engine, why in skipped.items():
         say(f"skipping {engine}: {why}")
     say(f"model {model} (peers read {peer}); {len(questions)} questions of key frames {', '.join(frames)}; "
@@ -113,9 +115,10 @@ def run_whole_command(args, model: Path, cache: Path, say) -> int:
     study = run_whole(model, peer, cache, questions, rows, skipped, args.rounds, args.threads, new_tokens, say,
                       args.llama_preprocess)
     summary = summarize(study)
-    header = (f"{cpu_line()}\n{args.threads} threads per row; {len(questions)} DriveLM sample questions "
-              f"({', '.join(q['id'] for q in questions)}) on key frames the bundled view selector did not train "
-              f"on; six cameras, one tile each; up to {new_tokens} new tokens (a peer decodes as many as the "
+    header = (f"{cpu_line()}\n{args.threads} threads per row; {len(questions)} DriveLM sample questions (the "
+              f"first {-(-len(questions) // max(len(frames), 1))} of each of key frames "
+              f"{', '.join(f[:8] for f in frames)}, alternating: frames the bundled view selector did not train "
+              f"on); six cameras, one tile each; up to {new_tokens} new tokens (a peer decodes as many as the "
               f"reference did); {args.rounds} round(s), rows alternating, each row a fresh process\n"
               f"memory bandwidth (read, {args.threads} threads, before each round): "
               + ", ".join(f"{b:.1f}" for b in study["bandwidth_gbs"]) + " GB/s; 1-min load average "

@@ -63,7 +63,7 @@ def run_decode_command(args, model: Path, cache: Path, say) -> int:
             if why:
                 skipped[engine] = why
             else:
-                rows += [("openvino", w) for w in ("int8", "int4")]
+                rows += [("openvino", w) for w in split(args.openvino, "int8,int4")]
     peer = peer_form(model, cache / "peer-forms" / weights_digest(model), say)
     files = {}
     if any(e == "llama.cpp" for e, _ in rows):

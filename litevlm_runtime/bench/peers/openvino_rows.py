@@ -19,8 +19,10 @@ copy it), so that export is attempted on the same folder and its error recorded 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from . import env
@@ -115,7 +117,8 @@ def prepare(peer_dir: Path, cache: Path, forms, progress=print) -> dict:
         progress(f"writing the vision IR (ov.convert_model, NNCF int8) -> {vision.parent}")
         tmp = vision.parent.with_name("vision-int8.partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        write_vision_ir(peer_dir, tmp)
+        with contextlib.redirect_stdout(sys.stderr):        # NNCF's progress table: stdout is the report's
+            write_vision_ir(peer_dir, tmp)
         tmp.rename(vision.parent)
     return {"vlm_export": vlm, "llm": irs, "vision": vision}
 
