@@ -3,9 +3,9 @@
 # litevlm_msgs interface package built into it. Idempotent: every step is skipped when a stamp
 # file says its inputs have not changed, so a second run takes about a second.
 #
-# --peers: also the optional peer engines of scripts/peers.py (requirements-peers.txt: gguf and
-# llama-cpp-python, which builds llama.cpp from source: ~20 minutes on 2 cores, logged to
-# $VENV/.litevlm-peers.log). Nothing else needs them.
+# --peers: also the optional peer engines of `litevlm bench --peers` (step 6: llama-cpp-python with
+# libmtmd built from source, ~20 minutes on 2 cores, logged to $VENV/.litevlm-peers.log; OpenVINO
+# GenAI and optimum-intel in their own venv, .venv-openvino). Nothing else needs them.
 #
 # Needs only Debian/Ubuntu with python3.11 (+ venv), gcc and cmake; see ../shared/ENVIRONMENT.md
 # for why each ROS work-around below exists.
@@ -101,22 +101,69 @@ fi
 #    failed build is not fatal: those forms then run their reference path, and the line says why.
 "$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; print("[setup] low-bit CPU kernels:", k.path_in_words(k.load()))'
 
-# 6. Optional: the peer engines (--peers), keyed on requirements-peers.txt.
+# 6. Optional: the peer engines of `litevlm bench --peers` (bench/peers/), keyed on their
+#    requirements files and the CMake flags:
+#    a) llama.cpp: llama-cpp-python built from its source package for this CPU, with libmtmd (the
+#       multimodal library), and the llama.cpp tree that package vendors (convert_hf_to_gguf.py,
+#       conversion/, gguf-py/) kept in $VENV/share/litevlm-peers/llama.cpp: converter and library of
+#       one version. ~20 minutes on 2 cores, logged to $VENV/.litevlm-peers.log.
+#    b) OpenVINO GenAI and optimum-intel in their own venv ($ROOT/.venv-openvino, or
+#       $LITEVLM_OPENVINO_VENV): their pins clash with this project's (requirements-peers-openvino.txt).
 if [ "${1:-}" = "--peers" ]; then
-    peers_stamp="$VENV/.litevlm-peers-$(hash_of requirements-peers.txt)"
-    if [ ! -f "$peers_stamp" ] || ! "$PY" -c 'import gguf, llama_cpp' 2>/dev/null; then
-        log "installing requirements-peers.txt (llama-cpp-python builds from source: ~20 minutes on 2 cores)"
+    # GGML_NATIVE: llama.cpp compiled for this CPU's instruction sets (-march=native), as its own build
+    # does by default; tests and examples are not built. LLAVA_BUILD=ON (the package's default) builds
+    # libmtmd from the vendored tools/mtmd; quantizing uses libllama's llama_model_quantize.
+    LLAMA_CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=ON}"
+    LLAMA_SRC="$VENV/share/litevlm-peers/llama.cpp"
+    peers_stamp="$VENV/.litevlm-peers-$(cat requirements-peers.txt <(echo "$LLAMA_CMAKE_ARGS") | sha256sum | cut -c1-16)"
+    if [ ! -f "$peers_stamp" ] || [ ! -f "$LLAMA_SRC/convert_hf_to_gguf.py" ] \
+            || ! "$PY" -c 'import llama_cpp, llama_cpp.mtmd_cpp' 2>/dev/null; then
+        log "building llama-cpp-python with libmtmd from its source package (~20 minutes on 2 cores)"
         peers_log="$VENV/.litevlm-peers.log"
-        # GGML_NATIVE: llama.cpp compiled for this CPU's instruction sets (-march=native), as its
-        # own build does by default; tests, examples and the multimodal library are not built.
-        CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF}" \
-            CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-            "$PY" -m pip install --disable-pip-version-check -r requirements-peers.txt > "$peers_log" 2>&1 \
+        sdist_dir="$VENV/.litevlm-build/llama-cpp-sdist"
+        version="$(sed -n 's/^llama-cpp-python==\([0-9.]*\).*/\1/p' requirements-peers.txt)"
+        rm -rf "$sdist_dir"
+        mkdir -p "$sdist_dir"
+        {
+            "$PY" -m pip download --disable-pip-version-check --no-deps --no-binary :all: \
+                "llama-cpp-python==$version" -d "$sdist_dir" \
+            && tar -xzf "$sdist_dir/llama_cpp_python-$version.tar.gz" -C "$sdist_dir" \
+            && rm -rf "$LLAMA_SRC" && mkdir -p "$LLAMA_SRC" \
+            && cp -r "$sdist_dir/llama_cpp_python-$version/vendor/llama.cpp/"{convert_hf_to_gguf.py,conversion,gguf-py,LICENSE} \
+                "$LLAMA_SRC/" \
+            && CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+                "$PY" -m pip install --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps \
+                "$sdist_dir/llama_cpp_python-$version.tar.gz" \
+            && "$PY" -m pip install --disable-pip-version-check -r requirements-peers.txt ; } > "$peers_log" 2>&1 \
             || { tail -30 "$peers_log"; echo "[setup] peers install failed: $peers_log" >&2; exit 1; }
+        # --no-cache-dir and --force-reinstall: a wheel built earlier with other flags (without
+        # libmtmd) is neither reused from pip's cache nor kept as "already satisfied".
+        "$PY" -c 'import llama_cpp.mtmd_cpp' \
+            || { echo "[setup] llama-cpp-python built without libmtmd (CMAKE_ARGS: $LLAMA_CMAKE_ARGS)" >&2; exit 1; }
+        rm -rf "$sdist_dir"
         rm -f "$VENV"/.litevlm-peers-*
         touch "$peers_stamp"
     else
-        log "peer engines up to date"
+        log "llama.cpp peer up to date"
+    fi
+    # optimum-intel 2.2 requires torchvision, whose index wheel is a CUDA build that breaks
+    # transformers' imports beside the CPU torch: installed with --no-deps after its other pins.
+    OPTIMUM_INTEL="optimum-intel==2.2.0"
+    OV_VENV="${LITEVLM_OPENVINO_VENV:-$ROOT/.venv-openvino}"
+    ov_stamp="$OV_VENV/.litevlm-openvino-$(cat requirements-peers-openvino.txt <(echo "$OPTIMUM_INTEL") | sha256sum | cut -c1-16)"
+    if [ ! -f "$ov_stamp" ] || ! "$OV_VENV/bin/python" -c 'import openvino_genai, optimum.intel' 2>/dev/null; then
+        log "installing OpenVINO GenAI and optimum-intel into $OV_VENV (a few minutes)"
+        [ -x "$OV_VENV/bin/python" ] || "$PYTHON" -m venv "$OV_VENV"
+        ov_log="$OV_VENV/.litevlm-openvino.log"
+        { "$OV_VENV/bin/python" -m pip install --disable-pip-version-check -r requirements-peers-openvino.txt \
+            && "$OV_VENV/bin/python" -m pip install --disable-pip-version-check --no-deps "$OPTIMUM_INTEL" \
+            && { "$OV_VENV/bin/python" -m pip uninstall -y torchvision || true; } \
+            && "$OV_VENV/bin/python" -c 'import openvino_genai, optimum.intel' ; } > "$ov_log" 2>&1 \
+            || { tail -30 "$ov_log"; echo "[setup] OpenVINO peers install failed: $ov_log" >&2; exit 1; }
+        rm -f "$OV_VENV"/.litevlm-openvino-*
+        touch "$ov_stamp"
+    else
+        log "OpenVINO peer up to date"
     fi
 fi
 

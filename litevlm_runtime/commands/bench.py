@@ -27,10 +27,12 @@ def register(subparsers) -> None:
     add_option_flags(p, with_model=False)
     p.add_argument("--frames", type=Path, help="frame folder (default: random frames)")
     p.add_argument("--frame-sets", type=int, default=2, help="how many frame sets to cycle through")
-    p.add_argument("--questions", type=int, default=8, help="how many of the built-in questions")
+    p.add_argument("--questions", type=int, help="how many of the built-in questions (default 8; --peers --whole: "
+                                                 "DriveLM sample questions, default 4)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--no-reference", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", nargs="?", const="-", metavar="OUT",
+                   help="print JSON instead of the table (--peers: also the table; with OUT, write the rows there)")
     p.add_argument("--backend", help="comma list of backends to run side by side in one table, first = baseline "
                                      "(NAME or NAME=BUNDLE, e.g. torch,onnxruntime=b,onnxruntime=b-int8,openvino=b,"
                                      "openvino:int8=b: OpenVINO with NNCF int8 weights); "
@@ -44,7 +46,7 @@ def register(subparsers) -> None:
                         "accuracy (bench/temporal.py)")
     p.add_argument("--data", type=Path, help="DriveLM-format QA json for --ablation (frames from --frames)")
     p.add_argument("--limit", type=int, default=40, help="--ablation, --temporal: first N questions")
-    p.add_argument("--plot", type=Path, help="--ablation: write the per-stage bar chart (PNG) here")
+    p.add_argument("--plot", type=Path, help="--ablation, --peers --whole: write the bar chart (PNG) here")
     p.add_argument("--costs", action="store_true",
                    help="the speculation cost table measured on this device and backend, and the tree the policy "
                         "chooses from it (decodes with EAGLE-2; with --preset, a random draft head)")
@@ -52,7 +54,9 @@ def register(subparsers) -> None:
                    help="each stage's time against the floor the measured memory bandwidth and peak FLOP/s allow "
                         "(bench/roofline.py); --weights float,int8 alternates the decoder's weights in one process")
     p.add_argument(
-        "--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8,bf16)"
+        "--weights", help="--roofline: comma list of backend.weights kinds to alternate (e.g. float,int8,bf16); "
+                          "--peers: this project's forms (default float,int8,int4; int4 is AWQ where the model has "
+                          "quantized-int4, else int4-rtn)"
     )
     p.add_argument("--context", type=int, help="--roofline: cached rows a decode step attends to (default: a real "
                                                "query's prompt; 256 with --preset)")
@@ -62,12 +66,14 @@ def register(subparsers) -> None:
                    help="latency budgets at F x the unbudgeted median on --data questions (repeatable; e.g. 0.5)")
     p.add_argument("--contention", action="store_true",
                    help="p50/p99 quiet and beside --hog busy processes, per --threads-configs (contention.py)")
-    p.add_argument("--hog", type=int, help="--contention: busy processes in the loaded condition (default: the cores)")
+    p.add_argument("--hog", type=int, help="--contention: busy processes in the loaded condition (default: the cores); "
+                                          "--peers: also run every row beside this many busy processes")
     p.add_argument("--hog-kind", default="spin", help="--contention: spin (a Python loop) | matmul (numpy, one thread)")
     p.add_argument("--threads-configs", default="default,torch+spin,half+spin,1",
                    help="--contention: comma list of THREADS[+passive|+active|+spin], THREADS = default | torch | "
                         "half | N (default: the shipped default, torch's own, the one before passive waiting, 1)")
-    p.add_argument("--rounds", type=int, default=1, help="--contention: quiet/loaded pairs per configuration")
+    p.add_argument("--rounds", type=int, default=1, help="--contention: quiet/loaded pairs per configuration; --peers: "
+                                                      "alternating rounds of every row")
     p.add_argument("--memory", action="store_true",
                    help="the memory plan for the car: InternVL2.5-2B and InternVL3-2B (or --preset) at 12 tiles, "
                         "weights / TensorRT workspace / arena / KV per batch region and conversation for FP16, FP8, "
@@ -76,6 +82,33 @@ def register(subparsers) -> None:
     p.add_argument("--reserved-gib", type=float, default=40.0,
                    help="--memory: GiB of a 64 GB DRIVE Thor the rest of the driving stack keeps (an assumption: "
                         "perception, planning, sensor buffers, OS)")
+    peers = p.add_argument_group("--peers: the engines users run instead, same weights, one run (bench/peers/)")
+    peers.add_argument("--peers", action="store_true",
+                       help="this project against llama.cpp and OpenVINO GenAI at their own defaults, each row in its "
+                            "own process (slow; `bash scripts/setup.sh --peers` installs the peers): the decode step "
+                            "table, or with --whole whole six-camera DriveLM questions")
+    peers.add_argument("--whole", action="store_true", help="--peers: whole questions with images (TTFT, total, "
+                                                            "vision, prefill, decode, peak RSS, agreement)")
+    peers.add_argument("--threads", type=int, default=2, help="--peers: threads of every row (default 2)")
+    peers.add_argument("--engines", help="--peers: comma list of litevlm, llama.cpp, openvino (default all)")
+    peers.add_argument("--gguf", help="--peers: llama.cpp text model forms, comma list of f16, q8_0, q4_0 "
+                                      "(default all; the mmproj is F16)")
+    peers.add_argument("--openvino", help="--peers: OpenVINO weight compressions, comma list of int8, int4 "
+                                          "(default both)")
+    peers.add_argument("--pipelines", help="--peers --whole: this project's pipelines, baseline,litevlm (default both)")
+    peers.add_argument("--new-tokens", type=int, default=32, help="--peers --whole: answer length cap (default 32)")
+    peers.add_argument("--llama-preprocess", choices=("tile", "mtmd"), default="tile",
+                       help="--peers --whole: llama.cpp's images: tile (default: each JPEG decoded and resized to "
+                            "the one tile by PIL, bicubic, as upstream InternVL does) | mtmd (libmtmd decodes and "
+                            "preprocesses: tile + overview, 2 tiles per camera)")
+    peers.add_argument("--drivelm", type=Path, help="--peers --whole: the DriveLM sample folder (default "
+                                                   "../shared/drivelm_sample)")
+    peers.add_argument("--cache", type=Path, help="--peers: folder for checkpoints and the peers' files, reused by "
+                                                  "later runs, keyed by the weights' digest (default "
+                                                  "/tmp/litevlm-peers; ~20 GB at internvl3-2b)")
+    peers.add_argument("--seed", type=int, default=0, help="--peers --preset: the random weights' seed")
+    peers.add_argument("--prompt", type=int, default=256, help="--peers (decode table): prompt ids before decoding")
+    peers.add_argument("--tokens", type=int, default=32, help="--peers (decode table): greedy steps per round")
     p.set_defaults(func=run)
 
 
@@ -253,6 +286,14 @@ def run(args) -> int:
 
     if args.memory:
         return run_memory_command(args)
+    if args.peers or args.whole:
+        from ..bench.peers.command import run_peers   # (imports the peers' packages only when asked)
+
+        if not args.peers:
+            raise InputError("--whole belongs to --peers: litevlm bench --peers --whole ...")
+        return run_peers(args)
+    if args.questions is None:
+        args.questions = 8
     if not args.model and not args.preset:
         raise InputError("litevlm bench: --model or --preset is required (--memory needs neither)")
     if args.costs:
