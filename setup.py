@@ -18,5 +18,6 @@ setup(
         ("share/litevlm/config", glob("config/*")),
     ],
     python_requires=">=3.10",
-    entry_points={"console_scripts": ["litevlm = litevlm_runtime.cli:main", "litevlm_drive_node = litevlm_runtime.ros.runner:main"]},
+    entry_points={"console_scripts": ["litevlm = litevlm_runtime.cli:main",
+                                      "litevlm_drive_node = litevlm_runtime.ros.runner:main"]},
 )

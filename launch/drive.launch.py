@@ -1,5 +1,6 @@
 """`ros2 launch litevlm drive.launch.py [namespace:=NS] [params_file:=FILE] [model_dir:=DIR]
-[log_level:=LEVEL] [fastdds_profile:=FILE] [auto_activate:=true|false]`   (`ros2 launch litevlm drive.launch.py --show-args`)
+[log_level:=LEVEL] [fastdds_profile:=FILE] [auto_activate:=true|false]`
+(`ros2 launch litevlm drive.launch.py --show-args`)
 
 Starts the litevlm_drive lifecycle node and requests configure; when that first configure
 succeeds (configuring -> inactive) it requests activate, once: the handler handles one event only

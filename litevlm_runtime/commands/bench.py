@@ -287,7 +287,7 @@ def run(args) -> int:
     if args.memory:
         return run_memory_command(args)
     if args.peers or args.whole:
-        from ..bench.peers.command import run_peers   # (imports the peers' packages only when asked)
+        from ..bench.peers.command import run_peers  # (imports the peers' packages only when asked)
 
         if not args.peers:
             raise InputError("--whole belongs to --peers: litevlm bench --peers --whole ...")
