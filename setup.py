@@ -9,8 +9,8 @@ setup(
     version="0.1.0",
     packages=find_packages(include=["litevlm_runtime", "litevlm_runtime.*"]),
     # The bundled default model's weights, tokenizer and card travel with the package, and the
-    # low-bit CPU kernels' source (built on first use: weights/lowbit_kernels.py).
-    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*", "weights/*.cpp"]},
+    # low-bit CPU kernels' source (built on first use: kernels/lowbit_kernels.py).
+    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*", "kernels/*.cpp"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/litevlm"]),
         ("share/litevlm", ["package.xml"]),

@@ -42,11 +42,11 @@ import torch
 
 from litevlm_runtime.bench.contention import Hog
 from litevlm_runtime.bench.roofline import count_flops
+from litevlm_runtime.kernels import lowbit_kernels
+from litevlm_runtime.kernels.cpuinfo import read_cpuinfo
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
-from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import Bf16Linear
-from litevlm_runtime.weights.cpuinfo import read_cpuinfo
 from litevlm_runtime.weights.linear_forms import child_linears, use_bf16_attention
 from litevlm_runtime.weights.lowbit import Int8Linear, set_prefill_gemm
 

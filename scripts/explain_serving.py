@@ -36,11 +36,11 @@ from pathlib import Path
 
 from litevlm_runtime.bench.soak import DDSClient, NodeProcess
 from litevlm_runtime.explain.capture import drivelm_questions
+from litevlm_runtime.kernels.cpuinfo import read_cpuinfo
 from litevlm_runtime.pipeline.answer import STAGES, object_fields
 from litevlm_runtime.report import table
 from litevlm_runtime.ros.params_file import config_dir, load_node_params
 from litevlm_runtime.timing import percentile
-from litevlm_runtime.weights.cpuinfo import read_cpuinfo
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample"
 EXPLANATION_TOPIC = "/litevlm_drive/explanation"

@@ -158,10 +158,10 @@ def main() -> None:
     if args.serve:
         return serve(args)
     from litevlm_runtime.bench.roofline import decode_step
+    from litevlm_runtime.kernels import lowbit_kernels
+    from litevlm_runtime.kernels.cpuinfo import read_cpuinfo
     from litevlm_runtime.report import table
     from litevlm_runtime.timing import percentile
-    from litevlm_runtime.weights import lowbit_kernels
-    from litevlm_runtime.weights.cpuinfo import read_cpuinfo
     from litevlm_runtime.weights.linear_forms import DECODER_KINDS, Quantized, quantized_folder
 
     kinds = [w for w in args.weights.split(",") if w]

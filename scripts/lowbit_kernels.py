@@ -1,5 +1,5 @@
 """The low-bit matmul candidates against the float32 matmul at a model's decoder shapes, in one run:
-what chose the kernel of `backend.weights int4 | int8 | fp16` (weights/lowbit_kernels.cpp).
+what chose the kernel of `backend.weights int4 | int8 | fp16` (kernels/lowbit_kernels.cpp).
 
     python scripts/lowbit_kernels.py [--preset internvl3-2b] [--threads 2] [--rounds 5] [--rows 1,256]
                                      [--only float,own-int4,...]
@@ -45,9 +45,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from litevlm_runtime.kernels import lowbit_kernels
+from litevlm_runtime.kernels.cpuinfo import read_cpuinfo
 from litevlm_runtime.report import table
-from litevlm_runtime.weights import lowbit_kernels
-from litevlm_runtime.weights.cpuinfo import read_cpuinfo
 from litevlm_runtime.weights.presets import preset
 from litevlm_runtime.weights.quantize import GROUP_SIZE, quantize_int4, quantize_int8, unpack_nibbles
 

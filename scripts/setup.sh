@@ -95,11 +95,11 @@ else
     log "litevlm_msgs up to date"
 fi
 
-# 5. The low-bit CPU kernels (weights/lowbit_kernels.cpp: backend.weights int4/int8/fp16), built by
+# 5. The low-bit CPU kernels (kernels/lowbit_kernels.cpp: backend.weights int4/int8/fp16), built by
 #    torch.utils.cpp_extension against this venv's torch once (about half a minute; kept per digest of
 #    the source, so a second run is a lookup). A CPU they do not cover (aarch64, x86 without AVX2) or a
 #    failed build is not fatal: those forms then run their reference path, and the line says why.
-"$PY" -c 'from litevlm_runtime.weights import lowbit_kernels as k; print("[setup] low-bit CPU kernels:", k.path_in_words(k.load()))'
+"$PY" -c 'from litevlm_runtime.kernels import lowbit_kernels as k; print("[setup] low-bit CPU kernels:", k.path_in_words(k.load()))'
 
 # 6. Optional: the peer engines of `litevlm bench --peers` (bench/peers/), keyed on their
 #    requirements files and the CMake flags:

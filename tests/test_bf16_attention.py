@@ -1,4 +1,4 @@
-"""The kernels' bfloat16 attention (weights/lowbit_kernels.cpp attention_bf16): a vision tile's tokens over
+"""The kernels' bfloat16 attention (kernels/lowbit_kernels.cpp attention_bf16): a vision tile's tokens over
 each other and a causal prompt over the cache it sees whole, against a float64 recomputation; where the
 model code takes it (models/intern_vit.py tile_attention, models/decoder.py attend / causal_prompt) and
 where it does not.
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from litevlm_runtime.kernels import lowbit_kernels
 from litevlm_runtime.models.decoder import causal_prompt
 from litevlm_runtime.models.intern_vit import tile_attention
-from litevlm_runtime.weights import lowbit_kernels
 
 needs_bf16 = pytest.mark.skipif(not lowbit_kernels.has_bf16_attention(),
                                 reason="no AVX-512 BF16 here: the model code takes torch's SDPA (tested below)")

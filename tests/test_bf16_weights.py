@@ -17,8 +17,8 @@ from torch import nn
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.errors import InputError
+from litevlm_runtime.kernels import lowbit_kernels
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import BF16_MIN_ROWS, WIDEN_MAX_BYTES, Bf16Linear
 from litevlm_runtime.weights.linear_forms import LinearForms, child_linears, weight_bytes
 from litevlm_runtime.weights.lowbit import Int8Linear

@@ -1,5 +1,5 @@
 """How the low-bit CPU kernels are built and what is said where they cannot run
-(weights/lowbit_kernels.py): by torch.utils.cpp_extension into a folder per source, once, also when
+(kernels/lowbit_kernels.py): by torch.utils.cpp_extension into a folder per source, once, also when
 two processes build at once and a killed build left torch's lock file behind; linked with no OpenMP
 runtime beside torch's; a CPU the kernels do not cover is named, and the weight forms say which
 path they run (the node's /diagnostics shows it: tests/test_node_backends.py)."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import make_tiny_checkpoint, options
 
-from litevlm_runtime.weights import lowbit_kernels
+from litevlm_runtime.kernels import lowbit_kernels
 
 # A source as small as one operator: the build machinery, not the kernels, is under test.
 TINY = """#include <torch/library.h>
@@ -27,7 +27,7 @@ AARCH64 = "processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: fp asimd evtstrm aes
 BUILD = """import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from litevlm_runtime.weights.lowbit_kernels import build
+from litevlm_runtime.kernels.lowbit_kernels import build
 print(build(Path(sys.argv[1]), "litevlm_build_test", Path(sys.argv[2])))
 """
 
@@ -92,7 +92,7 @@ def test_the_forms_say_which_path_they_run(tmp_path):
 sys.path.insert(0, "tests")
 from helpers import options, random_frames
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights import lowbit_kernels
+from litevlm_runtime.kernels import lowbit_kernels
 lowbit_kernels.CPUINFO = {str(tmp_path / "cpuinfo")!r}
 for weights in ("int4-rtn", "int8"):
     pipe = Pipeline.from_pretrained({str(model)!r}, options(backend__weights=weights, max_new_tokens=2))

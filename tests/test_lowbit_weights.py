@@ -33,8 +33,8 @@ from helpers import lively_checkpoint_of, options, random_frames
 from torch import nn
 
 from litevlm_runtime.errors import CheckpointError, InputError
+from litevlm_runtime.kernels import lowbit_kernels
 from litevlm_runtime.pipeline.pipeline import Pipeline
-from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
 from litevlm_runtime.weights.linear_forms import LinearForms, decoder_linears
 from litevlm_runtime.weights.lowbit import (

@@ -10,8 +10,8 @@ from litevlm_runtime.bag.io import write_bag
 from litevlm_runtime.bag.make import drivelm_contents
 from litevlm_runtime.bundled import DEFAULT_MODEL
 from litevlm_runtime.cli import main
+from litevlm_runtime.kernels import lowbit_kernels
 from litevlm_runtime.ros.params_file import load_node_params
-from litevlm_runtime.weights import lowbit_kernels
 from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
 
 

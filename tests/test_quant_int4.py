@@ -141,7 +141,7 @@ def test_onnxruntime_equals_the_torch_int4_path(int4):
     bf16, _ = engines(model, out, folder, kernel=True, prefill="bfloat16")
     assert rel(stage_outputs(bf16)["prefill"], want["prefill"]) < 0.1 * rel(plain["prefill"], want["prefill"])
     # the int8 prompt GEMM (backend.lowbit_prefill int8, AVX-512 VNNI): int8 activations, as the steps above
-    from litevlm_runtime.weights import lowbit_kernels
+    from litevlm_runtime.kernels import lowbit_kernels
 
     if lowbit_kernels.has_vnni():
         int8, _ = engines(model, out, folder, kernel=True, prefill="int8")

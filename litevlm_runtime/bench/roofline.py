@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
+from ..kernels import lowbit_kernels
 from ..report import table
 from ..timing import median_ms
-from ..weights import lowbit_kernels
 from ..weights.bf16 import BF16_MIN_ROWS
 from ..weights.gemm import onednn_linear
 from ..weights.linear_forms import LinearForms, Quantized, quantized_folder, weight_bytes

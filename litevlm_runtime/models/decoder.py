@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..weights import lowbit_kernels
+from ..kernels import lowbit_kernels
 from .config import LLMConfig
 from .kv_cache import read as read_kv
 from .rope import RotaryTable, apply_rope  # the rest of the code imports them from here
@@ -124,7 +124,7 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunk
     A row must be allowed at least one column (its own, in every caller). `chunks`: in_chunks(mask_new),
     when the caller has it (None: decided here). `bf16`: the caller found the rows a causal prompt over a
     cache they see whole (causal_prompt) in a layer whose many-row GEMMs run bfloat16 or int8: the
-    kernels' bfloat16 attention (weights/lowbit_kernels.cpp: q, k, v rounded to bfloat16 as a bfloat16
+    kernels' bfloat16 attention (kernels/lowbit_kernels.cpp: q, k, v rounded to bfloat16 as a bfloat16
     model holds them, float32 scores, softmax and sums; key blocks past a row's own never computed).
 
     Two kernels for the same attention: eager PyTorch (and CUDA-graph capture) call the fused

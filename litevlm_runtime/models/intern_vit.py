@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..weights import lowbit_kernels
+from ..kernels import lowbit_kernels
 from .config import VisionConfig
 from .decoder import in_graph
 
@@ -47,7 +47,7 @@ class VisionEmbeddings(nn.Module):
 def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """q, k, v [B, H, N, D] -> [B, H, N, D]: every token of a tile over every token of it (no mask).
     `bf16` (a vision tower whose GEMMs run in bfloat16 or int8, backend.vision_gemm), eager, float32 on
-    a CPU with AVX-512 BF16: the kernels' bfloat16 attention (weights/lowbit_kernels.cpp: bfloat16 products,
+    a CPU with AVX-512 BF16: the kernels' bfloat16 attention (kernels/lowbit_kernels.cpp: bfloat16 products,
     float32 scores, softmax and sums; 1.8x torch's CPU SDPA at InternViT's 1,025 tokens x 16 heads on Zen
     4, whose float32 path runs MKL's AVX2 GEMM there). Otherwise torch's scaled_dot_product_attention."""
     if (bf16 and q.dtype == torch.float32 and q.device.type == "cpu" and not in_graph()

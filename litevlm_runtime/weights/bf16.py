@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpuinfo import read_cpuinfo
+from ..kernels.cpuinfo import read_cpuinfo
 
 BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16")   # /proc/cpuinfo flags of CPUs that multiply bfloat16 natively
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpuinfo import read_cpuinfo
 from ..models.decoder import in_graph
-from .cpuinfo import read_cpuinfo
 
 GEMM_KINDS = ("auto", "torch", "onednn")
 ONEDNN_MIN_ROWS = 4     # rows from which oneDNN's float32 matmul beats MKL here (measured: 2 rows 0.9x, 5 rows 1.8x)

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, InputError
+from ..kernels import lowbit_kernels
+from ..kernels.lowbit_kernels import path_in_words
 from ..models.decoder import DecoderLayer
 from ..models.intern_vit import VisionAttention
-from . import lowbit_kernels
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
 from .lowbit import (
     Fp16Linear,
@@ -37,7 +38,6 @@ from .lowbit import (
     runs_kernels,
     set_prefill_gemm,
 )
-from .lowbit_kernels import path_in_words
 from .quantize import GROUP_SIZE, Int4Weight, Int8Weight, load_quantized
 
 WEIGHT_KINDS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")

@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import lowbit_kernels
 from ..models.decoder import DecoderLayer
-from . import lowbit_kernels
 from .bf16 import BF16_UNIT_FLAGS, cpu_has_bf16_units
 from .quantize import (
     GROUP_SIZE,

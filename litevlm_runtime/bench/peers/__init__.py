@@ -16,5 +16,6 @@ and the timing, each row in its own process:
   whole.py          whole six-camera questions: rows, rounds, the table, the PNG
   decode.py         the decode-step table, with a --hog column
   command.py        the flags of `litevlm bench --peers [--whole]`
+  flags.py          the flag values and the machine line (command.py, decode.py)
   env.py            where the peers live; the clean environment their processes start with
 """

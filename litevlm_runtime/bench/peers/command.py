@@ -7,11 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from .flags import ENGINES, GGUF, OPENVINO, PIPELINES, WEIGHTS, cpu_line, split
+
 DEFAULT_CACHE = Path("/tmp/litevlm-peers")
-
-
-def split(value: str | None, default: str) -> list[str]:
-    return [v.strip() for v in (value or default).split(",") if v.strip()]
 
 
 def resolve_model(args, cache: Path, progress) -> Path:
@@ -21,23 +19,6 @@ def resolve_model(args, cache: Path, progress) -> Path:
     if args.model:
         return Path(args.model)
     return study_checkpoint(cache / "checkpoints" / f"{args.preset}-seed{args.seed}", args.preset, args.seed, progress)
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    wanted = ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8"]
-    import os
-
-    return f"{model}; flags: " + " ".join(f for f in wanted if f in flags) + f"; {os.cpu_count()} CPUs"
-
-
-ENGINES = ("litevlm", "llama.cpp", "openvino")
-GGUF = ("f16", "q8_0", "q4_0")
-OPENVINO = ("int8", "int4")
-PIPELINES = ("baseline", "litevlm")
-WEIGHTS = ("float", "int8", "int4", "int4-rtn", "fp16", "bf16")
 
 
 def check_flags(args) -> None:

@@ -40,8 +40,8 @@ def run_decode_command(args, model: Path, cache: Path, say) -> int:
     from ...bench.contention import Hog
     from ...bench.roofline import CAP_BYTES, measure_bandwidth
     from ...weights.checkpoint import read_config
-    from .command import cpu_line, split
     from .files import llama_files, weights_digest
+    from .flags import cpu_line, split
     from .models import peer_form
     from .whole import project_int4
 
