@@ -1,7 +1,9 @@
 """The docs say how to measure; dated figures live in docs/results/, each beside the commit it was
 measured on (issue 44, "docs that will not go stale"). Checked here: docs/performance.md stays a
 methods file with one current table whose links resolve, every results file states its question,
-date, command and a commit that exists in this repository, and the results index lists them all."""
+date, command and a commit that exists in this repository, and the results index lists them all;
+and the figures the docs compute rather than measure (the shipped arena in docs/serving.md, the
+car's memory plan in docs/deployment.md) agree with the code that computes them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+
+from litevlm_runtime.bench.memory import PRESETS, memory_rows, memory_table_rows
+from litevlm_runtime.bundled import DEFAULT_MODEL
+from litevlm_runtime.options import options_from_flat
+from litevlm_runtime.pipeline.arena import Arena
+from litevlm_runtime.pipeline.runtime import DTYPES, arena_limits
+from litevlm_runtime.stages.prompt import resolve_layout
+from litevlm_runtime.weights.checkpoint import read_config
+from litevlm_runtime.weights.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -90,3 +102,32 @@ def test_every_results_commit_exists_in_this_repository():
         for commit in COMMIT_LINE.findall(path.read_text()):
             run = git("cat-file", "-e", f"{commit}^{{commit}}")
             assert run.returncode == 0, f"{path.name}: commit {commit} is not in this repository"
+
+
+# Figures the docs compute rather than measure: stated once, checked here against the code that
+# computes them, so that a change to the arena or the presets fails until the doc says it too.
+
+def doc_table(doc: str, header_start: str) -> list[list[str]]:
+    text = (DOCS / doc).read_text()
+    table = next(t for t in markdown_tables(text) if t[0].startswith(header_start))
+    return [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in table[1:]]
+
+
+def test_the_serving_doc_states_the_shipped_arena():
+    model = str(DEFAULT_MODEL)
+    cfg, options = read_config(Path(model)), options_from_flat({}).resolved(None)
+    limits = arena_limits(cfg, Tokenizer(model), options, resolve_layout(None, model)[0])
+    arena = Arena(cfg, limits, DTYPES[options.dtype], torch.device("meta"))
+    kv = sum(t.numel() * t.element_size() for k, t in arena.buffers().items()
+             if k in ("k_regions", "v_regions", "k_turns", "v_turns"))
+    shipped = next(r for r in doc_table("serving.md", "| max_turns | conversations | max_len")
+                   if r[0].endswith("(shipped)"))
+    assert int(shipped[2]) == arena.max_len, "docs/serving.md's shipped max_len"
+    assert float(shipped[4]) == round(kv / 2**20, 1), "docs/serving.md's shipped KV MiB"
+
+
+def test_the_deployment_doc_states_the_memory_plan():
+    names = {"InternVL2.5-2B": "internvl2_5-2b", "InternVL3-2B": "internvl3-2b"}
+    documented = [[names[r[0]], *r[1:]] for r in doc_table("deployment.md", "| model | weights | KV | ViT MiB")]
+    computed = [row for p in PRESETS for row in memory_table_rows(memory_rows(p, reserved_gib=40.0))]
+    assert documented == computed, "docs/deployment.md's memory plan differs from `litevlm bench --memory`"
