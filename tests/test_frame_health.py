@@ -10,6 +10,7 @@ from helpers import png_claiming
 from ros_helpers import jpeg
 
 from litevlm_runtime.cameras import CAMERAS
+from litevlm_runtime.options import PipelineOptions
 from litevlm_runtime.pipeline.request import QueryRequest
 from litevlm_runtime.serving.frame_health import header_defect, too_large
 from litevlm_runtime.serving.frame_store import Frame
@@ -52,8 +53,10 @@ def test_header_defects(payload, why):
 
 def server(published):
     s = QueryServer(ServerSettings(queue_size=4), published.append, clock_ns=lambda: 10 ** 9)
-    # submit's question check is skipped below; stats() counts the runtime's kept conversations
-    s.pipeline, s.active = SimpleNamespace(rt=SimpleNamespace(conversations=SimpleNamespace(turns={}))), True
+    # submit's question check is skipped below; stats() counts the runtime's kept conversations, and
+    # matching reads the temporal settings (one frame set, the shipped defaults)
+    rt = SimpleNamespace(conversations=SimpleNamespace(turns={}), options=PipelineOptions())
+    s.pipeline, s.active = SimpleNamespace(rt=rt), True
     return s
 
 
