@@ -1,4 +1,4 @@
-"""scripts/cpu_stages.py as a user runs it (issue 43: vision and the prompt's prefill, each GEMM variant
+"""`litevlm bench --study cpu_stages` as a user runs it (issue 43: vision and the prompt's prefill, each GEMM variant
 alternating in one process): every stage x variant row, the speed-up column against the first variant,
 and a clear refusal of an unknown stage. Behaviour only: the figures themselves are the machine's.
 Also the FLOP formulas it (and `litevlm bench --roofline`) counts vision and prefill with."""
@@ -10,14 +10,15 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
 
 from litevlm_runtime.bench.roofline import count_flops
+
+STUDY = [sys.executable, "-m", "litevlm_runtime.cli", "bench", "--study", "cpu_stages"]
 
 
 def test_every_stage_and_variant_gets_a_row(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "cpu_stages.py"), "--preset", "tiny", "--weights", "int4-rtn",
+        [*STUDY, "--preset", "tiny", "--weights", "int4-rtn",
          "--threads", "1", "--prefill-rows", "40", "--tiles", "2", "--prefill-gemm", "float32,int8",
          "--vision-gemm", "float32,bfloat16", "--rounds", "2"],   # (int8 needs VNNI: the forms' own tests)
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -35,7 +36,7 @@ def test_every_stage_and_variant_gets_a_row(tmp_path):
 
 def test_an_unknown_stage_is_named(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "cpu_stages.py"), "--preset", "tiny", "--stages", "decode"],
+        [*STUDY, "--preset", "tiny", "--stages", "decode"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode != 0 and "--stages decode" in out.stdout + out.stderr
 

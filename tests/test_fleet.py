@@ -131,8 +131,8 @@ def test_cli_eval_then_compare(tmp_path, bags, params, drivelm_dir, tiny_model):
         from PIL import Image
 
         shot = tmp_path / "shot.png"
-        subprocess.run(["bash", str(ROOT / "scripts" / "fleet_screenshot.sh"), str(tmp_path / "rep"), str(shot),
-                        "1000x1400"], check=True, timeout=120)
+        subprocess.run(["bash", str(ROOT / "scripts" / "studies" / "fleet_screenshot.sh"), str(tmp_path / "rep"),
+                        str(shot), "1000x1400"], check=True, timeout=120)
         pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
         assert pixels.shape == (1400, 1000) and pixels.std() > 10
 

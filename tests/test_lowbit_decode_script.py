@@ -1,4 +1,4 @@
-"""scripts/lowbit_decode.py as a user runs it (issue 35's p99/p50 measurement): every form's rows,
+"""`litevlm bench --study lowbit_decode` as a user runs it (issue 35's p99/p50 measurement): every form's rows,
 a checkout's forms under --against from a child process that imports that checkout's package,
 and the --plot PNG. Behaviour only: the figures themselves are the machine's."""
 
@@ -9,13 +9,15 @@ import sys
 
 from conftest import ROOT
 
+STUDY = [sys.executable, "-m", "litevlm_runtime.cli", "bench", "--study", "lowbit_decode"]
+
 
 def test_forms_here_and_under_against_give_every_row(tmp_path):
     # A checkout of this very tree stands in for an older one: --against only needs a folder whose
     # package the child imports (PYTHONPATH), which the child's own module path then shows.
     png = tmp_path / "loaded.png"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "lowbit_decode.py"), "--preset", "bundled", "--weights",
+        [*STUDY, "--preset", "bundled", "--weights",
          "int4-rtn,float", "--threads", "1", "--hog", "1", "--steps", "3", "--rounds", "2",
          "--against", str(ROOT), "--against-weights", "int8", "--plot", str(png)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -33,7 +35,7 @@ def test_forms_here_and_under_against_give_every_row(tmp_path):
 
 def test_against_a_folder_without_the_package_says_so(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "lowbit_decode.py"), "--preset", "bundled", "--weights", "float",
+        [*STUDY, "--preset", "bundled", "--weights", "float",
          "--hog", "0", "--steps", "1", "--rounds", "1", "--against", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode != 0 and f"--against {tmp_path}" in out.stdout + out.stderr

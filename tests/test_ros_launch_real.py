@@ -139,9 +139,10 @@ def test_ros2_launch_lifecycle_param_and_ctrl_c(tmp_path, tiny_model):
 
 
 def launch_ctrl_c(*args: str, timeout: float = 3600) -> str:
-    """scripts/launch_ctrl_c.py with this test's domain; its output (it exits 0 when every run passed)."""
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_ctrl_c.py"), "--setup", SETUP,
-                        "--domain", str(domain_id(21)), *args], capture_output=True, text=True, timeout=timeout)
+    """`litevlm bench --study launch_ctrl_c` with this test's domain; its output (0 when every run passed)."""
+    r = subprocess.run([sys.executable, "-m", "litevlm_runtime.cli", "bench", "--study", "launch_ctrl_c",
+                        "--setup", SETUP, "--domain", str(domain_id(21)), *args],
+                       capture_output=True, text=True, timeout=timeout)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     return r.stdout

@@ -67,7 +67,7 @@ from .quantize import (
 log = logging.getLogger("litevlm.weights")
 
 # Rows up to which a call runs the fused small-call kernel (above: dequantized tiles + the float GEMM).
-# Measured at InternVL3-2B shapes, 2 threads (scripts/lowbit_kernels.py --rows): see docs/performance.md.
+# Measured at InternVL3-2B shapes, 2 threads (litevlm bench --study lowbit_kernels --rows): see docs/performance.md.
 GEMV_MAX_ROWS = 16
 # float32 bytes of one dequantized weight tile of a large call: tiles of 8 MB (>= 230 rows at a 2B
 # model's widest K, 8960) against 2 MB ones (58 rows there, a narrow GEMM): 0.97x against 0.99x of

@@ -7,7 +7,7 @@ part's cost is divided by the mean of A1 and A2 (the answer's time around it, so
 between them hits both alike), and the medians of those ratios are printed with the medians in ms.
 A query that is not explained runs none of this (nothing of it is on the query's path).
 
-    python scripts/explain_costs.py [--model DIR] [--questions N] [--threads 1] [--set KEY=VALUE]
+    litevlm bench --study explain_costs [--model DIR] [--questions N] [--threads 1] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from litevlm_runtime.pipeline.explanation import explain, trace_from_arena
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.report import table
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample"
+SAMPLE = Path(__file__).resolve().parents[4] / "shared" / "drivelm_sample"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--data", type=Path, default=SAMPLE / "qa_scene_n008.json")
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=12, help="every k-th question of the file, this many")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a pipeline setting")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     settings = {"backend.threads": args.threads, **dict(s.split("=", 1) for s in args.set)}
     pipe = Pipeline.from_pretrained(args.model, options_from_flat(settings))
     everything = drivelm_questions(args.data, args.frames)

@@ -7,9 +7,9 @@ loopback, the bags uploaded to it, then
    transfer each worker fetched per bag, load average);
 2. a regression like a release's (optional, --report): run B with `--set tokens.keep_ratio=0.1`
    after one bag was deleted from the bucket, `fleet compare` of the bench's first 1-worker run
-   (A) with it, the report written and screenshotted (scripts/fleet_screenshot.sh).
+   (A) with it, the report written and screenshotted (scripts/studies/fleet_screenshot.sh).
 
-    python scripts/fleet_cluster_bench.py BAG_DIR... --out /tmp/fleet-bench \\
+    python scripts/studies/fleet_cluster_bench.py BAG_DIR... --out /tmp/fleet-bench \\
         [--ground-truth DIR ...] [--rounds 2] [--cpus 2] [--report docs/fleet_report.png]
 
 The bags are local rosbag2 folders or .mcap files (e.g. made with `litevlm synth` + `litevlm bag
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from ray_helpers import environment, ray_cluster  # noqa: E402
@@ -75,7 +75,7 @@ def run() -> int:
             with environment(s3.env("node")):       # a reviewer who may read the bags (the thumbnails)
                 code = main(["fleet", "compare", str(args.out / "bench" / "workers1-round0"), str(args.out / "b"),
                              "--report", str(args.out / "report"), "--max-p99-ratio", "1.10"])
-        subprocess.run(["bash", str(ROOT / "scripts" / "fleet_screenshot.sh"), str(args.out / "report"),
+        subprocess.run(["bash", str(ROOT / "scripts" / "studies" / "fleet_screenshot.sh"), str(args.out / "report"),
                         str(args.report.resolve()), "1300x2200"], check=True)
         log(f"report {args.out / 'report' / 'index.html'}, screenshot {args.report}")
     return code

@@ -3,7 +3,7 @@ with a configuration per max_batch (docs/serving.md):
 
     litevlm bag peak runs/drive_bag --concurrency 4 --set serving.max_batch=4 \
         --versus b1=serving.max_batch=1 --versus b2=serving.max_batch=2 --json runs/peak.json
-    python scripts/plot_batching.py runs/peak.json docs/batching.png
+    python scripts/studies/plot_batching.py runs/peak.json docs/batching.png
 
 Throughput: each configuration's peak rate (highest rate under 5% queue_full). p99: of queue +
 pipeline milliseconds over the ok answers of the trial at that peak rate. Prints the table it plots.

@@ -1,7 +1,7 @@
 """Where an EAGLE-2 answer's decode time goes: inside the models (target decoder, draft head, LM
 head engine calls) or outside them (tree bookkeeping, small tensor ops, host reads), per policy.
 
-    OMP_NUM_THREADS=1 python scripts/eagle_overhead.py [--model DIR] [--frames ../shared/drivelm_sample]
+    OMP_NUM_THREADS=1 litevlm bench --study eagle_overhead [--model DIR] [--frames ../shared/drivelm_sample]
 
 Each engine call is wrapped with a wall clock; the rest of the decode stage is the overhead.
 The same questions run under each policy in turns (answers are token-identical: greedy EAGLE-2 is
@@ -15,14 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[3]
 
-from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS  # noqa: E402
-from litevlm_runtime.bundled import DEFAULT_MODEL  # noqa: E402
-from litevlm_runtime.frames import read_frame_set  # noqa: E402
-from litevlm_runtime.options import options_from_flat  # noqa: E402
-from litevlm_runtime.pipeline.pipeline import Pipeline  # noqa: E402
+from litevlm_runtime.bench.benchmark import DEFAULT_QUESTIONS
+from litevlm_runtime.bundled import DEFAULT_MODEL
+from litevlm_runtime.frames import read_frame_set
+from litevlm_runtime.options import options_from_flat
+from litevlm_runtime.pipeline.pipeline import Pipeline
 
 
 def timed_engines(rt) -> dict:
@@ -40,13 +39,13 @@ def timed_engines(rt) -> dict:
     return acc
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--frames", type=Path, default=ROOT.parent / "shared" / "drivelm_sample")
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     base = {"pipeline": "baseline", "decoding.mode": "eagle", "decoding.eagle.total": 16, "decoding.eagle.depth": 4,
             "decoding.eagle.topk": 4, "backend.threads": 1, "max_new_tokens": 48}

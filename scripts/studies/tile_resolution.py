@@ -1,6 +1,6 @@
 """How much the tiles the model sees depend on the size a scene was rendered at.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/tile_resolution.py --sets DIR_480x270 DIR_800x450 DIR_1600x900 [--tile 224]
+    .venv/bin/python scripts/studies/tile_resolution.py --sets DIR_480x270 DIR_800x450 DIR_1600x900 [--tile 224]
 
 The sets are SynthDrive renders of the same seed and scenes at several sizes (`litevlm synth
 --seed S --scenes N --width W --height H`), the last one the reference. For every camera image it

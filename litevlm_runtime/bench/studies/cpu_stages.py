@@ -2,7 +2,7 @@
 each in the variants of its GEMM, alternating in one process: before/after in the same run, under
 the same load (issue 43: where a whole six-camera question spends its time on 2 cores).
 
-    python scripts/cpu_stages.py [--preset internvl3-2b | --model DIR] [--weights int4-rtn] [--threads 2]
+    litevlm bench --study cpu_stages [--preset internvl3-2b | --model DIR] [--weights int4-rtn] [--threads 2]
         [--stages prefill,vision] [--prefill-rows 256] [--tiles 1]
         [--prefill-gemm bfloat16,int8] [--vision-gemm float32,bfloat16] [--rounds 3] [--hog N]
 
@@ -87,7 +87,7 @@ class VisionSwitch:
             setattr(parent, name, forms[variant])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="internvl3-2b")
     ap.add_argument("--model", help="a model folder instead of a preset's random weights")
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--vision-gemm", default="float32,bfloat16", help="vision_gemm variants, reference first")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hog", type=int, default=0, help="busy processes beside every round")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.manual_seed(0)
     pipe = build(args)

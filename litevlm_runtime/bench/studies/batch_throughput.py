@@ -3,7 +3,7 @@ serving queries one at a time (`Pipeline.answer`, what serving.max_batch 1 runs)
 BatchDecoder kept full (serving.max_batch N: a query admitted as soon as a region is free), in one
 process, no DDS, no queue, no arrival pattern (docs/serving.md).
 
-    python scripts/batch_throughput.py [--model DIR] [--frames DIR] [--sets 9] [--per-set 4] [--rounds 3]
+    litevlm bench --study batch_throughput [--model DIR] [--frames DIR] [--sets 9] [--per-set 4] [--rounds 3]
                                        [--set NAME=VALUE ...]
 
 The workload is the questions of `litevlm bench` over the frame sets of --frames (default the
@@ -40,7 +40,7 @@ from litevlm_runtime.pipeline.batching import BatchDecoder
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.report import table
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"
+SAMPLE = Path(__file__).resolve().parents[4] / "shared" / "drivelm_sample" / "samples"
 
 
 def one_at_a_time(pipe, work, frame_sets, keys) -> dict:

@@ -13,8 +13,8 @@ answers must be equal (checked) and the decode stages comparable. Per turn, the 
 repetitions, the two orders alternating. Frames: the DriveLM sample's first key frame when it is
 there, else random. `--memory`: the arena's bytes under serving.max_turns / serving.conversations.
 
-    python scripts/follow_up_costs.py [--model DIR] [--repeats 15] [--max-new 24] [--threads 1]
-    python scripts/follow_up_costs.py --memory [--preset internvl2_5-2b --dtype float16 --tiles 2]
+    litevlm bench --study follow_up_costs [--model DIR] [--repeats 15] [--max-new 24] [--threads 1]
+    litevlm bench --study follow_up_costs --memory [--preset internvl2_5-2b --dtype float16 --tiles 2]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from litevlm_runtime.weights.tokenizer import Tokenizer
 
 TURNS = ["What is in front of the ego vehicle?", "Is it moving?", "What should the ego vehicle do about it?",
          "Why?"]
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"
+SAMPLE = Path(__file__).resolve().parents[4] / "shared" / "drivelm_sample" / "samples"
 
 
 def frames() -> tuple[dict, str]:
@@ -78,7 +78,7 @@ def memory(model: str, preset_name: str | None, dtype: str, tiles: int) -> None:
     print(table(["max_turns", "conversations", "max_len", "arena MiB", "KV MiB", "of which kept turns MiB"], rows))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--repeats", type=int, default=15)
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--preset", help="--memory of a preset's shapes (e.g. internvl2_5-2b)")
     ap.add_argument("--dtype", default="float32", help="--memory: the arena's dtype")
     ap.add_argument("--tiles", type=int, default=1, help="--memory: tiles per camera")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.memory:
         return memory(args.model, args.preset, args.dtype, args.tiles)
 

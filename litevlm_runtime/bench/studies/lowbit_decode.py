@@ -5,7 +5,7 @@ processes, int4's p99/p50 no worse than that of "today's passive threads" (the t
 filed on: --against; this tree's float path is the other reference), per step and per window of
 as many steps as take one float step (the same span of time).
 
-    python scripts/lowbit_decode.py [--preset internvl3-2b] [--weights int4-rtn,int8,fp16,float]
+    litevlm bench --study lowbit_decode [--preset internvl3-2b] [--weights int4-rtn,int8,fp16,float]
                                     [--threads 2] [--hog 2] [--hog-kind spin] [--steps 20] [--rounds 3]
                                     [--context 256] [--model DIR --set backend.quantized=DIR] [--omp]
                                     [--against DIR --against-weights int8] [--plot PNG]
@@ -135,7 +135,7 @@ class Against:
 
 
 @torch.inference_mode()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="internvl3-2b")
     ap.add_argument("--model", help="a model folder instead of a preset's random weights")
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--against-weights", default="int8", help="the forms of --against's tree")
     ap.add_argument("--plot", metavar="PNG", help="loaded steps over quiet p50 per form: histogram and series")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.serve:
         return serve(args)
     from litevlm_runtime.bench.roofline import decode_step

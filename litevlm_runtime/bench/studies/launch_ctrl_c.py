@@ -1,8 +1,8 @@
 """Ctrl-C of the real `ros2 launch litevlm drive.launch.py`, as a terminal sends it, N times.
 
-    python scripts/launch_ctrl_c.py --setup WS/env.sh [--count 20] [--profile] [--json OUT]
-    python scripts/launch_ctrl_c.py --setup WS/env.sh --during-configure 1.0 [--model DIR] [--count 3]
-    python scripts/launch_ctrl_c.py --setup WS/env.sh --shutdown-during-configure 1.0 [--model DIR]
+    litevlm bench --study launch_ctrl_c --setup WS/env.sh [--count 20] [--profile] [--json OUT]
+    litevlm bench --study launch_ctrl_c --setup WS/env.sh --during-configure 1.0 [--model DIR] [--count 3]
+    litevlm bench --study launch_ctrl_c --setup WS/env.sh --shutdown-during-configure 1.0 [--model DIR]
 
 WS/env.sh is what `bash scripts/ros2_cli.sh WS` writes (the ros2 CLI, launch and this package
 built with colcon; docs/ros.md). Each run starts `ros2 launch litevlm drive.launch.py` with the
@@ -47,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 
 NAME = "/litevlm_drive"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "config" / "fastdds_large_data.xml"
 
 

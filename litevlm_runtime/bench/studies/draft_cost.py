@@ -1,6 +1,6 @@
 """What one EAGLE-2 draft step costs against one target decoder step, per decoder depth.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python scripts/draft_cost.py [--layers 3,4,6,8,10,12]
+    OMP_NUM_THREADS=1 litevlm bench --study draft_cost [--layers 3,4,6,8,10,12]
         [--model DIR] [--context 516] [--threads 1]
 
 A target step is what greedy decoding runs per token: the decoder over one new token against a
@@ -74,7 +74,7 @@ def measure(llm_cfg, context: int, topk: int, reps: int) -> dict:
     return {"layers": llm_cfg.num_hidden_layers} | ms
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", default="3,4,6,8,10,12", help="decoder depths to measure")
     p.add_argument("--model", help="model folder whose decoder shapes to use (default: the bundled preset)")
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4, help="tokens per further draft level (the tree's top-k)")
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = read_config(args.model).llm if args.model else preset("bundled", vocab_size=1024).llm
     rows = [measure(replace(base, num_hidden_layers=int(n)), args.context, args.topk, args.reps)

@@ -1,7 +1,7 @@
 """Where one decode step's time goes: torch.profiler over plain greedy steps of a model (default the
 bundled one), per backend, at a fixed thread count (docs/performance.md).
 
-    python scripts/profile_step.py [--model DIR] [--backend torch,torch-compile] [--threads 1] [--steps 50]
+    litevlm bench --study profile_step [--model DIR] [--backend torch,torch-compile] [--threads 1] [--steps 50]
 
 A step is what decoding.greedy runs per token: the embedding row, the decoder step over the cache
 (the prompt of a real query: the first DriveLM sample's frames when present), the LM head and the
@@ -27,13 +27,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from litevlm_runtime.bundled import DEFAULT_MODEL
-from litevlm_runtime.commands.bench import load_frame_sets
 from litevlm_runtime.decoding.greedy import QueryDecoding, choose, step_one
+from litevlm_runtime.frames import load_frame_sets
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.report import table
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"
+SAMPLE = Path(__file__).resolve().parents[4] / "shared" / "drivelm_sample" / "samples"
 
 
 def steps_runner(pipe, context: int):
@@ -86,7 +86,7 @@ def profile_steps(run, steps: int) -> dict:
             "table": events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=44)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--backend", default="torch,torch-compile")
@@ -96,7 +96,7 @@ def main() -> int:
     p.add_argument("--buckets", default="vision=6;prefill=512;step=1;head=1",
                    help="compiled backends: the shape buckets to compile (default: what one six-camera query needs)")
     p.add_argument("--frames", type=Path, default=SAMPLE if SAMPLE.is_dir() else None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     frames = load_frame_sets(args.frames, 1)[0]
     backends = args.backend.split(",")
     built = {b: build(args.model, b, args.threads, frames, args.buckets) for b in backends}

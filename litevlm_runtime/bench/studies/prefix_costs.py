@@ -4,7 +4,7 @@ question) pair in turn, the order alternating pair by pair (A B / B A) so that m
 both alike. Prints the prefill and whole-answer medians, the median of the per-query prefill
 ratios, the rows reused, and whether every answer is identical (it must be: the prefix is exact).
 
-    python scripts/prefix_costs.py [--model DIR] [--frames DIR] [--frame-sets 2] [--threads 1]
+    litevlm bench --study prefix_costs [--model DIR] [--frames DIR] [--frame-sets 2] [--threads 1]
                                    [--set tokens.mode=off] [--set backend.weights=int8]
 
 Frames: the DriveLM sample's key frames when ../shared is there (else random); questions: the
@@ -25,17 +25,17 @@ from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.pipeline.pipeline import Pipeline
 from litevlm_runtime.report import table
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample" / "samples"
+SAMPLE = Path(__file__).resolve().parents[4] / "shared" / "drivelm_sample" / "samples"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--frames", type=Path, default=SAMPLE if SAMPLE.is_dir() else None)
     ap.add_argument("--frame-sets", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a pipeline setting for both")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     settings = {"backend.threads": args.threads, **dict(s.split("=", 1) for s in args.set)}
     pipes = {"prefix": Pipeline.from_pretrained(args.model, options_from_flat(settings)),
              "whole": Pipeline.from_pretrained(args.model, options_from_flat({**settings,

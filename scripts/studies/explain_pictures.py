@@ -1,7 +1,7 @@
 """Explanation pictures of DriveLM sample questions (what docs/explain.md shows): each question is
 answered by the model on its key frame's six images and its explanation drawn (explain/picture.py).
 
-    python scripts/explain_pictures.py [--model DIR] [--out DIR] [--colours 256] [--width 1440]
+    python scripts/studies/explain_pictures.py [--model DIR] [--out DIR] [--colours 256] [--width 1440]
                                        [--question ID ...] [--set KEY=VALUE]
 
 Without --question: the docs' three (one camera named by a tag, one by a phrase, one scene-wide).
@@ -20,7 +20,7 @@ from litevlm_runtime.explain.picture import write_picture
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.pipeline.pipeline import Pipeline
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample"
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "drivelm_sample"
 SCENE = "f0f120e4d4b0441da90ec53b16ee169d"
 DOCS_QUESTIONS = {   # DriveLM ids (scene_frame_index) -> the docs' file names
     f"{SCENE}_ffd1bdf020d145759224c629b501d2b2_56": "explain_tagged.png",          # a tag names CAM_FRONT_LEFT

@@ -21,7 +21,7 @@ probabilities, token scores, the attention pass, drawing, JPEG) against the answ
 how long after its answer a picture arrives; and the objects parsed into every Answer (a regex,
 timed here on the answers received).
 
-    python scripts/explain_serving.py [--rounds 3] [--per-round 6] [--set NAME=VALUE ...]
+    python scripts/studies/explain_serving.py [--rounds 3] [--per-round 6] [--set NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from litevlm_runtime.report import table
 from litevlm_runtime.ros.params_file import config_dir, load_node_params
 from litevlm_runtime.timing import percentile
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "drivelm_sample"
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "drivelm_sample"
 EXPLANATION_TOPIC = "/litevlm_drive/explanation"
 BLOCKS = ("same", "nobody", "subscriber")
 MODES = ("never", "subscribed")

@@ -9,7 +9,7 @@ preference; the same number for every layer would say the choice does not matter
 that token is in the top 10% of its camera's tokens (chance: 10%).
 
     litevlm synth --out /tmp/synth3301 --scenes 12 --seed 3301 --width 800 --height 450
-    python scripts/explain_layers.py --data /tmp/synth3301/train.json --frames /tmp/synth3301 [--model DIR]
+    python scripts/studies/explain_layers.py --data /tmp/synth3301/train.json --frames /tmp/synth3301 [--model DIR]
 
 Measure on a seed the model was not trained on (the bundled model: SynthDrive seeds 2026 and 2027).
 """

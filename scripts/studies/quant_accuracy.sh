@@ -5,9 +5,9 @@
 # cores): not part of CI. Every run's predictions are kept in $OUT; a run whose file exists is
 # skipped, so the script resumes.
 #
-#   scripts/quant_accuracy.sh OUT EVAL_DIR CAL NAME=BUNDLE_OR_torch[@RATIO][+FLAGS] ...
+#   scripts/studies/quant_accuracy.sh OUT EVAL_DIR CAL NAME=BUNDLE_OR_torch[@RATIO][+FLAGS] ...
 #
-# e.g. scripts/quant_accuracy.sh runs/q36 runs/data/s3636 runs/cal float=fp32@0.8 fp8=fp8@0.8 float9=fp32@0.9 fp8_9=fp8@0.9
+# e.g. scripts/studies/quant_accuracy.sh runs/q36 runs/data/s3636 runs/cal float=fp32@0.8 fp8=fp8@0.8 float9=fp32@0.9 fp8_9=fp8@0.9
 # ACCURACY_ONLY=1: only the questions that can count for accuracy (`litevlm eval --accuracy-only`).
 # BUNDLE is a folder under CAL (fp32, fp8, int8, ...) run by the onnxruntime backend, or `torch`
 # (the PyTorch backend; `torch+--arena.kv_dtype int8` adds flags). Common settings: the deployed
@@ -15,7 +15,7 @@
 # run's answer depends on its numerics only (EAGLE-2's adaptive policy picks trees by measured
 # time, and a quantized tree step rounds differently from the one-row step).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=$1 EVAL=$2 CAL=$3
 shift 3
 PY=${PYTHON:-.venv/bin/python}

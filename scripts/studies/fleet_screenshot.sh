@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Screenshot a `litevlm fleet compare` report in headless Chromium, to look at it as a person would:
-#   bash scripts/fleet_screenshot.sh REPORT_DIR [OUT.png] [WIDTHxHEIGHT]
+#   bash scripts/studies/fleet_screenshot.sh REPORT_DIR [OUT.png] [WIDTHxHEIGHT]
 # Chromium: `apt-get update && apt-get install -y chromium`. Its profile goes to a temporary folder.
 set -euo pipefail
 report="$(cd "$1" && pwd)"

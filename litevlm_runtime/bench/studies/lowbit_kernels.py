@@ -1,7 +1,7 @@
 """The low-bit matmul candidates against the float32 matmul at a model's decoder shapes, in one run:
 what chose the kernel of `backend.weights int4 | int8 | fp16` (kernels/lowbit_kernels.cpp).
 
-    python scripts/lowbit_kernels.py [--preset internvl3-2b] [--threads 2] [--rounds 5] [--rows 1,256]
+    litevlm bench --study lowbit_kernels [--preset internvl3-2b] [--threads 2] [--rounds 5] [--rows 1,256]
                                      [--only float,own-int4,...]
 
 For each linear shape of one decoder layer (q, k, v, o, gate, up, down) and the LM head, every
@@ -219,7 +219,7 @@ def measure(shapes, names, rows, rounds, progress=print) -> tuple[dict, dict, di
     return times, sizes, missing
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="internvl3-2b")
     ap.add_argument("--threads", type=int, default=2)
@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,256", help="comma list of activation rows per call (decode 1, prompt 256)")
     ap.add_argument("--only", default=",".join(n for n in CANDIDATES if not n.endswith(("-fused", "-tiled"))))
     ap.add_argument("--no-head", action="store_true", help="skip the LM head (its float copy is 0.9 GB at 2B)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lowbit_kernels.load()
     names = [n for n in args.only.split(",") if n]
