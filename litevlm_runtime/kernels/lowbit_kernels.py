@@ -30,7 +30,7 @@ no one else is building, so such a file is stale and removed.) A `built` stamp w
 library loaded is what later processes look for: they load it without running ninja. Linked
 without an OpenMP library of its own (compiled with -fopenmp for its pragmas; torch's link line adds
 none): its parallel regions run on the libgomp torch already loaded, so `torch.set_num_threads` and
-OMP_WAIT_POLICY=PASSIVE (threads.py) govern them too (tests/test_lowbit_build.py checks the library's
+OMP_WAIT_POLICY=PASSIVE (threads.py) govern them too (tests/kernels/test_lowbit_build.py checks the library's
 NEEDED entries).
 
 Fallback: a CPU without AVX2/FMA/F16C (aarch64: DRIVE Thor, Jetson; old x86), no compiler, or a

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ray_helpers import environment, ray_cluster  # noqa: E402
-from s3_helpers import s3_server  # noqa: E402
+from helpers.ray import environment, ray_cluster  # noqa: E402
+from helpers.s3 import s3_server  # noqa: E402
 
 from litevlm_runtime.cli import main  # noqa: E402
 

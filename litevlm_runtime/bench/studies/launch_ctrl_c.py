@@ -27,7 +27,7 @@ and launch neither escalated to SIGTERM nor reported "process has died".
 --shutdown-during-configure S: `ros2 lifecycle set /litevlm_drive shutdown` S s into configure
 instead: the CLI says "Transitioning successful" and the node ends (exit 0) within --within s.
 
-Prints one line per run and a table; exit 0 when every run passed. tests/test_ros_launch_real.py
+Prints one line per run and a table; exit 0 when every run passed. tests/ros/test_ros_launch_real.py
 runs it (a few runs in the suite, 20 when slow tests run).
 """
 
