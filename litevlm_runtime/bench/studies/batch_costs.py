@@ -46,7 +46,7 @@ def random_frames(seed: int = 0) -> dict:
     return {cam: rng.integers(0, 256, (270, 480, 3), dtype=np.uint8) for cam in CAMERAS}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--context", type=int, default=300, help="cache rows each decoding query has")
@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a pipeline setting")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     settings = dict(s.split("=", 1) for s in args.set)
     pipe = Pipeline.from_pretrained(args.model, options_from_flat({"serving.max_batch": args.max_batch, **settings}))

@@ -87,7 +87,7 @@ class VisionSwitch:
             setattr(parent, name, forms[variant])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="internvl3-2b")
     ap.add_argument("--model", help="a model folder instead of a preset's random weights")
@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vision-gemm", default="float32,bfloat16", help="vision_gemm variants, reference first")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hog", type=int, default=0, help="busy processes beside every round")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     torch.manual_seed(0)
     pipe = build(args)

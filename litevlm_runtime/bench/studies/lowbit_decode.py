@@ -135,7 +135,7 @@ class Against:
 
 
 @torch.inference_mode()
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="internvl3-2b")
     ap.add_argument("--model", help="a model folder instead of a preset's random weights")
@@ -154,7 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against-weights", default="int8", help="the forms of --against's tree")
     ap.add_argument("--plot", metavar="PNG", help="loaded steps over quiet p50 per form: histogram and series")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.serve:
         return serve(args)
     from litevlm_runtime.bench.roofline import decode_step
@@ -224,16 +228,21 @@ def main(argv: list[str] | None = None) -> None:
                          f"{percentile(sums, 99) / statistics.median(sums):.2f}"])
     print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms",
                  "window (steps)", "windows", "window p99/p50"], rows))
+    print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], speedup_rows(labels, samples)))
+    if args.plot:
+        plot(args.plot, labels, samples, quiet, args)
+        print(f"\nwrote {args.plot}")
+
+
+def speedup_rows(labels: list[str], samples: dict) -> list[list[str]]:
+    """Each pair of forms' p50 speed-up (the later's p50 over the earlier's), quiet and loaded."""
     ratios = []
     for i, a in enumerate(labels):
         for b in labels[i + 1:]:
             p50 = {c: (statistics.median(samples[(b, c)]), statistics.median(samples[(a, c)]))
                    for c in ("quiet", "loaded")}
             ratios.append([f"{a} vs {b}"] + [f"{p50[c][0] / p50[c][1]:.2f}x" for c in ("quiet", "loaded")])
-    print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], ratios))
-    if args.plot:
-        plot(args.plot, labels, samples, quiet, args)
-        print(f"\nwrote {args.plot}")
+    return ratios
 
 
 def plot(path: str, labels: list[str], samples: dict, quiet: dict, args) -> None:
