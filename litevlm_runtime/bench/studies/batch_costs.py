@@ -57,6 +57,20 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+@torch.inference_mode()
+def median_ms(runs: dict, repeats: int) -> dict[str, float]:
+    """Each run's median ms over `repeats` rounds, the runs in turn within a round (after one warm call each)."""
+    times = {k: [] for k in runs}
+    for f in runs.values():
+        f()
+    for _ in range(repeats):
+        for k, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
 
@@ -96,16 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         runs[f"prefill {t}"] = prefill(t)
         for b in range(1, args.max_batch + 1):
             runs[f"prefill {t} + {b} decode rows (mixed, lower bound)"] = prefill(t + b)
-    times = {k: [] for k in runs}
-    with torch.inference_mode():
-        for f in runs.values():
-            f()
-        for _ in range(args.repeats):
-            for k, f in runs.items():
-                t0 = time.perf_counter()
-                f()
-                times[k].append((time.perf_counter() - t0) * 1e3)
-    ms = {k: statistics.median(v) for k, v in times.items()}
+    ms = median_ms(runs, args.repeats)
 
     print(
         f"batch costs: {pipe.name}, {rt.options.backend.name.value} on {rt.device}, {torch.get_num_threads()} threads, "

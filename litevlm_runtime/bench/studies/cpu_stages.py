@@ -104,6 +104,19 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def gemm_variant(use, roots):
+    """A stage's switch to variant `GEMM[/ATTENTION]`: `use(GEMM)`, and the bfloat16 attention of
+    `roots` on or off when an attention is named."""
+    def apply(v: str) -> None:
+        gemm, _, attention = v.partition("/")
+        use(gemm)
+        if attention:
+            if attention not in ("sdpa", "bf16"):
+                raise SystemExit(f"variant {v!r}: attention sdpa or bf16 after the slash")
+            use_bf16_attention(roots, attention == "bf16")
+    return apply
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
@@ -125,19 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     def encode():
         e.vision.run(pixels)
 
-    def variant(use, roots):
-        def apply(v: str) -> None:
-            gemm, _, attention = v.partition("/")
-            use(gemm)
-            if attention:
-                if attention not in ("sdpa", "bf16"):
-                    raise SystemExit(f"variant {v!r}: attention sdpa or bf16 after the slash")
-                use_bf16_attention(roots, attention == "bf16")
-        return apply
-
     runs = {"prefill": (prefill, args.prefill_gemm.split(",") if lowbit else [args.weights],
-                        variant(lambda v: set_prefill_gemm([rt.model], v) if lowbit else None, [rt.lm])),
-            "vision": (encode, args.vision_gemm.split(","), variant(vision.use, [rt.model.vision_model]))}
+                        gemm_variant(lambda v: set_prefill_gemm([rt.model], v) if lowbit else None, [rt.lm])),
+            "vision": (encode, args.vision_gemm.split(","), gemm_variant(vision.use, [rt.model.vision_model]))}
     unknown = [s for s in stages if s not in runs]
     if unknown:
         raise SystemExit(f"--stages {','.join(unknown)}: prefill, vision")

@@ -78,7 +78,7 @@ def memory(model: str, preset_name: str | None, dtype: str, tiles: int) -> None:
     print(table(["max_turns", "conversations", "max_len", "arena MiB", "KV MiB", "of which kept turns MiB"], rows))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--repeats", type=int, default=15)
@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", help="--memory of a preset's shapes (e.g. internvl2_5-2b)")
     ap.add_argument("--dtype", default="float32", help="--memory: the arena's dtype")
     ap.add_argument("--tiles", type=int, default=1, help="--memory: tiles per camera")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.memory:
         return memory(args.model, args.preset, args.dtype, args.tiles)
 

@@ -165,7 +165,6 @@ def main(argv: list[str] | None = None) -> None:
     from litevlm_runtime.kernels import lowbit_kernels
     from litevlm_runtime.kernels.cpuinfo import read_cpuinfo
     from litevlm_runtime.report import table
-    from litevlm_runtime.timing import percentile
     from litevlm_runtime.weights.linear_forms import DECODER_KINDS, Quantized, quantized_folder
 
     kinds = [w for w in args.weights.split(",") if w]
@@ -215,6 +214,20 @@ def main(argv: list[str] | None = None) -> None:
     # take one float step (quiet p50s), within each round's run of --steps, and that sum's p99/p50 is
     # the steadiness of the tokens a user waits for over that time.
     quiet = {k: statistics.median(samples[(k, "quiet")]) for k in labels}
+    rows = window_rows(labels, samples, quiet, args.steps)
+    print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms",
+                 "window (steps)", "windows", "window p99/p50"], rows))
+    print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], speedup_rows(labels, samples)))
+    if args.plot:
+        plot(args.plot, labels, samples, quiet, args)
+        print(f"\nwrote {args.plot}")
+
+
+def window_rows(labels: list[str], samples: dict, quiet: dict, steps: int) -> list[list]:
+    """Per form and condition: p50, p99, their ratio, min, max, and the p99/p50 of the sums over windows
+    of as many steps as take one float step (within each round's run of `steps`)."""
+    from litevlm_runtime.timing import percentile
+
     span = quiet.get("float")
     rows = []
     for kind in labels:
@@ -222,16 +235,11 @@ def main(argv: list[str] | None = None) -> None:
         for cond in ("quiet", "loaded"):
             v = samples[(kind, cond)]
             p50, p99 = statistics.median(v), percentile(v, 99)
-            sums = [sum(v[b + i:b + i + window]) for b in range(0, len(v), args.steps)
-                    for i in range(0, args.steps - window + 1, window)]
+            sums = [sum(v[b + i:b + i + window]) for b in range(0, len(v), steps)
+                    for i in range(0, steps - window + 1, window)]
             rows.append([kind, cond, p50, p99, f"{p99 / p50:.2f}", min(v), max(v), window, len(sums),
                          f"{percentile(sums, 99) / statistics.median(sums):.2f}"])
-    print(table(["weights", "condition", "p50 ms", "p99 ms", "p99/p50", "min ms", "max ms",
-                 "window (steps)", "windows", "window p99/p50"], rows))
-    print("\n" + table(["same run (p50 speed-up)", "quiet", "loaded"], speedup_rows(labels, samples)))
-    if args.plot:
-        plot(args.plot, labels, samples, quiet, args)
-        print(f"\nwrote {args.plot}")
+    return rows
 
 
 def speedup_rows(labels: list[str], samples: dict) -> list[list[str]]:
