@@ -6,7 +6,7 @@
 #
 #     source WS/env.sh          # what /opt/ros/<distro>/setup.bash is on a ROS install
 #     ros2 launch litevlm drive.launch.py ...
-#     LITEVLM_ROS2_SETUP=WS/env.sh python -m pytest tests/test_ros_launch_real.py
+#     LITEVLM_ROS2_SETUP=WS/env.sh python -m pytest tests/ros/test_ros_launch_real.py
 #
 # usage: bash scripts/ros2_cli.sh WS     (WS/src/<repo> already cloned is used as it is; else cloned
 #                                         from github.com at the commits below)

@@ -1,8 +1,9 @@
-"""Shared test fixtures. Data from ../shared is optional: tests that need it skip cleanly."""
+"""Shared test fixtures, for the tests of every folder (their helpers are the `helpers` package beside
+this file; pytest.ini puts tests/ on the import path). Data from ../shared is optional: tests that need
+it skip cleanly."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,6 @@ import litevlm_runtime  # noqa: F401  (first: it sets the OpenMP wait policy bef
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 DRIVELM = SHARED / "drivelm_sample"
-sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -37,3 +37,19 @@ def tiny_model(tmp_path_factory) -> Path:
     from helpers import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny")
+
+
+# The fleet's (tests/fleet/): small bags of the DriveLM sample and the node parameters on the tiny model,
+# built once per test module that asks for them.
+@pytest.fixture(scope="module")
+def bags(tmp_path_factory, drivelm_dir):
+    from helpers.fleet import make_bags
+
+    return make_bags(tmp_path_factory.mktemp("bags"), drivelm_dir)
+
+
+@pytest.fixture(scope="module")
+def params(tiny_model):
+    from helpers.fleet import tiny_params
+
+    return tiny_params(tiny_model)

@@ -3,12 +3,12 @@ reference `generate` on the same weights and inputs, in the same run."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-from ..bench.roofline import decode_step_line
 from ..errors import InputError
 from ..frames import load_frame_sets
 from ..report import table
@@ -109,6 +109,9 @@ def register(subparsers) -> None:
     peers.add_argument("--seed", type=int, default=0, help="--peers --preset: the random weights' seed")
     peers.add_argument("--prompt", type=int, default=256, help="--peers (decode table): prompt ids before decoding")
     peers.add_argument("--tokens", type=int, default=32, help="--peers (decode table): greedy steps per round")
+    p.add_argument("--study", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
+                   help="a measuring study with its own flags, everything after NAME (bench/studies/; "
+                        "`--study list` lists them, `--study NAME --help` shows a study's flags)")
     p.set_defaults(func=run)
 
 
@@ -191,6 +194,7 @@ def answer_speed_line(costs) -> str:
 
 
 def run_costs_command(args) -> int:
+    from ..bench.roofline import decode_step_line
     from ..decoding.spec_policy import measure_costs
     from ..options import options_from_flat
 
@@ -282,7 +286,12 @@ def run_memory_command(args) -> int:
 
 
 def run(args) -> int:
+    if args.study is not None:
+        from ..bench.studies import run_study
+
+        return run_study(args.study)
     from ..bench.benchmark import DEFAULT_QUESTIONS, run_benchmark
+    from ..bench.roofline import decode_step_line
 
     if args.memory:
         return run_memory_command(args)

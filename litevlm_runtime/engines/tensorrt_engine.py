@@ -31,7 +31,7 @@ and a per-profile weight copy would hold a 2B decoder's weights once per bucket 
 
 TensorRT is imported lazily: nothing here needs it until an engine is built or loaded. Every
 TensorRT call is type-checked against the `tensorrt-stubs` package in CI
-(tests/test_tensorrt_types.py, pyrightconfig.json), so a misspelt or removed API fails there
+(tests/engines/test_tensorrt_types.py, pyrightconfig.json), so a misspelt or removed API fails there
 even though TensorRT itself cannot be installed on the CI machines.
 """
 

@@ -223,7 +223,7 @@ def export_graph(spec: GraphSpec, path: Path, weights: SharedWeights) -> dict:
         dynamic_shapes = tuple({axis: dim for axis in spec.dynamic.get(n, {})} or None for n in names)
     with torch.no_grad():
         # optimize=False: onnxscript's graph optimizer (0.7.2) miscompiles the prefill graph
-        # (hidden states off by 80% relative; measured, see tests/test_export.py). ONNX Runtime and
+        # (hidden states off by 80% relative; measured, see tests/export/test_export.py). ONNX Runtime and
         # TensorRT optimize the graph themselves when they load it.
         program = torch.onnx.export(spec.module, tuple(spec.inputs.values()), dynamo=True,
                                     input_names=names, output_names=spec.outputs, dynamic_shapes=dynamic_shapes,

@@ -8,7 +8,7 @@ dtype. The rounding is torch's own float8_e4m3fn conversion (round to nearest ev
 to +-448 (QuantizeLinear saturates), of x / scale computed in float32: what ONNX Runtime's
 QuantizeLinear does (export/qdq.py recomputes the same with ml_dtypes). `fp8_scales` reads the
 scales ModelOpt wrote into a graph, so that torch and ONNX Runtime round with the very same
-numbers; tests/test_quant_fp8.py checks them equal on the graphs both run.
+numbers; tests/export/test_quant_fp8.py checks them equal on the graphs both run.
 
 Why hand-written rather than ModelOpt's torch quantizers (modelopt.torch.quantization): those
 calibrate their own scales and insert their own quantizer modules; here the scales must be the

@@ -453,7 +453,7 @@ RowPool& row_pool() {
 }
 
 // Whether over_rows shares its chunks through RowPool (the default) or an OpenMP region (the
-// comparison `lowbit_decode.py --omp` measures; use_row_pool).
+// comparison `litevlm bench --study lowbit_decode --omp` measures; use_row_pool).
 std::atomic<bool> row_pool_on{true};
 
 // Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out

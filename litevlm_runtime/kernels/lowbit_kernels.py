@@ -6,7 +6,7 @@ its ABI and C++ standard) on first use, cached, and loaded as torch operators
 Why our own kernel: on the AVX2-only CPUs this project meets (AMD EPYC Zen 3: no AVX-512, no VNNI,
 no bfloat16 units), torch 2.13's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` and
 torchao's CPU layouts (which call them) were not faster than the float32 matmul on a decode step's
-one row (docs/performance.md: the candidates table, `scripts/lowbit_kernels.py`); llama.cpp's
+one row (docs/performance.md: the candidates table, `litevlm bench --study lowbit_kernels`); llama.cpp's
 ggml kernels are what reach the memory floor there, and this is that scheme (int4 x int8 with
 vpmaddubsw) for the project's format (quantize.py), on torch's own thread pool. Where the CPU has
 AVX-512 VNNI (Zen 4, Ice Lake and later), the int4 decode loop uses vpdpbusd instead, chosen at run
@@ -30,7 +30,7 @@ no one else is building, so such a file is stale and removed.) A `built` stamp w
 library loaded is what later processes look for: they load it without running ninja. Linked
 without an OpenMP library of its own (compiled with -fopenmp for its pragmas; torch's link line adds
 none): its parallel regions run on the libgomp torch already loaded, so `torch.set_num_threads` and
-OMP_WAIT_POLICY=PASSIVE (threads.py) govern them too (tests/test_lowbit_build.py checks the library's
+OMP_WAIT_POLICY=PASSIVE (threads.py) govern them too (tests/kernels/test_lowbit_build.py checks the library's
 NEEDED entries).
 
 Fallback: a CPU without AVX2/FMA/F16C (aarch64: DRIVE Thor, Jetson; old x86), no compiler, or a

@@ -40,7 +40,7 @@ def fp8_decode(bits: torch.Tensor) -> torch.Tensor:
     Exact in float32 for every finite pattern; the two NaN patterns (never written: codes are
     clamped to +-448) decode to +-480. Written out because ONNX has no bit cast to float8 that a
     graph can apply to a uint8 input, and a 256-entry table lookup would make int64 indices of
-    the whole cache on every step (tests/test_kv_cache.py checks it against ml_dtypes)."""
+    the whole cache on every step (tests/models/test_kv_cache.py checks it against ml_dtypes)."""
     c = bits.to(torch.float32)
     negative = c >= 128.0
     c = torch.where(negative, c - 128.0, c)
@@ -61,7 +61,7 @@ def float16_up(s: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] float -> (codes [..., D], scales [...] float16) as described above. Bounds, per
     element: int8 |x - value| <= scale / 2; fp8 <= 2^-4 |x| (3 mantissa bits, nearest even), and
-    scale * 2^-10 below E4M3's smallest normal (tests/test_kv_cache.py, against float64)."""
+    scale * 2^-10 below E4M3's smallest normal (tests/models/test_kv_cache.py, against float64)."""
     amax = x.detach().float().abs().amax(-1)
     scales = float16_up((amax / QMAX[kind]).clamp_(min=MIN_SCALE))
     scaled = x.float() / scales.float()[..., None]

@@ -3,7 +3,7 @@
 Its fields are the one list every form of an answer is derived from: the query server's record
 adds the serving envelope to them (serving/record.py: `AnswerRecord(Answer)`), and the record's
 JSON, the ROS `Answer` message (ros/messages.py), `bag record`'s rows and the fleet's Parquet
-columns are all made from the record's fields (tests/test_answer_fields.py fails when one of
+columns are all made from the record's fields (tests/serving/test_answer_fields.py fails when one of
 them, or litevlm_msgs/msg/Answer.msg, lacks a field the others have). The JSON form is
 `to_dict()`: what `litevlm ask --json` prints, and what the record's JSON is made of.
 """

@@ -11,7 +11,7 @@ plan, temperature and generator (its QueryState; the runtime is shared, never co
 prefill-then-join: a query arriving while
 others decode runs view selection .. prefill on its own (the single-query stages, unchanged,
 writing its region) and joins at the next step. Mixed steps (its prefill rows and the others'
-decode rows in one pass) were measured and lose here: `scripts/batch_costs.py`, docs/serving.md.
+decode rows in one pass) were measured and lose here: `litevlm bench --study batch_costs`, docs/serving.md.
 
 A step over B queries runs the one layer forward with rows [B, D]; each row attends to its own
 region only (models/decoder.py, attend_batched). A finished query (EOS or its cap) leaves at once
@@ -47,7 +47,7 @@ def batch_speculates(costs, rows: int, max_depth: int) -> bool:
     steps' worth per step; before any round, the best a perfectly accepted chain could do)
     against one batched greedy step: `rows` tokens in verify(rows) ms. Alone (rows 1) the
     answer-level policy decides (spec_policy.py). This is the measurement behind batched steps
-    being greedy (`scripts/batch_costs.py` prints it; docs/serving.md): trees of several queries
+    being greedy (`litevlm bench --study batch_costs` prints it; docs/serving.md): trees of several queries
     in one verification pass are not built."""
     if costs is None:
         return False

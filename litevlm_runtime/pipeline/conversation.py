@@ -20,7 +20,7 @@ What a follow-up reuses, and why it is exact:
   re-tokenized answer differs from the ids decoded (a tokenizer joins "assistant\\n" with the
   answer's first characters differently, a leading space the text dropped), the copy stops at the
   first different row: what is reused is exactly what a full prefill would compute, up to
-  floating-point summation order (tests/test_follow_up.py: 1e-5 in float32).
+  floating-point summation order (tests/pipeline/test_follow_up.py: 1e-5 in float32).
 - Not kept: EAGLE-2's draft cache (one per arena, overwritten by every speculating answer; the
   follow-up's prefill has features of its new rows only), so a follow-up decodes with plain steps:
   token for token the greedy answer EAGLE-2 gives (pipeline.py, plan_follow_up).

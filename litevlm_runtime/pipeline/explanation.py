@@ -14,7 +14,7 @@ Where the decoder looked: for each row that chose an answer token (the prompt's 
 first, each answer token's row the next), the attention probabilities `attention_probs` over every
 earlier row, averaged over all query heads, over those rows and over the middle half of the layers
 (`attention_layers()`: L/4 .. 3L/4 - 1, layers 3-8 of the bundled model's 12), then read at the
-kept visual tokens. Why those: measured (scripts/explain_layers.py, docs/explain.md) on SynthDrive
+kept visual tokens. Why those: measured (scripts/studies/explain_layers.py, docs/explain.md) on SynthDrive
 seeds the bundled model never saw, single layers disagree wildly (two of its twelve look away from
 the object a question tags), so several are averaged; the band was chosen on seed 3301 by how much
 more attention the tagged object's token gets than its camera's mean kept token (middle half 1.64x,

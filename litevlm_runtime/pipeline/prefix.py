@@ -10,7 +10,7 @@ EAGLE-2's draft reads), copied into the query's KV region before its prefill, an
 runs the rest of the prompt only: the prefix-caching of vLLM/SGLang for the one prefix an
 in-vehicle runtime always has. Exact up to floating-point reassociation (the prefix's GEMMs run
 at another row count): within 1e-5 of a full prefill, greedy answers identical
-(tests/test_prefix.py).
+(tests/pipeline/test_prefix.py).
 
 How many rows are reused is decided per query against the query's own prompt ids (their common
 prefix, before its first visual row), never assumed. Engines whose prompt runs as fixed-row graphs

@@ -5,7 +5,7 @@
     query_fields(request, ...)   the Query message's fields of a request (bags written by `bag make`)
 
 Every request field the message carries has the message field of the same name, but for the four
-in QUERY_NAMES (tests/test_answer_fields.py checks Query.msg against this). The node and `bag eval`
+in QUERY_NAMES (tests/serving/test_answer_fields.py checks Query.msg against this). The node and `bag eval`
 both read queries here, so that the two tools build the same request from the same message; a
 bag recorded before Query had a field carries its old type: the field's default. No rclpy import
 here: `bag eval` runs without it (outgoing messages: messages.py).

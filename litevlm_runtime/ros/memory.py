@@ -6,7 +6,7 @@ bundled pipeline 6 times kept RSS flat (~298 MB) with no Pipeline/Runtime/model 
 count); in the node it grew, likely because the worker thread, new per activate, allocates from
 an arena of its own (a guess, not measured apart). Measured on the
 bundled model over DDS, 8 deactivate/cleanup/configure/activate cycles: RSS 512 -> 676 MB (+32%)
-without a trim; with it, 20 cycles 516 -> 527 MB (+2.1%) (tests/test_ros_memory.py).
+without a trim; with it, 20 cycles 516 -> 527 MB (+2.1%) (tests/ros/test_ros_memory.py).
 malloc_trim(0) returns the free pages of every arena.
 """
 

@@ -5,7 +5,7 @@ A record field travels in the message field of the same wire name, converted to 
 type, unless SHAPED says otherwise; TOTALS are message fields computed from the others. A field
 whose items are a dataclass of NESTED (Answer.objects: ObjectRef) travels as that nested message
 of litevlm_msgs, field by field under the same names.
-tests/test_answer_fields.py checks that this covers Answer.msg exactly.
+tests/serving/test_answer_fields.py checks that this covers Answer.msg exactly.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class DriveNode(LifecycleNodeMixin, Node):
         # holds the rcl node and so the DDS participant: the participant's shared-memory segments
         # (the transport's 32 MB segment, every writer's data-sharing pool) then outlive the
         # process in /dev/shm, 35 MB per run of the node until the machine reboots (measured;
-        # tests/test_ros_shutdown.py checks that a stopped node leaves none).
+        # tests/ros/test_ros_shutdown.py checks that a stopped node leaves none).
         self._state_machine.destroy_when_not_in_use()
 
     def _every_10ms(self) -> None:

@@ -38,7 +38,7 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
     """At most `arenas` glibc malloc arenas for the process. The executor's threads take turns
     running callbacks; each thread that allocates gets its own arena by default (up to 8 per
     core), and a configure on one thread freed by a cleanup on another left memory parked in
-    arenas: RSS grew 2 MB per lifecycle cycle (tests/test_ros_memory.py, 521 -> 565 MB over 20
+    arenas: RSS grew 2 MB per lifecycle cycle (tests/ros/test_ros_memory.py, 521 -> 565 MB over 20
     cycles; flat with one arena). Called before any thread of ours starts. A no-op off glibc."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return                                   # the user's choice wins

@@ -6,7 +6,7 @@ The record's fields are the one list the other forms are derived from, field by 
                         record's fields (wire names: Answer.text is "answer"), plus the envelope's DERIVED
   ros/messages.py       litevlm_msgs/Answer, and back (bag record's rows)
   fleet/dataset.py      the Parquet columns of a fleet run
-A field is added to Answer (pipeline/answer.py) or here, and to Answer.msg; tests/test_answer_fields.py
+A field is added to Answer (pipeline/answer.py) or here, and to Answer.msg; tests/serving/test_answer_fields.py
 fails when any form lacks one.
 """
 

@@ -18,7 +18,7 @@ to the prefix and causally to itself, with the position ids it would have on its
 trees are packed side by side under a block-diagonal mask. The decoder's forward already takes
 explicit positions, cache slots and a boolean mask (the same machinery EAGLE-2 tree verification
 uses), so this needs no model change, and every branch's logits equal those of that sample run
-alone (tests/test_train_vlm.py checks the loss against per-sample runs in float64). It saves the
+alone (tests/training/test_train_vlm.py checks the loss against per-sample runs in float64). It saves the
 vision encoder and the prefix of the decoder for all but one question per frame.
 
 Frames repeat across questions and epochs: each camera's uint8 tile is decoded and resized once

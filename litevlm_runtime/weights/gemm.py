@@ -6,7 +6,7 @@ AMD EPYC (Zen 5, AVX-512, 1 thread) it ran the bundled model's linears (64-512 r
 256/768/1024) at 86-95 GFLOP/s, oneDNN's float32 matmul at 167-219 GFLOP/s on the same calls
 (docs/performance.md). oneDNN dispatches by instruction set, not vendor. Both compute in float32
 (IEEE, float32 accumulation), in different orders: their results differ by float reassociation,
-within 1e-6 relative of a float64 recomputation each (tests/test_gemm.py).
+within 1e-6 relative of a float64 recomputation each (tests/weights/test_gemm.py).
 
     torch    F.linear as torch dispatches it (MKL on x86 wheels)
     onednn   calls of >= ONEDNN_MIN_ROWS rows through oneDNN's matmul (torch.ops.mkldnn._linear_pointwise,

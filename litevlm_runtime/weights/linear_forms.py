@@ -275,7 +275,7 @@ def vision_to(model: nn.Module, gemm: str) -> int:
     whose calls of many rows run the int8 GEMM (int8 activations per block of 128, AVX-512 VNNI). Why: a
     tile is ~1,000 rows through every vision weight, compute-bound; the bfloat16 GEMM runs at about twice
     float32's rate on a CPU with bfloat16 units, int8 products at twice bfloat16's on one with VNNI
-    (scripts/cpu_stages.py). A Bf16Linear under bf16 weights is quantized from its float weight."""
+    (litevlm bench --study cpu_stages). A Bf16Linear under bf16 weights is quantized from its float weight."""
     found = [(parent, name, module) for parent, name, module in
              child_modules([model.vision_model, getattr(model, "mlp1", None)], (nn.Linear, Bf16Linear))]
     use_bf16_attention([model.vision_model], gemm in ("bfloat16", "int8"))

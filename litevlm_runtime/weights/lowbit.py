@@ -30,7 +30,7 @@ How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels
 Anything else (a GPU, float16/bfloat16 pipelines, an ONNX export trace, no kernels): the reference
 path, dequantize then F.linear (correct; slower).
 
-Numerics (tests/test_lowbit_weights.py, against float64 recomputations): the small-call kernels
+Numerics (tests/weights/test_lowbit_weights.py, against float64 recomputations): the small-call kernels
 equal float64 x_hat @ dequant(W).T within 1e-5 of the output's largest value, x_hat being the
 int8-rounded activations (|x - x_hat| <= block scale / 2 per element, so the result is within
 sum_k |dequant(W)[n, k]| * scale_k / 2 of the float-activation product: stated and tested); the
@@ -67,7 +67,7 @@ from .quantize import (
 log = logging.getLogger("litevlm.weights")
 
 # Rows up to which a call runs the fused small-call kernel (above: dequantized tiles + the float GEMM).
-# Measured at InternVL3-2B shapes, 2 threads (scripts/lowbit_kernels.py --rows): see docs/performance.md.
+# Measured at InternVL3-2B shapes, 2 threads (litevlm bench --study lowbit_kernels --rows): see docs/performance.md.
 GEMV_MAX_ROWS = 16
 # float32 bytes of one dequantized weight tile of a large call: tiles of 8 MB (>= 230 rows at a 2B
 # model's widest K, 8960) against 2 MB ones (58 rows there, a narrow GEMM): 0.97x against 0.99x of

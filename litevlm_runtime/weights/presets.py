@@ -55,7 +55,7 @@ def preset(name: str, vocab_size: int | None = None) -> ModelConfig:
     if name == "bundled-v2":  # the bundled default model v2: "bundled" at 224 px tiles, 12 decoder layers
         # Grown from "bundled" (its vision tower keeps the 140 px position grid it was trained with,
         # interpolated to 16 x 16 patches at 224 px). 12 layers: one EAGLE-2 draft step (fc, one
-        # layer, LM head) then costs at most 1/8 of a target step on the CPU (scripts/draft_cost.py).
+        # layer, LM head) then costs at most 1/8 of a target step on the CPU (litevlm bench --study draft_cost).
         v1 = preset("bundled", vocab_size)
         return replace(v1, llm=replace(v1.llm, num_hidden_layers=12), force_image_size=224)
     raise ValueError(f"unknown preset {name!r}")

@@ -15,7 +15,7 @@ the same weights in the one InternVL layout every peer's converter reads.
   `tokenizer.json`; a position embedding stored for another tile size (the bundled model's, 140 px
   for 224 px tiles) interpolated once, as the project does at load (bicubic, float32), so that a
   peer that reads `vision_config.image_size` as the tile size sees the tile the project runs.
-  `tests/test_peers_whole.py` checks that this project answers identically from both forms.
+  `tests/bench/test_peers_whole.py` checks that this project answers identically from both forms.
 
 Both carry `max_dynamic_patch: 1` (one tile per camera for every engine: llama.cpp's converter
 writes it as the mmproj's max tiles; upstream's InternVL reads it) and the image processor's
