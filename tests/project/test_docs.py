@@ -24,7 +24,7 @@ from litevlm_runtime.stages.prompt import resolve_layout
 from litevlm_runtime.weights.checkpoint import read_config
 from litevlm_runtime.weights.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 COMMIT_LINE = re.compile(r"^- \*\*Measured on commit\*\*: `([0-9a-f]{7,40})`", re.M)
