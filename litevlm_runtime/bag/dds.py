@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import rclpy
@@ -21,6 +22,7 @@ from litevlm_msgs.msg import Answer
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 from rclpy.signals import SignalHandlerOptions
+from rosbags.interfaces import QosDurability, QosHistory, QosReliability
 from rosbags.rosbag2 import StoragePlugin, Writer
 
 from ..errors import InputError
@@ -93,9 +95,6 @@ def replay_qos(profiles, reliable: bool = False):
     recorder learns them from discovery, which does not carry them: rosbag2 writes "unknown",
     depth 0), else keep-last 100. Nothing recorded (bags written by rosbags, as `bag make` does)
     or `reliable`: reliable, volatile, depth 100."""
-    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-    from rosbags.interfaces import QosDurability, QosHistory, QosReliability
-
     if not profiles or reliable:
         return QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
     best_effort = any(p.reliability == QosReliability.BEST_EFFORT for p in profiles)
@@ -123,24 +122,41 @@ def _qos_mismatch(ours, theirs) -> str | None:
     return None
 
 
-def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path | None = None,
-           topics: list[str] | None = None, all_topics: bool = False, wait_s: float = 10.0,
-           settle_s: float = 1.0, reliable: bool = False, progress=print, namespace: str = "",
-           remaps: list[str] | None = None) -> int:
-    """Publish the bag's messages with their original timing (divided by `rate`): the topics the
-    node subscribes to (its parameters, `params_file`, default config/drive.yaml), or `topics`, or
-    all of them; each with the QoS the bag recorded for it (replay_qos). A topic whose message type
-    is not installed here is skipped, with one warning per type. Before publishing: one wait of
-    at most wait_s (0: none) for the node's query subscription, then settle_s so that the
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How `bag replay` publishes a bag (its flags): `rate` divides the recorded timing; `restamp`
+    moves header stamps and deadlines to now; `params_file` names the node's parameters (default
+    config/drive.yaml) whose topics are published, unless `topics` or `all_topics`; `wait_s` (0: none)
+    for the node's query subscription, then `settle_s`; `reliable` overrides the recorded QoS;
+    `namespace` and `remaps` (ros2's FROM:=TO) rename the published topics."""
+    rate: float = 1.0
+    restamp: bool = True
+    params_file: Path | None = None
+    topics: list[str] | None = None
+    all_topics: bool = False
+    wait_s: float = 10.0
+    settle_s: float = 1.0
+    reliable: bool = False
+    namespace: str = ""
+    remaps: list[str] | None = None
+
+
+def replay(bag: Path, options: ReplayOptions = ReplayOptions(), progress=print) -> int:
+    """Publish the bag's messages with their original timing (divided by `options.rate`): the topics
+    the node subscribes to (its parameters, `options.params_file`, default config/drive.yaml), or
+    `options.topics`, or all of them; each with the QoS the bag recorded for it (replay_qos). A topic
+    whose message type is not installed here is skipped, with one warning per type. Before publishing:
+    one wait of at most wait_s (0: none) for the node's query subscription, then settle_s so that the
     camera subscriptions have matched too (a best-effort reader drops what arrives before)."""
-    if rate <= 0:
-        raise InputError(f"--rate must be > 0, got {rate}")
+    if options.rate <= 0:
+        raise InputError(f"--rate must be > 0, got {options.rate}")
+    reliable = options.reliable
     info = bag_topic_info(bag)
-    params = load_node_params(params_file)
+    params = load_node_params(options.params_file)
     params = camera_topics_from_bag(params, {t: i.msgtype for t, i in info.items()}, progress)
-    remap_rules = parse_remaps(remaps)
+    remap_rules = parse_remaps(options.remaps)
     tag = replay_tag()
-    chosen = select_topics(info, params, topics, all_topics, progress)
+    chosen = select_topics(info, params, options.topics, options.all_topics, progress)
     types, missing = {}, defaultdict(list)
     for t in chosen:
         try:
@@ -158,7 +174,7 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
             pubs, qos = {}, {}
             for t, msg_type in types.items():
                 qos[t] = replay_qos(info[t].qos, reliable)
-                pubs[t] = node.create_publisher(msg_type, published_name(t, namespace, remap_rules), qos[t])
+                pubs[t] = node.create_publisher(msg_type, published_name(t, options.namespace, remap_rules), qos[t])
                 recorded = "as recorded" if info[t].qos and not reliable else "default"
                 shown = t if pubs[t].topic_name == t else f"{t} as {pubs[t].topic_name}"
                 progress(f"replay: {shown} ({info[t].msgtype}, {info[t].count} messages; QoS {_qos_text(qos[t])}, "
@@ -166,13 +182,13 @@ def replay(bag: Path, rate: float = 1.0, restamp: bool = True, params_file: Path
             progress(f"replay: query ids published as ID@replay-{tag} (bag record gives back the bag's ids)")
             # One bounded wait, for the node's query subscription (the question topic, or any, without one).
             target = next((t for t in (params["query_topic"], params["question_topic"]) if t in pubs), None)
-            wait_for_node(pubs, target, wait_s, settle_s, stop, progress)
+            wait_for_node(pubs, target, options.wait_s, options.settle_s, stop, progress)
             for t, pub in pubs.items():
                 for sub in node.get_subscriptions_info_by_topic(pub.topic_name):
                     why = _qos_mismatch(qos[t], sub.qos_profile)
                     if why:
                         progress(f"replay: {t}: subscriber {sub.node_name} {why}: it receives nothing (--reliable)")
-            n, seconds = publish_bag(bag, node, pubs, types, rate, restamp, tag, stop, progress)
+            n, seconds = publish_bag(bag, node, pubs, types, options, tag, stop, progress)
             if stop.is_set():
                 progress(f"replay: interrupted, {n} messages in {seconds:.2f} s")
             else:
@@ -202,9 +218,11 @@ def wait_for_node(pubs: dict, target: str | None, wait_s: float, settle_s: float
         progress(f"replay: no subscriber on {what} after {wait_s:.0f} s; publishing anyway")
 
 
-def publish_bag(bag: Path, node, pubs: dict, types: dict, rate: float, restamp: bool, tag: str, stop,
+def publish_bag(bag: Path, node, pubs: dict, types: dict, options: ReplayOptions, tag: str, stop,
                 progress) -> tuple[int, float]:
-    """Publish the bag's messages on `pubs` in time (until `stop` is set): (messages, seconds)."""
+    """Publish the bag's messages on `pubs` in time (until `stop` is set), at options.rate, restamped
+    where options.restamp: (messages, seconds)."""
+    rate, restamp = options.rate, options.restamp
     n, first_t, start_wall, start_clock = 0, None, time.monotonic(), node.get_clock().now().nanoseconds
     for t, topic, msgtype, raw, reader in read_bag(bag, pubs):
         if first_t is None:

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
@@ -185,10 +186,24 @@ def pipeline_of(node: NodeProcess | None) -> str:
     return ""
 
 
-def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate: float = 2.0,
-         warmup: int = 10, grace_s: float = 30.0, node: NodeProcess | None = None, prefix: str = "soak",
-         progress=print, concurrency: int = 1) -> SoakResult:
-    play = Playback(client, work, frame_rate, node).start()
+@dataclass(frozen=True)
+class SoakPlan:
+    """A soak (`bag soak`'s flags): `count` queries at `rate` per second, `concurrency` at once, with
+    query ids starting `prefix`; frame sets published at `frame_rate`; the first `warmup` answers left
+    out of the statistics; answers awaited for `grace_s` after the last is sent."""
+    count: int
+    rate: float
+    frame_rate: float = 2.0
+    warmup: int = 10
+    grace_s: float = 30.0
+    prefix: str = "soak"
+    concurrency: int = 1
+
+
+def soak(client: DDSClient, work: Workload, plan: SoakPlan, node: NodeProcess | None = None,
+         progress=print) -> SoakResult:
+    count, rate = plan.count, plan.rate
+    play = Playback(client, work, plan.frame_rate, node).start()
     time.sleep(0.5)                  # the first frame set arrives before the first question
     try:
         t0 = time.monotonic()
@@ -196,12 +211,13 @@ def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate:
         def report(n: int) -> None:
             progress(f"soak: {n}/{count} sent, {len(client.answers())} answered, node RSS "
                      f"{(node.rss_bytes() / 2**20) if node else float('nan'):.1f} MB")
-        sent = play.send(count, rate, prefix, every_s=30.0, on_every=report, concurrency=concurrency)
-        rows = client.wait_for_answers([q for q, _ in sent], timeout=grace_s, quiet_s=1.0)
+        sent = play.send(count, rate, plan.prefix, every_s=30.0, on_every=report, concurrency=plan.concurrency)
+        rows = client.wait_for_answers([q for q, _ in sent], timeout=plan.grace_s, quiet_s=1.0)
         duration = time.monotonic() - t0
     finally:
         play.stop()
-    return SoakResult(rate, sent, rows, dict(play.set_of_stamp), list(play.rss), warmup, duration, pipeline_of(node))
+    return SoakResult(rate, sent, rows, dict(play.set_of_stamp), list(play.rss), plan.warmup, duration,
+                      pipeline_of(node))
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,15 +225,31 @@ def soak(client: DDSClient, work: Workload, count: int, rate: float, frame_rate:
 LONE_SETTLE_S = (0.3, 1.0, 3.0)     # waits for a lone query's frames to reach the node (DDS orders no topics)
 
 
-def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, steps: int = 6,
-         trial_count: int = 60, max_queue_full: float = 0.05, frame_rate: float = 2.0,
-         grace_s: float = 30.0, progress=print, concurrency: int = 1, lone: int = 0) -> PeakResult:
+@dataclass(frozen=True)
+class PeakPlan:
+    """A peak-rate search (`bag peak`'s flags): rates between `lo` and `hi` per second, `steps`
+    bisections, `trial_count` queries a trial, a trial passing under `max_queue_full` queue_full
+    answers; frame sets at `frame_rate`, answers awaited `grace_s`; `concurrency` queries at once;
+    `lone` queries one at a time afterwards."""
+    lo: float = 0.5
+    hi: float = 64.0
+    steps: int = 6
+    trial_count: int = 60
+    max_queue_full: float = 0.05
+    frame_rate: float = 2.0
+    grace_s: float = 30.0
+    concurrency: int = 1
+    lone: int = 0
+
+
+def peak(client: DDSClient, work: Workload, plan: PeakPlan = PeakPlan(), progress=print) -> PeakResult:
     """Bisection for the highest rate with under max_queue_full queue_full answers: first `hi`
     (if it passes, that is the answer), then `lo` (if it fails, the search goes down by halves),
     then `steps` geometric midpoints. `concurrency` N: queries come N at once (N clients);
     `lone` > 0: afterwards that many queries one at a time, each after the last was answered
     (a lone query's latency)."""
-    play = Playback(client, work, frame_rate).start()
+    lo, hi, max_queue_full, grace_s, concurrency = plan.lo, plan.hi, plan.max_queue_full, plan.grace_s, plan.concurrency
+    play = Playback(client, work, plan.frame_rate).start()
     time.sleep(0.5)
     result = PeakResult(max_queue_full=max_queue_full, concurrency=concurrency, frame_sets=len(work.frame_sets))
     n_trial = [0]
@@ -225,7 +257,7 @@ def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, s
     def trial(rate: float) -> bool:
         n_trial[0] += 1
         prefix = f"peak{n_trial[0]}_"
-        sent = play.send(trial_count, rate, prefix, concurrency=concurrency)
+        sent = play.send(plan.trial_count, rate, prefix, concurrency=concurrency)
         rows = client.wait_for_answers([q for q, _ in sent], timeout=grace_s)
         mine = [r for r in rows if r["query_id"].startswith(prefix)]
         result.rows += mine
@@ -247,7 +279,7 @@ def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, s
             hi, lo = lo, lo / 2
             if lo < 1e-3:
                 raise InputError("peak: even 0.001 queries/s gives queue_full answers")
-        for _ in range(steps):
+        for _ in range(plan.steps):
             mid = math.sqrt(lo * hi)
             if trial(mid):
                 lo = mid
@@ -260,7 +292,7 @@ def peak(client: DDSClient, work: Workload, lo: float = 0.5, hi: float = 64.0, s
         # cost varies 4x with its cameras and answer).
         play.stop()
         n_sets = len(work.frame_sets)
-        for i in range(lone):
+        for i in range(plan.lone):
             # The query may overtake its frames (a loaded machine): asked again, after a longer wait.
             for attempt, settle in enumerate(LONE_SETTLE_S):
                 qid = f"lone_{i}" + (f"_again{attempt}" if attempt else "")

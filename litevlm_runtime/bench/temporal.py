@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ..errors import InputError
 from ..evaluation.compare import wilson
 from ..evaluation.data import frame_images_over_time, load_frames
 from ..evaluation.metrics import ACCURACY
@@ -40,8 +41,6 @@ def run_temporal(model_dir: Path, data: Path, frames_root: Path, base_options, f
     questions = [(f, q) for f in load_frames(data) for q in f.questions if q.frames > 1 and ACCURACY in q.tags]
     questions = questions[:limit] if limit else questions
     if not questions:
-        from ..errors import InputError
-
         raise InputError(f"{data}: no closed-form question over several frame sets (items with \"frames\" > 1)")
     settings = {"temporal.max_frames": max(frames, base_options.temporal.max_frames), "temporal.mode": "all"}
     selecting = Pipeline.from_pretrained(model_dir, options_from_flat(settings, base_options))

@@ -47,11 +47,12 @@ def cmd_make(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from ..bag.dds import replay
+    from ..bag.dds import ReplayOptions, replay
 
-    return replay(args.bag, rate=args.rate, restamp=not args.keep_stamps, params_file=args.params,
-                  topics=args.topics, all_topics=args.all_topics, wait_s=0.0 if args.no_wait else args.wait,
-                  reliable=args.reliable, namespace=args.namespace, remaps=args.remap)
+    return replay(args.bag, ReplayOptions(rate=args.rate, restamp=not args.keep_stamps, params_file=args.params,
+                                          topics=args.topics, all_topics=args.all_topics,
+                                          wait_s=0.0 if args.no_wait else args.wait, reliable=args.reliable,
+                                          namespace=args.namespace, remaps=args.remap))
 
 
 def cmd_record(args) -> int:
@@ -240,13 +241,13 @@ def _print_tables(configs: dict[str, dict], results: dict) -> None:
 
 
 def cmd_soak(args) -> int:
-    from ..bench.soak import soak
+    from ..bench.soak import SoakPlan, soak
     from ..bench.soak_stats import SoakResult, comparison_table
 
     configs = _versus(args.versus)
     runs = _each_config(args, configs, args.rounds, lambda node, client, work, r: soak(
-        client, work, args.count, args.rate, frame_rate=args.frame_rate, warmup=args.warmup, grace_s=args.grace,
-        node=node, prefix=f"soak{r}_", concurrency=args.concurrency))
+        client, work, SoakPlan(args.count, args.rate, frame_rate=args.frame_rate, warmup=args.warmup,
+                               grace_s=args.grace, prefix=f"soak{r}_", concurrency=args.concurrency), node=node))
     results = {label: SoakResult.pooled(rs) for label, rs in runs.items()}
     _print_tables(configs, results)
     if len(configs) > 1:
@@ -277,7 +278,7 @@ def _loaded(args):
 
 
 def cmd_peak(args) -> int:
-    from ..bench.soak import peak
+    from ..bench.soak import PeakPlan, peak
     from ..bench.soak_stats import peak_comparison
 
     configs = _versus(args.versus)
@@ -285,10 +286,10 @@ def cmd_peak(args) -> int:
 
     def measured(node, client, work, r):
         with beside():
-            return peak(
-                client, work, lo=args.min_rate, hi=args.max_rate, steps=args.steps, trial_count=args.trial_count,
+            return peak(client, work, PeakPlan(
+                lo=args.min_rate, hi=args.max_rate, steps=args.steps, trial_count=args.trial_count,
                 max_queue_full=args.max_queue_full, frame_rate=args.frame_rate, grace_s=args.grace,
-                concurrency=args.concurrency, lone=args.lone)
+                concurrency=args.concurrency, lone=args.lone))
     runs = _each_config(args, configs, 1, measured)
     results = {label: rs[0] for label, rs in runs.items()}
     _print_tables(configs, results)

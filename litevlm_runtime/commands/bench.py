@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..bench.roofline import decode_step_line
 from ..errors import InputError
 from ..frames import load_frame_sets
 from ..report import table
@@ -82,6 +83,15 @@ def register(subparsers) -> None:
     p.add_argument("--reserved-gib", type=float, default=40.0,
                    help="--memory: GiB of a 64 GB DRIVE Thor the rest of the driving stack keeps (an assumption: "
                         "perception, planning, sensor buffers, OS)")
+    add_peer_flags(p)
+    p.add_argument("--study", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
+                   help="a measuring study with its own flags, everything after NAME (bench/studies/; "
+                        "`--study list` lists them, `--study NAME --help` shows a study's flags)")
+    p.set_defaults(func=run)
+
+
+def add_peer_flags(p) -> None:
+    """`--peers` and its flags (bench/peers/command.py reads them)."""
     peers = p.add_argument_group("--peers: the engines users run instead, same weights, one run (bench/peers/)")
     peers.add_argument("--peers", action="store_true",
                        help="this project against llama.cpp and OpenVINO GenAI at their own defaults, each row in its "
@@ -109,10 +119,6 @@ def register(subparsers) -> None:
     peers.add_argument("--seed", type=int, default=0, help="--peers --preset: the random weights' seed")
     peers.add_argument("--prompt", type=int, default=256, help="--peers (decode table): prompt ids before decoding")
     peers.add_argument("--tokens", type=int, default=32, help="--peers (decode table): greedy steps per round")
-    p.add_argument("--study", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
-                   help="a measuring study with its own flags, everything after NAME (bench/studies/; "
-                        "`--study list` lists them, `--study NAME --help` shows a study's flags)")
-    p.set_defaults(func=run)
 
 
 def run_ablation_command(args) -> int:
@@ -153,48 +159,8 @@ def build_pipeline(args, options):
     return Pipeline.from_pretrained(args.model, options)
 
 
-def policy_choice(costs, tree) -> list[list]:
-    """What the adaptive policy does with these costs: whether it drafts at all, the best chain a
-    perfect draft could make, and the tree it keeps for a reference confidence profile (a draft
-    whose best child has p 0.6, the next 0.15, 0.05, ...; EAGLE-2's confidences look like this)."""
-    import torch
-
-    from ..decoding.spec_policy import TreePolicyState
-
-    rate, depth = costs.best_chain_rate(tree.depth)
-    pol = TreePolicyState(costs, tree.total, tree.depth, tree.topk, adaptive=True)
-    profile = torch.log(torch.tensor([0.6, 0.15, 0.05] + [0.02] * (tree.topk - 3))[:tree.topk])
-    levels, scores, frontier = 1, profile, profile
-    pol.spent_ms = costs.pending(2)
-    while levels < tree.depth and pol.expand(scores, frontier, levels):
-        frontier = (frontier[:, None] + profile[None]).flatten().topk(tree.topk).values
-        scores = torch.cat([scores, frontier])
-        levels += 1
-    total = pol.choose_total(scores, tree.total)
-    return [
-        [
-            "a perfect draft could pay here",
-            "yes" if costs.speculation_can_pay(tree.depth) else "no (a plain step is faster)",
-        ],
-        ["realised speed of rounds", f"{costs.speed:.2f} x a plain step over {costs.rounds} rounds"],
-        ["realised speed of answers", answer_speed_line(costs)],
-        ["best perfectly-accepted chain", f"depth {depth}: {rate * costs.step_ms:.2f} tokens per plain step"],
-        ["tree for the reference profile", f"depth {levels}, {total + 1} nodes verified"],
-        ["round overhead beyond the models", f"{costs.overhead_ms:.2f} ms (learned online)"],
-    ]
-
-
-def answer_speed_line(costs) -> str:
-    speed = costs.answer_speed()
-    counts = f"{costs.answers['eagle']} speculative, {costs.answers['greedy']} greedy answers"
-    if speed is None:
-        return f"learning ({counts}; alternating)"
-    verdict = "speculating" if speed >= 1 else f"greedy, probing 1 answer in {costs.probe_every}"
-    return f"{speed:.2f}x greedy's tokens per ms, whole answers ({counts}): {verdict}"
-
-
 def run_costs_command(args) -> int:
-    from ..bench.roofline import decode_step_line
+    from ..bench.policy import policy_choice
     from ..decoding.spec_policy import measure_costs
     from ..options import options_from_flat
 
@@ -290,9 +256,6 @@ def run(args) -> int:
         from ..bench.studies import run_study
 
         return run_study(args.study)
-    from ..bench.benchmark import DEFAULT_QUESTIONS, run_benchmark
-    from ..bench.roofline import decode_step_line
-
     if args.memory:
         return run_memory_command(args)
     if args.peers or args.whole:
@@ -322,6 +285,14 @@ def run(args) -> int:
         return run_budget_command(args)
     if args.contention:
         return run_contention_command(args)
+    return run_latency_command(args)
+
+
+def run_latency_command(args) -> int:
+    """The default: per-stage latency of the pipeline (and of transformers, unless --no-reference), or
+    several --backend side by side."""
+    from ..bench.benchmark import DEFAULT_QUESTIONS, run_benchmark
+
     options = pipeline_options(args)
     if args.backend:
         from ..bench.backends import backend_options, parse_backends
@@ -346,7 +317,15 @@ def run(args) -> int:
           + (f" (prompt GEMM {pipe.rt.weights.prefill})" if pipe.rt.weights and pipe.rt.weights.prefill else "")
           + f"  float32 GEMM {pipe.rt.gemm}  vision GEMM {pipe.rt.vision_gemm}\n")
     print(table(["stage", "median ms", "p90 ms"], rows))
-    rt = pipe.rt
+    print_latency_extras(pipe.rt, s, res)
+    return 0
+
+
+def print_latency_extras(rt, s: dict, res) -> None:
+    """Below the latency table: compile times, the decode step's floor, the speculation costs and
+    policy, the rounds it chose, and the comparison with transformers."""
+    from ..bench.policy import policy_choice
+
     seconds = getattr(rt.engines.decoder, "compile_seconds", None)
     if seconds:
         print(
@@ -377,7 +356,6 @@ def run(args) -> int:
         print(f"query by query (paired): median {r['speedup_paired_median']:.2f}x "
               f"(min {r['speedup_paired_min']:.2f}x, max {r['speedup_paired_max']:.2f}x); "
               f"whole run (total time): {r['speedup_total']:.2f}x")
-    return 0
 
 
 def run_backends(args, options, backends) -> int:

@@ -55,11 +55,37 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..evaluation.data import load_frames
     from ..evaluation.judge import load_judge
-    from ..evaluation.metrics import CHALLENGE, LENIENT, score
-    from ..evaluation.runner import read_predictions, run_model, select
-    from ..options import options_from_args
+    from ..evaluation.metrics import score
+
+    rules = checked_rules(args)
+    if args.compare:
+        return compare(args, rules)
+    judge = load_judge(args.judge) if args.judge else None
+    records, predictions, questions, arena = answers(args, rules)
+    scores = score(questions, predictions, judge, args.match_threshold, rules).to_dict()
+    by_template = None
+    if args.by_question or args.versus:
+        from ..evaluation.breakdown import accuracy_by_template
+        runs = {"this run": predictions} | named_predictions(args.versus, questions, "--versus")
+        by_template = accuracy_by_template(questions, runs, rules, args.match_threshold)
+    run_info = describe_run(args, records, questions, arena)
+    if args.json:
+        print(json.dumps({"run": run_info, "scores": scores} | ({"by_template": by_template} if by_template else {}),
+                         indent=1))
+    else:
+        print(report(run_info, scores))
+        if by_template:
+            print(template_table(by_template))
+    if records is not None and run_info["errors"]:
+        print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
+              f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
+    return 0
+
+
+def checked_rules(args) -> dict:
+    """The scoring rules the flags ask for, after refusing flags that contradict each other."""
+    from ..evaluation.metrics import CHALLENGE, LENIENT
 
     if args.limit is not None and args.limit < 1:
         raise InputError("--limit must be at least 1")
@@ -69,38 +95,48 @@ def run(args) -> int:
     if args.graph_filter:
         print("litevlm eval: --graph-filter is deprecated: the challenge's graph filter is now the default "
               "(--lenient turns it off)", file=sys.stderr)
-    rules = LENIENT if args.lenient else CHALLENGE
-    if args.compare:
-        return compare(args, rules)
-    frames_root = args.frames or str(Path(args.data).parent)
-    judge = load_judge(args.judge) if args.judge else None
-    records = None
+    return LENIENT if args.lenient else CHALLENGE
+
+
+def answers(args, rules) -> tuple[list[dict] | None, dict[str, str], list, dict]:
+    """(records of the model's run or None, predictions id -> answer, the questions asked, the
+    arena's bytes): the model run over the data, or the --from-predictions file checked to answer
+    every question."""
+    from ..evaluation.data import load_frames
+    from ..evaluation.runner import EvalPlan, read_predictions, run_model, select
+    from ..options import options_from_args
+
+    def asked():
+        return [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
+
     if args.from_predictions:
         predictions = read_predictions(args.from_predictions)
-        questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
+        questions = asked()
         missing = [q.id for q in questions if q.id not in predictions]
         if missing:
             raise InputError(f"{args.from_predictions}: no answer for {len(missing)} question(s), e.g. {missing[0]}")
-    else:
-        if not args.model:
-            raise InputError("--model is required (or score a file with --from-predictions)")
-        arena: dict = {}
-        records = run_model(args.model, args.data, frames_root, options_from_args(args), args.blank_images,
-                            args.limit, progress=not args.quiet, accuracy_only=args.accuracy_only, info=arena)
-        predictions = {r["id"]: r["answer"] for r in records}
-        questions = [q for _, qs in select(load_frames(args.data), args.limit, args.accuracy_only) for q in qs]
-        if args.constrain:
-            constrained = run_model(args.model, args.data, frames_root, options_from_args(args), args.blank_images,
-                                    args.limit, progress=not args.quiet, constrain=True)
-            print(constrain_table(questions, records, constrained, rules, args.match_threshold))
-        if args.predictions:
-            Path(args.predictions).write_text(json.dumps(records, indent=1))
-    scores = score(questions, predictions, judge, args.match_threshold, rules).to_dict()
-    by_template = None
-    if args.by_question or args.versus:
-        from ..evaluation.breakdown import accuracy_by_template
-        runs = {"this run": predictions} | named_predictions(args.versus, questions, "--versus")
-        by_template = accuracy_by_template(questions, runs, rules, args.match_threshold)
+        return None, predictions, questions, {}
+    if not args.model:
+        raise InputError("--model is required (or score a file with --from-predictions)")
+    frames_root = args.frames or str(Path(args.data).parent)
+    arena: dict = {}
+    plan = EvalPlan(blank_images=args.blank_images, limit=args.limit, accuracy_only=args.accuracy_only)
+    records = run_model(args.model, args.data, frames_root, options_from_args(args), plan,
+                        progress=not args.quiet, info=arena)
+    predictions = {r["id"]: r["answer"] for r in records}
+    questions = asked()
+    if args.constrain:
+        constrained = run_model(args.model, args.data, frames_root, options_from_args(args),
+                                EvalPlan(blank_images=args.blank_images, limit=args.limit, constrain=True),
+                                progress=not args.quiet)
+        print(constrain_table(questions, records, constrained, rules, args.match_threshold))
+    if args.predictions:
+        Path(args.predictions).write_text(json.dumps(records, indent=1))
+    return records, predictions, questions, arena
+
+
+def describe_run(args, records: list[dict] | None, questions: list, arena: dict) -> dict:
+    """The run's line of the report: data, model, what served (as the answers say), errors, means."""
     pipeline = None
     if records is not None:
         served = {r.get("pipeline") for r in records if "error" not in r}
@@ -114,17 +150,7 @@ def run(args) -> int:
             run_info["mean_total_ms"] = sum(r["total_ms"] for r in answered) / len(answered)
             run_info["mean_cameras"] = sum(len(r["cameras"]) for r in answered) / len(answered)
         run_info["arena"] = arena
-    if args.json:
-        print(json.dumps({"run": run_info, "scores": scores} | ({"by_template": by_template} if by_template else {}),
-                         indent=1))
-    else:
-        print(report(run_info, scores))
-        if by_template:
-            print(template_table(by_template))
-    if records is not None and run_info["errors"]:
-        print(f"litevlm eval: {run_info['errors']} question(s) were rejected by the pipeline "
-              f"(empty answers, scored as wrong; see --predictions for messages)", file=sys.stderr)
-    return 0
+    return run_info
 
 
 def named_predictions(items: list[str], questions, flag: str) -> dict[str, dict[str, str]]:

@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..synth.generate import generate
+    from ..synth.generate import SynthSpec, generate
     sizes = None
     if args.sizes:
         try:
@@ -45,9 +45,9 @@ def run(args) -> int:
             raise InputError(f"--sizes {args.sizes!r}: expected WxH[,WxH...], e.g. 480x270,1600x900")
     if args.sheet and args.frames < 2:
         raise InputError("--sheet draws a scene over time: it needs --frames K with K > 1")
-    info = generate(args.out, args.scenes, args.seed, args.width, args.height, args.val_fraction,
-                    workers=args.workers, progress=not args.quiet, sizes=sizes, frames=args.frames,
-                    stride=args.stride)
+    spec = SynthSpec(args.scenes, args.seed, args.width, args.height, args.val_fraction, sizes=sizes,
+                     frames=args.frames, stride=args.stride)
+    info = generate(args.out, spec, workers=args.workers, progress=not args.quiet)
     if args.sheet:
         from ..evaluation.motion_sheet import sequence_sheet
         info["sheet"] = str(sequence_sheet(args.out, args.sheet, scene=args.sheet_scene))

@@ -52,6 +52,19 @@ def register(subparsers) -> None:
     p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the written weights (training keeps float32 masters; the loader reads either "
                         "into the pipeline's dtype): bfloat16 halves the folder")
+    add_signal_flags(p)
+    add_run_flags(p)
+
+    def run(args) -> int:
+        train(args)
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def add_signal_flags(p) -> None:
+    """What else the model learns from: vision labels, selected views, questions over time, a frozen
+    vision side."""
     p.add_argument("--vision-labels", type=Path,
                    help="SynthDrive ground_truth.json: also train a linear probe on every visual token to predict the "
                         "objects drawn there (training only; not in the checkpoint)")
@@ -69,6 +82,10 @@ def register(subparsers) -> None:
                    help="keep the vision side (InternViT and mlp1) as --init has it: its visual tokens are computed "
                         "once per frame set and cached, each step trains the decoder only, and older frame sets' "
                         "unchanged tokens are left out of the sequences instead of masked (not with --vision-labels)")
+
+
+def add_run_flags(p) -> None:
+    """Where and how the training runs: seed, device, precision, time budget, threads, logging."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: a GPU per rank where torch sees one, else the CPU")
@@ -84,9 +101,3 @@ def register(subparsers) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out accuracy checks (0: off)")
     p.add_argument("--eval-questions", type=int, default=200)
-
-    def run(args) -> int:
-        train(args)
-        return 0
-
-    p.set_defaults(func=run)

@@ -87,6 +87,8 @@ class CompiledStage:
 def compile_counters() -> dict[str, int]:
     """dynamo's counts so far in this process: graphs compiled, and frames it was asked to
     (re)compile (what the no-recompilation test compares before and after steady-state queries)."""
+    # Imported here: torch._dynamo loads for seconds, and every engine user imports this module (engines/
+    # __init__.py); only a compiled backend pays for it.
     from torch._dynamo.utils import counters
 
     return {"graphs": int(counters["stats"]["unique_graphs"]), "frames": int(sum(counters["frames"].values()))}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import LiteVLMError
@@ -31,6 +32,8 @@ ELEMENT_TYPES = {torch.float32: "float32", torch.float16: "float16", torch.int64
 
 
 def import_onnxruntime():
+    """ONNX Runtime, an optional backend: imported where a backend asks for it, so that its absence is
+    a clear error naming the package, not an import failure of the engines."""
     try:
         import onnxruntime
     except ImportError:
@@ -79,8 +82,6 @@ class BoundGraph:
 
     def __init__(self, session, name: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
                  device: torch.device):
-        import numpy as np
-
         self.session = session
         self.binding = self.session.io_binding()
         device_type = "cuda" if device.type == "cuda" else "cpu"

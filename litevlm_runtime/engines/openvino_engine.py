@@ -43,6 +43,8 @@ ELEMENT_TYPES = (torch.float32, torch.float16, torch.int64, torch.bool)
 
 
 def import_openvino():
+    """OpenVINO (and NNCF below), an optional backend: imported where a backend asks for it, so that
+    its absence is a clear error naming the package, not an import failure of the engines."""
     try:
         import openvino
     except ImportError:

@@ -59,6 +59,8 @@ WORKSPACE_BYTES = 8 << 30
 
 
 def import_tensorrt():  # no return annotation: inferred as the tensorrt module, so callers' uses are checked
+    # TensorRT (and onnx, for check_bundle's graph reading) are optional: imported where used, so that
+    # their absence is a clear error naming the package, not an import failure of the engines.
     try:
         import tensorrt
     except ImportError:

@@ -192,6 +192,8 @@ def graph_filter(questions: list[Question], predictions: dict[str, str], rules: 
 
 def language_metrics(predictions: list[str], references: list[str]) -> dict[str, float]:
     """Corpus-level BLEU-1..4, ROUGE-L, CIDEr exactly as coco-caption computes them (rule 6)."""
+    # Imported here: only the language scores need coco-caption, and this module is read on the node's
+    # path too (objects.py, evaluation/data.py), where pycocoevalcap need not be installed.
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..objects import OBJECT_TAG
+from ..report import table
 from ..synth.world import VEHICLE_KINDS
 from .breakdown import question_template
 from .data import MOTION, load_frames
@@ -71,6 +72,7 @@ def motion_rows(set_dir: str | Path) -> list[tuple[str, dict, str, str, dict]]:
 def compare(train_dir: str | Path, test_dir: str | Path, seed: int = 0) -> list[dict]:
     """Per motion template of the test set: questions, the majority answer's accuracy (majority from
     the train set), the one-frame forest's."""
+    # scikit-learn is not a requirement of the package: only this study needs it (pip install scikit-learn).
     from sklearn.ensemble import RandomForestClassifier
     from sklearn.feature_extraction import DictVectorizer
 
@@ -99,8 +101,6 @@ def compare(train_dir: str | Path, test_dir: str | Path, seed: int = 0) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..report import table
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("train_set")
     p.add_argument("test_set")

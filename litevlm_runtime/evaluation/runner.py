@@ -9,10 +9,12 @@ frame without them gets each of its questions recorded with the error naming the
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from tqdm import tqdm
 
 from ..cameras import CAMERAS
 from ..errors import InputError
@@ -78,19 +80,28 @@ def select(frames: list[Frame], limit: int | None, accuracy_only: bool = False) 
     return out
 
 
+@dataclass(frozen=True)
+class EvalPlan:
+    """Which questions run_model asks and how: `blank_images` (grey images of the real size: the
+    text-only baseline), the first `limit` questions (select()), `accuracy_only` (only those scored by
+    accuracy), `constrain` (a closed-form question's answer constrained to its choices)."""
+    blank_images: bool = False
+    limit: int | None = None
+    constrain: bool = False
+    accuracy_only: bool = False
+
+
 def run_model(model_dir: str | Path, data: str | Path, frames_root: str | Path, options=None,
-              blank_images: bool = False, limit: int | None = None, progress: bool = True,
-              constrain: bool = False, accuracy_only: bool = False, info: dict | None = None) -> list[dict]:
+              plan: EvalPlan = EvalPlan(), progress: bool = True, info: dict | None = None) -> list[dict]:
     """Answer every question; one record per question (the challenge's output.json fields
     id/question/gt_answer/answer, plus what the pipeline reports). A question the pipeline rejects
-    (InputError) is recorded with its error and an empty answer, never dropped. `constrain`: a
+    (InputError) is recorded with its error and an empty answer, never dropped. `plan.constrain`: a
     closed-form question's answer is constrained to its choices (evaluation/choices.py), which
     the record keeps. `info`, when given, receives the arena's bytes (all buffers, and the KV caches
     alone) and its arena.kv_dtype."""
-    from tqdm import tqdm
-
+    blank_images, constrain = plan.blank_images, plan.constrain
     root = Path(frames_root)
-    work = select(load_frames(data), limit, accuracy_only)
+    work = select(load_frames(data), plan.limit, plan.accuracy_only)
     if not work:
         raise InputError(f"{data}: no questions to evaluate")
     pipe = Pipeline.from_pretrained(model_dir, options)

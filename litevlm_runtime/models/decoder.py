@@ -20,6 +20,8 @@ indexes the same way and which attention reads dequantized.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -117,13 +119,25 @@ def causal_prompt(mask_new: torch.Tensor, mask_cache) -> bool:
     return bool(torch.equal(mask_new, torch.ones_like(mask_new).tril()))
 
 
-def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunks: bool | None = None,
-           bf16: bool = False) -> torch.Tensor:
+class LayerCall(NamedTuple):
+    """What run_layers decides once per forward for every layer it runs (the masks are the same in
+    each): `chunks` in_chunks(mask_new) (None: attend decides); `bf16` the rows are a causal prompt over
+    a cache they see whole (causal_prompt), so a layer with bf16_attention may run the kernels' bfloat16
+    attention (a layer without it clears the flag); `probe(q, k)` reads a layer's post-RoPE q, k (the
+    token selector's teacher). A NamedTuple, not a dataclass: dynamo and torch.export trace it as the
+    tuple it is."""
+    chunks: bool | None = None
+    bf16: bool = False
+    probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+
+def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call: LayerCall = LayerCall()
+           ) -> torch.Tensor:
     """q [T, Hq, D] over this call's rows k, v [T, Hkv, D] (mask_new [T, T]) and, when given, this
     layer's old cache [Hkv, L, D] (mask_cache [T, L]): one softmax over both. Returns [T, Hq*D].
-    A row must be allowed at least one column (its own, in every caller). `chunks`: in_chunks(mask_new),
-    when the caller has it (None: decided here). `bf16`: the caller found the rows a causal prompt over a
-    cache they see whole (causal_prompt) in a layer whose many-row GEMMs run bfloat16 or int8: the
+    A row must be allowed at least one column (its own, in every caller). `call.chunks`: in_chunks(mask_new),
+    when the caller has it (None: decided here). `call.bf16`: the caller found the rows a causal prompt over
+    a cache they see whole (causal_prompt) in a layer whose many-row GEMMs run bfloat16 or int8: the
     kernels' bfloat16 attention (kernels/lowbit_kernels.cpp: q, k, v rounded to bfloat16 as a bfloat16
     model holds them, float32 scores, softmax and sums; key blocks past a row's own never computed).
 
@@ -149,10 +163,10 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, chunk
         allowed = torch.cat([mask_cache, mask_new], -1)
     queries = q.transpose(0, 1)[None]                                           # [1, Hq, T, D]
     t = q.shape[0]
-    if bf16 and q.dtype == torch.float32 and lowbit_kernels.takes_attention(q.shape[-1]):
+    if call.bf16 and q.dtype == torch.float32 and lowbit_kernels.takes_attention(q.shape[-1]):
         old = allowed.shape[-1] - t
         return lowbit_kernels.attention_bf16(queries, keys[None], values[None], old)[0].transpose(0, 1).reshape(t, -1)
-    if allowed.dim() == 2 and (in_chunks(mask_new) if chunks is None else chunks):
+    if allowed.dim() == 2 and (in_chunks(mask_new) if call.chunks is None else call.chunks):
         # A prompt's rows see only earlier rows: CAUSAL_CHUNK_ROWS rows at a time, each over the
         # old cache and the new rows up to its own last, so the columns every row of a chunk has
         # masked are never computed (the CPU's flash kernel computes every column it is given and
@@ -246,17 +260,17 @@ class DecoderLayer(nn.Module):
         q, k, _ = self.qkv(self.attn_norm(x))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def forward(self, x, cos, sin, mask_new, k_cache=None, v_cache=None, mask_cache=None, probe=None, chunks=None,
-                prompt=False):
-        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]). `chunks`: see `attend`; `prompt`:
-        causal_prompt(mask_new, mask_cache), when the caller has it (attend's bf16 where this layer's
-        bf16_attention is set)."""
+    def forward(self, x, cos, sin, mask_new, k_cache=None, v_cache=None, mask_cache=None,
+                call: LayerCall = LayerCall()):
+        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]). `call`: what the caller decided
+        for every layer (LayerCall; its bf16 holds here only where this layer's bf16_attention is set)."""
         q, k, v = self.qkv(self.attn_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if probe is not None:
-            probe(q, k)                                     # the token selector's teacher reads q, k here
-        x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, chunks,
-                                     prompt and self.bf16_attention))
+        if call.probe is not None:
+            call.probe(q, k)                                # the token selector's teacher reads q, k here
+        if call.bf16 and not self.bf16_attention:
+            call = call._replace(bf16=False)
+        x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, call))
         h = self.ffn_norm(x)
         gate, up, down = self.mlp_gate_up_down()
         return x + down(F.silu(gate(h)) * up(h)), k.transpose(0, 1), v.transpose(0, 1)
@@ -282,16 +296,16 @@ class CausalLM(nn.Module):
         shared one): FastV hides its dropped visual slots from layers >= K that way."""
         cos, sin = self.rope(positions, x.dtype)
         layers = layers if layers is not None else range(len(self.layers))
-        chunks = in_chunks(mask_new)                        # the same mask in every layer: decided once
+        # The same mask in every layer: whether to chunk, and whether the rows are a causal prompt, decided once.
         prompt = any(self.layers[i].bf16_attention for i in layers) and causal_prompt(mask_new, mask_cache)
+        call = LayerCall(chunks=in_chunks(mask_new), bf16=prompt)
         ks, vs = [], []
         for i in layers:
             layer_mask = mask_cache[i] if isinstance(mask_cache, list) else mask_cache
-            layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
+            layer_call = call if probe is None else call._replace(probe=lambda q, k, i=i: probe(i, q, k))
             x, k, v = self.layers[i](x, cos, sin, mask_new,
                                      None if k_cache is None else k_cache[i],
-                                     None if v_cache is None else v_cache[i], layer_mask, layer_probe, chunks,
-                                     prompt)
+                                     None if v_cache is None else v_cache[i], layer_mask, layer_call)
             ks.append(k)
             vs.append(v)
         return x, torch.stack(ks), torch.stack(vs)

@@ -68,6 +68,8 @@ def published_name(topic: str, namespace: str = "", remaps: list[tuple[str, str]
 
 def message_type_of(resolved_topic: str):
     """sensor_msgs CompressedImage for a resolved name ending in /compressed, else Image."""
+    # Imported here: `bag eval` and `bag make` read this module where no ROS 2 is sourced (rosbags only);
+    # only the node's camera subscriptions need the message classes.
     from sensor_msgs.msg import CompressedImage, Image
 
     return CompressedImage if resolved_topic.rstrip("/").endswith("/compressed") else Image

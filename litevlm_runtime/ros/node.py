@@ -25,6 +25,8 @@ import time
 from dataclasses import replace
 
 from diagnostic_msgs.msg import DiagnosticArray
+from lifecycle_msgs.msg import State as StateMsg
+from lifecycle_msgs.msg import Transition, TransitionDescription
 from litevlm_msgs.msg import Answer, AnswerPartial, Query
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import ReentrantCallbackGroup
@@ -43,6 +45,7 @@ from ..serving.cancel import Cancelled, CancelScope
 from ..serving.explainer import Explained, Explainer
 from ..serving.record import AnswerRecord, PartialRecord
 from ..serving.server import QueryServer
+from ..serving.settings import standing_questions
 from ..weights.integrity import integrity_label, require_manifest_error
 from .camera_readers import CameraReaders
 from .convert import request_from_query, request_from_question
@@ -276,8 +279,6 @@ class DriveNode(LifecycleNodeMixin, Node):
         with "Unknown transition requested". While configure runs, the node offers `shutdown`
         besides them and, asked for it, cancels configure (the load stops within a call: serving/
         cancel.py), then shuts down from unconfigured as usual: the process ends."""
-        from lifecycle_msgs.msg import State as StateMsg
-        from lifecycle_msgs.msg import Transition, TransitionDescription
 
         transitions_srv, change_srv = self._service_get_available_transitions, self._service_change_state
         rcl_transitions, rcl_change = transitions_srv.callback, change_srv.callback
@@ -352,7 +353,6 @@ class DriveNode(LifecycleNodeMixin, Node):
     def _standing_publishers(self, settings: NodeSettings) -> None:
         """One litevlm_msgs/Answer publisher per standing question, ~/standing/NAME (those of
         questions no longer configured are destroyed)."""
-        from ..serving.settings import standing_questions
 
         names = set(standing_questions(settings.standing_questions))
         for name in set(self.standing_pubs) - names:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
+from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+from rclpy.validate_full_topic_name import validate_full_topic_name
 
 from ..errors import InputError
 from ..options import Setting, options_from_flat, parse_value, setting, settings
@@ -49,7 +51,6 @@ class NodeSettings(ServerSettings):
 
     def __post_init__(self):
         super().__post_init__()
-        from rclpy.validate_full_topic_name import validate_full_topic_name
 
         if len(self.camera_topics) != 6:
             raise InputError(f"camera_topics: needs 6 topics in rig order, got {len(self.camera_topics)}")
@@ -115,7 +116,6 @@ def declare_parameters(node) -> dict[str, str]:
     returned (name -> why), so that configure can fail naming it while the process stays up. So
     is an override of a name the node does not declare: rclpy would drop it without a word (a
     misspelt key in a params file under ros2 launch would silently run the default)."""
-    from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 
     refused = {}
     for s in all_settings().values():

@@ -17,6 +17,7 @@ def config_dir() -> Path:
     share/litevlm/config that a wheel or `pip install .` put beside this install's lib/
     (<prefix>/lib/python3.X/site-packages/litevlm_runtime/ros/params_file.py), with no index set up."""
     try:
+        # Imported here: a pip install (wheel, `pip install .`) has no ament index, and no ament_index_python.
         from ament_index_python.packages import get_package_share_directory
         d = Path(get_package_share_directory("litevlm")) / "config"
         if d.is_dir():

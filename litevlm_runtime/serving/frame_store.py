@@ -115,6 +115,18 @@ def over_memory(camera: str, size: int, max_bytes: int | None) -> str | None:
             f"camera at most); refused on arrival, not stored")
 
 
+@dataclass(frozen=True)
+class HeldNear:
+    """What past_set read under the store's lock for a past set near its target time, per camera: its
+    frames `near` it, the (first, last) stamp it `held` (None: nothing), its held stamp `nearest` the
+    target, and `ever_held`: whether a frame of it was ever dropped from the front (what _past_error
+    tells apart: trimmed, or never received)."""
+    near: dict[str, list[Frame]]
+    held: dict[str, tuple[int, int] | None]
+    nearest: dict[str, int | None]
+    ever_held: dict[str, bool]
+
+
 class FrameMatchError(Exception):
     def __init__(self, status: str, message: str):
         super().__init__(message)
@@ -438,7 +450,7 @@ class FrameStore:
                 chosen[c] = near[c][i]
             else:
                 return FrameSet(frames=chosen)
-        raise self._past_error(key, step, stride_ns, target, tol, near, held, nearest, ever_held)
+        raise self._past_error(key, step, stride_ns, target, tol, HeldNear(near, held, nearest, ever_held))
 
     def _nearest(self, cam: str, target: int) -> int | None:
         """The held stamp of `cam` nearest to `target` (under the lock), or None."""
@@ -446,9 +458,10 @@ class FrameStore:
         i = bisect.bisect_left(stamps, target)
         return min(stamps[max(0, i - 1):i + 1], key=lambda s: abs(s - target), default=None)
 
-    def _past_error(self, key: FrameSet, step: int, stride_ns: int, target: int, tol: int, near: dict,
-                    held: dict, nearest: dict, ever_held: dict) -> FrameMatchError:
+    def _past_error(self, key: FrameSet, step: int, stride_ns: int, target: int, tol: int,
+                    seen: HeldNear) -> FrameMatchError:
         """Why frame set t-`step` could not be matched, naming the cameras and the step."""
+        near, held, nearest, ever_held = seen.near, seen.held, seen.nearest, seen.ever_held
         where = (f"frame set t-{step} ({step} x temporal.stride_s {stride_ns / 1e9:g} s = {step * stride_ns / 1e9:g} s "
                  f"before the newest set, within {tol / 1e9:g} s)")
         missing = [c for c in self.cameras if not any(abs(f.stamp_ns - target) <= tol for f in near[c])]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from ..cameras import CAMERAS
 from ..errors import InputError
 from ..options import _Validated, setting
+from .frame_store import PAST_TOLERANCE
 
 OVERFLOW_POLICIES = ("reject_new", "drop_oldest")
 FRAME_MATCH = ("as_asked", "newest")
@@ -123,7 +124,6 @@ def check_window(settings: ServerSettings, temporal) -> None:
     """The frame store must hold what a query over temporal.max_frames sets needs (frame_store.py):
     its window reaches back max_frames x stride_s, and the stride is long enough that two steps of
     max_skew_s never share a frame. InputError naming both settings when they cannot agree."""
-    from .frame_store import PAST_TOLERANCE
 
     need = temporal.max_frames * temporal.stride_s
     if temporal.max_frames > 1 and settings.frame_window_s < need:

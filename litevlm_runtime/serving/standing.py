@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from ..pipeline.pipeline import select_views
 from ..pipeline.request import QueryRequest
 from ..stages.temporal import token_change
 from .frame_store import PAST_TOLERANCE, FrameMatchError, FrameSet
@@ -79,7 +80,6 @@ class Standing:
         self.questions = {}
         if pipeline is None:
             return
-        from ..pipeline.pipeline import select_views
 
         rt = pipeline.rt
         frames = settings.standing_frames or rt.options.temporal.frames

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ..cameras import CAMERAS
 from ..errors import InputError
@@ -274,12 +275,28 @@ def scene_size(seed: int, index: int, sizes: list[tuple[int, int]]) -> tuple[int
     return sizes[int(np.random.default_rng([seed, index, 2]).integers(len(sizes)))] if len(sizes) > 1 else sizes[0]
 
 
-def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, height: int = 900,
-             val_fraction: float = 0.1, workers: int | None = None, progress: bool = True,
-             sizes: list[tuple[int, int]] | None = None, frames: int = 1, stride: float = 0.5) -> dict:
-    """`sizes`: render each scene at one of these (width, height), drawn per scene, instead of
-    width x height: the same scenes and questions, at mixed resolutions. `frames` > 1: every scene
-    in motion, at that many time steps `stride` seconds apart (module docstring)."""
+@dataclass(frozen=True)
+class SynthSpec:
+    """What a SynthDrive set is (`litevlm synth`'s flags): `scenes` scenes from `seed`, rendered at
+    width x height, or at one of `sizes` (width, height) drawn per scene (the same scenes and
+    questions at mixed resolutions); `val_fraction` of the scenes in val.json; `frames` > 1: every
+    scene in motion, at that many time steps `stride` seconds apart (module docstring). The same
+    spec writes the same files, whatever the workers."""
+    scenes: int
+    seed: int
+    width: int = 1600
+    height: int = 900
+    val_fraction: float = 0.1
+    sizes: list[tuple[int, int]] | None = None
+    frames: int = 1
+    stride: float = 0.5
+
+
+def generate(out_dir: str | Path, spec: SynthSpec, workers: int | None = None, progress: bool = True) -> dict:
+    """Write the SynthDrive set `spec` describes into out_dir (train.json, val.json, ground_truth.json,
+    the camera JPEGs) with `workers` processes (default: all cores); returns synthdrive.json's info."""
+    scenes, seed, frames, stride, sizes, val_fraction = (spec.scenes, spec.seed, spec.frames, spec.stride,
+                                                         spec.sizes, spec.val_fraction)
     if scenes < 1:
         raise InputError("--scenes must be at least 1")
     if not 1 <= frames <= MAX_FRAMES:
@@ -288,7 +305,7 @@ def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, hei
     if frames > 1 and not (stride_us >= 1000 and (frames - 1) * stride <= MAX_WINDOW_S):
         raise InputError(f"--stride {stride:g}: expected at least 0.001 s, and (frames - 1) x stride at most "
                          f"{MAX_WINDOW_S:g} s")
-    sizes = list(sizes) if sizes else [(width, height)]
+    sizes = list(sizes) if sizes else [(spec.width, spec.height)]
     for w, h in sizes:
         if w < 64 or h < 36 or w > 8192 or h > 8192:
             raise InputError(f"image size {w}x{h} out of range (64x36 .. 8192x8192)")
@@ -314,7 +331,6 @@ def generate(out_dir: str | Path, scenes: int, seed: int, width: int = 1600, hei
     train, val, truth = {}, {}, {}
     n_qa = {"train": 0, "val": 0}
     start = time.perf_counter()
-    from tqdm import tqdm
     bar = tqdm(total=scenes, desc="synth", unit="scene", disable=not progress)
     pool = multiprocessing.Pool(workers) if workers > 1 else None
     try:

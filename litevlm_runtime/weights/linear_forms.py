@@ -29,6 +29,7 @@ from ..kernels.lowbit_kernels import path_in_words
 from ..models.decoder import DecoderLayer
 from ..models.intern_vit import VisionAttention
 from .bf16 import BF16_UNIT_FLAGS, Bf16Linear, cpu_has_bf16_units
+from .integrity import read_manifest
 from .lowbit import (
     Fp16Linear,
     Int4Linear,
@@ -121,7 +122,6 @@ class Quantized:
 
 def check_source(manifest: dict, model_dir: Path, folder: Path) -> None:
     """Refuse quantized weights made from other float weights than the model folder's now."""
-    from .integrity import read_manifest
 
     made_from = manifest.get("source", {}).get("files", {})
     current = read_manifest(model_dir) or {}

@@ -63,6 +63,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError, read_json
+from .checkpoint import read_safetensors
+from .integrity import sha256_file
 
 FORMAT = "litevlm-lowbit/1"
 GROUP_SIZE = 128
@@ -301,10 +306,6 @@ def save_quantized(out, weights: dict[str, Int4Weight | Int8Weight], manifest: d
     (`manifest` gives kind, method, source, calibration...; FORMAT, modules and the file's sha256
     are added). Returns the manifest written."""
 
-    from safetensors.torch import save_file
-
-    from .integrity import sha256_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -326,10 +327,6 @@ def save_quantized(out, weights: dict[str, Int4Weight | Int8Weight], manifest: d
 def load_quantized(folder) -> tuple[dict, dict[str, Int4Weight | Int8Weight]]:
     """(manifest, module name -> form) of a folder `save_quantized` wrote, its file checked against
     the manifest's sha256 and every module's tensors against the manifest's shapes."""
-
-    from ..errors import CheckpointError, read_json
-    from .checkpoint import read_safetensors
-    from .integrity import sha256_file
 
     folder = Path(folder)
     if not (folder / MANIFEST_FILE).is_file():

@@ -13,6 +13,9 @@ import re
 from functools import cached_property, lru_cache
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from ..errors import CheckpointError, read_json
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -28,8 +31,6 @@ class Tokenizer:
         folder = Path(folder)
         self.folder = folder
         if (folder / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer as HFTokenizer
-
             path = folder / "tokenizer.json"
             try:
                 self._tok = HFTokenizer.from_file(str(path))
@@ -39,6 +40,8 @@ class Tokenizer:
             self._vocab = self._tok.get_vocab(with_added_tokens=True)
             self._decode_one = None
         elif (folder / "tokenizer.model").is_file():
+            # Imported here: only a sentencepiece folder (InternLM2's tokenizer.model) needs it; the
+            # project's own checkpoints and Qwen2.5's are tokenizer.json.
             import sentencepiece as spm
 
             path = folder / "tokenizer.model"
@@ -168,8 +171,6 @@ def _added_tokens(folder: Path) -> dict[str, int]:
 
 def train_bpe_tokenizer(texts, vocab_size: int, out_file: Path) -> None:
     """A byte-level BPE tokenizer for the project's own small checkpoints (any text encodes)."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -13,7 +13,7 @@ from litevlm_runtime.bag.io import read_bag, write_bag
 from litevlm_runtime.bag.make import BagTiming, drivelm_contents
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.evaluation.data import load_frames
-from litevlm_runtime.synth.generate import generate
+from litevlm_runtime.synth.generate import SynthSpec, generate
 
 SCENES, K, STRIDE_NS, GAP_S = 3, 3, 500_000_000, 2.0
 
@@ -21,7 +21,7 @@ SCENES, K, STRIDE_NS, GAP_S = 3, 3, 500_000_000, 2.0
 @pytest.fixture(scope="module")
 def motion_set(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("motion_bag")
-    generate(out, SCENES, 5, 160, 90, val_fraction=0.0, workers=1, progress=False, frames=K, stride=0.5)
+    generate(out, SynthSpec(SCENES, 5, 160, 90, val_fraction=0.0, frames=K, stride=0.5), workers=1, progress=False)
     return out
 
 

@@ -35,7 +35,8 @@ TOL = 1e-4
 # Random weights in the upstream InternVL2.5 layout (names and shapes as the real checkpoints)
 # ----------------------------------------------------------------------------------------------
 
-def upstream_config(arch="InternLM2ForCausalLM", *, llm_width=256, heads=4, kv_heads=2, llm_layers=2,
+# One keyword per field of the upstream config.json it writes (a mirrored schema, not an options object).
+def upstream_config(arch="InternLM2ForCausalLM", *, llm_width=256, heads=4, kv_heads=2, llm_layers=2,  # noqa: PLR0913
                     vocab=300, vit_width=64, vit_heads=4, vit_layers=2, image=56, patch=14, tie=False):
     llm = {
         "architectures": [arch],

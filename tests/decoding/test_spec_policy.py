@@ -157,7 +157,7 @@ def test_round_overhead_is_learned_and_counts_against_trees():
 
 
 def test_bench_reports_the_answer_level_decision():
-    from litevlm_runtime.commands.bench import policy_choice
+    from litevlm_runtime.bench.policy import policy_choice
     from litevlm_runtime.decoding.spec_policy import MIN_ANSWERS
     from litevlm_runtime.options import EagleTree
 

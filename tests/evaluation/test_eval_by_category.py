@@ -15,7 +15,7 @@ from litevlm_runtime.cli import main
 from litevlm_runtime.evaluation.compare import compare_runs
 from litevlm_runtime.evaluation.data import MOTION, load_frames
 from litevlm_runtime.evaluation.metrics import ACCURACY, CHALLENGE, LENIENT, answer_is_correct, score
-from litevlm_runtime.synth.generate import generate
+from litevlm_runtime.synth.generate import SynthSpec, generate
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoevalcap's PTB tokenizer needs Java")
 
@@ -23,7 +23,7 @@ needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoeval
 @pytest.fixture(scope="module")
 def motion_qa(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("motion_eval")
-    generate(out, 6, 77, 160, 90, val_fraction=0.0, workers=1, progress=False, frames=3, stride=0.5)
+    generate(out, SynthSpec(6, 77, 160, 90, val_fraction=0.0, frames=3, stride=0.5), workers=1, progress=False)
     return out / "train.json"
 
 

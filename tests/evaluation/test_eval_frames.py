@@ -16,10 +16,10 @@ from litevlm_runtime.evaluation.data import frame_images_over_time, load_frames
 
 @pytest.fixture(scope="module")
 def motion_set(tmp_path_factory) -> Path:
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
     out = tmp_path_factory.mktemp("motion") / "set"
-    generate(out, 3, seed=31, width=160, height=90, val_fraction=0.0, workers=1, progress=False, frames=4)
+    generate(out, SynthSpec(3, seed=31, width=160, height=90, val_fraction=0.0, frames=4), workers=1, progress=False)
     return out
 
 

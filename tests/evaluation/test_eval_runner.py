@@ -13,8 +13,8 @@ from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.cli import main
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.evaluation.data import load_frames
-from litevlm_runtime.evaluation.runner import blank_frame, run_model
-from litevlm_runtime.synth.generate import generate
+from litevlm_runtime.evaluation.runner import EvalPlan, blank_frame, run_model
+from litevlm_runtime.synth.generate import SynthSpec, generate
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoevalcap's PTB tokenizer needs Java")
 
@@ -22,13 +22,13 @@ needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="pycocoeval
 @pytest.fixture(scope="module")
 def synth_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("synth_eval")
-    generate(out, 2, 5, 224, 126, val_fraction=0.5, workers=1, progress=False)
+    generate(out, SynthSpec(2, 5, 224, 126, val_fraction=0.5), workers=1, progress=False)
     return out
 
 
 def test_runs_the_pipeline_on_synthdrive(tiny_model, synth_dir):
     records = run_model(
-        tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=3), limit=3, progress=False
+        tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=3), EvalPlan(limit=3), progress=False
     )
     questions = [q for f in load_frames(synth_dir / "val.json") for q in f.questions][:3]
     assert [r["id"] for r in records] == [q.id for q in questions]
@@ -44,7 +44,7 @@ def test_reports_the_arena_bytes(tiny_model, synth_dir):
     for kv in ("float", "int8"):
         info = {}
         run_model(tiny_model, synth_dir / "val.json", synth_dir, options(max_new_tokens=2, arena__kv_dtype=kv),
-                  limit=1, progress=False, info=info)
+                  EvalPlan(limit=1), progress=False, info=info)
         sizes[kv] = info
         assert info["kv_dtype"] == kv and 0 < info["kv_bytes"] < info["arena_bytes"]
     assert sizes["int8"]["kv_bytes"] < sizes["float"]["kv_bytes"]
@@ -67,7 +67,8 @@ def test_rejected_question_is_recorded_not_lost(tiny_model, tmp_path, synth_dir)
     frame = next(iter(next(iter(data.values()))["key_frames"].values()))
     frame["QA"]["perception"][0]["Q"] = "   "            # the pipeline rejects an empty question
     (tmp_path / "qa.json").write_text(json.dumps(data))
-    records = run_model(tiny_model, tmp_path / "qa.json", synth_dir, options(max_new_tokens=2), limit=2, progress=False)
+    records = run_model(tiny_model, tmp_path / "qa.json", synth_dir, options(max_new_tokens=2), EvalPlan(limit=2),
+                        progress=False)
     assert len(records) == 2
     assert records[0]["answer"] == "" and "question" in records[0]["error"].lower()
     assert "error" not in records[1]

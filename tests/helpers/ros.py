@@ -311,10 +311,10 @@ def sequence_bag(root: Path, frames: int = 4, scenes: int = 3, seed: int = 4545,
     frame sets (query_frames: another Query.frames; 0: the node's temporal.frames)."""
     from litevlm_runtime.bag.io import write_bag
     from litevlm_runtime.bag.make import drivelm_contents
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
-    generate(root / "synth", scenes, seed, 160, 90, val_fraction=0.0, workers=1, progress=False, frames=frames,
-             stride=0.5)
+    generate(root / "synth", SynthSpec(scenes, seed, 160, 90, val_fraction=0.0, frames=frames, stride=0.5), workers=1,
+             progress=False)
     return write_bag(drivelm_contents(root / "synth", questions_per_frame=questions,
                                       query_frames=frames if query_frames is None else query_frames), root / "bag")
 

@@ -11,9 +11,10 @@ from litevlm_runtime.pipeline.pipeline import Pipeline, PipelineOptions
 def test_bundled_model_is_small_and_answers_like_its_training(tmp_path):
     size = sum(p.stat().st_size for p in DEFAULT_MODEL.rglob("*") if p.is_file())
     assert size <= 40 * 2**20
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
-    generate(tmp_path / "set", 1, seed=99, width=480, height=270, val_fraction=0.0, workers=1, progress=False)
+    generate(tmp_path / "set", SynthSpec(1, seed=99, width=480, height=270, val_fraction=0.0), workers=1,
+             progress=False)
     doc = json.loads((tmp_path / "set" / "train.json").read_text())
     frame = next(iter(next(iter(doc.values()))["key_frames"].values()))
     images = {cam: tmp_path / "set" / p for cam, p in frame["image_paths"].items()}

@@ -14,7 +14,7 @@ from PIL import Image
 from litevlm_runtime.cameras import CAMERAS
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.synth.camera import rig
-from litevlm_runtime.synth.generate import TAG_FRAME, build_scene, generate, scene_size
+from litevlm_runtime.synth.generate import TAG_FRAME, SynthSpec, build_scene, generate, scene_size
 from litevlm_runtime.synth.render import render
 from litevlm_runtime.synth.world import BARRIER_RGB, COLOURS, LIGHT_RGB
 
@@ -25,7 +25,7 @@ SEED, SCENES, W, H = 7, 12, 448, 252
 @pytest.fixture(scope="module")
 def synth_set(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("synth")
-    generate(out, SCENES, SEED, W, H, val_fraction=0.25, workers=2, progress=False)
+    generate(out, SynthSpec(SCENES, SEED, W, H, val_fraction=0.25), workers=2, progress=False)
     return out
 
 
@@ -130,13 +130,14 @@ def _digest(folder: Path) -> dict[str, str]:
 
 
 def test_same_seed_same_bytes(tmp_path):
-    generate(tmp_path / "a", 4, 11, 224, 126, val_fraction=0.25, workers=1, progress=False)
-    generate(tmp_path / "b", 4, 11, 224, 126, val_fraction=0.25, workers=2, progress=False)
-    generate(tmp_path / "c", 4, 12, 224, 126, val_fraction=0.25, workers=1, progress=False)
+    generate(tmp_path / "a", SynthSpec(4, 11, 224, 126, val_fraction=0.25), workers=1, progress=False)
+    generate(tmp_path / "b", SynthSpec(4, 11, 224, 126, val_fraction=0.25), workers=2, progress=False)
+    generate(tmp_path / "c", SynthSpec(4, 12, 224, 126, val_fraction=0.25), workers=1, progress=False)
     a, b, c = _digest(tmp_path / "a"), _digest(tmp_path / "b"), _digest(tmp_path / "c")
     assert len(a) == 4 * 6 + 4 and a == b
     assert a["train.json"] != c["train.json"]
-    generate(tmp_path / "b", 2, 11, 224, 126, val_fraction=0.0, workers=1, progress=False)   # rerun, fewer scenes
+    # rerun, fewer scenes
+    generate(tmp_path / "b", SynthSpec(2, 11, 224, 126, val_fraction=0.0), workers=1, progress=False)
     assert len(list((tmp_path / "b" / "samples").rglob("*.jpg"))) == 2 * 6
 
 
@@ -154,7 +155,7 @@ def test_questions_do_not_depend_on_resolution():
 
 def test_mixed_sizes_render_each_scene_at_its_drawn_size(tmp_path):
     sizes = [(160, 90), (320, 180)]
-    info = generate(tmp_path / "m", 6, 11, val_fraction=0.0, workers=1, progress=False, sizes=sizes)
+    info = generate(tmp_path / "m", SynthSpec(6, 11, val_fraction=0.0, sizes=sizes), workers=1, progress=False)
     assert info["sizes"] == ["160x90", "320x180"]
     truth = json.loads((tmp_path / "m" / "ground_truth.json").read_text())
     drawn = [tuple(truth[t]["image_size"]) for t in sorted(truth, key=lambda t: truth[t]["index"])]
@@ -166,17 +167,17 @@ def test_mixed_sizes_render_each_scene_at_its_drawn_size(tmp_path):
                 with Image.open(tmp_path / "m" / rel) as im:
                     assert im.size == tuple(truth[fid]["image_size"])
     # The QA of a scene is the one its single-size render has.
-    single = generate(tmp_path / "s", 6, 11, 160, 90, val_fraction=0.0, workers=1, progress=False)
+    single = generate(tmp_path / "s", SynthSpec(6, 11, 160, 90, val_fraction=0.0), workers=1, progress=False)
     assert single["qa_train"] == info["qa_train"]
     assert (tmp_path / "s" / "train.json").read_text() == (tmp_path / "m" / "train.json").read_text()
 
 
 def test_bad_arguments(tmp_path):
     with pytest.raises(InputError):
-        generate(tmp_path / "x", 0, 0, progress=False)
+        generate(tmp_path / "x", SynthSpec(0, 0), progress=False)
     with pytest.raises(InputError):
-        generate(tmp_path / "x", 1, 0, 10, 10, progress=False)
+        generate(tmp_path / "x", SynthSpec(1, 0, 10, 10), progress=False)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "other.txt").write_text("not ours")
     with pytest.raises(InputError, match="not a SynthDrive folder"):
-        generate(tmp_path / "busy", 1, 0, 224, 126, progress=False)
+        generate(tmp_path / "busy", SynthSpec(1, 0, 224, 126), progress=False)

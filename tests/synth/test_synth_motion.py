@@ -22,7 +22,7 @@ from litevlm_runtime.evaluation.motion_sheet import sequence_sheet
 from litevlm_runtime.frames import capture_us
 from litevlm_runtime.synth import motion
 from litevlm_runtime.synth.camera import rig
-from litevlm_runtime.synth.generate import build_scene, cull, generate
+from litevlm_runtime.synth.generate import SynthSpec, build_scene, cull, generate
 from litevlm_runtime.synth.render import render
 from litevlm_runtime.synth.world import LANE_WIDTH, VEHICLE_KINDS, decide_ego, sample_world
 
@@ -34,7 +34,7 @@ DRIVELM_ITEM = {"Q", "A", "C", "con_up", "con_down", "cluster", "layer"}
 @pytest.fixture(scope="module")
 def motion_set(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("motion")
-    generate(out, SCENES, SEED, W, H, val_fraction=0.25, workers=1, progress=False, frames=K, stride=STRIDE)
+    generate(out, SynthSpec(SCENES, SEED, W, H, val_fraction=0.25, frames=K, stride=STRIDE), workers=1, progress=False)
     return out
 
 
@@ -341,15 +341,15 @@ def test_sheet_shows_the_sequence(motion_set, tmp_path):
 
 def test_bad_motion_arguments(tmp_path):
     with pytest.raises(InputError, match="--frames 17"):
-        generate(tmp_path / "a", 1, 0, 160, 90, frames=17, progress=False)
+        generate(tmp_path / "a", SynthSpec(1, 0, 160, 90, frames=17), progress=False)
     with pytest.raises(InputError, match="--stride 0"):
-        generate(tmp_path / "b", 1, 0, 160, 90, frames=2, stride=0.0, progress=False)
+        generate(tmp_path / "b", SynthSpec(1, 0, 160, 90, frames=2, stride=0.0), progress=False)
     with pytest.raises(InputError, match="--stride 30"):
-        generate(tmp_path / "c", 1, 0, 160, 90, frames=4, stride=30.0, progress=False)
+        generate(tmp_path / "c", SynthSpec(1, 0, 160, 90, frames=4, stride=30.0), progress=False)
 
 
-# sha256 of train.json and ground_truth.json of `generate(out, 6, 2029, 480, 270, workers=2)`, as made by
-# the tree before SynthDrive learnt motion (2813168): a single-frame set is unchanged by it. (Tags
+# sha256 of train.json and ground_truth.json of `generate(out, SynthSpec(6, 2029, 480, 270), workers=2)`, as made
+# by the tree before SynthDrive learnt motion (2813168): a single-frame set is unchanged by it. (Tags
 # and culling follow PIL's rasterization: a Pillow that fills polygons differently changes them too.)
 SINGLE_FRAME_2029 = {
     "train.json": "46530974ca7b80507f3316c3ba03afe1eacb3fd0243cfc3e63b6ebd20c4f2852",
@@ -358,7 +358,7 @@ SINGLE_FRAME_2029 = {
 
 
 def test_single_frame_set_is_byte_for_byte_what_it_was(tmp_path):
-    generate(tmp_path / "s", 6, 2029, 480, 270, workers=2, progress=False)
+    generate(tmp_path / "s", SynthSpec(6, 2029, 480, 270), workers=2, progress=False)
     for name, digest in SINGLE_FRAME_2029.items():
         assert hashlib.sha256((tmp_path / "s" / name).read_bytes()).hexdigest() == digest, name
     assert not any(capture_us(p) for p in (tmp_path / "s" / "samples").rglob("*.jpg"))

@@ -30,12 +30,12 @@ from litevlm_runtime.training.views import NO_TIME_LABEL, time_labels, tune_time
 @pytest.fixture(scope="module")
 def motion_qa(tmp_path_factory) -> Path:
     """Twelve SynthDrive scenes in motion (4 frame sets) and eight single-frame ones, at 160x90."""
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
     root = tmp_path_factory.mktemp("qa")
-    generate(root / "motion", 12, seed=21, width=160, height=90, val_fraction=0.25, workers=1, progress=False,
-             frames=4)
-    generate(root / "still", 8, seed=22, width=160, height=90, val_fraction=0.0, workers=1, progress=False)
+    generate(root / "motion", SynthSpec(12, seed=21, width=160, height=90, val_fraction=0.25, frames=4), workers=1,
+             progress=False)
+    generate(root / "still", SynthSpec(8, seed=22, width=160, height=90, val_fraction=0.0), workers=1, progress=False)
     return root
 
 

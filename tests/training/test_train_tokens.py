@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory) -> Path:
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
     out = tmp_path_factory.mktemp("synth_tokens")
-    generate(out, scenes=6, seed=3, width=160, height=90, val_fraction=0.0, workers=1, progress=False)
+    generate(out, SynthSpec(scenes=6, seed=3, width=160, height=90, val_fraction=0.0), workers=1, progress=False)
     return out
 
 

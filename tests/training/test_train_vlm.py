@@ -22,10 +22,10 @@ from litevlm_runtime.weights.tokenizer import Tokenizer, train_bpe_tokenizer
 @pytest.fixture(scope="module")
 def synth_set(tmp_path_factory) -> Path:
     """Four SynthDrive scenes at 160x90 (seconds to render)."""
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
     out = tmp_path_factory.mktemp("synth") / "set"
-    generate(out, 4, seed=7, width=160, height=90, val_fraction=0.25, workers=1, progress=False)
+    generate(out, SynthSpec(4, seed=7, width=160, height=90, val_fraction=0.25), workers=1, progress=False)
     return out
 
 

@@ -30,10 +30,10 @@ K = 4
 @pytest.fixture(scope="module")
 def motion_set(tmp_path_factory) -> Path:
     """Four SynthDrive scenes in motion, 4 frame sets 0.5 s apart, at 160x90."""
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
     out = tmp_path_factory.mktemp("motion") / "set"
-    generate(out, 4, seed=11, width=160, height=90, val_fraction=0.25, workers=1, progress=False, frames=K)
+    generate(out, SynthSpec(4, seed=11, width=160, height=90, val_fraction=0.25, frames=K), workers=1, progress=False)
     return out
 
 

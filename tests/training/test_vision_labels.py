@@ -75,9 +75,9 @@ def test_generated_frames_label_every_visible_object(tmp_path):
     the cell of its centre, and the label file names frames it lacks clearly."""
     import json
 
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
-    generate(tmp_path, 2, seed=3, width=160, height=90, val_fraction=0.0, workers=1, progress=False)
+    generate(tmp_path, SynthSpec(2, seed=3, width=160, height=90, val_fraction=0.0), workers=1, progress=False)
     doc = json.loads((tmp_path / "ground_truth.json").read_text())
     ids = list(doc)
     labels = load_vision_labels(tmp_path / "ground_truth.json", ids, 5).numpy()

@@ -452,10 +452,10 @@ def qwen3_tied(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    from litevlm_runtime.synth.generate import generate
+    from litevlm_runtime.synth.generate import SynthSpec, generate
 
     out = tmp_path_factory.mktemp("synth_lowbit")
-    generate(out, scenes=2, seed=3, width=160, height=90, val_fraction=0.0, workers=1, progress=False)
+    generate(out, SynthSpec(scenes=2, seed=3, width=160, height=90, val_fraction=0.0), workers=1, progress=False)
     return out
 
 

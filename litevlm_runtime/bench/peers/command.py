@@ -7,14 +7,28 @@ import json
 import sys
 from pathlib import Path
 
+from ...errors import InputError
+from .decode import run_decode_command
+from .files import weights_digest
 from .flags import ENGINES, GGUF, OPENVINO, PIPELINES, WEIGHTS, cpu_line, split
+from .models import BUNDLED, peer_form, study_checkpoint
+from .whole import (
+    DEFAULT_DATA,
+    WholeSettings,
+    holdout_frames,
+    plan_rows,
+    run_whole,
+    select_questions,
+    summarize,
+    whole_plot,
+    whole_table,
+)
 
 DEFAULT_CACHE = Path("/tmp/litevlm-peers")
 
 
 def resolve_model(args, cache: Path, progress) -> Path:
     """--model DIR as given, --preset NAME as a random-weight checkpoint in the cache (written once)."""
-    from .models import study_checkpoint
 
     if args.model:
         return Path(args.model)
@@ -23,7 +37,6 @@ def resolve_model(args, cache: Path, progress) -> Path:
 
 def check_flags(args) -> None:
     """Every flag's value checked before anything is written or started, naming the flag."""
-    from ...errors import InputError
 
     if not args.model and not args.preset:
         raise InputError("litevlm bench --peers: --model DIR or --preset NAME (e.g. internvl3-2b)")
@@ -56,26 +69,11 @@ def run_peers(args) -> int:
     model = resolve_model(args, cache, say)
     if args.whole:
         return run_whole_command(args, model, cache, say)
-    from .decode import run_decode_command
 
     return run_decode_command(args, model, cache, say)
 
 
 def run_whole_command(args, model: Path, cache: Path, say) -> int:
-    from ...errors import InputError
-    from .files import weights_digest
-    from .models import peer_form
-    from .whole import (
-        DEFAULT_DATA,
-        holdout_frames,
-        plan_rows,
-        run_whole,
-        select_questions,
-        summarize,
-        whole_plot,
-        whole_table,
-    )
-
     data = Path(args.drivelm or DEFAULT_DATA)
     if not data.is_dir():
         raise InputError(f"--drivelm {data}: no such folder (the DriveLM sample, ../shared/drivelm_sample)")
@@ -83,7 +81,6 @@ def run_whole_command(args, model: Path, cache: Path, say) -> int:
     new_tokens = args.new_tokens
     engines, weights = split(args.engines, ",".join(ENGINES)), split(args.weights, "float,int8,int4")
     gguf, pipelines = split(args.gguf, ",".join(GGUF)), split(args.pipelines, ",".join(PIPELINES))
-    from .models import BUNDLED
 
     frames = holdout_frames(model) or holdout_frames(BUNDLED)
     questions = select_questions(data, count, frames)
@@ -93,8 +90,8 @@ def run_whole_command(args, model: Path, cache: Path, say) -> int:
         say(f"skipping {engine}: {why}")
     say(f"model {model} (peers read {peer}); {len(questions)} questions of key frames {', '.join(frames)}; "
         f"rows: {', '.join(r.key for r in rows)}")
-    study = run_whole(model, peer, cache, questions, rows, skipped, args.rounds, args.threads, new_tokens, say,
-                      args.llama_preprocess)
+    study = run_whole(model, peer, cache, questions, rows, skipped,
+                      WholeSettings(args.rounds, args.threads, new_tokens, args.llama_preprocess), say)
     summary = summarize(study)
     header = (f"{cpu_line()}\n{args.threads} threads per row; {len(questions)} DriveLM sample questions (the "
               f"first {-(-len(questions) // max(len(frames), 1))} of each of key frames "
@@ -127,8 +124,6 @@ def run_whole_command(args, model: Path, cache: Path, say) -> int:
 
 
 def _vlm_export_line(cache: Path, peer: Path) -> str:
-    from .files import weights_digest
-
     path = cache / weights_digest(peer) / "openvino" / "vlm-attempt" / "export-vlm.json"
     if not path.is_file():
         return ""

@@ -22,6 +22,9 @@ from the tokenizer's definition instead of a hash. Any other unrecognised tokeni
 
 quantize: libllama's `llama_model_quantize` (what the `llama-quantize` tool calls) with its default
 parameters, from the F16 file, as upstream's docs convert then quantize.
+
+Imports inside the functions: the converter is importable only once LLAMA_SRC is on sys.path, and
+llama_cpp is the peers' package (`scripts/setup.sh --peers`), needed by quantize alone.
 """
 
 from __future__ import annotations

@@ -26,107 +26,41 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+from ...bench.contention import Hog
+from ...bench.roofline import CAP_BYTES, measure_bandwidth
+from ...report import table
 from ...timing import percentile
-from . import env
+from ...weights.checkpoint import read_config
+from . import env, openvino_rows
+from .files import llama_files, weights_digest
+from .flags import cpu_line, split
+from .models import peer_form
+from .whole import project_int4
 
 ENGINES = ("litevlm", "llama.cpp", "openvino")
 
 
 def run_decode_command(args, model: Path, cache: Path, say) -> int:
-    from ...bench.contention import Hog
-    from ...bench.roofline import CAP_BYTES, measure_bandwidth
-    from ...weights.checkpoint import read_config
-    from .files import llama_files, weights_digest
-    from .flags import cpu_line, split
-    from .models import peer_form
-    from .whole import project_int4
-
-    engines = split(args.engines, ",".join(ENGINES))
-    rows: list[tuple[str, str]] = []
-    skipped = {}
-    for engine in engines:
-        if engine == "litevlm":
-            forms = split(args.weights, "float,int8,int4")
-            rows += [("litevlm", project_int4(model) if w == "int4" else w) for w in forms]
-        elif engine == "llama.cpp":
-            why = env.llama_cpp_missing()
-            if why:
-                skipped[engine] = why
-            else:
-                rows += [("llama.cpp", g) for g in split(args.gguf, "f16,q8_0,q4_0")]
-        else:
-            why = env.openvino_missing()
-            if why:
-                skipped[engine] = why
-            else:
-                rows += [("openvino", w) for w in split(args.openvino, "int8,int4")]
+    rows, skipped = decode_rows(args, model)
     peer = peer_form(model, cache / "peer-forms" / weights_digest(model), say)
     files = {}
     if any(e == "llama.cpp" for e, _ in rows):
         files["gguf"] = llama_files(peer, cache, [w for e, w in rows if e == "llama.cpp"], say)
     if any(e == "openvino" for e, _ in rows):
-        from . import openvino_rows
-
         files["openvino"] = openvino_rows.prepare(peer, cache, [w for e, w in rows if e == "openvino"], say)
     cfg = read_config(model).llm
     prompt = random.Random(args.seed).choices(range(min(cfg.vocab_size, 150000)), k=args.prompt)
     work = cache / "runs" / ("decode-" + time.strftime("%Y%m%d-%H%M%S"))
     work.mkdir(parents=True, exist_ok=True)
-    log = work / "rows.log"
     hog = args.hog or 0
-    results: dict[tuple[str, str, int], list[dict]] = {}
-    reference: list[int] | None = None
-    bandwidth, loads = [], []
-    import torch
-
-    torch.set_num_threads(args.threads)
-    conditions = [0, hog] if hog else [0]
-    for rnd in range(args.rounds):
-        bw = measure_bandwidth(CAP_BYTES)
-        bandwidth.append(bw.read_gbs)
-        loads.append(os.getloadavg()[0])
-        say(f"[round {rnd + 1}/{args.rounds}] bandwidth (read, {args.threads} threads) {bw.read_gbs:.1f} GB/s; "
-            f"load {loads[-1]:.2f}; log {log}")
-        order = rows if rnd % 2 == 0 else rows[::-1]
-        if ("litevlm", "float") in order:            # the reference first, for teacher forcing
-            order = [("litevlm", "float")] + [r for r in order if r != ("litevlm", "float")]
-        for engine, weights in order:
-            for busy in conditions:
-                name = f"{rnd}-{engine}-{weights}-{busy}"
-                job, out = work / f"job-{name}.json", work / f"out-{name}.json"
-                spec = {"mode": "decode", "threads": args.threads, "prompt": prompt, "tokens": args.tokens,
-                        "forced": reference if (engine, weights) != ("litevlm", "float") else None}
-                with Hog(busy, "spin"):
-                    if engine == "litevlm":
-                        job.write_text(json.dumps(dict(spec, model=str(model), weights=weights)))
-                        import subprocess
-
-                        with open(log, "a") as err:
-                            rc = subprocess.run([sys.executable, "-m", "litevlm_runtime.bench.peers.run_project",
-                                                 str(job), str(out)], stdout=err, stderr=err).returncode
-                        if rc:
-                            raise RuntimeError(f"litevlm {weights} failed (exit {rc}); see {log}")
-                    elif engine == "llama.cpp":
-                        job.write_text(json.dumps(dict(spec, model=str(files["gguf"][weights]),
-                                                       n_ctx=args.prompt + args.tokens + 64)))
-                        env.run_script(sys.executable, env.HERE / "run_llama_cpp.py", [str(job), str(out)], log)
-                    else:
-                        job.write_text(json.dumps(dict(spec, llm=str(files["openvino"]["llm"][weights]))))
-                        env.run_script(env.openvino_python(), env.HERE / "run_openvino.py", ["run", str(job), str(out)],
-                                       log)
-                res = json.loads(out.read_text())
-                results.setdefault((engine, weights, busy), []).append(res)
-                if (engine, weights) == ("litevlm", "float") and reference is None and busy == 0:
-                    reference = res["decode"]["ids"]
-                d = res["decode"]
-                say(f"  {engine:<10} {weights:<8} {'beside ' + str(busy) + ' busy' if busy else 'quiet':<14} "
-                    f"decode {d['decode_ms']:7.1f} ms/token  prefill {d['prefill_s']:5.2f} s  "
-                    f"peak {res.get('peak_rss_gb', 0):.1f} GB")
-    loads.append(os.getloadavg()[0])
+    results, reference, bandwidth, loads = run_rounds(args, model, rows, files, prompt, work, say)
     text, summary = decode_table(rows, results, reference or [], bandwidth, cfg, args.prompt, args.tokens, hog)
     head = (f"{cpu_line()}\n{args.threads} threads; prompt {args.prompt} ids, then {args.tokens} greedy steps; "
             f"{args.rounds} alternating rounds, each row a fresh process; 1-min load average "
@@ -146,9 +80,91 @@ def run_decode_command(args, model: Path, cache: Path, say) -> int:
     return 0
 
 
-def decode_table(rows, results, reference, bandwidth, cfg, prompt_len, tokens, hog) -> tuple[str, list[dict]]:
-    from ...report import table
+def decode_rows(args, model: Path) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """The (engine, weights) rows --engines, --weights, --gguf and --openvino ask for, and the engines
+    skipped (engine -> why: not installed)."""
+    rows: list[tuple[str, str]] = []
+    skipped = {}
+    for engine in split(args.engines, ",".join(ENGINES)):
+        if engine == "litevlm":
+            forms = split(args.weights, "float,int8,int4")
+            rows += [("litevlm", project_int4(model) if w == "int4" else w) for w in forms]
+        elif engine == "llama.cpp":
+            why = env.llama_cpp_missing()
+            if why:
+                skipped[engine] = why
+            else:
+                rows += [("llama.cpp", g) for g in split(args.gguf, "f16,q8_0,q4_0")]
+        else:
+            why = env.openvino_missing()
+            if why:
+                skipped[engine] = why
+            else:
+                rows += [("openvino", w) for w in split(args.openvino, "int8,int4")]
+    return rows, skipped
 
+
+def run_rounds(args, model: Path, rows, files: dict, prompt: list[int], work: Path, say):
+    """--rounds alternating rounds of every row (the reference, litevlm float, first in each), quiet and,
+    with --hog N, beside N busy processes: (results by (engine, weights, busy), the reference's ids,
+    the memory bandwidth before each round, the load averages)."""
+    log = work / "rows.log"
+    hog = args.hog or 0
+    results: dict[tuple[str, str, int], list[dict]] = {}
+    reference: list[int] | None = None
+    bandwidth, loads = [], []
+    torch.set_num_threads(args.threads)
+    conditions = [0, hog] if hog else [0]
+    for rnd in range(args.rounds):
+        bw = measure_bandwidth(CAP_BYTES)
+        bandwidth.append(bw.read_gbs)
+        loads.append(os.getloadavg()[0])
+        say(f"[round {rnd + 1}/{args.rounds}] bandwidth (read, {args.threads} threads) {bw.read_gbs:.1f} GB/s; "
+            f"load {loads[-1]:.2f}; log {log}")
+        order = rows if rnd % 2 == 0 else rows[::-1]
+        if ("litevlm", "float") in order:            # the reference first, for teacher forcing
+            order = [("litevlm", "float")] + [r for r in order if r != ("litevlm", "float")]
+        for engine, weights in order:
+            for busy in conditions:
+                spec = {"mode": "decode", "threads": args.threads, "prompt": prompt, "tokens": args.tokens,
+                        "forced": reference if (engine, weights) != ("litevlm", "float") else None}
+                with Hog(busy, "spin"):
+                    name = work / f"{rnd}-{engine}-{weights}-{busy}"
+                    res = run_row(args, model, (engine, weights), files, spec, name)
+                results.setdefault((engine, weights, busy), []).append(res)
+                if (engine, weights) == ("litevlm", "float") and reference is None and busy == 0:
+                    reference = res["decode"]["ids"]
+                d = res["decode"]
+                say(f"  {engine:<10} {weights:<8} {'beside ' + str(busy) + ' busy' if busy else 'quiet':<14} "
+                    f"decode {d['decode_ms']:7.1f} ms/token  prefill {d['prefill_s']:5.2f} s  "
+                    f"peak {res.get('peak_rss_gb', 0):.1f} GB")
+    loads.append(os.getloadavg()[0])
+    return results, reference, bandwidth, loads
+
+
+def run_row(args, model: Path, row: tuple[str, str], files: dict, spec: dict, name: Path) -> dict:
+    """One row's decode job in its own process (job and output files beside `name`): its result."""
+    engine, weights = row
+    log = name.parent / "rows.log"
+    job, out = name.parent / f"job-{name.name}.json", name.parent / f"out-{name.name}.json"
+    if engine == "litevlm":
+        job.write_text(json.dumps(dict(spec, model=str(model), weights=weights)))
+        with open(log, "a") as err:
+            rc = subprocess.run([sys.executable, "-m", "litevlm_runtime.bench.peers.run_project",
+                                 str(job), str(out)], stdout=err, stderr=err).returncode
+        if rc:
+            raise RuntimeError(f"litevlm {weights} failed (exit {rc}); see {log}")
+    elif engine == "llama.cpp":
+        job.write_text(json.dumps(dict(spec, model=str(files["gguf"][weights]),
+                                       n_ctx=args.prompt + args.tokens + 64)))
+        env.run_script(sys.executable, env.HERE / "run_llama_cpp.py", [str(job), str(out)], log)
+    else:
+        job.write_text(json.dumps(dict(spec, llm=str(files["openvino"]["llm"][weights]))))
+        env.run_script(env.openvino_python(), env.HERE / "run_openvino.py", ["run", str(job), str(out)], log)
+    return json.loads(out.read_text())
+
+
+def decode_table(rows, results, reference, bandwidth, cfg, prompt_len, tokens, hog) -> tuple[str, list[dict]]:
     best_bw = max(bandwidth)
     context = prompt_len + tokens / 2
     lines, summary = [], []

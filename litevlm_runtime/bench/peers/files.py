@@ -17,6 +17,9 @@ import hashlib
 import time
 from pathlib import Path
 
+from ...errors import InputError
+from ...weights.checkpoint import read_config
+from ...weights.integrity import write_manifest
 from . import env
 
 GGUF_FORMS = ("f16", "q8_0", "q4_0")
@@ -25,8 +28,6 @@ GGUF_FORMS = ("f16", "q8_0", "q4_0")
 def weights_digest(folder: Path) -> str:
     manifest = Path(folder) / "litevlm_manifest.json"
     if not manifest.is_file():
-        from ...weights.integrity import write_manifest
-
         write_manifest(folder)
     return hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]
 
@@ -54,8 +55,6 @@ def _write(path: Path, make, progress, what: str) -> Path:
 def llama_files(folder: Path, cache: Path, forms, progress=print) -> dict[str, Path]:
     """{form: text model GGUF} for each of `forms` and {"mmproj": the vision GGUF (F16)}: upstream's
     converter (text at F16, `--mmproj` at F16), then llama_model_quantize from the F16 file."""
-    from ...errors import InputError
-    from ...weights.checkpoint import read_config
 
     layers = read_config(folder).vision.num_hidden_layers
     if layers < 4:

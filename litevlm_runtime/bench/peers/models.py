@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from ...weights.checkpoint import load_model, read_config, write_checkpoint
 from ...weights.integrity import write_manifest
 from ...weights.presets import UPSTREAM_VOCAB, preset
 from ...weights.random_init import init_weights
+from ...weights.tokenizer import Tokenizer
 
 BUNDLED = Path(_bundled_init).parent / "synthdrive-internvl2_5-v2"
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -69,7 +71,6 @@ def study_checkpoint(out: Path, preset_name: str, seed: int = 0, progress=print)
     if (out / "litevlm_manifest.json").is_file():
         return out
     tok_file = BUNDLED / "tokenizer.json"
-    from ...weights.tokenizer import Tokenizer
 
     vocab = UPSTREAM_VOCAB.get(preset_name, Tokenizer(BUNDLED).vocab_size)
     progress(f"writing {preset_name} (random weights, seed {seed}, vocabulary {vocab}) -> {out}")
@@ -123,7 +124,6 @@ def peer_form(folder: Path, out: Path, progress=print) -> Path:
                         rope_theta=llm.rope_theta, vocab_size=llm.vocab_size,
                         max_position_embeddings=llm.max_position_embeddings, tie_word_embeddings=False,
                         rope_scaling=llm.rope_scaling)
-    from dataclasses import replace
 
     new_cfg = replace(cfg, vision=replace(cfg.vision, image_size=tile), llm=llm)
     with torch.device("meta"):

@@ -25,6 +25,13 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ...engines.stages import VisionStage
+from ...weights.checkpoint import load_model, read_config, weight_files
+from ...weights.tokenizer import Tokenizer
 from . import env
 from .files import cache_dir
 
@@ -33,8 +40,6 @@ def llm_folder(peer_dir: Path, out: Path) -> Path:
     """The language model of an InternVL folder as a transformers Qwen2ForCausalLM folder
     (config.json from llm_config, safetensors with `language_model.` dropped from the names,
     the tokenizer files), tensor by tensor."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     if (out / "model.safetensors").is_file():
         return out
@@ -45,7 +50,6 @@ def llm_folder(peer_dir: Path, out: Path) -> Path:
     config = {k: v for k, v in config.items() if k != "auto_map"}
     config["torch_dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    from ...weights.checkpoint import weight_files
 
     state = {}
     for path in sorted(set(weight_files(peer_dir).values())):
@@ -67,12 +71,9 @@ def write_vision_ir(peer_dir: Path, out: Path) -> None:
     """InternViT + pixel shuffle + mlp1 of the folder (the project's VisionStage, what its own
     `litevlm export` writes) as ONNX (torch.onnx.export, dynamo) read by OpenVINO's converter, its
     weights compressed to int8 by NNCF (INT8_ASYM, per channel), saved as IR."""
+    # OpenVINO and NNCF: the peers' packages (`scripts/setup.sh --peers`), imported only where a row needs them.
     import nncf
     import openvino as ov
-    import torch
-
-    from ...engines.stages import VisionStage
-    from ...weights.checkpoint import load_model
 
     model = load_model(peer_dir)
     tile = model.cfg.force_image_size
@@ -124,9 +125,6 @@ def prepare(peer_dir: Path, cache: Path, forms, progress=print) -> dict:
 
 
 def run(row, ctx: dict, job: Path, out: Path) -> None:
-    from ...weights.checkpoint import read_config
-    from ...weights.tokenizer import Tokenizer
-
     ov = ctx["openvino"]
     ref = ctx["reference"]
     context_id = Tokenizer(ctx["peer"]).img_context_id

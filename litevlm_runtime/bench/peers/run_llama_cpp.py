@@ -8,7 +8,8 @@ Standalone on purpose: it imports neither litevlm_runtime nor torch, so nothing 
 (its OMP_WAIT_POLICY, its thread settings) reaches llama.cpp's OpenMP runtime; the parent starts it
 with an environment stripped of OMP_*/KMP_*/MKL_*/GOMP_* (peers/env.py) and llama.cpp runs at its
 own defaults (llama_context_default_params / mtmd_context_params_default: n_batch 2048, n_ubatch
-512, flash attention auto, F16 KV cache), with only the thread count set.
+512, flash attention auto, F16 KV cache), with only the thread count set. The peers' packages
+(llama_cpp, gguf, numpy, PIL: `scripts/setup.sh --peers`) are imported where a mode uses them.
 
 A whole question, as llama.cpp's own `llama-mtmd-cli` runs one, from the camera images' encoded
 bytes (the same files every engine reads) to bitmaps, one of two ways (job "preprocess"):
@@ -38,6 +39,7 @@ to the first token), decode per token, total. The first question is run once unt
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import sys
 import time
@@ -122,8 +124,6 @@ class Engine:
         """One camera's bitmap: PIL's bicubic tile (tile set), or mtmd's own decoding (None)."""
         mt = self.mt
         if tile:
-            import io
-
             from PIL import Image
 
             raw = Image.open(io.BytesIO(data)).convert("RGB").resize((tile, tile), Image.BICUBIC).tobytes()
@@ -148,9 +148,31 @@ class Engine:
         if rc != 0:
             raise RuntimeError(f"mtmd_tokenize returned {rc}")
         t_pre = time.perf_counter()
+        n_past, seq, image_tokens, vision, prefill = self.eval_chunks(chunks)
+        ids = [self.argmax()]
+        ttft = time.perf_counter() - t0
+        steps = []
+        while len(ids) < new_tokens:
+            s = time.perf_counter()
+            ids.append(self.step(ids[-1]))
+            steps.append(time.perf_counter() - s)
+        total = time.perf_counter() - t0
+        mt.mtmd_input_chunks_free(chunks)
+        for bmp in bitmaps:
+            mt.mtmd_bitmap_free(bmp)
+        return {"ids": ids, "ttft_ms": ttft * 1e3, "total_ms": total * 1e3, "preprocess_ms": (t_pre - t0) * 1e3,
+                "vision_ms": vision * 1e3, "prefill_ms": prefill * 1e3,
+                "decode_ms_per_token": sum(steps) / len(steps) * 1e3 if steps else None,
+                "prompt_positions": n_past, "image_tokens": image_tokens, "prompt_seq": seq}
+
+    def eval_chunks(self, chunks) -> tuple[int, list[int], list[int], float, float]:
+        """The tokenized prompt's chunks in order: text decoded, an image encoded (vision) and its
+        embeddings decoded (prefill): (positions, the prompt as ids with -1 per image position (for
+        the id check), tokens per image, vision seconds, prefill seconds)."""
+        mt = self.mt
         vision = prefill = 0.0
         n_past = 0
-        seq = []                     # the prompt as ids, -1 per image position (for the id check)
+        seq = []
         image_tokens = []
         n = mt.mtmd_input_chunks_size(chunks)
         for i in range(n):
@@ -182,21 +204,7 @@ class Engine:
             if rc != 0:
                 raise RuntimeError(f"evaluating chunk {i} returned {rc}")
             n_past = new_past.value
-        ids = [self.argmax()]
-        ttft = time.perf_counter() - t0
-        steps = []
-        while len(ids) < new_tokens:
-            s = time.perf_counter()
-            ids.append(self.step(ids[-1]))
-            steps.append(time.perf_counter() - s)
-        total = time.perf_counter() - t0
-        mt.mtmd_input_chunks_free(chunks)
-        for bmp in bitmaps:
-            mt.mtmd_bitmap_free(bmp)
-        return {"ids": ids, "ttft_ms": ttft * 1e3, "total_ms": total * 1e3, "preprocess_ms": (t_pre - t0) * 1e3,
-                "vision_ms": vision * 1e3, "prefill_ms": prefill * 1e3,
-                "decode_ms_per_token": sum(steps) / len(steps) * 1e3 if steps else None,
-                "prompt_positions": n_past, "image_tokens": image_tokens, "prompt_seq": seq}
+        return n_past, seq, image_tokens, vision, prefill
 
     # ------------------------------------------------------------------ the decode step alone
     def decode_run(self, prompt: list[int], tokens: int, forced: list[int] | None) -> dict:

@@ -28,11 +28,14 @@ prompt's visual rows are not the images' features.
 run (mode "decode"): the language model alone, prompt ids then `tokens` greedy steps, as the
 decode table's other rows.
 
-Every pipeline at GenAI's defaults for the CPU, with only INFERENCE_NUM_THREADS set.
+Every pipeline at GenAI's defaults for the CPU, with only INFERENCE_NUM_THREADS set. The OpenVINO
+venv's packages (optimum, openvino, openvino_genai, numpy, PIL) are imported where a mode uses them:
+export-vlm needs optimum only, run needs no optimum.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -83,7 +86,6 @@ class Vision:
 
     def pixels(self, data: bytes):
         """JPEG bytes -> [1, 3, S, S] float32, upstream InternVL's transform for one tile."""
-        import io
 
         import numpy as np
         from PIL import Image

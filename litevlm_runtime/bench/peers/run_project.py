@@ -23,6 +23,18 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from ...engines.torch_engine import TorchDecoder, TorchHead
+from ...options import options_from_flat
+from ...pipeline.pipeline import Pipeline, prompt_ids
+from ...pipeline.runtime import set_threads
+from ...weights import linear_forms
+from ...weights.checkpoint import load_model
+from ...weights.gemm import resolve_gemm, use_onednn
+from ...weights.linear_forms import weight_bytes
+
 
 def peak_rss_gb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -32,17 +44,12 @@ def peak_rss_gb() -> float:
 
 
 def build(job: dict):
-    from ...options import options_from_flat
-    from ...pipeline.pipeline import Pipeline
-
     flat = {"pipeline": job["pipeline"], "backend.weights": job["weights"], "backend.threads": job["threads"],
             "serving.feature_cache": False, "max_new_tokens": job["max_new_tokens"], **job.get("options", {})}
     return Pipeline.from_pretrained(job["model"], options_from_flat(flat))
 
 
 def answer(pipe, q: dict, images: dict[str, bytes]) -> dict:
-    from ...pipeline.pipeline import prompt_ids
-
     rt = pipe.rt
     first: list[float] = []
 
@@ -79,13 +86,6 @@ def decode_row(job: dict) -> dict:
     its linears in `backend.weights` form `weights`; the prompt ids in one call, then `tokens`
     greedy steps (each fed the row's own choice, or with `forced` the reference's). A warm-up of
     the prompt and two steps first."""
-    import torch
-
-    from ...engines.torch_engine import TorchDecoder, TorchHead
-    from ...pipeline.runtime import set_threads
-    from ...weights import linear_forms
-    from ...weights.checkpoint import load_model
-    from ...weights.gemm import resolve_gemm, use_onednn
 
     set_threads(job["threads"])
     t0 = time.perf_counter()
@@ -118,10 +118,6 @@ def decode_row(job: dict) -> dict:
                               torch.ones(1, position, dtype=torch.bool), one)
         return int(head.run(hidden).argmax(-1))
 
-    from torch import nn
-
-    from ...weights.linear_forms import weight_bytes
-
     with torch.inference_mode():
         token = start(prompt)
         for position in range(len(prompt), len(prompt) + 2):
@@ -143,8 +139,6 @@ def decode_row(job: dict) -> dict:
 
 
 def main(job_path: str, out_path: str) -> int:
-    import torch
-
     job = json.loads(Path(job_path).read_text())
     if job.get("mode") == "decode":
         out = decode_row(job)

@@ -34,13 +34,24 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from ...bench.roofline import CAP_BYTES, measure_bandwidth
+from ...cameras import CAMERAS
+from ...errors import InputError
+from ...evaluation.data import frame_images, load_frames
+from ...report import table
+from ...stages.prompt import IMAGE, image_line, model_layout
 from ...timing import percentile
-from . import env
+from ...weights.checkpoint import read_config
+from . import env, openvino_rows
+from .files import llama_files
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "drivelm_sample"
 
@@ -71,9 +82,6 @@ def holdout_frames(model_dir: Path) -> list[str]:
 def select_questions(data: Path, count: int, frames: list[str]) -> list[dict]:
     """`count` questions alternating over `frames` (in each frame's question order), with each
     frame's six image files."""
-    from ...cameras import CAMERAS
-    from ...errors import InputError
-    from ...evaluation.data import frame_images, load_frames
 
     qa = next(iter(sorted(Path(data).glob("qa_*.json"))), None)
     if qa is None:
@@ -94,8 +102,6 @@ def select_questions(data: Path, count: int, frames: list[str]) -> list[dict]:
 def prompt_text(model_dir: Path, question: str, cameras) -> str:
     """The prompt this project builds for the question (stages/prompt.py), as text with an
     `<image>` where each camera's `<img>...</img>` goes: what a peer tokenizes itself."""
-    from ...stages.prompt import IMAGE, image_line, model_layout
-    from ...weights.checkpoint import read_config
 
     layout, _ = model_layout(model_dir)
     line = image_line(layout, len(cameras))
@@ -155,7 +161,6 @@ def run_row(row: Row, ctx: dict, rnd: int) -> dict:
         job.write_text(json.dumps({"model": str(ctx["model"]), "pipeline": row.pipeline, "weights": row.weights,
                                    "threads": ctx["threads"], "max_new_tokens": ctx["new_tokens"],
                                    "options": project_options(ctx["model"], row.pipeline), "questions": questions}))
-        import subprocess
 
         with open(ctx["log"], "a") as log:
             proc = subprocess.run([sys.executable, "-m", "litevlm_runtime.bench.peers.run_project", str(job), str(out)],
@@ -168,7 +173,6 @@ def run_row(row: Row, ctx: dict, rnd: int) -> dict:
                       "images": list(q["images"].values()), "new_tokens": len(ref[q["id"]]["ids"])}
                      for q in ctx["questions"]]
         longest = max(len(r.get("prompt_seq", [])) for r in ref.values()) if ref else 4096
-        from ...weights.checkpoint import read_config
 
         tiles = 1 if ctx["llama_preprocess"] == "tile" else 2           # mtmd's own: tile + overview
         job.write_text(json.dumps({"mode": "whole", "model": str(files[row.weights]), "mmproj": str(files["mmproj"]),
@@ -178,37 +182,39 @@ def run_row(row: Row, ctx: dict, rnd: int) -> dict:
                                    "questions": questions}))
         env.run_script(sys.executable, env.HERE / "run_llama_cpp.py", [str(job), str(out)], ctx["log"])
     else:
-        from . import openvino_rows
-
         openvino_rows.run(row, ctx, job, out)
     return json.loads(out.read_text())
 
 
 # ----------------------------------------------------------------------------- the study
-def run_whole(model_dir: Path, peer_dir: Path, cache: Path, questions: list[dict], rows: list[Row],
-              skipped: dict[str, str], rounds: int, threads: int, new_tokens: int, progress=print,
-              llama_preprocess: str = "tile") -> dict:
-    from ...bench.roofline import CAP_BYTES, measure_bandwidth
+@dataclass(frozen=True)
+class WholeSettings:
+    """How every row of the study runs (`bench --peers --whole`'s flags): `rounds` alternating rounds,
+    `threads` per row, up to `new_tokens` new tokens, llama.cpp's image preprocessing `llama_preprocess`
+    (tile | mtmd: run_llama_cpp.py)."""
+    rounds: int
+    threads: int
+    new_tokens: int
+    llama_preprocess: str = "tile"
 
+
+def run_whole(model_dir: Path, peer_dir: Path, cache: Path, questions: list[dict], rows: list[Row],
+              skipped: dict[str, str], settings: WholeSettings, progress=print) -> dict:
+    rounds, threads, new_tokens = settings.rounds, settings.threads, settings.new_tokens
     work = Path(cache) / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     ctx = {"model": Path(model_dir), "peer": Path(peer_dir), "questions": questions, "threads": threads,
            "new_tokens": new_tokens, "work": work, "log": work / "rows.log", "reference": {}, "cache": Path(cache),
-           "llama_preprocess": llama_preprocess}
+           "llama_preprocess": settings.llama_preprocess}
     gguf_forms = [r.weights for r in rows if r.engine == "llama.cpp"]
     if gguf_forms:
-        from .files import llama_files
-
         ctx["gguf"] = llama_files(peer_dir, cache, gguf_forms, progress)
     if any(r.engine == "openvino" for r in rows):
-        from . import openvino_rows
-
         ctx["openvino"] = openvino_rows.prepare(peer_dir, cache, [r.weights for r in rows if r.engine == "openvino"],
                                                 progress)
     results: dict[Row, list[dict]] = {r: [] for r in rows}
     failed: dict[Row, str] = {}
     bandwidth, loads = [], []
-    import torch
 
     torch.set_num_threads(threads)
     for rnd in range(rounds):
@@ -295,8 +301,6 @@ def fmt_s(ms) -> str:
 
 
 def whole_table(study: dict, rows: list[dict], header: str) -> str:
-    from ...report import table
-
     lines = []
     for r in rows:
         lines.append([r["engine"], r["pipeline"], r["weights"], f"{r['tiles_per_question']:.1f}",
@@ -379,6 +383,7 @@ def settings_line(r: dict) -> str:
 
 def whole_plot(rows: list[dict], path: Path, title: str) -> None:
     """Stacked bars per row: vision, prefill, decode (p50 seconds), TTFT marked."""
+    # matplotlib: optional (plots only), imported where a plot is asked for
     import matplotlib
 
     matplotlib.use("Agg")
