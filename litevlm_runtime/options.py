@@ -25,6 +25,12 @@ from .cameras import CAMERAS
 from .errors import InputError
 from .threads import default_threads
 
+# Choices the command-line parser offers, here (a module without torch) so that building the
+# parser loads no model code: the view selector's keyword/model fusion rules (stages/view_selector.py)
+# and how `train views` labels cameras from an answer's object tags (training/views.py).
+FUSION_RULES = ("add", "remove", "add_remove", "weighted")
+ANSWER_TAG_POLICIES = ("cued", "always", "never")
+
 
 class PipelineKind(str, Enum):
     LITEVLM = "litevlm"      # view selection, token selection, EAGLE-2: each where the model folder has it

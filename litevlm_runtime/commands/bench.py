@@ -9,7 +9,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..bench.roofline import decode_step_line
 from ..errors import InputError
 from ..frames import load_frame_sets
 from ..report import table
@@ -183,6 +182,8 @@ def run_costs_command(args) -> int:
     print(table(["measured", "ms", "x plain step"], costs.table()))
     print()
     print(table(["adaptive policy", ""], policy_choice(costs, tree)))
+    from ..bench.roofline import decode_step_line
+
     print("\n" + decode_step_line(rt, context))
     return 0
 
@@ -333,6 +334,8 @@ def print_latency_extras(rt, s: dict, res) -> None:
             + ", ".join(f"{stage} {s:.1f} s" for stage, s in seconds.items())
             + f"; total {sum(seconds.values()):.1f} s"
         )
+    from ..bench.roofline import decode_step_line
+
     print("\n" + decode_step_line(rt, round(statistics.median(res.input_tokens))))
     if rt.costs is not None and rt.costs.source == "measured":
         print("\nspeculation costs measured at warm-up on this device and backend:")

@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import InputError
-from ..stages.view_selector import FUSION_RULES
+from ..options import FUSION_RULES
 
 
 def register(subparsers) -> None:
@@ -79,6 +77,8 @@ def _bench(selector, questions: list[str]) -> str:
 
 
 def _run(args) -> int:
+    import torch
+
     from ..evaluation.views import compare, compare_time, format_table, format_time_table, load_qa
     from ..stages.view_selector import CONFIG_FILE, LoadedViewSelector, ViewSelector, load_view_selector
 

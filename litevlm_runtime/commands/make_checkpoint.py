@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..weights.presets import PRESETS
-from ..weights.random_init import make_checkpoint
 
 
 def register(subparsers) -> None:
@@ -21,6 +20,8 @@ def register(subparsers) -> None:
     def run(args) -> int:
         corpus = args.corpus.read_text().splitlines() if args.corpus else None
         shard = int(args.shard_mb * 2**20) if args.shard_mb else None
+        from ..weights.random_init import make_checkpoint
+
         make_checkpoint(args.out, args.preset, args.seed, corpus, args.vocab_size, shard)
         print(f"wrote {args.preset} checkpoint to {args.out}")
         return 0

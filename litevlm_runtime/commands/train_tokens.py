@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..training.tokens import train
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("tokens", help="train the token selector (layer-0 copy) on the full model's attention",
@@ -37,6 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the metrics as JSON at the end")
 
     def run(args) -> int:
+        from ..training.tokens import train
+
         train(args)
         return 0
 

@@ -6,9 +6,21 @@ import argparse
 from pathlib import Path
 
 from ..errors import InputError
-from ..stages.view_selector import FUSION_RULES
-from ..training.views import ANSWER_TAG_POLICIES, frame_spec, train
+from ..options import ANSWER_TAG_POLICIES, FUSION_RULES
 
+
+def frame_spec(text: str) -> float | list[str]:
+    """--frames-holdout / --val-frames: a fraction (< 1) or count (>= 1) of frames, or frame tokens."""
+    try:
+        value = float(text)
+    except ValueError:
+        tokens = [t.strip() for t in text.split(",") if t.strip()]
+        if not tokens:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction, a count or frame tokens") from None
+        return tokens
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a frame fraction or count cannot be negative")
+    return value
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -90,5 +102,7 @@ def _run(args) -> int:
             raise InputError(f"train views: --{name.replace('_', '-')} must be in [0, 1]")
     if args.threshold == 0:
         raise InputError("train views: --threshold 0 would keep every camera")
+    from ..training.views import train
+
     train(args)
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..training.vlm import train
 from ..weights.presets import PRESETS
 
 
@@ -56,6 +55,8 @@ def register(subparsers) -> None:
     add_run_flags(p)
 
     def run(args) -> int:
+        from ..training.vlm import train
+
         train(args)
         return 0
 

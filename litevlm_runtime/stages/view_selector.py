@@ -46,6 +46,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from ..cameras import CAMERAS
 from ..errors import CheckpointError, InputError
 from ..objects import OBJECT_TAG  # DriveLM object reference: <c1,CAM_BACK,1088.3,497.5> (id, camera, pixel centre)
+from ..options import FUSION_RULES
 from ..weights.checkpoint import read_safetensors
 from ..weights.integrity import verify_model_folder
 
@@ -222,7 +223,6 @@ def encode_batch(tokenizer, questions: list[str], max_len: int,
 # ---------------------------------------------------------------------------------------------
 
 
-FUSION_RULES = ("add", "remove", "add_remove", "weighted")
 
 
 @dataclass(frozen=True)

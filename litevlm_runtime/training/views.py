@@ -28,7 +28,6 @@ and its thresholds there, see `tune_fusion`) and training frames. Metrics: `sele
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
@@ -57,6 +56,7 @@ from ..evaluation.views import (
     time_choices,
     time_metrics,
 )
+from ..options import ANSWER_TAG_POLICIES
 from ..stages.view_selector import (
     FUSION_RULES,
     TOKENIZER_FILE,
@@ -80,7 +80,6 @@ from .provenance import data_provenance, reproduce_command
 # ---------------------------------------------------------------------------------------------
 
 
-ANSWER_TAG_POLICIES = ("cued", "always", "never")
 
 
 def camera_labels(record: QARecord, answer_tags: str = "cued") -> list[float]:
@@ -109,20 +108,6 @@ def camera_labels(record: QARecord, answer_tags: str = "cued") -> list[float]:
     if not needed:
         return [1.0] * len(CAMERAS)
     return [1.0 if c in needed else 0.0 for c in CAMERAS]
-
-
-def frame_spec(text: str) -> float | list[str]:
-    """--frames-holdout / --val-frames: a fraction (< 1) or count (>= 1) of frames, or frame tokens."""
-    try:
-        value = float(text)
-    except ValueError:
-        tokens = [t.strip() for t in text.split(",") if t.strip()]
-        if not tokens:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction, a count or frame tokens") from None
-        return tokens
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a frame fraction or count cannot be negative")
-    return value
 
 
 def split_by_frame(records: list[QARecord], holdout: float | list[str], fold: int, seed: int):

@@ -351,7 +351,7 @@ def test_split_is_by_frame(drivelm_dir):
 
 
 def test_frame_spec():
-    from litevlm_runtime.training.views import frame_spec
+    from litevlm_runtime.commands.train_views import frame_spec
 
     assert frame_spec("0.25") == 0.25 and frame_spec("2") == 2.0
     assert frame_spec("abc, def") == ["abc", "def"]
