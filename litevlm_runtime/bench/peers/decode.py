@@ -40,11 +40,9 @@ from ...timing import percentile
 from ...weights.checkpoint import read_config
 from . import env, openvino_rows
 from .files import llama_files, weights_digest
-from .flags import cpu_line, split
+from .flags import ENGINES, cpu_line, split
 from .models import peer_form
 from .whole import project_int4
-
-ENGINES = ("litevlm", "llama.cpp", "openvino")
 
 
 def run_decode_command(args, model: Path, cache: Path, say) -> int:
