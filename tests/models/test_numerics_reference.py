@@ -20,6 +20,7 @@ Vocabulary is small (the BPE tokenizer trained for the folder, 2000 ids) to keep
 from __future__ import annotations
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -104,7 +105,8 @@ def real_width(request, tmp_path_factory, tokenizer_file):
     config, state = load_upstream_state_dict(folder)
     # transformers' full model is built once per family (the vision and pipeline tests share it).
     full_ref = build_hf_internvl(config, state, image_token_id=find_image_token_id(folder, config))
-    return request.param, folder, ours, config, state, full_ref
+    yield request.param, folder, ours, config, state, full_ref
+    shutil.rmtree(folder, ignore_errors=True)     # 0.25-0.65 GB of weights: CI's disk holds the whole run's
 
 
 @torch.inference_mode()

@@ -24,6 +24,7 @@ max|ours - reference| / max|reference|, fp32.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -133,7 +134,9 @@ def folders(request, tmp_path_factory):
     del config["system_message"]
     (remote / "config.json").write_text(json.dumps(config, indent=2))
     write_manifest(remote)
-    return shape, hf, remote, ref
+    yield shape, hf, remote, ref
+    for folder in (hf, remote):     # 0.2-0.6 GB each: CI's disk holds the whole run's temporary folders
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_remote_code_folder_holds_exactly_transformers_weights(folders):
