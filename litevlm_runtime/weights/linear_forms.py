@@ -259,7 +259,7 @@ def resolve_vision_gemm(setting: str, weights: str, device, dtype) -> str:
     if setting == "auto":
         return "bfloat16" if weights in DECODER_KINDS and units else "float32"
     if setting == "int8" and not lowbit_kernels.has_vnni():
-        fallback = "bfloat16" if units else "float32"
+        fallback = "bfloat16" if units or weights == "bf16" else "float32"     # bf16 weights: vision is bf16 already
         log.warning("backend.vision_gemm int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (avx512_vnni in "
                     "/proc/cpuinfo): %s instead", fallback)
         return fallback
