@@ -167,12 +167,14 @@ def train(args) -> dict | None:
     d = setup(None if args.device == "auto" else args.device)   # a GPU per rank (NCCL), else CPU (gloo)
     _set_threads(args.threads)
     try:
-        return _train(args, d)
+        # The run's own folder (its tokenizer.json, copied into the checkpoint): gone when the run ends.
+        with tempfile.TemporaryDirectory(prefix="litevlm_vlm_") as work:
+            return _train(args, d, Path(work))
     finally:
         d.close()
 
 
-def _train(args, d: Dist) -> dict | None:
+def _train(args, d: Dist, work: Path) -> dict | None:
     """Prepare the data, the tokenizer, the model and its optimizer; optimize; rank 0 writes the
     checkpoint and the training record. Every rank runs these steps in this order, and the
     seeded RNGs are drawn in it: keep the order, and the same seed gives the same run."""
@@ -180,7 +182,7 @@ def _train(args, d: Dist) -> dict | None:
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)      # the data order: the same on every rank
-    data = _prepare_data(args, d, rng)
+    data = _prepare_data(args, d, rng, work)
     model = _build_model(args, data.cfg, d, bf16)
     inputs = _step_inputs(args, data.frames, data.cfg, model, d)
     select = _view_selection(args, d.log)
@@ -232,7 +234,7 @@ class _Data:
         return encode_qa(self.tok, self.system, self.cfg.tokens_per_tile, qa, cameras, self.layout)
 
 
-def _prepare_data(args, d: Dist, rng: np.random.Generator) -> _Data:
+def _prepare_data(args, d: Dist, rng: np.random.Generator, work: Path) -> _Data:
     frames = load_frames(args.data, args.frames)
     if args.val:
         val_frames = load_frames(args.val, args.val_frames or args.frames)
@@ -243,7 +245,6 @@ def _prepare_data(args, d: Dist, rng: np.random.Generator) -> _Data:
         val_frames = [frames[i] for i in sorted(order[:n_val])]
         frames = [frames[i] for i in sorted(order[n_val:])]
     system = preset(args.preset).system_message
-    work = Path(tempfile.mkdtemp(prefix="litevlm_vlm_"))
     tok = _tokenizer(args, frames, system, work, d)
     cfg = preset(args.preset, vocab_size=tok.vocab_size)
     if args.decoder_layers:
