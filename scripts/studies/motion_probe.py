@@ -1,0 +1,126 @@
+"""Do a model's frozen visual tokens carry an object's motion over frame sets? (issue 45)
+
+For every object of a SynthDrive sequence set (`litevlm synth --frames K`), the visual token at the
+object's cell of the token grid (its camera, the newest set's box centre) is read from each of the K
+frame sets, as the pipeline's vision stage makes it (the whole frame resized bicubically to one tile,
+ImageNet normalization, `InternVL.encode_images`). Linear probes (L2 logistic regression, 5 folds
+grouped by scene) then predict the ground truth's `moving` from: the newest token alone (appearance),
+the newest token plus its differences to the oldest and previous sets (what a model that compares
+sets could use), and the temporal token selection's change score with the ego's state. Split by
+whether the ego moves: with the ego moving every cell changes, and a probe that gains nothing there
+says the tokens, not the decoder's training, are what limits a model that is to answer from time.
+
+    .venv/bin/python scripts/studies/motion_probe.py --data runs/data/m-s2031-400 \
+        --model litevlm_runtime/bundled/synthdrive-internvl2_5-v2
+
+Why a hand-written probe: the project has no scikit-learn dependency (it comes only with the
+OpenVINO peers' nncf), and a logistic regression is 10 lines of torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from litevlm_runtime.stages.preprocess import IMAGENET_MEAN, IMAGENET_STD
+from litevlm_runtime.stages.temporal import token_change
+from litevlm_runtime.weights.checkpoint import load_model
+
+FOLDS = 5
+
+
+def tile_pixels(path: Path, tile: int) -> torch.Tensor:
+    """One camera image as the pipeline's single tile: [3, tile, tile], normalized."""
+    img = Image.open(path).convert("RGB").resize((tile, tile), Image.BICUBIC)
+    x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255.0
+    return (x - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
+
+
+def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
+    """Per object: scene, labels, the ego's state, its token over the K sets and the change score."""
+    truth = json.loads((data / "ground_truth.json").read_text())
+    grid = int(round(model.cfg.tokens_per_tile ** 0.5))
+    rows = []
+    for n, g in enumerate(tqdm(list(truth.values())[:limit], desc="scenes", unit="scene")):
+        feats = {}
+        for obj in g["objects"]:
+            cam = obj["camera"]
+            if cam not in feats:
+                files = sorted((data / "samples" / cam).glob(f"*-{g['index']:06d}__{cam}__*.jpg"))   # oldest first
+                with torch.inference_mode():
+                    feats[cam] = model.encode_images(torch.stack([tile_pixels(f, tile) for f in files]))  # [K, T, D]
+            width, height = g["image_size"]
+            cx, cy = obj["cameras"][cam]["centre"]
+            cell = min(grid - 1, int(cy / height * grid)) * grid + min(grid - 1, int(cx / width * grid))
+            f = feats[cam][:, cell, :].float().numpy()
+            rows.append({"scene": n, "moving": obj["motion"]["moving"], "ego_moving": g["ego"]["speed_mps"] > 0.5,
+                         "newest": f[-1], "differences": np.concatenate([f[-1] - f[0], f[-1] - f[-2]]),
+                         "change": float(token_change(feats[cam][0], feats[cam][-1])[cell])})
+    return rows
+
+
+def fit_predict(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, l2: float = 1e-2) -> np.ndarray:
+    """L2-regularized logistic regression (standardized features, LBFGS); the test rows' labels."""
+    mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+    xt = torch.tensor((x_train - mean) / std, dtype=torch.float64)
+    yt = torch.tensor(y_train, dtype=torch.float64)
+    w = torch.zeros(xt.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(xt @ w + b, yt) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return ((torch.tensor((x_test - mean) / std, dtype=torch.float64) @ w + b) > 0).numpy()
+
+
+def grouped_accuracy(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
+    """Accuracy over FOLDS folds of whole scenes (a scene's objects never in train and test at once)."""
+    fold_of = {g: i % FOLDS for i, g in enumerate(np.unique(groups))}
+    fold = np.array([fold_of[g] for g in groups])
+    right = 0
+    for k in range(FOLDS):
+        test = fold == k
+        right += int((fit_predict(x[~test], y[~test], x[test]) == y[test]).sum())
+    return right / len(y)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=Path, required=True, help="a SynthDrive sequence folder (synth --frames K)")
+    ap.add_argument("--model", required=True, help="model folder whose vision side makes the tokens")
+    ap.add_argument("--scenes", type=int, default=400)
+    ap.add_argument("--tile", type=int, default=224)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model).eval()
+    rows = [r for r in object_rows(args.data, model, args.tile, args.scenes) if r["moving"] is not None]
+    y = np.array([r["moving"] for r in rows], dtype=float)
+    groups = np.array([r["scene"] for r in rows])
+    ego = np.array([r["ego_moving"] for r in rows])
+    newest = np.stack([r["newest"] for r in rows])
+    both = np.concatenate([newest, np.stack([r["differences"] for r in rows])], 1)
+    change = np.array([[r["change"], r["ego_moving"]] for r in rows], dtype=float)
+    print(f"\n{len(rows)} objects over {len(set(groups))} scenes of {args.data}; tokens of {args.model}")
+    print("| objects | n | majority | newest token | + differences to older sets | change score + ego state |")
+    print("|---|---|---|---|---|---|")
+    for name, m in (("all", np.ones(len(y), bool)), ("ego stopped", ~ego), ("ego moving", ego)):
+        share = y[m].mean()
+        cells = [grouped_accuracy(x[m], y[m], groups[m]) for x in (newest, both, change)]
+        print(f"| {name} | {m.sum()} | {max(share, 1 - share):.3f} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
