@@ -45,7 +45,6 @@ def tile_pixels(path: Path, tile: int) -> torch.Tensor:
 def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
     """Per object: scene, labels, the ego's state, its token over the K sets and the change score."""
     truth = json.loads((data / "ground_truth.json").read_text())
-    grid = int(round(model.cfg.tokens_per_tile ** 0.5))
     rows = []
     for n, g in enumerate(tqdm(list(truth.values())[:limit], desc="scenes", unit="scene")):
         feats = {}
@@ -55,6 +54,7 @@ def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
                 files = sorted((data / "samples" / cam).glob(f"*-{g['index']:06d}__{cam}__*.jpg"))   # oldest first
                 with torch.inference_mode():
                     feats[cam] = model.encode_images(torch.stack([tile_pixels(f, tile) for f in files]))  # [K, T, D]
+            grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
             width, height = g["image_size"]
             cx, cy = obj["cameras"][cam]["centre"]
             cell = min(grid - 1, int(cy / height * grid)) * grid + min(grid - 1, int(cx / width * grid))
@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, required=True, help="a SynthDrive sequence folder (synth --frames K)")
     ap.add_argument("--model", required=True, help="model folder whose vision side makes the tokens")
     ap.add_argument("--scenes", type=int, default=400)
-    ap.add_argument("--tile", type=int, default=224)
+    ap.add_argument("--tile", type=int, default=224,
+                    help="tile size in pixels (the position embedding interpolated, as InternViT does)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
