@@ -26,7 +26,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,11 +146,7 @@ def run_row(args, model: Path, row: tuple[str, str], files: dict, spec: dict, na
     job, out = name.parent / f"job-{name.name}.json", name.parent / f"out-{name.name}.json"
     if engine == "litevlm":
         job.write_text(json.dumps(dict(spec, model=str(model), weights=weights)))
-        with open(log, "a") as err:
-            rc = subprocess.run([sys.executable, "-m", "litevlm_runtime.bench.peers.run_project",
-                                 str(job), str(out)], stdout=err, stderr=err).returncode
-        if rc:
-            raise RuntimeError(f"litevlm {weights} failed (exit {rc}); see {log}")
+        env.run_project(job, out, log, f"litevlm {weights}")
     elif engine == "llama.cpp":
         job.write_text(json.dumps(dict(spec, model=str(files["gguf"][weights]),
                                        n_ctx=args.prompt + args.tokens + 64)))

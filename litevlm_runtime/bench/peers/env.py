@@ -91,6 +91,17 @@ def run_script(python: Path | str, script: Path, args: list[str], log: Path) -> 
         raise RuntimeError(f"{script.name} {' '.join(args[:2])} failed (exit {proc.returncode}); see {log}:\n{tail}")
 
 
+def run_project(job: Path, out: Path, log: Path, what: str) -> None:
+    """This project's row in its own process (`python -m litevlm_runtime.bench.peers.run_project JOB
+    OUT`), in this process's environment (the project's own thread settings), output appended to
+    `log`; `what` names the row in the error."""
+    with open(log, "a") as err:
+        rc = subprocess.run([sys.executable, "-m", "litevlm_runtime.bench.peers.run_project", str(job), str(out)],
+                            stdout=err, stderr=err).returncode
+    if rc:
+        raise RuntimeError(f"{what} failed (exit {rc}); see {log}")
+
+
 def openmp_runtime() -> str:
     """The OpenMP runtime this process has loaded (a path from /proc/self/maps), '' if none."""
     for line in Path("/proc/self/maps").read_text().splitlines():

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -161,19 +160,13 @@ def run_row(row: Row, ctx: dict, rnd: int) -> dict:
         job.write_text(json.dumps({"model": str(ctx["model"]), "pipeline": row.pipeline, "weights": row.weights,
                                    "threads": ctx["threads"], "max_new_tokens": ctx["new_tokens"],
                                    "options": project_options(ctx["model"], row.pipeline), "questions": questions}))
-
-        with open(ctx["log"], "a") as log:
-            proc = subprocess.run([sys.executable, "-m", "litevlm_runtime.bench.peers.run_project", str(job), str(out)],
-                                  stdout=log, stderr=log)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{row.key} failed (exit {proc.returncode}); see {ctx['log']}")
+        env.run_project(job, out, ctx["log"], row.key)
     elif row.engine == "llama.cpp":
         files = ctx["gguf"]
         questions = [{"id": q["id"], "prompt": prompt_text(ctx["model"], q["question"], list(q["images"])),
                       "images": list(q["images"].values()), "new_tokens": len(ref[q["id"]]["ids"])}
                      for q in ctx["questions"]]
         longest = max(len(r.get("prompt_seq", [])) for r in ref.values()) if ref else 4096
-
         tiles = 1 if ctx["llama_preprocess"] == "tile" else 2           # mtmd's own: tile + overview
         job.write_text(json.dumps({"mode": "whole", "model": str(files[row.weights]), "mmproj": str(files["mmproj"]),
                                    "threads": ctx["threads"], "preprocess": ctx["llama_preprocess"],
