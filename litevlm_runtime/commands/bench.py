@@ -160,6 +160,7 @@ def build_pipeline(args, options):
 
 def run_costs_command(args) -> int:
     from ..bench.policy import policy_choice
+    from ..bench.roofline import decode_step_line
     from ..decoding.spec_policy import measure_costs
     from ..options import options_from_flat
 
@@ -182,8 +183,6 @@ def run_costs_command(args) -> int:
     print(table(["measured", "ms", "x plain step"], costs.table()))
     print()
     print(table(["adaptive policy", ""], policy_choice(costs, tree)))
-    from ..bench.roofline import decode_step_line
-
     print("\n" + decode_step_line(rt, context))
     return 0
 
@@ -326,6 +325,7 @@ def print_latency_extras(rt, s: dict, res) -> None:
     """Below the latency table: compile times, the decode step's floor, the speculation costs and
     policy, the rounds it chose, and the comparison with transformers."""
     from ..bench.policy import policy_choice
+    from ..bench.roofline import decode_step_line
 
     seconds = getattr(rt.engines.decoder, "compile_seconds", None)
     if seconds:
@@ -334,8 +334,6 @@ def print_latency_extras(rt, s: dict, res) -> None:
             + ", ".join(f"{stage} {s:.1f} s" for stage, s in seconds.items())
             + f"; total {sum(seconds.values()):.1f} s"
         )
-    from ..bench.roofline import decode_step_line
-
     print("\n" + decode_step_line(rt, round(statistics.median(res.input_tokens))))
     if rt.costs is not None and rt.costs.source == "measured":
         print("\nspeculation costs measured at warm-up on this device and backend:")

@@ -22,6 +22,7 @@ def frame_spec(text: str) -> float | list[str]:
         raise argparse.ArgumentTypeError(f"{text!r}: a frame fraction or count cannot be negative")
     return value
 
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "views",

@@ -279,7 +279,6 @@ class DriveNode(LifecycleNodeMixin, Node):
         with "Unknown transition requested". While configure runs, the node offers `shutdown`
         besides them and, asked for it, cancels configure (the load stops within a call: serving/
         cancel.py), then shuts down from unconfigured as usual: the process ends."""
-
         transitions_srv, change_srv = self._service_get_available_transitions, self._service_change_state
         rcl_transitions, rcl_change = transitions_srv.callback, change_srv.callback
 
@@ -353,7 +352,6 @@ class DriveNode(LifecycleNodeMixin, Node):
     def _standing_publishers(self, settings: NodeSettings) -> None:
         """One litevlm_msgs/Answer publisher per standing question, ~/standing/NAME (those of
         questions no longer configured are destroyed)."""
-
         names = set(standing_questions(settings.standing_questions))
         for name in set(self.standing_pubs) - names:
             self.destroy_publisher(self.standing_pubs.pop(name))

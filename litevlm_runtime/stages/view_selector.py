@@ -223,8 +223,6 @@ def encode_batch(tokenizer, questions: list[str], max_len: int,
 # ---------------------------------------------------------------------------------------------
 
 
-
-
 @dataclass(frozen=True)
 class Fusion:
     """How the keyword map and the module's probabilities decide the cameras.

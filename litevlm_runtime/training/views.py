@@ -80,8 +80,6 @@ from .provenance import data_provenance, reproduce_command
 # ---------------------------------------------------------------------------------------------
 
 
-
-
 def camera_labels(record: QARecord, answer_tags: str = "cued") -> list[float]:
     """Training target per camera (1 = the question needs this view).
 

@@ -305,7 +305,6 @@ def save_quantized(out, weights: dict[str, Int4Weight | Int8Weight], manifest: d
     """Write `weights` (module name -> form) as <out>/quantized.safetensors and the manifest beside it
     (`manifest` gives kind, method, source, calibration...; FORMAT, modules and the file's sha256
     are added). Returns the manifest written."""
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -327,7 +326,6 @@ def save_quantized(out, weights: dict[str, Int4Weight | Int8Weight], manifest: d
 def load_quantized(folder) -> tuple[dict, dict[str, Int4Weight | Int8Weight]]:
     """(manifest, module name -> form) of a folder `save_quantized` wrote, its file checked against
     the manifest's sha256 and every module's tensors against the manifest's shapes."""
-
     folder = Path(folder)
     if not (folder / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST_FILE} (quantized weights are written by `litevlm quantize`)")

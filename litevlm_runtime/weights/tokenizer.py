@@ -171,7 +171,6 @@ def _added_tokens(folder: Path) -> dict[str, int]:
 
 def train_bpe_tokenizer(texts, vocab_size: int, out_file: Path) -> None:
     """A byte-level BPE tokenizer for the project's own small checkpoints (any text encodes)."""
-
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

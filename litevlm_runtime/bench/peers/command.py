@@ -29,7 +29,6 @@ DEFAULT_CACHE = Path("/tmp/litevlm-peers")
 
 def resolve_model(args, cache: Path, progress) -> Path:
     """--model DIR as given, --preset NAME as a random-weight checkpoint in the cache (written once)."""
-
     if args.model:
         return Path(args.model)
     return study_checkpoint(cache / "checkpoints" / f"{args.preset}-seed{args.seed}", args.preset, args.seed, progress)
@@ -37,7 +36,6 @@ def resolve_model(args, cache: Path, progress) -> Path:
 
 def check_flags(args) -> None:
     """Every flag's value checked before anything is written or started, naming the flag."""
-
     if not args.model and not args.preset:
         raise InputError("litevlm bench --peers: --model DIR or --preset NAME (e.g. internvl3-2b)")
     for name in ("rounds", "threads", "new_tokens", "prompt", "tokens"):

@@ -55,7 +55,6 @@ def _write(path: Path, make, progress, what: str) -> Path:
 def llama_files(folder: Path, cache: Path, forms, progress=print) -> dict[str, Path]:
     """{form: text model GGUF} for each of `forms` and {"mmproj": the vision GGUF (F16)}: upstream's
     converter (text at F16, `--mmproj` at F16), then llama_model_quantize from the F16 file."""
-
     layers = read_config(folder).vision.num_hidden_layers
     if layers < 4:
         # convert_hf_to_gguf maps `mlp1.{bid}` (the projector's 0, 1, 3) through the vision tower's

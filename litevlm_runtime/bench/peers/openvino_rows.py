@@ -40,7 +40,6 @@ def llm_folder(peer_dir: Path, out: Path) -> Path:
     """The language model of an InternVL folder as a transformers Qwen2ForCausalLM folder
     (config.json from llm_config, safetensors with `language_model.` dropped from the names,
     the tokenizer files), tensor by tensor."""
-
     if (out / "model.safetensors").is_file():
         return out
     tmp = out.with_name(out.name + ".partial")

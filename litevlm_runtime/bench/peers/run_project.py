@@ -86,7 +86,6 @@ def decode_row(job: dict) -> dict:
     its linears in `backend.weights` form `weights`; the prompt ids in one call, then `tokens`
     greedy steps (each fed the row's own choice, or with `forced` the reference's). A warm-up of
     the prompt and two steps first."""
-
     set_threads(job["threads"])
     t0 = time.perf_counter()
     model = load_model(job["model"])

@@ -81,7 +81,6 @@ def holdout_frames(model_dir: Path) -> list[str]:
 def select_questions(data: Path, count: int, frames: list[str]) -> list[dict]:
     """`count` questions alternating over `frames` (in each frame's question order), with each
     frame's six image files."""
-
     qa = next(iter(sorted(Path(data).glob("qa_*.json"))), None)
     if qa is None:
         raise InputError(f"{data}: no qa_*.json (the DriveLM sample: ../shared/drivelm_sample)")
@@ -101,7 +100,6 @@ def select_questions(data: Path, count: int, frames: list[str]) -> list[dict]:
 def prompt_text(model_dir: Path, question: str, cameras) -> str:
     """The prompt this project builds for the question (stages/prompt.py), as text with an
     `<image>` where each camera's `<img>...</img>` goes: what a peer tokenizes itself."""
-
     layout, _ = model_layout(model_dir)
     line = image_line(layout, len(cameras))
     system = read_config(model_dir).system_message
