@@ -2,8 +2,8 @@
 
 For every object of a SynthDrive sequence set (`litevlm synth --frames K`), the visual token at the
 object's cell of the token grid (its camera, the newest set's box centre) is read from each of the K
-frame sets, as the pipeline's vision stage makes it (the whole frame resized bicubically to one tile,
-ImageNet normalization, `InternVL.encode_images`). Linear probes (L2 logistic regression, 5 folds
+frame sets, as the pipeline's vision stage makes it (its own preprocessing: the whole frame decoded and resized
+bicubically to one tile, normalized; `InternVL.encode_images`). Linear probes (L2 logistic regression, 5 folds
 grouped by scene) then predict the ground truth's `moving` from: the newest token alone (appearance),
 the newest token plus its differences to the oldest and previous sets (what a model that compares
 sets could use), and the temporal token selection's change score with the ego's state. Split by
@@ -25,26 +25,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from tqdm import tqdm
 
-from litevlm_runtime.stages.preprocess import IMAGENET_MEAN, IMAGENET_STD
+from litevlm_runtime.stages.preprocess import Normalizer, load_image, to_tiles_uint8
 from litevlm_runtime.stages.temporal import token_change
 from litevlm_runtime.weights.checkpoint import load_model
 
 FOLDS = 5
 
 
-def tile_pixels(path: Path, tile: int) -> torch.Tensor:
-    """One camera image as the pipeline's single tile: [3, tile, tile], normalized."""
-    img = Image.open(path).convert("RGB").resize((tile, tile), Image.BICUBIC)
-    x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255.0
-    return (x - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
+def tile_pixels(path: Path, camera: str, tile: int, normalize: Normalizer) -> torch.Tensor:
+    """One camera image as the pipeline makes its single tile (pipeline.py: load_image, to_tiles_uint8,
+    the Normalizer): [3, tile, tile]."""
+    pixels_u8 = torch.empty(1, 3, tile, tile, dtype=torch.uint8)
+    to_tiles_uint8(load_image(path, camera, (tile, tile)), tile, 1, pixels_u8)
+    return normalize(pixels_u8)[0]
 
 
 def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
     """Per object: scene, labels, the ego's state, its token over the K sets and the change score."""
     truth = json.loads((data / "ground_truth.json").read_text())
+    normalize = Normalizer(torch.float32, torch.device("cpu"))
     rows = []
     for n, g in enumerate(tqdm(list(truth.values())[:limit], desc="scenes", unit="scene")):
         feats = {}
@@ -53,7 +54,8 @@ def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
             if cam not in feats:
                 files = sorted((data / "samples" / cam).glob(f"*-{g['index']:06d}__{cam}__*.jpg"))   # oldest first
                 with torch.inference_mode():
-                    feats[cam] = model.encode_images(torch.stack([tile_pixels(f, tile) for f in files]))  # [K, T, D]
+                    pixels = torch.stack([tile_pixels(f, cam, tile, normalize) for f in files])
+                    feats[cam] = model.encode_images(pixels)                                  # [K, T, D]
             grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
             width, height = g["image_size"]
             cx, cy = obj["cameras"][cam]["centre"]
