@@ -7,6 +7,8 @@ after their graph has run: bound_stages.py).
 
 from __future__ import annotations
 
+import torch
+
 from ..weights.lowbit import GEMV_MAX_ROWS, runs_kernels, small_ops_on_one_thread
 from .base import BatchDecoderEngine, DecoderEngine, DraftEngine, Engines, HeadEngine, VisionEngine
 
@@ -35,12 +37,30 @@ def prefill_eager(lm, k_cache, v_cache, embeds, positions, mask):
 
 def step_eager(lm, k_cache, v_cache, embeds, positions, slots, mask_cache, mask_new):
     """Rows after the cache's first L columns (mask_cache [T, L]) through the model's own forward,
-    their K/V rows stored at `slots` (also torch-compile's prompt after a cached prefix on the CPU)."""
-    live = mask_cache.shape[1]
+    their K/V rows stored at `slots` (also torch-compile's prompt after a cached prefix on the CPU).
+    Where the slots are the T columns right after those L (a decode step, a tree after its prompt) in a
+    float cache on the CPU, each layer writes its rows there itself and reads its cache without a copy
+    (LayerCall.rows_in_cache)."""
+    live, t = mask_cache.shape[1], embeds.shape[0]
+    if follows_live(k_cache, slots, live, t, embeds.dtype):
+        hidden, _, _ = lm(embeds, positions, mask_new, k_cache[:, :, :live + t], v_cache[:, :, :live + t], mask_cache,
+                          rows_in_cache=True)
+        return hidden
     hidden, k, v = lm(embeds, positions, mask_new, k_cache[:, :, :live], v_cache[:, :, :live], mask_cache)
     k_cache.index_copy_(2, slots, k)
     v_cache.index_copy_(2, slots, v)
     return hidden
+
+
+def follows_live(k_cache, slots, live: int, t: int, dtype: torch.dtype) -> bool:
+    """Whether `slots` [T] are live, live + 1, ..., live + T - 1 of a plain cache of the rows' `dtype` on
+    the CPU (a quantized cache stores codes; a GPU reads `slots` without a host sync in its graphs)."""
+    if (not isinstance(k_cache, torch.Tensor) or k_cache.device.type != "cpu" or k_cache.dtype != dtype
+            or live + t > k_cache.shape[2]):
+        return False
+    if t == 1:
+        return int(slots[0]) == live
+    return torch.equal(slots, torch.arange(live, live + t, dtype=slots.dtype))
 
 
 def few_rows_on_kernels(lm, embeds) -> bool:

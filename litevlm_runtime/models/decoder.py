@@ -61,6 +61,11 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+# Rows up to which a call whose rows are in the cache (LayerCall.rows_in_cache) attends with matmuls
+# (attend_few_rows): decode steps and EAGLE-2 trees of up to this many nodes.
+FEW_ROWS = 16
+
+
 def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """q [T, Hq, D] -> [Hkv, group*T, D], scaled by 1/sqrt(D): the query heads that share a KV head
     side by side, so grouped-query attention is plain matmuls (no K/V head is repeated; SDPA's
@@ -124,11 +129,13 @@ class LayerCall(NamedTuple):
     each): `chunks` in_chunks(mask_new) (None: attend decides); `bf16` the rows are a causal prompt over
     a cache they see whole (causal_prompt), so a layer with bf16_attention may run the kernels' bfloat16
     attention (a layer without it clears the flag); `probe(q, k)` reads a layer's post-RoPE q, k (the
-    token selector's teacher). A NamedTuple, not a dataclass: dynamo and torch.export trace it as the
-    tuple it is."""
+    token selector's teacher); `rows_in_cache` the cache given ends with as many free rows as the call
+    has, where `attend` writes the call's k, v and then reads the cache as it is (torch_engine.step_eager
+    decides). A NamedTuple, not a dataclass: dynamo and torch.export trace it as the tuple it is."""
     chunks: bool | None = None
     bf16: bool = False
     probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    rows_in_cache: bool = False
 
 
 def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call: LayerCall = LayerCall()
@@ -151,6 +158,16 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call:
     same run; docs/performance.md). The numerics tests compare them (ONNX Runtime against
     torch, 1e-4; torch-compile against torch, 1e-5). A quantized cache (`arena.kv_dtype`,
     kv_cache.py) is read dequantized to q's dtype; this call's own rows are attended to in float."""
+    if call.rows_in_cache:
+        # The cache ends with this call's rows: written there, it is read as it is. Concatenating
+        # [cache | new rows] instead copied the layer's whole cache every step (at a 2B model's
+        # 1,780-row prompt, 3.6 MB a layer, ~100 MB a token).
+        t = q.shape[0]
+        k_cache[:, -t:], v_cache[:, -t:] = k.transpose(0, 1), v.transpose(0, 1)
+        allowed = torch.cat([mask_cache, mask_new], -1)
+        if t <= FEW_ROWS:
+            return attend_few_rows(q, k_cache, v_cache, allowed)
+        return attend_over(q, k_cache, v_cache, allowed, call)
     if k_cache is not None:
         k_cache, v_cache = read_kv(k_cache, q.dtype), read_kv(v_cache, q.dtype)
     if k_cache is not None and k_cache.dim() == 4:
@@ -161,12 +178,32 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call:
     if k_cache is not None:
         keys, values = torch.cat([k_cache, keys], 1), torch.cat([v_cache, values], 1)
         allowed = torch.cat([mask_cache, mask_new], -1)
+    return attend_over(q, keys, values, allowed, call)
+
+
+def attend_few_rows(q, keys, values, allowed) -> torch.Tensor:
+    """A few rows (a decode step, a small draft tree) over the cache that holds them too: q [T, Hq, D],
+    keys, values [Hkv, S, D], allowed [T, S] -> [T, Hq*D], as two grouped matmuls and one softmax in
+    float32. Why not SDPA, as every other eager call: torch's CPU flash kernel spends most of a decode
+    step's attention on its blocking for one query row: at InternVL3-2B's heads (12 query, 2 KV, 128
+    wide), one thread, 963 against 460 us a layer over 1,780 cached rows, 176 against 160 over 256."""
+    t, hq, d = q.shape
+    hkv = keys.shape[0]
+    scores = (grouped(q, hkv) @ keys.transpose(1, 2)).view(hkv, hq // hkv, t, -1)
+    probs = F.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min).float(), dim=-1).to(q.dtype)
+    out = probs.view(hkv, -1, probs.shape[-1]) @ values                         # [Hkv, group*T, D]
+    return out.view(hkv, hq // hkv, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
+
+
+def attend_over(q, keys, values, allowed, call: LayerCall) -> torch.Tensor:
+    """`attend`'s eager kernels: q [T, Hq, D] over keys, values [Hkv, L + T, D] (the old cache and this
+    call's rows, in that order) under allowed [T, L + T] -> [T, Hq*D]."""
     queries = q.transpose(0, 1)[None]                                           # [1, Hq, T, D]
     t = q.shape[0]
     if call.bf16 and q.dtype == torch.float32 and lowbit_kernels.takes_attention(q.shape[-1]):
         old = allowed.shape[-1] - t
         return lowbit_kernels.attention_bf16(queries, keys[None], values[None], old)[0].transpose(0, 1).reshape(t, -1)
-    if allowed.dim() == 2 and (in_chunks(mask_new) if call.chunks is None else call.chunks):
+    if allowed.dim() == 2 and (in_chunks(allowed[:, -t:]) if call.chunks is None else call.chunks):
         # A prompt's rows see only earlier rows: CAUSAL_CHUNK_ROWS rows at a time, each over the
         # old cache and the new rows up to its own last, so the columns every row of a chunk has
         # masked are never computed (the CPU's flash kernel computes every column it is given and
@@ -242,6 +279,16 @@ def attend_grouped(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=Non
     return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
 
 
+def project(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """x [T, D] through each of `linears`, projections of that one input: their outputs [T, N_i]. Where
+    weights/lowbit.fuse_projections stacked them into one low-bit form (`fused` on the first, naming
+    exactly these modules), one call and a split: the same rows of the same weights, one kernel call."""
+    fused = getattr(linears[0], "fused", None)
+    if fused is not None and fused.sources == linears:
+        return fused.module(x).split(fused.sizes, -1)
+    return tuple(m(x) for m in linears)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU block. Subclasses define `qkv(x)`, `out_proj`, `mlp_gate_up_down`
     and the two norms under their upstream names, exposed through `attn_norm`/`ffn_norm`."""
@@ -254,6 +301,12 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]"""
         raise NotImplementedError
+
+    def same_input(self) -> list[tuple[nn.Module, ...]]:
+        """Groups of projections that read the same input (the low-bit forms may stack each into one
+        call: weights/lowbit.fuse_projections); a layer with separate q, k, v adds them."""
+        gate, up, _ = self.mlp_gate_up_down()
+        return [(gate, up)]
 
     def query_key(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE q [T, Hq, D], k [T, Hkv, D] of the layer's attention (what selectors score)."""
@@ -271,9 +324,9 @@ class DecoderLayer(nn.Module):
         if call.bf16 and not self.bf16_attention:
             call = call._replace(bf16=False)
         x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, call))
-        h = self.ffn_norm(x)
         gate, up, down = self.mlp_gate_up_down()
-        return x + down(F.silu(gate(h)) * up(h)), k.transpose(0, 1), v.transpose(0, 1)
+        g, u = project(self.ffn_norm(x), (gate, up))
+        return x + down(F.silu(g) * u), k.transpose(0, 1), v.transpose(0, 1)
 
 
 class CausalLM(nn.Module):
@@ -289,16 +342,17 @@ class CausalLM(nn.Module):
         device = self.norm.weight.device          # (the embedding may be a low-bit form: weights/lowbit.py)
         self.rope = RotaryTable(self.cfg, max_len).to(device)
 
-    def run_layers(self, x, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,
-                   layers: range | None = None, probe=None):
+    def run_layers(self, x, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,  # noqa: PLR0913
+                   layers: range | None = None, probe=None, rows_in_cache: bool = False):
         """Layers `layers` (default all) over hidden states x [T, D]: (raw output [T, D], their new
         k, v rows [len(layers), Hkv, T, D]). `mask_cache` may be a list (one per layer, None = the
-        shared one): FastV hides its dropped visual slots from layers >= K that way."""
+        shared one): FastV hides its dropped visual slots from layers >= K that way. `rows_in_cache`: the
+        caches end with T free rows, where each layer writes its k, v (LayerCall)."""
         cos, sin = self.rope(positions, x.dtype)
         layers = layers if layers is not None else range(len(self.layers))
         # The same mask in every layer: whether to chunk, and whether the rows are a causal prompt, decided once.
         prompt = any(self.layers[i].bf16_attention for i in layers) and causal_prompt(mask_new, mask_cache)
-        call = LayerCall(chunks=in_chunks(mask_new), bf16=prompt)
+        call = LayerCall(chunks=in_chunks(mask_new), bf16=prompt, rows_in_cache=rows_in_cache)
         ks, vs = [], []
         for i in layers:
             layer_mask = mask_cache[i] if isinstance(mask_cache, list) else mask_cache
@@ -310,8 +364,11 @@ class CausalLM(nn.Module):
             vs.append(v)
         return x, torch.stack(ks), torch.stack(vs)
 
-    def forward(self, embeds, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None):
+    def forward(self, embeds, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,
+                rows_in_cache: bool = False):
         """embeds [T, D] -> (final-norm hidden states [T, D] (the EAGLE-2 feature), new k, v rows
-        [layers, Hkv, T, D]). No cache: a prompt (or a packed training sequence) on its own."""
-        x, k, v = self.run_layers(embeds, positions, mask_new, k_cache, v_cache, mask_cache)
+        [layers, Hkv, T, D]). No cache: a prompt (or a packed training sequence) on its own.
+        `rows_in_cache`: see run_layers."""
+        x, k, v = self.run_layers(embeds, positions, mask_new, k_cache, v_cache, mask_cache,
+                                  rows_in_cache=rows_in_cache)
         return self.norm(x), k, v

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from .config import LLMConfig
-from .decoder import CausalLM, DecoderLayer, Embedding, RMSNorm
+from .decoder import CausalLM, DecoderLayer, Embedding, RMSNorm, project
 
 
 class Qwen2Attention(nn.Module):
@@ -61,12 +61,17 @@ class Qwen2Layer(DecoderLayer):
 
     def qkv(self, x):
         """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]"""
-        t, a = x.shape[0], self.self_attn
-        return (
-            a.q_proj(x).view(t, self.num_heads, self.head_dim),
-            a.k_proj(x).view(t, self.num_kv_heads, self.head_dim),
-            a.v_proj(x).view(t, self.num_kv_heads, self.head_dim),
-        )
+        t = x.shape[0]
+        q, k, v = project(x, self.qkv_projections())
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
+
+    def qkv_projections(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        a = self.self_attn
+        return a.q_proj, a.k_proj, a.v_proj
+
+    def same_input(self):
+        return [*super().same_input(), self.qkv_projections()]
 
 
 class Qwen2Model(nn.Module):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from .config import LLMConfig
-from .decoder import RMSNorm
+from .decoder import RMSNorm, project
 from .qwen2 import Qwen2ForCausalLM, Qwen2Layer, Qwen2MLP
 
 
@@ -51,11 +51,10 @@ class Qwen3Layer(Qwen2Layer):
         # attention, the KV cache) sees what transformers' Qwen3Attention rotates and caches.
         """x [T, D] (normed) -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] (each head's q, k RMS-normed)"""
         t, a = x.shape[0], self.self_attn
-        return (
-            a.q_norm(a.q_proj(x).view(t, self.num_heads, self.head_dim)),
-            a.k_norm(a.k_proj(x).view(t, self.num_kv_heads, self.head_dim)),
-            a.v_proj(x).view(t, self.num_kv_heads, self.head_dim),
-        )
+        q, k, v = project(x, self.qkv_projections())
+        return (a.q_norm(q.view(t, self.num_heads, self.head_dim)),
+                a.k_norm(k.view(t, self.num_kv_heads, self.head_dim)),
+                v.view(t, self.num_kv_heads, self.head_dim))
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):

@@ -36,6 +36,7 @@ from .lowbit import (
     Int8Linear,
     LowBitEmbedding,
     embedding_as_linear,
+    fuse_projections,
     runs_kernels,
     set_prefill_gemm,
 )
@@ -201,6 +202,8 @@ class LinearForms:
             if module is None:
                 raise ValueError("float weights were not kept (LinearForms(keep_float=True))")
             setattr(parent, name, module)
+        if kind in DECODER_KINDS:
+            fuse_projections(self.root)
         if self.has_bf16 and kind in ("float", "bf16"):
             # bf16's attention with its GEMMs; the low-bit forms' follows set_prefill_gemm, vision's vision_to
             use_bf16_attention([self.root, *self.extra], kind == "bf16")

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,7 @@ class LowBitLinear(nn.Module):
     kind = ""
     prefill_bf16 = False      # many-row calls through the bfloat16 GEMM (set_prefill_gemm)
     prefill_int8 = False      # many-row calls through the int8 GEMM (int4, int8; set_prefill_gemm)
+    fused: "Fused | None" = None   # on the first of projections stacked into one call (fuse_projections)
 
     def _init_common(self, in_features: int, out_features: int, bias: torch.Tensor | None, device) -> None:
         self.in_features, self.out_features = in_features, out_features
@@ -234,6 +236,75 @@ class LowBitEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, tied head: {self.table.kind}"
 
 
+class Fused(NamedTuple):
+    """Projections of one input whose weights are stacked into one low-bit form: `module` over x gives
+    the outputs of `sources` side by side, `sizes` wide (models/decoder.project reads it)."""
+    sources: tuple[nn.Module, ...]
+    module: LowBitLinear
+    sizes: tuple[int, ...]
+
+
+# The per-output-row buffers of each form that can be stacked (the others must be equal across sources).
+ROW_BUFFERS = {Int4Linear: ("codes", "scales", "zeros"), Int8Linear: ("codes", "scales")}
+
+
+def stack_projections(sources: tuple[nn.Module, ...]) -> Fused | None:
+    """One low-bit form over `sources` (linears of one input, e.g. q, k, v) with their weight rows
+    stacked, or None where they differ in form, group, input width or AWQ scale. The sources' buffers
+    become views of the stacked ones (no second copy of the weights). Why: each kernel call of a decode
+    step quantizes its input and fans out to the threads once; at InternVL3-2B shapes q, k, v and gate,
+    up as two calls instead of five per layer (docs/performance.md, section 1: `--study decode_parts`)."""
+    first = sources[0]
+    kind = type(first)
+    if kind not in ROW_BUFFERS or any(type(m) is not kind or m.in_features != first.in_features
+                                      or m.kernel != first.kernel for m in sources):
+        return None
+    if kind is Int4Linear:
+        pqs = [m.pre_quant_scale for m in sources]
+        if any(m.group_size != first.group_size for m in sources) or not (
+                all(p is None for p in pqs) or all(p is not None and torch.equal(p, pqs[0]) for p in pqs)):
+            return None
+    rows = {name: torch.cat([getattr(m, name) for m in sources]) for name in ROW_BUFFERS[kind]}
+    biased = any(m.bias is not None for m in sources)
+    bias = torch.cat([m.bias if m.bias is not None else m.codes.new_zeros(m.out_features, dtype=torch.float32)
+                      for m in sources]) if biased else None
+    if kind is Int4Linear:
+        module = Int4Linear(weight=Int4Weight(rows["codes"], rows["scales"], rows["zeros"], first.group_size,
+                                              first.pre_quant_scale), bias=bias)
+    else:
+        module = Int8Linear(weight=Int8Weight(rows["codes"], rows["scales"]), bias=bias)
+    module.kernel, module.prefill_bf16, module.prefill_int8 = first.kernel, first.prefill_bf16, first.prefill_int8
+    start = 0
+    for m in sources:
+        end = start + m.out_features
+        for name in ROW_BUFFERS[kind]:
+            setattr(m, name, getattr(module, name)[start:end])
+        if m.bias is not None:
+            m.bias = nn.Parameter(module.bias[start:end], requires_grad=False)
+        start = end
+    return Fused(tuple(sources), module, tuple(m.out_features for m in sources))
+
+
+def fuse_projections(root: nn.Module) -> int:
+    """Stack every decoder layer's projections of one input (DecoderLayer.same_input) into one low-bit
+    call where their forms allow (stack_projections); returns how many groups were stacked. Idempotent:
+    a group stacked already is kept, and a group whose modules were swapped (LinearForms.use) is
+    stacked anew."""
+    count = 0
+    for layer in root.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        for group in layer.same_input():
+            fused = group[0].fused if isinstance(group[0], LowBitLinear) else None
+            if fused is None or fused.sources != group:
+                fused = stack_projections(group)
+                if fused is None:
+                    continue
+                group[0].fused = fused
+            count += 1
+    return count
+
+
 def embedding_as_linear(embedding: nn.Embedding) -> nn.Linear:
     """An nn.Linear view (no copy) of an embedding table E [V, D]: the tied head's weight."""
     linear = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")
@@ -264,8 +335,9 @@ def set_prefill_gemm(modules, prefill: str = "auto") -> str:
     for root in modules:
         for m in (root.modules() if root is not None else ()):
             if isinstance(m, LowBitLinear):
-                m.prefill_int8 = prefill == "int8" and not isinstance(m, Fp16Linear)
-                m.prefill_bf16 = sixteen if isinstance(m, Fp16Linear) else prefill == "bfloat16"
+                for form in (m,) if m.fused is None else (m, m.fused.module):
+                    form.prefill_int8 = prefill == "int8" and not isinstance(form, Fp16Linear)
+                    form.prefill_bf16 = sixteen if isinstance(form, Fp16Linear) else prefill == "bfloat16"
             elif isinstance(m, DecoderLayer):
                 # the prompt's attention in bfloat16 products beside its bfloat16 or int8 GEMMs (models/decoder.py)
                 m.bf16_attention = prefill in ("bfloat16", "int8")

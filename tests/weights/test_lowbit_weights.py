@@ -541,3 +541,37 @@ def test_forms_switch_in_place_and_back(qwen3_tied):
         assert 1 <= len(pipe.answer(frames, "What is ahead?").token_ids) <= 4
     forms.use("float")
     assert pipe.answer(frames, "What is ahead?").token_ids == ref
+
+
+@needs_kernels
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["int4-rtn", "int8"])
+def test_projections_of_one_input_run_as_one_call(qwen3_tied, kind):
+    """Each layer's q, k, v and gate, up are stacked into one low-bit form (fuse_projections): the
+    projections' buffers are views of the stacked ones (no second copy of the weights), a decode row
+    and a prompt's rows give what the projections give one by one (exactly on the small-call kernel,
+    within 1e-6 of the largest on the prompt's GEMM), and so does a whole answer."""
+    from litevlm_runtime.models.decoder import project
+
+    pipe = Pipeline.from_pretrained(qwen3_tied, options(max_new_tokens=6, pipeline="baseline", backend__weights=kind))
+    lm = pipe.rt.lm
+    for layer in lm.layers:
+        for group in layer.same_input():
+            fused = group[0].fused
+            assert fused is not None and fused.sources == group and sum(fused.sizes) == fused.module.out_features
+            stacked = fused.module.codes.untyped_storage().data_ptr()
+            assert all(m.codes.untyped_storage().data_ptr() == stacked for m in group)
+            assert fused.module.prefill_int8 == group[0].prefill_int8
+    for rows in (1, 3 * GEMV_MAX_ROWS):
+        x = torch.randn(rows, lm.cfg.hidden_size)
+        for group in lm.layers[1].same_input():
+            for got, want in zip(project(x, group), [m(x) for m in group]):
+                tol = 0.0 if rows <= GEMV_MAX_ROWS else 1e-6 * float(want.abs().max())
+                assert got.shape == want.shape and float((got - want).abs().max()) <= tol
+    frames = random_frames(3)
+    fused_ids = pipe.answer(frames, "What is ahead?").token_ids
+    for layer in lm.layers:
+        for group in layer.same_input():
+            group[0].fused = None
+    assert pipe.answer(frames, "What is ahead?").token_ids == fused_ids
+    assert 1 <= len(fused_ids) <= 6
