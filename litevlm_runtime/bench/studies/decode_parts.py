@@ -1,0 +1,107 @@
+"""What two changes to the decode step outside its GEMVs are worth: projections of one input stacked
+into one low-bit call (weights/lowbit.fuse_projections: q, k, v and gate, up) and the step's K/V rows
+written into the cache, read there without a copy, with a few rows' attention as matmuls
+(LayerCall.rows_in_cache, models/decoder.attend_few_rows), each switched off in turn, in one process.
+
+    litevlm bench --study decode_parts [--preset internvl3-2b] [--weights int4-rtn] [--threads 2]
+                                        [--context 256,1780] [--steps 8] [--rounds 8] [--hog 0]
+
+A step is bench/roofline.py's `decode_step` (the decoder over `context` cached rows through the torch
+engine, the LM head, the argmax). The four variants alternate block by block, the order reversed every
+other round, so a shared machine's load hits them alike; a variant is switched by clearing the stacked
+forms (the projections then run one by one on the same buffers) and by sending the step down the
+engine's other path (the copy path that slots away from the cache's end take), so every variant runs
+code the runtime runs. --hog N: the rounds beside N busy processes (bench/contention.py).
+"""
+
+from __future__ import annotations
+
+import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep when idle (threads.py)
+
+# isort: split
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from litevlm_runtime.bench.contention import Hog
+from litevlm_runtime.bench.random_model import random_pipeline
+from litevlm_runtime.bench.roofline import decode_step
+from litevlm_runtime.engines import torch_engine
+from litevlm_runtime.errors import InputError
+from litevlm_runtime.options import options_from_flat
+from litevlm_runtime.report import table
+
+VARIANTS = {"neither": (False, False), "stacked projections": (True, False),
+            "rows in the cache": (False, True), "both (the default)": (True, True)}
+
+
+class Switches:
+    """The two changes on or off in a built pipeline."""
+
+    def __init__(self, lm):
+        self.stacked = [(g[0], g[0].fused) for layer in lm.layers for g in layer.same_input()
+                        if getattr(g[0], "fused", None) is not None]
+        self.follows_live = torch_engine.follows_live
+
+    def set(self, stacked: bool, in_cache: bool) -> None:
+        for first, fused in self.stacked:
+            first.fused = fused if stacked else None
+        torch_engine.follows_live = self.follows_live if in_cache else (lambda *_: False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="litevlm bench --study decode_parts", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="internvl3-2b", help="random weights of this preset's shapes")
+    p.add_argument("--weights", default="int4-rtn", help="backend.weights (a low-bit form: int4-rtn, int8)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", default="256,1780", help="cached rows before the step, comma-separated")
+    p.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=8, help="alternating blocks per variant")
+    p.add_argument("--hog", type=int, default=0, help="busy processes beside every round")
+    args = p.parse_args(argv)
+    contexts = [int(c) for c in args.context.split(",")]
+    pipe = random_pipeline(args.preset, options_from_flat({"pipeline": "baseline", "backend.threads": args.threads,
+                                                           "backend.weights": args.weights,
+                                                           "decoding.mode": "greedy"}))
+    switches = Switches(pipe.rt.lm)
+    if not switches.stacked:
+        raise InputError(f"--weights {args.weights}: no projections stacked (a low-bit form on the kernels stacks "
+                         f"them: int4-rtn or int8 on a CPU with AVX2)")
+    print(f"{args.preset} (random weights), {args.weights}, {args.threads} thread(s); {len(switches.stacked)} groups "
+          f"of projections stacked", file=sys.stderr, flush=True)
+    load_before = Path("/proc/loadavg").read_text().split()[0]
+    rows = []
+    try:
+        with Hog(args.hog), torch.inference_mode():
+            for context in contexts:
+                step = decode_step(pipe.rt, context)
+                ms = {name: [] for name in VARIANTS}
+                for r in range(args.rounds):
+                    for name in (VARIANTS if r % 2 == 0 else reversed(VARIANTS)):
+                        switches.set(*VARIANTS[name])
+                        step()                                    # warm after the switch
+                        t0 = time.perf_counter()
+                        for _ in range(args.steps):
+                            step()
+                        ms[name].append((time.perf_counter() - t0) * 1000 / args.steps)
+                    print(f"[context {context}, round {r + 1}/{args.rounds}] "
+                          + "  ".join(f"{n} {v[-1]:.1f} ms" for n, v in ms.items()), file=sys.stderr, flush=True)
+                base = statistics.median(ms["neither"])
+                rows += [[context, name, statistics.median(v), min(v), base / statistics.median(v)]
+                         for name, v in ms.items()]
+    finally:
+        switches.set(True, True)
+    load_after = Path("/proc/loadavg").read_text().split()[0]
+    print(f"\n{args.preset} (random weights) decode step, {args.weights}, {args.threads} thread(s), beside {args.hog} "
+          f"busy process(es); {args.rounds} alternating blocks of {args.steps} steps per variant; 1-min load "
+          f"{load_before} -> {load_after}\n")
+    print(table(["context", "variant", "p50 ms/step", "min ms/step", "speed-up vs neither"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
