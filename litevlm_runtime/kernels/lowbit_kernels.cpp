@@ -804,6 +804,145 @@ int64_t vnni_block(int64_t K, int64_t G) {
   return 0;
 }
 
+// ------------------------------------------------------------------------------ few-row attention
+// A decode step's attention (models/decoder.attend_few_rows): the rows of one call, q [T, Hq, D],
+// over a layer's cache that already holds them, k, v [Hkv, S, D] (unit stride over D; any stride
+// over S: the arena's slice), under allowed [T, S], in float32 with AVX2 + FMA. Per KV head (one
+// chunk each, shared out by the row pool like the small calls): the scores of its group x T query
+// rows, each key row loaded once for all of them; an exact softmax per row (its maximum, then
+// exp(s - max) by exp_nonpositive_avx2, the sum); then p.v as a GEMM micro-kernel of 6 rows x 16
+// columns (each value row read once per 16 columns, one cache line, so V is read once in all).
+// Why our own: through torch (two grouped matmuls and a softmax, or its CPU flash kernel) a decode
+// step's attention took ~160 us a layer over 256 cached rows and ~460 over 1,780 at a 2B decoder's
+// heads on one thread: per-call overhead at small S, ~8 GB/s of the cache at large S.
+constexpr int FEW_ROW_BLOCK = 6;     // query rows per micro-kernel (6 x 2 accumulators + 2 loads + 1 broadcast)
+
+// exp(x) for x <= 0 in AVX2 (exp_nonpositive's Cephes polynomial; 2^n built in the exponent bits).
+inline __m256 exp_nonpositive_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// scores[r * S + j] = scale * q_r . k_j for `rows` (<= FEW_ROW_BLOCK) query rows q_r (D floats each).
+void few_row_scores(const float* const* q, int rows, const float* k, int64_t k_stride, int64_t S, int64_t D,
+                    float scale, float* scores) {
+  for (int64_t j = 0; j < S; ++j) {
+    const float* kj = k + j * k_stride;
+    __m256 acc[FEW_ROW_BLOCK];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(kj + d);
+      for (int r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), kv, acc[r]);
+    }
+    for (int r = 0; r < rows; ++r) scores[r * S + j] = hsum(acc[r]) * scale;
+  }
+}
+
+// One row's scores -> probabilities in place: masked columns 0, the others exp(s - max) / sum.
+void few_row_softmax(float* s, const bool* allowed, int64_t S) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < S; ++j)
+    if (allowed[j]) m = std::max(m, s[j]);
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t j = 0;
+  for (; j + 8 <= S; j += 8) {
+    __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    alignas(32) float keep[8];
+    for (int i = 0; i < 8; ++i) keep[i] = allowed[j + i] ? 1.f : 0.f;
+    e = _mm256_mul_ps(e, _mm256_load_ps(keep));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum(sum);
+  for (; j < S; ++j) {
+    s[j] = allowed[j] ? std::exp(s[j] - m) : 0.f;
+    total += s[j];
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  for (j = 0; j + 8 <= S; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+  for (; j < S; ++j) s[j] /= total;
+}
+
+// out_r[c0 .. c0 + 16) = sum_j p[r * S + j] v_j[c0 ..] for `rows` (<= FEW_ROW_BLOCK) rows.
+void few_row_values(const float* p, int rows, const float* v, int64_t v_stride, int64_t S, int64_t c0,
+                    float* const* out) {
+  __m256 acc[FEW_ROW_BLOCK][2];
+  for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < S; ++j) {
+    const float* vj = v + j * v_stride + c0;
+    const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+    for (int r = 0; r < rows; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
+      acc[r][0] = _mm256_fmadd_ps(pr, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(pr, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    _mm256_storeu_ps(out[r] + c0, acc[r][0]);
+    _mm256_storeu_ps(out[r] + c0 + 8, acc[r][1]);
+  }
+}
+
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
+                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && allowed.dim() == 2, "attention_rows: q [T, Hq, D], "
+              "k, v [Hkv, S, D], allowed [T, S]; got ", q.sizes(), k.sizes(), v.sizes(), allowed.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              allowed.scalar_type() == at::kBool, "attention_rows: float32 q, k, v and a bool mask");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(D % 16 == 0 && Hq % Hkv == 0 && k.size(2) == D && v.size(0) == Hkv && v.size(1) == S && v.size(2) == D &&
+              allowed.size(0) == T && allowed.size(1) == S && k.stride(2) == 1 && v.stride(2) == 1 && S > 0,
+              "attention_rows: shapes ", q.sizes(), k.sizes(), v.sizes(), allowed.sizes(), " (D a multiple of 16, "
+              "unit stride over D)");
+  const at::Tensor qc = q.contiguous(), mask = allowed.contiguous();
+  at::Tensor out = at::empty({T, Hq * D}, q.options());
+  const int64_t group = Hq / Hkv, rows = group * T;
+  std::vector<float> scores(Hkv * rows * S);
+  const float* qp = qc.data_ptr<float>();
+  const bool* mp = mask.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  auto head = [&](int64_t h) {
+    const float* kh = k.data_ptr<float>() + h * k.stride(0);
+    const float* vh = v.data_ptr<float>() + h * v.stride(0);
+    float* sh = scores.data() + h * rows * S;
+    for (int64_t r0 = 0; r0 < rows; r0 += FEW_ROW_BLOCK) {     // row r: query row t = r / group, head h * group + r % group
+      const int n = static_cast<int>(std::min<int64_t>(FEW_ROW_BLOCK, rows - r0));
+      const float* qr[FEW_ROW_BLOCK];
+      float* orow[FEW_ROW_BLOCK];
+      for (int i = 0; i < n; ++i) {
+        const int64_t r = r0 + i, t = r / group, hq = h * group + r % group;
+        qr[i] = qp + (t * Hq + hq) * D;
+        orow[i] = op + t * Hq * D + hq * D;
+      }
+      float* sb = sh + r0 * S;
+      few_row_scores(qr, n, kh, k.stride(1), S, D, static_cast<float>(scale), sb);
+      for (int i = 0; i < n; ++i) few_row_softmax(sb + i * S, mp + ((r0 + i) / group) * S, S);
+      for (int64_t c0 = 0; c0 < D; c0 += 16) few_row_values(sb, n, vh, v.stride(1), S, c0, orow);
+    }
+  };
+  // One chunk per KV head; more than one thread only where the cache is large enough to pay for a wake-up.
+  const int64_t own = small_call_threads.load();
+  const int64_t threads = Hkv * S * D * 8 < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
+  if (threads > 1 && Hkv > 1 && row_pool_on.load())
+    row_pool().run(Hkv, std::min<int64_t>(threads, Hkv) - 1, head);
+  else
+    for (int64_t h = 0; h < Hkv; ++h) head(h);
+  return out;
+}
+
 // ------------------------------------------------------------------------------ bfloat16 attention
 // Attention over many rows (a vision tile's 1,025 tokens, a prompt) on a CPU with AVX-512 BF16:
 // q, k and v rounded to bfloat16, the scores q.k in float32 (vdpbf16ps: exact products, float32
@@ -1179,6 +1318,7 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("has_avx512_vnni() -> bool", [] { return has_avx512_vnni; });
   m.def("has_avx512_bf16() -> bool", [] { return has_avx512_bf16; });
   m.def("attention_bf16(Tensor q, Tensor k, Tensor v, float scale, int causal_offset) -> Tensor");
+  m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor allowed, float scale) -> Tensor");
   m.def("use_row_pool(bool enable) -> bool", [](bool enable) { return row_pool_on.exchange(enable); });
   m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
     TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
@@ -1192,4 +1332,5 @@ TORCH_LIBRARY_IMPL(litevlm_lowbit, CPU, m) {
   m.impl("fp16_linear", &fp16_linear);
   m.impl("quantize_activations", &quantize_activations_op);
   m.impl("attention_bf16", &attention_bf16);
+  m.impl("attention_rows", &attention_rows);
 }

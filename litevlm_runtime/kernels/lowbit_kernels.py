@@ -179,6 +179,19 @@ def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_off
     return torch.ops.litevlm_lowbit.attention_bf16(q, k, v, 1.0 / math.sqrt(q.shape[-1]), causal_offset)
 
 
+def takes_rows_attention(q: torch.Tensor) -> bool:
+    """Whether attention_rows runs this call's q [T, Hq, D] here: float32 on the CPU, D a multiple of 16,
+    kernels loaded."""
+    return q.shape[-1] % 16 == 0 and available(q)
+
+
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A few rows' attention over a cache that holds them (lowbit_kernels.cpp): softmax(q k^T / sqrt(D)) v
+    in float32, q [T, Hq, D], k, v [Hkv, S, D] (unit stride over D), allowed [T, S] -> [T, Hq*D]; query
+    head h reads KV head h // (Hq / Hkv). Needs takes_rows_attention(q)."""
+    return torch.ops.litevlm_lowbit.attention_rows(q, k, v, allowed, 1.0 / math.sqrt(q.shape[-1]))
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels run this call: float32 on the CPU, kernels loaded."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and load()
@@ -201,5 +214,9 @@ def _register_fakes() -> None:
     @torch.library.register_fake("litevlm_lowbit::fp16_linear")
     def _(x, weight, gemv_max_rows, tile_bytes, prefill_bf16=False):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("litevlm_lowbit::attention_rows")
+    def _(q, k, v, allowed, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     del ops

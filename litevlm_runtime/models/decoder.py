@@ -183,10 +183,13 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call:
 
 def attend_few_rows(q, keys, values, allowed) -> torch.Tensor:
     """A few rows (a decode step, a small draft tree) over the cache that holds them too: q [T, Hq, D],
-    keys, values [Hkv, S, D], allowed [T, S] -> [T, Hq*D], as two grouped matmuls and one softmax in
-    float32. Why not SDPA, as every other eager call: torch's CPU flash kernel spends most of a decode
-    step's attention on its blocking for one query row: at InternVL3-2B's heads (12 query, 2 KV, 128
-    wide), one thread, 963 against 460 us a layer over 1,780 cached rows, 176 against 160 over 256."""
+    keys, values [Hkv, S, D], allowed [T, S] -> [T, Hq*D]: the kernels' float32 attention_rows where they
+    run (lowbit_kernels.cpp), else two grouped matmuls and one softmax in float32. Why not SDPA, as every
+    other eager call: torch's CPU flash kernel spends most of a decode step's attention on its blocking
+    for one query row: at InternVL3-2B's heads (12 query, 2 KV, 128 wide), one thread, 963 against 460
+    us a layer over 1,780 cached rows, 176 against 160 over 256."""
+    if lowbit_kernels.takes_rows_attention(q):
+        return lowbit_kernels.attention_rows(q, keys, values, allowed)
     t, hq, d = q.shape
     hkv = keys.shape[0]
     scores = (grouped(q, hkv) @ keys.transpose(1, 2)).view(hkv, hq // hkv, t, -1)

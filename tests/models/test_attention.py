@@ -131,3 +131,59 @@ def test_decode_step_writes_its_rows_in_place_as_the_copy_path_stored_them(tmp_p
     assert float((got - want).abs().max()) <= tol
     assert float((a.k_cache - k_copy).abs().max()) <= tol and float((a.v_cache - v_copy).abs().max()) <= tol
     assert not follows_live(a.k_cache, args[2] + 1, live, t, x.dtype)        # a gap: the copy path
+
+
+def _float64_rows(q, k, v, allowed):
+    t, hq, d = q.shape
+    group = hq // k.shape[0]
+    out = torch.empty(t, hq, d, dtype=torch.float64)
+    for h in range(hq):
+        scores = (q[:, h].double() @ k[h // group].double().T / d ** 0.5).masked_fill(~allowed, float("-inf"))
+        out[:, h] = torch.softmax(scores, -1) @ v[h // group].double()
+    return out.reshape(t, hq * d)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("t,s,hq,hkv,d", [(1, 256, 12, 2, 128), (1, 1500, 12, 2, 128), (7, 301, 8, 4, 64),
+                                          (16, 40, 12, 2, 128), (1, 3, 2, 1, 16)])
+def test_the_kernels_few_row_attention_matches_float64(t, s, hq, hkv, d):
+    """lowbit_kernels.attention_rows (AVX2, float32, its own exp) against float64: within 1e-5 of the largest
+    output (measured 2e-7 to 8e-7), over a cache slice with a stride over S (the arena's), any mask with
+    each row's own column, one thread or two (the same numbers: a KV head is one chunk)."""
+    from litevlm_runtime.kernels import lowbit_kernels
+
+    if not lowbit_kernels.load():
+        pytest.skip("low-bit CPU kernels not built here")
+    g = torch.Generator().manual_seed(t * 1000 + s)
+    q = 2 * torch.randn(t, hq, d, generator=g)
+    k = torch.randn(hkv, s + 9, d, generator=g)[:, :s]
+    v = torch.randn(hkv, s + 9, d, generator=g)[:, :s]
+    allowed = torch.rand(t, s, generator=g) < 0.7
+    allowed[:, -1] = True
+    want = _float64_rows(q, k, v, allowed)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lowbit_kernels.attention_rows(q, k, v, allowed)
+        torch.set_num_threads(2)
+        two = lowbit_kernels.attention_rows(q, k, v, allowed)
+    finally:
+        torch.set_num_threads(threads)
+    assert float((one.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert torch.equal(one, two)
+
+
+@torch.inference_mode()
+def test_few_rows_without_the_kernels_attend_by_matmuls(monkeypatch):
+    """attend_few_rows' own path (a CPU without the kernels, a head size they do not take) gives float64's."""
+    from litevlm_runtime.kernels import lowbit_kernels
+    from litevlm_runtime.models.decoder import attend_few_rows
+
+    monkeypatch.setattr(lowbit_kernels, "takes_rows_attention", lambda q: False)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 8, 32, generator=g)
+    k, v = torch.randn(4, 50, 32, generator=g), torch.randn(4, 50, 32, generator=g)
+    allowed = torch.ones(3, 50, dtype=torch.bool).tril(47)
+    want = _float64_rows(q, k, v, allowed)
+    got = attend_few_rows(q, k, v, allowed)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
