@@ -60,7 +60,7 @@ def follows_live(k_cache, slots, live: int, t: int, dtype: torch.dtype) -> bool:
         return False
     if t == 1:
         return int(slots[0]) == live
-    return torch.equal(slots, torch.arange(live, live + t, dtype=slots.dtype))
+    return torch.equal(slots, torch.arange(live, live + t, dtype=slots.dtype, device=slots.device))
 
 
 def few_rows_on_kernels(lm, embeds) -> bool:
