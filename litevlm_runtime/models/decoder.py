@@ -61,8 +61,9 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-# Rows up to which a call whose rows are in the cache (LayerCall.rows_in_cache) attends with matmuls
-# (attend_few_rows): decode steps and EAGLE-2 trees of up to this many nodes.
+# Rows up to which a call whose rows are in the cache (LayerCall.rows_in_cache) attends by
+# attend_few_rows (the kernels' attention_rows, else two matmuls): decode steps and EAGLE-2 trees of up
+# to this many nodes; more rows take SDPA over the cache.
 FEW_ROWS = 16
 
 
