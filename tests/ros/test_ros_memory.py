@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -205,8 +206,10 @@ def test_oversized_raw_frame_is_refused_on_arrival(tmp_path, tiny_model, policy)
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("bundled", marks=pytest.mark.slow)])
 def test_lifecycle_cycles_keep_memory_flat(tmp_path, tiny_model, model):
-    """10 deactivate/cleanup/configure/activate cycles (LITEVLM_TEST_CYCLES - 1), each answering a query: RSS within +5%
-    of the RSS after the first (the tiny model in CI; the bundled one, 4 minutes, outside)."""
+    """10 deactivate/cleanup/configure/activate cycles (LITEVLM_TEST_CYCLES - 1), each answering a query: the median
+    RSS of the last three cycles within +5% of the first three's (the tiny model in CI; the bundled one, 4 minutes,
+    outside). Medians of three, not the last against the first: the RSS wanders by a few percent from cycle to
+    cycle (546 562 564 578 572 564 571 572 567 566 559 MB in one run), where a leak grows it cycle after cycle."""
     domain = domain_id(26)
     params = write_params(tmp_path / "p.yaml", model_dir=str(tiny_model) if model == "tiny" else "", warmup=True,
                           max_new_tokens=2 if model == "tiny" else 16)
@@ -227,7 +230,7 @@ def test_lifecycle_cycles_keep_memory_flat(tmp_path, tiny_model, model):
             assert rig.answers[-1].status == 0, rig.answers[-1].status_message
             rss.append(rss_mb(node.p.pid))
         print("RSS per cycle (MB): " + " ".join(f"{r:.0f}" for r in rss))
-        assert rss[-1] <= rss[0] * 1.05, rss
+        assert statistics.median(rss[-3:]) <= statistics.median(rss[:3]) * 1.05, rss
     finally:
         client.close()
         node.stop()
