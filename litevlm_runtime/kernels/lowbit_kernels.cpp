@@ -456,19 +456,16 @@ RowPool& row_pool() {
 // comparison `litevlm bench --study lowbit_decode --omp` measures; use_row_pool).
 std::atomic<bool> row_pool_on{true};
 
-// Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), shared out
-// to the calling thread and its helpers in chunks taken from a counter rather than in fixed halves:
-// on a shared CPU a thread the scheduler has put aside leaves its chunks to the others instead of
-// holding the whole call back (a fixed split waits for the slowest thread's half).
-template <typename Tile, typename One>
-void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
-  const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+// Run chunk(c) for c in [0, chunks) on the small calls' team: the calling thread alone under
+// SMALL_CALL_PARALLEL_MIN_BYTES of data, else small_call_threads (or torch's count), the chunks
+// shared out to the calling thread and its helpers from a counter rather than in fixed halves: on a
+// shared CPU a thread the scheduler has put aside leaves its chunks to the others instead of holding
+// the whole call back (a fixed split waits for the slowest thread's half).
+template <typename Chunk>
+void on_small_call_team(int64_t chunks, int64_t bytes, Chunk chunk) {
   const int64_t own = small_call_threads.load();
-  const int64_t threads = weight_bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
+  const int64_t threads = bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
-  auto chunk = [&](int64_t c) {
-    for (int64_t t = c * CHUNK_TILES; t < std::min(tiles, (c + 1) * CHUNK_TILES); ++t) tile(t * TILE_ROWS);
-  };
   if (team == 1) {
     for (int64_t c = 0; c < chunks; ++c) chunk(c);
   } else if (row_pool_on.load()) {
@@ -480,6 +477,16 @@ void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
 #pragma omp parallel num_threads(team)
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) chunk(c);
   }
+}
+
+// Run `tile` over weight rows [0, N) in tiles of TILE_ROWS (the tail one row at a time), CHUNK_TILES
+// tiles a chunk on the small calls' team.
+template <typename Tile, typename One>
+void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
+  const int64_t tiles = N / TILE_ROWS, chunks = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+  on_small_call_team(chunks, weight_bytes, [&](int64_t c) {
+    for (int64_t t = c * CHUNK_TILES; t < std::min(tiles, (c + 1) * CHUNK_TILES); ++t) tile(t * TILE_ROWS);
+  });
   for (int64_t n = tiles * TILE_ROWS; n < N; ++n) one(n);
 }
 
@@ -933,13 +940,8 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
       for (int64_t c0 = 0; c0 < D; c0 += 16) few_row_values(sb, n, vh, v.stride(1), S, c0, orow);
     }
   };
-  // One chunk per KV head; more than one thread only where the cache is large enough to pay for a wake-up.
-  const int64_t own = small_call_threads.load();
-  const int64_t threads = Hkv * S * D * 8 < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
-  if (threads > 1 && Hkv > 1 && row_pool_on.load())
-    row_pool().run(Hkv, std::min<int64_t>(threads, Hkv) - 1, head);
-  else
-    for (int64_t h = 0; h < Hkv; ++h) head(h);
+  // One chunk per KV head; more than one thread only where the cache (K and V) pays for a wake-up.
+  on_small_call_team(Hkv, Hkv * S * D * 8, head);
   return out;
 }
 
