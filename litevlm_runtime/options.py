@@ -222,18 +222,19 @@ class Backend(_Validated):
         "GEMM of the int4/int8/fp16 weight forms' calls of many rows (prefill, vision-free stages): float32 (each "
         "weight tile dequantized to float32, the float32 GEMM) | bfloat16 (tiles and input rounded to bfloat16, the "
         "bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (int4/int8: the input quantized to int8 per "
-        "block of 128, integer products on AVX-512 VNNI; fp16 takes bfloat16) | auto (int8 where the CPU has AVX-512 "
-        "VNNI, else bfloat16 where it has bfloat16 units, avx512_bf16 or amx_bf16, else float32): weights/lowbit.py",
+        "block of 128, integer products on AVX-512 VNNI or AVX2; fp16 takes bfloat16) | auto (int8 where the low-bit "
+        "kernels run, else bfloat16 where the CPU has bfloat16 units, avx512_bf16 or amx_bf16, else float32): "
+        "weights/lowbit.py",
         choices=("auto", "float32", "bfloat16", "int8"),
     )
     vision_gemm: str = setting(
         "auto",
         "GEMM of the vision encoder's and projector's linears on the CPU: float32 | bfloat16 (input rounded to "
         "bfloat16, the bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (weights quantized per channel "
-        "to int8 at load, the input per block of 128, integer products on AVX-512 VNNI) | auto (bfloat16 where the "
-        "CPU has bfloat16 units and backend.weights is a low-bit form, whose prompt already runs reduced-precision "
-        "GEMMs; float32 otherwise: a float pipeline stays float32, backend.weights bf16 covers vision itself): "
-        "weights/linear_forms.py",
+        "to int8 at load, the input per block of 128, integer products on AVX-512 VNNI or AVX2) | auto (bfloat16 "
+        "where the CPU has bfloat16 units and backend.weights is a low-bit form, whose prompt already runs "
+        "reduced-precision GEMMs; float32 otherwise: a float pipeline stays float32, backend.weights bf16 covers "
+        "vision itself): weights/linear_forms.py",
         choices=("auto", "float32", "bfloat16", "int8"),
     )
     quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "

@@ -155,8 +155,14 @@ def path_in_words(on_kernels: bool) -> str:
     return f"reference path: {unavailable() or 'not on the CPU'}"
 
 
+def has_int8_gemm() -> bool:
+    """Whether the kernels run the int8 prefill GEMM here (built and loaded: its AVX-512 VNNI micro-tiles
+    where the CPU has them, else its AVX2 ones, which every CPU the kernels load on has)."""
+    return load()
+
+
 def has_vnni() -> bool:
-    """Whether the kernels run the int8 prefill GEMM here (built, loaded, and the CPU has AVX-512 VNNI)."""
+    """Whether the CPU has AVX-512 VNNI and the kernels take it (the int4 decode loop, the GEMM's tiles)."""
     return load() and bool(torch.ops.litevlm_lowbit.has_avx512_vnni())
 
 

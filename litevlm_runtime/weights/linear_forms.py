@@ -251,7 +251,7 @@ def resolve_vision_gemm(setting: str, weights: str, device, dtype) -> str:
     auto: bfloat16 with a low-bit decoder form (int8, int4, fp16: its prompt already runs bfloat16 or
     int8 GEMMs, `backend.lowbit_prefill`) on a CPU with bfloat16 units; float32 for a float pipeline,
     whose numbers stay those of float32 unless asked. backend.weights bf16 converts vision itself.
-    int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (else bfloat16 or float32, with a warning)."""
+    int8 needs the low-bit kernels (else bfloat16 or float32, with a warning)."""
     if setting not in VISION_GEMMS:
         raise ValueError(f"backend.vision_gemm {setting!r}: one of {', '.join(VISION_GEMMS)}")
     if weights == "bf16" and setting != "int8":
@@ -261,10 +261,10 @@ def resolve_vision_gemm(setting: str, weights: str, device, dtype) -> str:
     units = cpu_has_bf16_units()
     if setting == "auto":
         return "bfloat16" if weights in DECODER_KINDS and units else "float32"
-    if setting == "int8" and not lowbit_kernels.has_vnni():
+    if setting == "int8" and not lowbit_kernels.has_int8_gemm():
         fallback = "bfloat16" if units or weights == "bf16" else "float32"     # bf16 weights: vision is bf16 already
-        log.warning("backend.vision_gemm int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (avx512_vnni in "
-                    "/proc/cpuinfo): %s instead", fallback)
+        log.warning("backend.vision_gemm int8 needs the low-bit kernels (%s): %s instead", lowbit_kernels.unavailable(),
+                    fallback)
         return fallback
     if setting == "bfloat16" and units is False:
         log.warning("backend.vision_gemm bfloat16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): oneDNN "
@@ -275,10 +275,11 @@ def resolve_vision_gemm(setting: str, weights: str, device, dtype) -> str:
 def vision_to(model: nn.Module, gemm: str) -> int:
     """The vision encoder's and projector's linears in the form `gemm` names, in place; returns how many.
     bfloat16: Bf16Linear (bf16.py); int8: Int8Linear (per-channel int8 weights quantized here, lowbit.py)
-    whose calls of many rows run the int8 GEMM (int8 activations per block of 128, AVX-512 VNNI). Why: a
-    tile is ~1,000 rows through every vision weight, compute-bound; the bfloat16 GEMM runs at about twice
-    float32's rate on a CPU with bfloat16 units, int8 products at twice bfloat16's on one with VNNI
-    (litevlm bench --study cpu_stages). A Bf16Linear under bf16 weights is quantized from its float weight."""
+    whose calls of many rows run the int8 GEMM (int8 activations per block of 128, AVX-512 VNNI or AVX2).
+    Why: a tile is ~1,000 rows through every vision weight, compute-bound; the bfloat16 GEMM runs at about
+    twice float32's rate on a CPU with bfloat16 units, int8 products at twice bfloat16's on one with VNNI,
+    and at 1.1-1.25x float32's on an AVX2 one (int8 weights take the sign trick there: lowbit_kernels.cpp;
+    litevlm bench --study cpu_stages). A Bf16Linear under bf16 weights is quantized from its float weight."""
     found = [(parent, name, module) for parent, name, module in
              child_modules([model.vision_model, getattr(model, "mlp1", None)], (nn.Linear, Bf16Linear))]
     use_bf16_attention([model.vision_model], gemm in ("bfloat16", "int8"))

@@ -13,20 +13,19 @@ How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels
                             max|x| / 127), multiplied by the codes in integer arithmetic, float32
                             accumulation (int4: AVX-512 VNNI where the CPU has it, else AVX2);
                             fp16: float32 activations, the weights widened in registers, exact products
-    more rows               (prefill: compute-bound) a GEMM (`backend.lowbit_prefill`): where the
-                            CPU has AVX-512 VNNI (the default there), int4/int8: the activations
-                            quantized to int8 per block of 128 (as the small calls, at another
-                            block) and multiplied by the int8 weights (int4: q - zero) in integer
-                            arithmetic, a float32 step per block (lowbit_kernels.cpp, vnni_gemm:
-                            int8 products run at twice the bfloat16 rate there); else the weights
-                            dequantized a tile at a time into a reused buffer and multiplied by a
-                            float32 GEMM (exact float activations over the same quantized weights,
-                            the same GEMM as float) or, where the CPU has bfloat16 units, bfloat16
-                            tiles and activations through the bfloat16 GEMM (the prompt at
-                            0.55-0.61x float32's time at InternVL3-2B's shapes on Zen 4,
-                            scripts/peers.py; docs/performance.md section 6), and the numerics of
-                            `backend.weights bf16` (input and output rounded to bfloat16, products
-                            exact, float32 accumulation); fp16 weights take the bfloat16 or float32 tiles
+    more rows               (prefill: compute-bound) a GEMM (`backend.lowbit_prefill`): by default,
+                            int4/int8: the activations quantized to int8 per block of 128 (as the
+                            small calls, at another block) and multiplied by the int8 weights (int4:
+                            q - zero) in integer arithmetic, a float32 step per block
+                            (lowbit_kernels.cpp, vnni_gemm: on AVX-512 VNNI int8 products run at
+                            twice the bfloat16 rate; on AVX2, vpmaddubsw, ~2x the float32 GEMM's
+                            rate on Zen 3); else the weights dequantized a tile at a time into a
+                            reused buffer and multiplied by a float32 GEMM (exact float activations
+                            over the same quantized weights, the same GEMM as float) or, where the
+                            CPU has bfloat16 units, bfloat16 tiles and activations through the
+                            bfloat16 GEMM (the numerics of `backend.weights bf16`: input and output
+                            rounded to bfloat16, products exact, float32 accumulation); fp16 weights
+                            take the bfloat16 or float32 tiles
 Anything else (a GPU, float16/bfloat16 pipelines, an ONNX export trace, no kernels): the reference
 path, dequantize then F.linear (correct; slower).
 
@@ -315,18 +314,19 @@ def embedding_as_linear(embedding: nn.Embedding) -> nn.Linear:
 def set_prefill_gemm(modules, prefill: str = "auto") -> str:
     """Give every low-bit form under `modules` (None entries skipped) the many-row GEMM `prefill`
     (backend.lowbit_prefill: auto | float32 | bfloat16 | int8); returns the one chosen. auto: int8
-    where the kernels run it (AVX-512 VNNI), else bfloat16 where the CPU has bfloat16 units, else
-    float32. Under int8 the fp16 form, whose weights int8 would round, takes bfloat16 (or float32)."""
+    where the kernels run it (wherever they load: AVX-512 VNNI or AVX2), else bfloat16 where the CPU has
+    bfloat16 units, else float32. Under int8 the fp16 form, whose weights int8 would round, takes bfloat16
+    (or float32)."""
     if prefill not in PREFILL_GEMMS:
         raise ValueError(f"backend.lowbit_prefill {prefill!r}: one of {', '.join(PREFILL_GEMMS)}")
     units = cpu_has_bf16_units()
-    vnni = lowbit_kernels.has_vnni()
+    int8_gemm = lowbit_kernels.has_int8_gemm()
     if prefill == "auto":
-        prefill = "int8" if vnni else "bfloat16" if units else "float32"
-    elif prefill == "int8" and not vnni:
+        prefill = "int8" if int8_gemm else "bfloat16" if units else "float32"
+    elif prefill == "int8" and not int8_gemm:
         fallback = "bfloat16" if units else "float32"
-        log.warning("backend.lowbit_prefill int8 needs the low-bit kernels on a CPU with AVX-512 VNNI (avx512_vnni "
-                    "in /proc/cpuinfo): the %s GEMM instead", fallback)
+        log.warning("backend.lowbit_prefill int8 needs the low-bit kernels (%s): the %s GEMM instead",
+                    lowbit_kernels.unavailable(), fallback)
         prefill = fallback
     elif prefill == "bfloat16" and units is False:
         log.warning("backend.lowbit_prefill bfloat16 on a CPU without bfloat16 units (no %s in /proc/cpuinfo): "

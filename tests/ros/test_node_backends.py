@@ -103,7 +103,7 @@ def test_node_serves_a_backend_from_drive_yaml_over_dds(tmp_path, sample_bag, bu
     else:
         section["backend"].update(weights="int4")
         # backend.lowbit_prefill's shipped auto, resolved on this CPU (weights/lowbit.py)
-        prefill = "int8" if lowbit_kernels.has_vnni() else "bfloat16" if cpu_has_bf16_units() else "float32"
+        prefill = "int8" if lowbit_kernels.has_int8_gemm() else "bfloat16" if cpu_has_bf16_units() else "float32"
         expected, diagnosed = int4_answers, ("torch", "int4", prefill)
     params = tmp_path / "drive.yaml"
     params.write_text(yaml.safe_dump(doc))

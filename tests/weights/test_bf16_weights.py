@@ -166,9 +166,10 @@ def test_vision_gemm_auto_is_bfloat16_with_low_bit_weights_on_bfloat16_units():
     assert resolve_vision_gemm("bfloat16", "float", "cpu", f32) == "bfloat16"
     assert resolve_vision_gemm("float32", "int4", "cpu", f32) == "float32"
     assert resolve_vision_gemm("auto", "int4", "cpu", torch.bfloat16) == "float32"     # a 16-bit pipeline
-    vnni = lowbit_kernels.has_vnni()
-    assert resolve_vision_gemm("int8", "float", "cpu", f32) == ("int8" if vnni else "bfloat16" if units else "float32")
-    assert resolve_vision_gemm("int8", "bf16", "cpu", f32) == ("int8" if vnni else "bfloat16")
+    int8_gemm = lowbit_kernels.has_int8_gemm()
+    fallback = "bfloat16" if units else "float32"
+    assert resolve_vision_gemm("int8", "float", "cpu", f32) == ("int8" if int8_gemm else fallback)
+    assert resolve_vision_gemm("int8", "bf16", "cpu", f32) == ("int8" if int8_gemm else "bfloat16")
     with pytest.raises(InputError, match="backend.vision_gemm bfloat16"):
         options(backend__vision_gemm="bfloat16", dtype="bfloat16")
     with pytest.raises(InputError, match="backend.vision_gemm bfloat16"):
@@ -196,7 +197,7 @@ def test_vision_gemm_bfloat16_converts_the_vision_linears_only(bundled_float):
     assert bundled_float.rt.vision_gemm == "float32"
 
 
-@pytest.mark.skipif(not lowbit_kernels.has_vnni(), reason="no AVX-512 VNNI here: vision_gemm int8 falls back")
+@pytest.mark.skipif(not lowbit_kernels.has_int8_gemm(), reason="no low-bit kernels here: vision_gemm int8 falls back")
 @torch.inference_mode()
 def test_vision_gemm_int8_quantizes_the_vision_linears_per_channel(bundled_float):
     """backend.vision_gemm int8: the vision encoder's and projector's linears as per-channel Int8Linear on the

@@ -16,7 +16,7 @@ Tolerances (stated in weights/lowbit.py):
     x_b and W_b = dequant(W) rounded to bfloat16 (as torch rounds), within 2^-8 of each |output| (its
     one bfloat16 rounding) + 1e-5 of the largest (float32 accumulation).
   - the int4 small-call kernel's AVX-512 VNNI loop and its AVX2 loop: each within the bounds above.
-  - large calls through the int8 GEMM (backend.lowbit_prefill int8, a CPU with AVX-512 VNNI): the
+  - large calls through the int8 GEMM (backend.lowbit_prefill int8; AVX-512 VNNI or AVX2 tiles): the
     small calls' bounds with the activations rounded per block of 128 (64 where the int4 group or K
     asks), in the int4 kernels' even-then-odd order within a block (the same codes).
 """
@@ -233,18 +233,18 @@ def test_prefill_gemm_setting_reaches_every_low_bit_form():
     with pytest.raises(ValueError, match="lowbit_prefill 'fp8'"):
         set_prefill_gemm([model], "fp8")
     chosen = set_prefill_gemm([model], "int8")
-    if lowbit_kernels.has_vnni():
+    if lowbit_kernels.has_int8_gemm():
         # int8 for the int8/int4 forms; the fp16 form's weights stay 16-bit: bfloat16 where the units are
         assert chosen == "int8" and model[0].prefill_int8 and not model[0].prefill_bf16
         assert not model[2].prefill_int8 and model[2].prefill_bf16 == bool(cpu_has_bf16_units())
         assert set_prefill_gemm([model], "auto") == "int8"
-    else:                                                   # no VNNI: the next GEMM, said in a warning
+    else:                                                   # no kernels: the next GEMM, said in a warning
         assert chosen in ("bfloat16", "float32") and not model[0].prefill_int8
     assert set_prefill_gemm([model], "bfloat16") == "bfloat16" and not model[0].prefill_int8
 
 
-needs_vnni = pytest.mark.skipif(not lowbit_kernels.has_vnni(), reason="no AVX-512 VNNI here: the int8 prefill GEMM "
-                                                                      "does not run (lowbit_prefill falls back)")
+needs_int8_gemm = pytest.mark.skipif(not lowbit_kernels.has_int8_gemm(), reason="no low-bit kernels here: the int8 "
+                                                                                "prefill GEMM does not run")
 
 
 def int8_gemm_rounding(x: torch.Tensor, block: int, int4_order: bool):
@@ -261,7 +261,7 @@ def int8_gemm_rounding(x: torch.Tensor, block: int, int4_order: bool):
     return back, d
 
 
-@needs_vnni
+@needs_int8_gemm
 @pytest.mark.parametrize("rows,n,k,group", [(GEMV_MAX_ROWS + 1, 203, 384, 128), (33, 37, 256, 64),
                                             (70, 131, 1536, 128), (100, 6, 640, 128)])
 def test_int8_prefill_gemm_matches_float64(rows, n, k, group):
@@ -285,6 +285,28 @@ def test_int8_prefill_gemm_matches_float64(rows, n, k, group):
     assert not torch.equal(y8, ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 16))   # the GEMM ran
 
 
+@needs_int8_gemm
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_prefill_gemm_holds_at_the_extreme_codes(sign):
+    """The AVX2 tiles sum two products into int16 (vpmaddubsw) before int32: at the extreme codes (every
+    activation code 127, int4 q - zero = 15 against the activations + 128 = 255, int8 codes +-127 by the
+    sign trick) the outputs still equal float64's product of the rounded operands: one saturated pair
+    would be off by thousands of units."""
+    rows, n, k = 40, 13, 256
+    x = torch.full((rows, k), 3.0)
+    w = torch.full((n, k), sign)
+    w[:, ::64] = 0.0                                   # int4: each group's minimum 0, so zero point 0, q = 15
+    q4 = quantize_int4(w, 64)
+    y4 = ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 64, GEMV_MAX_ROWS, 1 << 16, False, True)
+    q, d = int8_gemm_rounding(x, 128, int4_order=True)
+    assert int(q.abs().min()) == 127
+    check_rounded_product(y4, x, q, d, 128, dequantize_int4(q4, torch.float64))
+    q8 = quantize_int8(w)
+    assert int(q8.codes.abs().max()) == 127
+    y8 = ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 16, False, True)
+    check_rounded_product(y8, x, q, d, 128, dequantize_int8(q8, torch.float64))
+
+
 def check_rounded_product(y, xs, q, d, block, deq):
     """y against float64 x_hat @ deq.T (1e-5 of the largest) and the float-activation product (the bound)."""
     x_hat = (q.double().view(xs.shape[0], -1, block) * d.double()[..., None]).view_as(xs)
@@ -296,7 +318,7 @@ def check_rounded_product(y, xs, q, d, block, deq):
     assert bool(((y.double() - exact).abs() <= bound).all())
 
 
-@needs_vnni
+@needs_int8_gemm
 def test_int8_prefill_gemm_gives_the_one_thread_result_on_more_threads():
     """Every output of the int8 GEMM is summed by one thread in one order, whatever the thread count."""
     w, x = weights(301, 1536, seed=3), torch.randn(200, 1536)

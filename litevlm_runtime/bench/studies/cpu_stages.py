@@ -12,7 +12,7 @@ prefill   the decoder over --prefill-rows prompt rows (the torch engine's prefil
 vision    InternViT + projector over --tiles tiles of random pixels, per `backend.vision_gemm`
           variant: float32 (the vision linears as built: oneDNN or MKL float32, weights/gemm.py),
           bfloat16 (the same linears as Bf16Linear, weights/bf16.py) or int8 (as Int8Linear, on the
-          int8 GEMM: AVX-512 VNNI)
+          int8 GEMM: AVX-512 VNNI or AVX2)
 
 A variant may name its attention after a slash, GEMM/ATTENTION with ATTENTION sdpa (torch's
 scaled_dot_product_attention) or bf16 (the kernels' bfloat16 attention): e.g. --prefill-gemm
@@ -77,8 +77,8 @@ class VisionSwitch:
     def use(self, variant: str) -> None:
         if variant not in ("float32", "bfloat16", "int8"):
             raise SystemExit(f"--vision-gemm {variant!r}: float32, bfloat16 or int8")
-        if variant == "int8" and not lowbit_kernels.has_vnni():
-            raise SystemExit("--vision-gemm int8: needs the low-bit kernels on a CPU with AVX-512 VNNI")
+        if variant == "int8" and not lowbit_kernels.has_int8_gemm():
+            raise SystemExit(f"--vision-gemm int8: needs the low-bit kernels ({lowbit_kernels.unavailable()})")
         use_bf16_attention([self.vision], variant != "float32")       # as vision_to sets it
         for parent, name, forms in self.slots:
             if variant not in forms:
