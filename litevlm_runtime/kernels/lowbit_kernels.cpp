@@ -753,9 +753,10 @@ void vnni_tiles(const VnniPanel& p, int64_t nb, int64_t KB, const VnniActivation
 // (vpsignb; a pair at most 2 x 128 x 127 < 2^15), no + 128 and no bias. A micro-tile is
 // AVX2_GEMM_R rows of the panel x 16 activation rows (half of a 32-row block: 3 x 2 int32
 // accumulators, 2 activation registers, the broadcast weights and the ones in 16 registers).
-// Measured alone at a 2B decoder's shapes (int4, 256 rows, 2 threads, Zen 3): 1.8-2.3x torch's
-// float32 GEMM (260-270 against 120-150 GFLOP/s), the dequantized tiles 0.7-0.97x; at the vision
-// tower's (int8, 1,025 rows) 1.1-1.25x (174 against 140-156 GFLOP/s: the sign trick's extra steps).
+// Measured at a 2B decoder's shapes, a 256-row prompt's matmuls, 2 threads, Zen 3 (`litevlm bench
+// --study lowbit_kernels --rows 256`): int4 2.34x float32's (the dequantized tiles 0.98x; OpenVINO's
+// u4 matmul with int8 dynamic quantization 1.22x), int8 by the sign trick 1.52x; at the vision
+// tower's shapes (int8, 1,025 rows) 1.1-1.3x (the sign trick's extra steps).
 constexpr int AVX2_GEMM_R = 3;
 static_assert(VNNI_R % AVX2_GEMM_R == 0, "a panel is whole micro-tiles");
 

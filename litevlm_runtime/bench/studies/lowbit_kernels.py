@@ -25,6 +25,8 @@ Candidates (those whose library is missing are listed as such):
     own-int4      ours: int4 x int8 activations, AVX2 (lowbit_kernels.cpp)
     own-int8      ours: int8 x int8 activations, AVX2
     own-fp16      ours: fp16 weights widened in registers (F16C), float32 activations
+    own-X-gemm8   int4 / int8 with the prompt's int8 GEMM above GEMV_MAX_ROWS rows (backend.lowbit_prefill
+                  int8, the default: AVX-512 VNNI or AVX2 micro-tiles); own-X alone dequantizes float32 tiles
     own-X-fused / own-X-tiled   the same kernels forced to their small-call path or to the
                   dequantized-tile GEMM at every row count (not in the default list: --only)
 """
@@ -141,17 +143,17 @@ def make_openvino_int4(w, dynamic_quantization: bool = False):
     return run, w.numel() // 2 + w.numel() // GROUP_SIZE * 3
 
 
-def make_own_int4(w, gemv_max_rows=GEMV_MAX_ROWS):
+def make_own_int4(w, gemv_max_rows=GEMV_MAX_ROWS, int8_gemm=False):
     q = quantize_int4(w, GROUP_SIZE)
     ops = torch.ops.litevlm_lowbit
-    return (lambda x: ops.int4_linear(x, q.codes, q.scales, q.zeros, None, GROUP_SIZE, gemv_max_rows, TILE_BYTES),
-            q.nbytes())
+    return (lambda x: ops.int4_linear(x, q.codes, q.scales, q.zeros, None, GROUP_SIZE, gemv_max_rows, TILE_BYTES,
+                                      False, int8_gemm), q.nbytes())
 
 
-def make_own_int8(w, gemv_max_rows=GEMV_MAX_ROWS):
+def make_own_int8(w, gemv_max_rows=GEMV_MAX_ROWS, int8_gemm=False):
     q = quantize_int8(w)
     ops = torch.ops.litevlm_lowbit
-    return lambda x: ops.int8_linear(x, q.codes, q.scales, gemv_max_rows, TILE_BYTES), q.nbytes()
+    return lambda x: ops.int8_linear(x, q.codes, q.scales, gemv_max_rows, TILE_BYTES, False, int8_gemm), q.nbytes()
 
 
 def make_own_fp16(w, gemv_max_rows=GEMV_MAX_ROWS):
@@ -165,6 +167,8 @@ CANDIDATES = {"float": make_float, "torch-int8": make_torch_int8, "torch-int4": 
               "torchao-da8w4": make_torchao("torchao-da8w4"), "ov-int4": make_openvino_int4,
               "ov-int4-dq": lambda w: make_openvino_int4(w, True), "own-int4": make_own_int4,
               "own-int8": make_own_int8, "own-fp16": make_own_fp16,
+              "own-int4-gemm8": lambda w: make_own_int4(w, int8_gemm=True),
+              "own-int8-gemm8": lambda w: make_own_int8(w, int8_gemm=True),
               # the two paths of each at every row count (where GEMV_MAX_ROWS should sit: --rows 2,4,8,16,32)
               **{f"own-{kind}-{path}": (lambda w, make=make, rows=rows: make(w, rows))
                  for kind, make in (("int4", make_own_int4), ("int8", make_own_int8), ("fp16", make_own_fp16))
