@@ -16,9 +16,9 @@
 // Large calls (prefill: compute-bound): int4/int8 with prefill_int8, the activations quantized to
 //   int8 per block of 128 and an int8 GEMM of our own (vnni_gemm, below: AVX-512 VNNI micro-tiles
 //   where the CPU has them, else AVX2 ones); otherwise the weights are dequantized tile by tile (a
-//   few MB, cache resident) into a scratch buffer and multiplied by the GEMM at::mm runs (MKL/oneDNN): float32 (exact float activations)
-//   or, with prefill_bf16, bfloat16 (tiled_gemm); the weights are read from memory at their
-//   low-bit size either way.
+//   few MB, cache resident) into a scratch buffer and multiplied by the GEMM at::mm runs
+//   (MKL/oneDNN): float32 (exact float activations) or, with prefill_bf16, bfloat16 (tiled_gemm);
+//   the weights are read from memory at their low-bit size either way.
 // Threads: as many as torch.set_num_threads (or set_small_call_threads) says. Large calls run on
 //   torch's own OpenMP pool (at::parallel_for; compiled with -fopenmp but linked to no OpenMP
 //   library of its own, so its regions run on the runtime libtorch already loaded, with the passive
@@ -623,17 +623,18 @@ constexpr int64_t VNNI_MB = 32;              // activation rows per micro-tile (
 constexpr int64_t VNNI_CHUNK_BYTES = 4 << 20;  // activation bytes an m-chunk reads per panel (L2/L3)
 
 struct VnniActivations {
-  std::vector<uint8_t> xu;     // [m_pad/32][K/4][32][4]: xq + 128
+  std::vector<uint8_t> xu;     // [m_pad/32][K/4][32][4]: xq + 128 (offset), else xq (the AVX2 int8 tiles)
   std::vector<float> dxt;      // [m_pad/32][K/KB][32]: block scales (0 for padded rows)
   int64_t m_pad = 0;
 };
 
 VnniActivations vnni_activations(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int64_t KB,
-                                 bool int4_order) {
+                                 bool int4_order, bool offset) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / KB;
   VnniActivations a;
   a.m_pad = (M + VNNI_MB - 1) / VNNI_MB * VNNI_MB;
-  a.xu.assign(static_cast<size_t>(K * a.m_pad), 0x80);   // padded rows: code 0
+  const uint32_t flip = offset ? 0x80808080u : 0u;       // + 128, byte by byte
+  a.xu.assign(static_cast<size_t>(K * a.m_pad), static_cast<uint8_t>(flip));   // padded rows: code 0
   a.dxt.assign(static_cast<size_t>(nb * a.m_pad), 0.f);
   const float* xp = x.data_ptr<float>();
   const float* pp = pqs ? pqs->data_ptr<float>() : nullptr;
@@ -646,7 +647,7 @@ VnniActivations vnni_activations(const at::Tensor& x, const c10::optional<at::Te
       for (int64_t q = 0; q < K / 4; ++q) {
         uint32_t w;
         std::memcpy(&w, xq.data() + q * 4, 4);
-        w ^= 0x80808080u;                                      // xq + 128, byte by byte
+        w ^= flip;
         std::memcpy(a.xu.data() + (((m / VNNI_MB) * (K / 4) + q) * VNNI_MB + m % VNNI_MB) * 4, &w, 4);
       }
       for (int64_t b = 0; b < nb; ++b) a.dxt[((m / VNNI_MB) * nb + b) * VNNI_MB + m % VNNI_MB] = dx[b];
@@ -674,18 +675,26 @@ LITEVLM_AVX512 inline int32_t sum_s8(const int8_t* p, int64_t n) {   // n a mult
   return static_cast<int32_t>(_mm512_reduce_add_epi64(acc) - 128 * n);
 }
 
-// int8 rows n0 .. n0 + r: read in place (natural k order); the scale is the row's for every block.
-LITEVLM_AVX512 void vnni_panel_int8(const int8_t* codes, const float* scales, int64_t n0, int r, int64_t K, int64_t KB,
-                                    VnniPanel& p) {
+// int8 rows n0 .. n0 + r: read in place (natural k order); the scale is the row's for every block;
+// no bias (the AVX2 int8 tiles' activations carry no + 128).
+void panel_int8(const int8_t* codes, const float* scales, int64_t n0, int r, int64_t K, int64_t KB, VnniPanel& p) {
   const int64_t nb = K / KB;
   for (int i = 0; i < r; ++i) {
-    const int8_t* row = codes + (n0 + i) * K;
     for (int64_t b = 0; b < nb; ++b) {
       p.scale[i * nb + b] = scales[n0 + i];
-      p.bias[i * nb + b] = -128 * sum_s8(row + b * KB, KB);
+      p.bias[i * nb + b] = 0;
     }
-    p.rows[i] = row;
+    p.rows[i] = codes + (n0 + i) * K;
   }
+}
+
+// panel_int8 for the VNNI tiles, whose activations are xq + 128: each block's bias -128 * sum of its weights.
+LITEVLM_AVX512 void vnni_panel_int8(const int8_t* codes, const float* scales, int64_t n0, int r, int64_t K, int64_t KB,
+                                    VnniPanel& p) {
+  panel_int8(codes, scales, n0, r, K, KB, p);
+  const int64_t nb = K / KB;
+  for (int i = 0; i < r; ++i)
+    for (int64_t b = 0; b < nb; ++b) p.bias[i * nb + b] = -128 * sum_s8(p.rows[i] + b * KB, KB);
 }
 
 // acc += the products of unsigned bytes u and signed bytes w, four per int32 lane (vpdpbusd), as
@@ -760,10 +769,11 @@ void vnni_tiles(const VnniPanel& p, int64_t nb, int64_t KB, const VnniActivation
 constexpr int AVX2_GEMM_R = 3;
 static_assert(VNNI_R % AVX2_GEMM_R == 0, "a panel is whole micro-tiles");
 
-// int4 rows n0 .. n0 + r for both micro-tiles: codes (k even: low nibble) -> int8 q - zero, per block [low
-// nibbles | high nibbles] (KB = 64 or 128: 32 or 64 bytes of codes), in AVX2 (once per panel: cheap beside its GEMM).
+// int4 rows n0 .. n0 + r for both micro-tiles: codes (k even: low nibble) -> int8 q - zero, per block
+// [low nibbles | high nibbles] (KB = 64 or 128: 32 or 64 bytes of codes), in AVX2 (once per panel:
+// cheap beside its GEMM).
 void panel_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0, int r, int64_t K,
-                     int64_t G, int64_t KB, VnniPanel& p) {
+                int64_t G, int64_t KB, VnniPanel& p) {
   const int64_t nb = K / KB, ng = K / G;
   const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   for (int i = 0; i < r; ++i) {
@@ -790,24 +800,12 @@ void panel_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zer
   }
 }
 
-// int8 rows n0 .. n0 + r for the AVX2 tiles: read in place, the row's scale for every block (no bias).
-void avx2_panel_int8(const int8_t* codes, const float* scales, int64_t n0, int r, int64_t K, int64_t KB, VnniPanel& p) {
-  const int64_t nb = K / KB;
-  for (int i = 0; i < r; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      p.scale[i * nb + b] = scales[n0 + i];
-      p.bias[i * nb + b] = 0;
-    }
-    p.rows[i] = codes + (n0 + i) * K;
-  }
-}
-
 // out[r0 + r][h * 16 .. h * 16 + 16] for R panel rows from r0 and the half h of the 32-row block at
 // m0; SIGNED: int8 weights (the sign trick).
 template <int R, bool SIGNED>
 void avx2_tile(const VnniPanel& p, int r0, int64_t nb, int64_t KB, const VnniActivations& a, int64_t m0, int h,
                float* out) {
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* x = a.xu.data() + m0 * nb * KB + h * 64;       // [K/4][32][4]: this half's 16 rows
   const float* dx = a.dxt.data() + m0 * nb + h * 16;          // [nb][32]
   __m256 f[R][2];
@@ -839,9 +837,8 @@ void avx2_tile(const VnniPanel& p, int r0, int64_t nb, int64_t KB, const VnniAct
     } else {   // int8: the sign trick, one step at a time (a pair can reach 2 x 128 x 127)
 #pragma GCC unroll 4
       for (int64_t q = 0; q < KB / 4; ++q, x += VNNI_MB * 4) {
-        __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-        x0 = _mm256_xor_si256(x0, flip), x1 = _mm256_xor_si256(x1, flip);   // back to xq
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));   // xq (no offset)
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
         for (int r = 0; r < R; ++r) {
           int32_t wq;
           std::memcpy(&wq, w[r] + q * 4, 4);
@@ -891,7 +888,8 @@ template <typename Prepare>
 at::Tensor vnni_gemm(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int64_t N, int64_t KB, bool int4_order,
                      bool avx512, Prepare prepare) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / KB;
-  const VnniActivations a = vnni_activations(x, pqs, KB, int4_order);
+  const bool sign_trick = !avx512 && !int4_order;    // AVX2 tiles over int8 panels (int4 ones come in int4 order)
+  const VnniActivations a = vnni_activations(x, pqs, KB, int4_order, !sign_trick);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const int64_t panels = (N + VNNI_R - 1) / VNNI_R;
@@ -908,10 +906,10 @@ at::Tensor vnni_gemm(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, 
         const int r = static_cast<int>(std::min<int64_t>(VNNI_R, N - n0));
         prepare(n0, r, p);
         if (!avx512) {
-          if (int4_order)                      // int4 panels (int4 order); int8 ones need the sign trick
-            avx2_tiles<false>(p, r, nb, KB, a, m0, m1, M, n0, yp, N);
-          else
+          if (sign_trick)
             avx2_tiles<true>(p, r, nb, KB, a, m0, m1, M, n0, yp, N);
+          else
+            avx2_tiles<false>(p, r, nb, KB, a, m0, m1, M, n0, yp, N);
           continue;
         }
         switch (r) {
@@ -1342,12 +1340,11 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const float* s = scales.data_ptr<float>();
   if (M > gemv_max_rows && prefill_int8) {
     const int64_t KB = vnni_block(K, 0);
-    if (has_avx512_vnni)
-      return vnni_gemm(x, c10::nullopt, N, KB, false, true, [&](int64_t n0, int r, VnniPanel& p) {
+    return vnni_gemm(x, c10::nullopt, N, KB, false, has_avx512_vnni, [&](int64_t n0, int r, VnniPanel& p) {
+      if (has_avx512_vnni)
         vnni_panel_int8(c, s, n0, r, K, KB, p);
-      });
-    return vnni_gemm(x, c10::nullopt, N, KB, false, false, [&](int64_t n0, int r, VnniPanel& p) {
-      avx2_panel_int8(c, s, n0, r, K, KB, p);
+      else
+        panel_int8(c, s, n0, r, K, KB, p);
     });
   }
   if (M > gemv_max_rows)
