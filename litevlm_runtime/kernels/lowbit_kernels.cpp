@@ -10,6 +10,9 @@
 //         accumulated in float32 per block, per group scaled, the zero points subtracted once per
 //         row through the activations' group sums (llama.cpp's Q4_0 x Q8_0 scheme, with a zero
 //         point, a group of G and 64-element activation blocks: one 32-byte load of codes each).
+//         The weights' modules hold them in tiles of 8 rows (int4_tiles8: one stream, one register
+//         for 8 rows' sums, as llama.cpp's repacked Q4_0 on AVX2); the row layout's loops (AVX2,
+//         AVX-512 VNNI) serve weights given in rows.
 //   int8: the same with signed int8 weights, activation blocks of 32 (vpsignb moves the weight's
 //         sign onto the activation).
 //   fp16: float activations, fp16 weights widened in registers (vcvtph2ps) and FMA: exact products.
@@ -91,11 +94,16 @@ inline void prefetch_ahead(const uint8_t* tile, int64_t row_bytes, int64_t i) {
   }
 }
 
+// The order xq holds a block's codes in (quantize_activations): as x, or as a 32-byte load of int4
+// codes splits into low (even k) and high (odd k) nibbles: a block's even elements, then its odd ones
+// (ORDER_INT4: the row-layout loops), or each 8 elements' 4 even then 4 odd (ORDER_STEPS8: one step of
+// the 8-row tiles' loop, int4_tiles8).
+constexpr int ORDER_NATURAL = 0, ORDER_INT4 = 1, ORDER_STEPS8 = 2;
+
 // Activations [M, K] (times pre_quant_scale when given) -> int8 per block of `block`: xq [M, K]
-// (in int4 order when `int4_order`: each block's even elements first, then its odd ones, as one
-// 32-byte load of codes splits into low and high nibbles), dx [M, K/block] (the block's scale,
-// max|x| / 127), bsum [M, K/block] (the block's sum of codes, for the zero point).
-void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K, int block, bool int4_order,
+// (in `order`), dx [M, K/block] (the block's scale, max|x| / 127), bsum [M, K/block] (the block's sum
+// of codes, for the zero point).
+void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K, int block, int order,
                           int8_t* xq, float* dx, int32_t* bsum) {
   // In AVX2, 8 elements at a time, with the scalar version's operations element by element (the
   // product with pre_quant_scale, the IEEE division by the block's scale, round half to even as
@@ -132,7 +140,9 @@ void quantize_activations(const float* x, const float* pqs, int64_t M, int64_t K
       }
       int8_t* out = xq + m * K + k0;
       for (int i = 0; i < block; ++i) {
-        const int pos = int4_order ? (i % 2 ? block / 2 + i / 2 : i / 2) : i;
+        const int pos = order == ORDER_INT4     ? (i % 2 ? block / 2 + i / 2 : i / 2)
+                        : order == ORDER_STEPS8 ? i / 8 * 8 + (i % 2 ? 4 : 0) + i % 8 / 2
+                                                : i;
         out[pos] = static_cast<int8_t>(q[i]);
       }
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
@@ -150,13 +160,13 @@ struct QuantizedRows {
   std::vector<int32_t> bsum;
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int block, bool int4_order) {
+QuantizedRows quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& pqs, int block, int order) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedRows r;
   r.xq.resize(M * K);
   r.dx.resize(M * (K / block));
   r.bsum.resize(M * (K / block));
-  quantize_activations(x.data_ptr<float>(), pqs ? pqs->data_ptr<float>() : nullptr, M, K, block, int4_order,
+  quantize_activations(x.data_ptr<float>(), pqs ? pqs->data_ptr<float>() : nullptr, M, K, block, order,
                        r.xq.data(), r.dx.data(), r.bsum.data());
   return r;
 }
@@ -289,6 +299,106 @@ bool cpu_has_avx512_vnni() {
 const bool has_avx512_vnni = cpu_has_avx512_vnni();
 std::atomic<bool> avx512_int4{has_avx512_vnni};
 
+// ------------------------------------------------------------------------------ int4 in tiles of 8 rows
+// The int4 weights' layout in memory where the kernels run them (weights/lowbit.py: tiles8, for N a
+// multiple of 8): codes as tiles of 8 rows, each [K/8 steps][8 rows][4 bytes] (a step: the 4 bytes of
+// each row that hold its k = 8s .. 8s + 7, even k in the low nibbles, as in the row layout), scales
+// and zeros as [N/8][K/G][8]. The same bytes as the row layout, moved. Why: a tile of the row layout
+// reads R streams a row apart and ends each row's block in a horizontal step (per row and block a
+// widening, a conversion and an FMA; per group a scalar scale); here a tile reads one sequential
+// stream, and one register holds the 8 rows' sums, so those steps are shared by 8 rows and the
+// output is one store. Measured at InternVL3-2B's decode shapes against the row layout's loop, one
+// activation row, Zen 3 (AVX2), weights streamed from memory: 1 thread 1.2-1.3x (its loop ran at the
+// memory rate only from L3: 1.55x there), 2 threads 1.5-2.0x on the MLP and the head (46 GB/s on the
+// head, where a plain 2-thread sum reads ~40); docs/performance.md.
+// The last N % 8 rows stay in rows after the tiles (at the offsets the row layout gives them).
+struct Int4Weights {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint8_t* zeros;
+  int64_t N, K, G;
+  bool tiles8;
+  int64_t groups() const { return K / G; }
+  int64_t tiled_rows() const { return tiles8 ? N / 8 * 8 : 0; }
+  bool in_tile(int64_t n) const { return n < tiled_rows(); }
+  // The 4 bytes of row n's codes for k = 8w .. 8w + 7.
+  const uint8_t* word(int64_t n, int64_t w) const {
+    return in_tile(n) ? codes + ((n / 8 * (K / 8) + w) * 8 + n % 8) * 4 : codes + n * (K / 2) + w * 4;
+  }
+  int64_t group_index(int64_t n, int64_t g) const {
+    return in_tile(n) ? (n / 8 * groups() + g) * 8 + n % 8 : n * groups() + g;
+  }
+  uint16_t scale(int64_t n, int64_t g) const { return scales[group_index(n, g)]; }
+  uint8_t zero(int64_t n, int64_t g) const { return zeros[group_index(n, g)]; }
+  // 32 bytes of row n's codes from byte `offset` (a multiple of 32): k = 2 offset .. 2 offset + 63.
+  __m256i load32(int64_t n, int64_t offset) const {
+    if (!in_tile(n)) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * (K / 2) + offset));
+    const __m256i apart = _mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56);      // a step's words are 8 apart
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(word(n, offset / 4)), apart, 4);
+  }
+};
+
+// How far ahead of its reads the tiles' loop prefetches its one stream: 4 KB read 1.6x faster than
+// without on the MLP's 14 MB at 2 threads, 2 KB 1.5x, 512 B 1.1x (the hardware prefetcher alone
+// stops at a page).
+constexpr int64_t TILES8_PREFETCH = 4096;
+
+// y[m, 8t .. 8t + 7] for tile t and every activation row m (xq in ORDER_STEPS8, blocks of QBLOCK4).
+// Per step: the 32 bytes of codes, their low and high nibbles against the step's 4 even and 4 odd
+// activation codes broadcast (vpmaddubsw: a row's 4 products in two int16 lanes), 4 steps summed in
+// int16 (4 x 2 x 2 x 15 x 127 < 2^15), widened by vpmaddwd: lane r holds row r's sum. Per block of 64
+// one conversion and FMA by the block's scale; per group one FMA by the 8 rows' scales and one by
+// their zeros x the activations' group sum. The same integers as int4_rows, the float steps per
+// block instead of per lane (within 1e-5 of the float64 product, as it).
+// One activation row's outputs for tile t (`prefetch`: the first row's pass, which streams the codes).
+template <bool PREFETCH>
+inline __m256 int4_tile8_row(const uint8_t* c, const uint16_t* s, const uint8_t* z, int64_t ng, int64_t bpg,
+                             const int32_t* x, const float* dx, const float* gx) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps(), accz = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 ag = _mm256_setzero_ps();
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m256i sum = _mm256_setzero_si256();
+      for (int half = 0; half < 2; ++half) {
+        const int64_t s0 = b * 8 + half * 4;
+        __m256i p16 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          const int64_t st = s0 + q;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + st * 32));
+          if (PREFETCH && (q & 1) == 0) prefetch_line(c + st * 32 + TILES8_PREFETCH);
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          p16 = _mm256_add_epi16(p16, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[2 * st])),
+                                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[2 * st + 1]))));
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, ones));
+      }
+      ag = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dx[b]), ag);
+    }
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * 8)));
+    const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g * 8))));
+    acc = _mm256_fmadd_ps(ag, sc, acc);
+    accz = _mm256_fmadd_ps(_mm256_mul_ps(sc, zf), _mm256_set1_ps(gx[g]), accz);
+  }
+  return _mm256_sub_ps(acc, accz);
+}
+
+void int4_tiles8(const Int4Weights& w, int64_t t, const QuantizedRows& a, const float* gx, int64_t M, float* y,
+                 int64_t ldy) {
+  const int64_t K = w.K, ng = w.groups(), nb = K / QBLOCK4, bpg = w.G / QBLOCK4;
+  const uint8_t* c = w.codes + t * 8 * (K / 2);
+  const uint16_t* s = w.scales + t * 8 * ng;
+  const uint8_t* z = w.zeros + t * 8 * ng;
+  for (int64_t m = 0; m < M; ++m) {
+    const int32_t* x = reinterpret_cast<const int32_t*>(a.xq.data() + m * K);   // [K/8][even 4 | odd 4]
+    const float* dx = a.dx.data() + m * nb;
+    const __m256 out = m == 0 ? int4_tile8_row<true>(c, s, z, ng, bpg, x, dx, gx + m * ng)
+                              : int4_tile8_row<false>(c, s, z, ng, bpg, x, dx, gx + m * ng);
+    _mm256_storeu_ps(y + m * ldy + t * 8, out);
+  }
+}
+
 template <int R>
 void int8_rows(const int8_t* codes, const float* scales, int64_t n0, int64_t K, const QuantizedRows& a, int64_t M,
                float* y, int64_t ldy) {
@@ -339,6 +449,10 @@ void fp16_rows(const uint16_t* w, int64_t n0, int64_t K, const float* x, int64_t
 
 constexpr int TILE_ROWS = 4;     // weight rows per kernel call: 4 accumulators + 4 group accumulators
 constexpr int64_t CHUNK_TILES = 16;   // tiles a thread takes at a time (64 rows: 48 KB of int4 codes at K = 1536)
+// Bytes of codes a thread takes at a time in tiles of 8 rows (int4_tiles8): whole tiles, 7 at K = 8960
+// to 42 at K = 1536. A chunk's start is a cold stream (its prefetches not yet ahead): 48 KB chunks
+// read 23.5 GB/s on the MLP's 14 MB at 2 threads where one contiguous half each read 34.7.
+constexpr int64_t CHUNK_BYTES8 = 256 << 10;
 // Weights smaller than this run on the calling thread alone: waking a sleeping (passive) OpenMP
 // thread costs tens of microseconds, as long as one thread takes to stream this much (the dequantized
 // tiles of large calls use it).
@@ -491,20 +605,18 @@ void over_rows(int64_t N, int64_t weight_bytes, Tile tile, One one) {
 }
 
 // ------------------------------------------------------------------------------ dequantization
-void dequant_int4_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0, int64_t n1,
-                       int64_t K, int64_t G, float* out) {
-  const int64_t ng = K / G;
+void dequant_int4_rows(const Int4Weights& w, int64_t n0, int64_t n1, float* out) {
+  const int64_t K = w.K, G = w.G, ng = w.groups();
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = codes + n * (K / 2);
     float* o = out + (n - n0) * K;
     for (int64_t g = 0; g < ng; ++g) {
-      const float s = half_to_float(scales[n * ng + g]);
-      const float zs = -s * static_cast<float>(zeros[n * ng + g]);
+      const float s = half_to_float(w.scale(n, g));
+      const float zs = -s * static_cast<float>(w.zero(n, g));
       const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(zs);
       for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
         // 4 bytes -> 8 codes in k order (even k low nibble)
         uint32_t packed;
-        std::memcpy(&packed, c + k / 2, 4);
+        std::memcpy(&packed, w.word(n, k / 8), 4);
         const __m128i b = _mm_cvtsi32_si128(static_cast<int>(packed));
         const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
@@ -772,19 +884,18 @@ static_assert(VNNI_R % AVX2_GEMM_R == 0, "a panel is whole micro-tiles");
 // int4 rows n0 .. n0 + r for both micro-tiles: codes (k even: low nibble) -> int8 q - zero, per block
 // [low nibbles | high nibbles] (KB = 64 or 128: 32 or 64 bytes of codes), in AVX2 (once per panel:
 // cheap beside its GEMM).
-void panel_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t n0, int r, int64_t K,
-                int64_t G, int64_t KB, VnniPanel& p) {
-  const int64_t nb = K / KB, ng = K / G;
+void panel_int4(const Int4Weights& w, int64_t n0, int r, int64_t KB, VnniPanel& p) {
+  const int64_t K = w.K, G = w.G, nb = K / KB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   for (int i = 0; i < r; ++i) {
     const int64_t n = n0 + i;
     int8_t* out = p.w.data() + i * K;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t g = b * KB / G;
-      const __m256i z = _mm256_set1_epi8(static_cast<char>(zeros[n * ng + g]));
+      const __m256i z = _mm256_set1_epi8(static_cast<char>(w.zero(n, g)));
       __m256i qsum = zero;
       for (int64_t c = 0; c < KB / 2; c += 32) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * (K / 2) + b * KB / 2 + c));
+        const __m256i v = w.load32(n, b * KB / 2 + c);
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         qsum = _mm256_add_epi64(qsum, _mm256_sad_epu8(_mm256_add_epi8(lo, hi), zero));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * KB + c), _mm256_sub_epi8(lo, z));
@@ -793,8 +904,8 @@ void panel_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zer
       alignas(32) int64_t lanes[4];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qsum);
       const int64_t sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-      p.scale[i * nb + b] = half_to_float(scales[n * ng + g]);
-      p.bias[i * nb + b] = -128 * static_cast<int32_t>(sum - KB * static_cast<int64_t>(zeros[n * ng + g]));
+      p.scale[i * nb + b] = half_to_float(w.scale(n, g));
+      p.bias[i * nb + b] = -128 * static_cast<int32_t>(sum - KB * static_cast<int64_t>(w.zero(n, g)));
     }
     p.rows[i] = out;
   }
@@ -1289,7 +1400,7 @@ void check_rows(const at::Tensor& x, int64_t K, const char* what) {
 // ------------------------------------------------------------------------------ operators
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const c10::optional<at::Tensor>& pqs, int64_t group_size, int64_t gemv_max_rows,
-                       int64_t tile_bytes, bool prefill_bf16, bool prefill_int8) {
+                       int64_t tile_bytes, bool prefill_bf16, bool prefill_int8, bool tiles8) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = group_size;
   TORCH_CHECK(G % QBLOCK4 == 0 && K % G == 0, "int4_linear: group size ", G, " must be a multiple of 64 dividing K=",
               K);
@@ -1303,22 +1414,42 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint8_t* z = zeros.data_ptr<uint8_t>();
+  const Int4Weights w{c, s, z, N, K, G, tiles8};
   if (M > gemv_max_rows && prefill_int8) {
     const int64_t KB = vnni_block(K, G);
-    return vnni_gemm(x, pqs, N, KB, true, has_avx512_vnni, [&](int64_t n0, int r, VnniPanel& p) {
-      panel_int4(c, s, z, n0, r, K, G, KB, p);
-    });
+    return vnni_gemm(x, pqs, N, KB, true, has_avx512_vnni,
+                     [&](int64_t n0, int r, VnniPanel& p) { panel_int4(w, n0, r, KB, p); });
   }
   if (M > gemv_max_rows) {
     const at::Tensor xs = pqs ? x * *pqs : x;
     return tiled_gemm(xs, N, K, tile_rows(K, tile_bytes), prefill_bf16,
-                      [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(c, s, z, b, e, K, G, out); });
+                      [&](int64_t b, int64_t e, float* out) { dequant_int4_rows(w, b, e, out); });
   }
-  const QuantizedRows a = quantize_rows(x, pqs, QBLOCK4, true);
+  const QuantizedRows a = quantize_rows(x, pqs, QBLOCK4, tiles8 ? ORDER_STEPS8 : ORDER_INT4);
   const std::vector<float> gx = group_sums(a, M, K, G);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  if (avx512_int4 && G % (2 * QBLOCK4) == 0)
+  if (tiles8) {
+    const int64_t tiles = w.tiled_rows() / 8, per = std::max<int64_t>(1, CHUNK_BYTES8 / (4 * K));
+    const int64_t chunks = (tiles + per - 1) / per;
+    // The calling thread takes chunks from the front, its helpers from the back: two streams far apart
+    // read 44 GB/s on the head at 2 threads where adjacent chunks taken in turn read 26-30 (Zen 3).
+    // Each call takes one chunk, so the two ends meet exactly.
+    std::atomic<int64_t> front{0}, back{chunks};
+    const std::thread::id caller = std::this_thread::get_id();
+    on_small_call_team(chunks, N * K / 2, [&](int64_t) {
+      const int64_t ch = std::this_thread::get_id() == caller ? front.fetch_add(1) : back.fetch_sub(1) - 1;
+      const int64_t t0 = ch * per, t1 = std::min(tiles, t0 + per);
+      // the chunk's first TILES8_PREFETCH bytes requested at once: its loop's prefetches run that far ahead
+      for (int64_t b = 0; b < std::min<int64_t>(TILES8_PREFETCH, (t1 - t0) * 4 * K); b += 64)
+        prefetch_line(w.codes + t0 * 4 * K + b);
+      for (int64_t t = t0; t < t1; ++t) int4_tiles8(w, t, a, gx.data(), M, yp, N);
+    });
+    if (w.tiled_rows() < N) {            // the rows after the last tile: the row layout's loop, its activation order
+      const QuantizedRows ar = quantize_rows(x, pqs, QBLOCK4, ORDER_INT4);
+      for (int64_t n = w.tiled_rows(); n < N; ++n) int4_rows<1>(c, s, z, n, K, G, ar, gx.data(), M, yp, N);
+    }
+  } else if (avx512_int4 && G % (2 * QBLOCK4) == 0)
     over_rows(N, N * K / 2, [&](int64_t n) { int4_rows_avx512<TILE_ROWS>(c, s, z, n, K, G, a, gx.data(), M, yp, N); },
               [&](int64_t n) { int4_rows_avx512<1>(c, s, z, n, K, G, a, gx.data(), M, yp, N); });
   else
@@ -1438,7 +1569,8 @@ bool use_avx512(bool enable) {
 
 TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? pre_quant_scale, int group_size, "
-        "int gemv_max_rows, int tile_bytes, bool prefill_bf16=False, bool prefill_int8=False) -> Tensor");
+        "int gemv_max_rows, int tile_bytes, bool prefill_bf16=False, bool prefill_int8=False, bool tiles8=False) "
+        "-> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int gemv_max_rows, int tile_bytes, "
         "bool prefill_bf16=False, bool prefill_int8=False) -> Tensor");
   m.def("fp16_linear(Tensor x, Tensor weight, int gemv_max_rows, int tile_bytes, bool prefill_bf16=False) -> Tensor");

@@ -210,7 +210,7 @@ def _register_fakes() -> None:
     # (each fake's parameters are its operator's schema, TORCH_LIBRARY in lowbit_kernels.cpp)
     @torch.library.register_fake("litevlm_lowbit::int4_linear")
     def _(x, codes, scales, zeros, pqs, group_size, gemv_max_rows, tile_bytes,  # noqa: PLR0913
-          prefill_bf16=False, prefill_int8=False):
+          prefill_bf16=False, prefill_int8=False, tiles8=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("litevlm_lowbit::int8_linear")

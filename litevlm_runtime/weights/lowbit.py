@@ -11,7 +11,7 @@ How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels
     rows <= GEMV_MAX_ROWS   (decode steps, small trees: memory-bound) int4/int8: the activations
                             quantized to int8 per block of 64 (int4) or 32 (int8) elements (scale
                             max|x| / 127), multiplied by the codes in integer arithmetic, float32
-                            accumulation (int4: AVX-512 VNNI where the CPU has it, else AVX2);
+                            accumulation (int4: the weights in tiles of 8 rows, AVX2);
                             fp16: float32 activations, the weights widened in registers, exact products
     more rows               (prefill: compute-bound) a GEMM (`backend.lowbit_prefill`): by default,
                             int4/int8: the activations quantized to int8 per block of 128 (as the
@@ -119,14 +119,52 @@ class LowBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
+def to_tiles8(t: torch.Tensor) -> torch.Tensor:
+    """Rows [N, C] -> the same elements with each whole 8 rows as a tile [C][8], the last N % 8 rows left
+    as rows after the tiles, shaped [N, C] again: int4 codes (as int32 words of 8 codes each), scales and
+    zeros in the layout the kernels' int4 small calls stream (lowbit_kernels.cpp, int4_tiles8)."""
+    n, c = t.shape
+    whole = n // 8 * 8
+    tiles = t[:whole].reshape(n // 8, 8, c).transpose(1, 2).reshape(whole, c)
+    return torch.cat([tiles, t[whole:]]).contiguous()
+
+
+def from_tiles8(t: torch.Tensor) -> torch.Tensor:
+    """to_tiles8's inverse: [N, C] in tiles of 8 rows -> rows [N, C]."""
+    n, c = t.shape
+    whole = n // 8 * 8
+    rows = t[:whole].reshape(n // 8, c, 8).transpose(1, 2).reshape(whole, c)
+    return torch.cat([rows, t[whole:]]).contiguous()
+
+
+def tiled_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of a [N, C] tensor in tiles of 8 rows (to_tiles8) -> [T, C], read in place."""
+    n, c = t.shape
+    col = torch.arange(c, device=ids.device)
+    tiled = (ids[:, None] // 8) * (8 * c) + col * 8 + ids[:, None] % 8
+    flat = torch.where(ids[:, None] < n // 8 * 8, tiled, ids[:, None] * c + col)
+    return t.contiguous().view(-1)[flat]
+
+
+def words(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K/2] uint8 -> [N, K/8] int32: 4 bytes (8 codes) each, the unit a tile moves."""
+    return codes.view(torch.int32)
+
+
 class Int4Linear(LowBitLinear):
     """Group-wise INT4 weights (quantize.py's format): codes [N, K/2], scales [N, K/G], zeros [N, K/G],
-    optional pre_quant_scale [K] (AWQ)."""
+    optional pre_quant_scale [K] (AWQ). Where the kernels run it (`tiles8`), the three are held in tiles
+    of 8 rows (to_tiles8: the same bytes, moved at load) for the small calls' loop (lowbit_kernels.cpp,
+    int4_tiles8: 1.3-1.9x on a 2B decode step's MLP and head, 2 threads); `weight_form()` and `rows()`
+    give them back in rows."""
 
     kind = "int4"
 
     def __init__(self, linear: nn.Linear | None = None, *, weight: Int4Weight | None = None,
-                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, symmetric: bool = False):
+                 bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE, symmetric: bool = False,
+                 in_tiles8: bool | None = None):
+        """`in_tiles8`: whether `weight`'s codes, scales and zeros are already in tiles of 8 rows (True) or
+        stay in rows (False; stack_projections says which its sources are); None: in tiles where it pays."""
         super().__init__()
         if weight is None:
             weight, bias = quantize_int4(linear.weight, group_size, symmetric), linear.bias
@@ -134,20 +172,26 @@ class Int4Linear(LowBitLinear):
         n, k = weight.shape
         self._init_common(k, n, bias, device)
         self.group_size = weight.group_size
-        self.register_buffer("codes", weight.codes.to(device))
-        self.register_buffer("scales", weight.scales.to(device))
-        self.register_buffer("zeros", weight.zeros.to(device))
+        self.tiles8 = bool(self.kernel) if in_tiles8 is None else in_tiles8
+        tile = to_tiles8 if self.tiles8 and in_tiles8 is None else (lambda t: t)
+        self.register_buffer("codes", tile(words(weight.codes.to(device).contiguous())).view(torch.uint8))
+        self.register_buffer("scales", tile(weight.scales.to(device)))
+        self.register_buffer("zeros", tile(weight.zeros.to(device)))
         pqs = weight.pre_quant_scale
         self.register_buffer("pre_quant_scale", None if pqs is None else pqs.to(device, torch.float32))
         self.kind = f"int4 group {self.group_size}" + (", AWQ pre_quant_scale" if pqs is not None else "")
 
     def weight_form(self) -> Int4Weight:
-        return Int4Weight(self.codes, self.scales, self.zeros, self.group_size, self.pre_quant_scale)
+        """The weights in quantize.py's row layout (a copy where they are held in tiles of 8 rows)."""
+        if not self.tiles8:
+            return Int4Weight(self.codes, self.scales, self.zeros, self.group_size, self.pre_quant_scale)
+        return Int4Weight(from_tiles8(words(self.codes)).view(torch.uint8), from_tiles8(self.scales),
+                          from_tiles8(self.zeros), self.group_size, self.pre_quant_scale)
 
     def kernel_call(self, rows):
         return torch.ops.litevlm_lowbit.int4_linear(rows, self.codes, self.scales, self.zeros, self.pre_quant_scale,
                                                     self.group_size, GEMV_MAX_ROWS, TILE_BYTES, self.prefill_bf16,
-                                                    self.prefill_int8)
+                                                    self.prefill_int8, self.tiles8)
 
     def reference(self, rows):
         xs = rows if self.pre_quant_scale is None else rows * self.pre_quant_scale.to(rows.dtype)
@@ -155,8 +199,13 @@ class Int4Linear(LowBitLinear):
 
     def rows(self, ids, dtype):
         g = self.group_size
-        q = unpack_nibbles(self.codes[ids]).to(dtype)
-        w = (q - self.zeros[ids].to(dtype).repeat_interleave(g, 1)) * self.scales[ids].to(dtype).repeat_interleave(g, 1)
+        if self.tiles8:
+            codes = tiled_rows(words(self.codes), ids).contiguous().view(torch.uint8)
+            scales, zeros = tiled_rows(self.scales, ids), tiled_rows(self.zeros, ids)
+        else:
+            codes, scales, zeros = self.codes[ids], self.scales[ids], self.zeros[ids]
+        q = unpack_nibbles(codes).to(dtype)
+        w = (q - zeros.to(dtype).repeat_interleave(g, 1)) * scales.to(dtype).repeat_interleave(g, 1)
         return w if self.pre_quant_scale is None else w * self.pre_quant_scale.to(dtype)
 
 
@@ -260,7 +309,9 @@ def stack_projections(sources: tuple[nn.Module, ...]) -> Fused | None:
         return None
     if kind is Int4Linear:
         pqs = [m.pre_quant_scale for m in sources]
-        if any(m.group_size != first.group_size for m in sources) or not (
+        # (in tiles of 8 rows, a source's rows after its last tile would land inside the stack's tiles)
+        if any(m.group_size != first.group_size or m.tiles8 != first.tiles8 for m in sources) or (
+                first.tiles8 and any(m.out_features % 8 for m in sources)) or not (
                 all(p is None for p in pqs) or all(p is not None and torch.equal(p, pqs[0]) for p in pqs)):
             return None
     rows = {name: torch.cat([getattr(m, name) for m in sources]) for name in ROW_BUFFERS[kind]}
@@ -268,8 +319,9 @@ def stack_projections(sources: tuple[nn.Module, ...]) -> Fused | None:
     bias = torch.cat([m.bias if m.bias is not None else m.codes.new_zeros(m.out_features, dtype=torch.float32)
                       for m in sources]) if biased else None
     if kind is Int4Linear:
+        # (each source's rows are whole tiles of 8, so the stacked buffers are in tiles too)
         module = Int4Linear(weight=Int4Weight(rows["codes"], rows["scales"], rows["zeros"], first.group_size,
-                                              first.pre_quant_scale), bias=bias)
+                                              first.pre_quant_scale), bias=bias, in_tiles8=first.tiles8)
     else:
         module = Int8Linear(weight=Int8Weight(rows["codes"], rows["scales"]), bias=bias)
     module.kernel, module.prefill_bf16, module.prefill_int8 = first.kernel, first.prefill_bf16, first.prefill_int8

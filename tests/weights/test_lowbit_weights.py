@@ -44,8 +44,12 @@ from litevlm_runtime.weights.lowbit import (
     Int8Linear,
     LowBitEmbedding,
     embedding_as_linear,
+    from_tiles8,
     set_prefill_gemm,
     small_ops_on_one_thread,
+    tiled_rows,
+    to_tiles8,
+    words,
 )
 from litevlm_runtime.weights.quantize import (
     awq_quantize,
@@ -185,6 +189,55 @@ def test_int4_kernel_matches_float64(rows, symmetric, int4_loop):
     else:
         ref = (x.double() * pqs.double()) @ deq.T
         assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def in_tiles8(qw):
+    """quantize.py's int4 form -> (codes, scales, zeros) in tiles of 8 rows, as Int4Linear holds them."""
+    return to_tiles8(words(qw.codes)).view(torch.uint8), to_tiles8(qw.scales), to_tiles8(qw.zeros)
+
+
+def test_tiles8_are_the_same_bytes_moved():
+    t = torch.arange(27 * 5, dtype=torch.int32).view(27, 5)                 # 3 tiles and 3 rows after them
+    tiled = to_tiles8(t)
+    assert tiled.shape == t.shape and torch.equal(from_tiles8(tiled), t)
+    assert tiled.view(-1)[(1 * 5 + 2) * 8 + 3].item() == t[8 + 3, 2].item()   # tile 1, column 2, its row 3
+    assert torch.equal(tiled[24:], t[24:])                                  # the tail stays in rows
+    ids = torch.tensor([23, 0, 9, 9, 26, 24])
+    assert torch.equal(tiled_rows(tiled, ids), t[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 70])
+def test_int4_in_tiles8_matches_float64_and_the_row_layout(rows, group):
+    """The weights in tiles of 8 rows (203 rows: 25 tiles and 3 rows after them): small calls within the
+    same bounds as the row layout's loop (other float steps, the same integers); large calls (the int8
+    GEMM's panels and the dequantized float32 tiles read the tiled bytes) equal to the row layout's to
+    the bit, the same numbers moved."""
+    w, x = weights(203, 384, seed=rows), torch.randn(rows, 384)
+    pqs = torch.rand(384) + 0.5
+    qw = quantize_int4(w, group, pre_quant_scale=pqs)
+    tiled = in_tiles8(qw)
+    for gemm8 in (False, True):
+        y = ops.int4_linear(x, *tiled, qw.pre_quant_scale, group, GEMV_MAX_ROWS, 1 << 16, False, gemm8, True)
+        if rows <= GEMV_MAX_ROWS:
+            check_small_call(y, x, dequantize_int4(qw, torch.float64), pqs, block=64)
+        else:
+            assert torch.equal(y, ops.int4_linear(x, qw.codes, qw.scales, qw.zeros, qw.pre_quant_scale, group,
+                                                  GEMV_MAX_ROWS, 1 << 16, False, gemm8))
+
+
+@needs_kernels
+def test_int4_in_tiles8_holds_at_the_extreme_codes():
+    """The tiles' loop sums 4 steps of products in int16 (4 x 2 x 2 x 15 x 127 = 30,480 < 2^15): at every
+    code 15 against every activation code 127 the output still equals float64's product."""
+    x = torch.full((2, 256), 3.0)
+    w = torch.ones(16, 256)
+    w[:, ::64] = 0.0                                   # each group's minimum 0: zero point 0, q = 15
+    qw = quantize_int4(w, 64)
+    assert int(unpack_nibbles(qw.codes).float().mean()) >= 14
+    y = ops.int4_linear(x, *in_tiles8(qw), None, 64, GEMV_MAX_ROWS, 1 << 16, False, False, True)
+    check_small_call(y, x, dequantize_int4(qw, torch.float64), block=64)
 
 
 @needs_kernels
@@ -363,9 +416,11 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
     child (which has none of its parent's helper threads)."""
     w, x = weights(2104, 2048), torch.randn(2, 2048)               # int4 codes 2.1 MB, int8 4.3 MB
     q4, q8, h = quantize_int4(w, 128), quantize_int8(w), w.half()
+    t4 = in_tiles8(q4)
     calls = [lambda: ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 128, GEMV_MAX_ROWS, 1 << 20),
              lambda: ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20),
-             lambda: ops.fp16_linear(x, h, GEMV_MAX_ROWS, 1 << 20)]
+             lambda: ops.fp16_linear(x, h, GEMV_MAX_ROWS, 1 << 20),
+             lambda: ops.int4_linear(x, *t4, None, 128, GEMV_MAX_ROWS, 1 << 20, False, False, True)]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -375,27 +430,29 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
             ops.use_row_pool(pool)
             for n in (2, 3):
                 torch.set_num_threads(n)
-                results[(pool, n)] = [call() for _ in range(3) for call in calls][-3:]
+                results[(pool, n)] = [call() for _ in range(3) for call in calls][-4:]
         ops.use_row_pool(True)
         torch.set_num_threads(2)
         with ThreadPoolExecutor(2) as callers:
-            at_once = list(callers.map(lambda i: calls[i % 3](), range(12)))
+            at_once = list(callers.map(lambda i: calls[i % 4](), range(16)))
         with multiprocessing.get_context("fork").Pool(1) as child:
-            forked = child.apply(_calls_in_a_child, (x, q4, q8, h))
+            forked = child.apply(_calls_in_a_child, (x, q4, q8, h, t4))
     finally:
         ops.use_row_pool(True)
         torch.set_num_threads(threads)
-    for got in [*results.values(), at_once[-3:], at_once[:3], forked]:
+    for got in [*results.values(), at_once[-4:], at_once[:4], forked]:
         for a, b in zip(one, got):
             assert torch.equal(a, b)
-    check_small_call(one[0], x, dequantize_int4(q4, torch.float64), block=64)
+    for y in (one[0], one[3]):
+        check_small_call(y, x, dequantize_int4(q4, torch.float64), block=64)
 
 
-def _calls_in_a_child(x, q4, q8, h):
+def _calls_in_a_child(x, q4, q8, h, t4):
     torch.set_num_threads(2)
     return [ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 128, GEMV_MAX_ROWS, 1 << 20),
             ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20),
-            ops.fp16_linear(x, h, GEMV_MAX_ROWS, 1 << 20)]
+            ops.fp16_linear(x, h, GEMV_MAX_ROWS, 1 << 20),
+            ops.int4_linear(x, *t4, None, 128, GEMV_MAX_ROWS, 1 << 20, False, False, True)]
 
 
 @torch.inference_mode()
@@ -420,12 +477,15 @@ def test_forms_on_the_kernels_equal_their_reference_path(form):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("vocab", [50, 56])                  # int4: 6 tiles of 8 rows and 2 rows, or 7 tiles
 @pytest.mark.parametrize("form", [Int4Linear, Int8Linear, Fp16Linear])
-def test_tied_embedding_looks_up_the_same_copy_its_head_multiplies(form):
-    emb = nn.Embedding(50, 128)
+def test_tied_embedding_looks_up_the_same_copy_its_head_multiplies(form, vocab):
+    emb = nn.Embedding(vocab, 128)
     with torch.no_grad():
-        emb.weight.copy_(weights(50, 128))
+        emb.weight.copy_(weights(vocab, 128))
     tied = LowBitEmbedding(form(embedding_as_linear(emb)))
+    if form is Int4Linear:
+        assert tied.table.tiles8 == lowbit_kernels.load()
     ids = torch.tensor([3, 0, 49, 3])
     table = tied.table.reference(torch.eye(128)).T                          # [V, D]: the effective rows
     assert torch.allclose(tied(ids), table[ids], atol=1e-6)
@@ -433,8 +493,8 @@ def test_tied_embedding_looks_up_the_same_copy_its_head_multiplies(form):
     tied.lookup(ids, out)
     assert torch.equal(out, tied(ids))
     h = torch.randn(2, 128)
-    assert tied.logits(h).shape == (2, 50)
-    assert len([b for b in tied.buffers() if b.numel() >= 50 * 64]) == 1     # one copy of the table
+    assert tied.logits(h).shape == (2, vocab)
+    assert len([b for b in tied.buffers() if b.numel() >= vocab * 64]) == 1     # one copy of the table
 
 
 def test_awq_is_never_worse_than_round_to_nearest_and_protects_salient_channels():
