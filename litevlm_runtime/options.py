@@ -231,10 +231,10 @@ class Backend(_Validated):
         "auto",
         "GEMM of the vision encoder's and projector's linears on the CPU: float32 | bfloat16 (input rounded to "
         "bfloat16, the bfloat16 GEMM: the numerics of backend.weights bf16) | int8 (weights quantized per channel "
-        "to int8 at load, the input per block of 128, integer products on AVX-512 VNNI or AVX2) | auto (bfloat16 "
-        "where the CPU has bfloat16 units and backend.weights is a low-bit form, whose prompt already runs "
-        "reduced-precision GEMMs; float32 otherwise: a float pipeline stays float32, backend.weights bf16 covers "
-        "vision itself): weights/linear_forms.py",
+        "to int8 at load, the input per block of 128, integer products on AVX-512 VNNI or AVX2) | auto (where "
+        "backend.weights is a low-bit form, whose prompt already runs reduced-precision GEMMs: int8 where the CPU "
+        "has AVX-512 VNNI, else bfloat16 where it has bfloat16 units, else float32; a float pipeline stays "
+        "float32, backend.weights bf16 covers vision itself): weights/linear_forms.py",
         choices=("auto", "float32", "bfloat16", "int8"),
     )
     quantized: str = setting("", "folder of stored quantized weights `backend.weights int4` reads (`litevlm quantize "

@@ -151,17 +151,19 @@ def test_bf16_units_read_from_cpuinfo(tmp_path):
     assert cpu_has_bf16_units(str(tmp_path / "absent")) is None
 
 
-def test_vision_gemm_auto_is_bfloat16_with_low_bit_weights_on_bfloat16_units():
-    """backend.vision_gemm auto: bfloat16 beside a low-bit decoder form (its prompt already runs bfloat16 or
-    int8 GEMMs) where the CPU has bfloat16 units; a float pipeline stays float32; bf16 weights cover vision."""
+def test_vision_gemm_auto_follows_the_cpu_beside_low_bit_weights():
+    """backend.vision_gemm auto beside a low-bit decoder form (its prompt already runs bfloat16 or int8
+    GEMMs): int8 where the kernels run AVX-512 VNNI, else bfloat16 where the CPU has bfloat16 units, else
+    float32; a float pipeline stays float32; bf16 weights cover vision."""
     from litevlm_runtime.weights.bf16 import cpu_has_bf16_units
     from litevlm_runtime.weights.linear_forms import resolve_vision_gemm
 
     units = bool(cpu_has_bf16_units())
     f32 = torch.float32
+    expected = "int8" if lowbit_kernels.has_vnni() else "bfloat16" if units else "float32"
     assert resolve_vision_gemm("auto", "float", "cpu", f32) == "float32"
     for weights in ("int8", "int4", "int4-rtn", "fp16"):
-        assert resolve_vision_gemm("auto", weights, "cpu", f32) == ("bfloat16" if units else "float32")
+        assert resolve_vision_gemm("auto", weights, "cpu", f32) == expected
     assert resolve_vision_gemm("auto", "bf16", "cpu", f32) == "bfloat16"
     assert resolve_vision_gemm("bfloat16", "float", "cpu", f32) == "bfloat16"
     assert resolve_vision_gemm("float32", "int4", "cpu", f32) == "float32"
