@@ -5,13 +5,17 @@ formats of quantize.py, multiplied by the CPU kernels of lowbit_kernels.cpp.
 Why: a decode step reads every decoder weight once per token, so at 2B shapes it is bound by memory
 bandwidth (`litevlm bench --roofline`): float32 moves ~6.2 GB per token at InternVL3-2B, fp16 half
 of it, int8 a quarter, int4 (group 128) 0.13. Only the weights change: norms, RoPE, attention and
-the KV cache stay in the pipeline's dtype; the vision encoder and the EAGLE-2 draft layer stay float.
+the KV cache stay in the pipeline's dtype; the EAGLE-2 draft layer stays float, and the vision
+encoder's GEMMs follow `backend.vision_gemm` (linear_forms.py: this file's Int8Linear where it is int8,
+auto beside these forms on a CPU with AVX-512 VNNI).
 
 How a call runs (float32 activations on a CPU with AVX2/FMA/F16C; lowbit_kernels.py):
     rows <= GEMV_MAX_ROWS   (decode steps, small trees: memory-bound) int4/int8: the activations
                             quantized to int8 per block of 64 (int4) or 32 (int8) elements (scale
                             max|x| / 127), multiplied by the codes in integer arithmetic, float32
-                            accumulation (int4: the weights in tiles of 8 rows, AVX2);
+                            accumulation (int4: weights held in tiles of 8 rows, as Int4Linear
+                            holds them where the kernels run, by the AVX2 tiles' loop; weights in
+                            rows by AVX-512 VNNI where the CPU has it, else AVX2);
                             fp16: float32 activations, the weights widened in registers, exact products
     more rows               (prefill: compute-bound) a GEMM (`backend.lowbit_prefill`): by default,
                             int4/int8: the activations quantized to int8 per block of 128 (as the
