@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["litevlm_runtime", "litevlm_runtime.*"]),
     # The bundled default model's weights, tokenizer and card travel with the package, and the
     # low-bit CPU kernels' source (built on first use: kernels/lowbit_kernels.py).
-    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*", "kernels/*.cpp"]},
+    package_data={"litevlm_runtime": ["bundled/*/*", "bundled/*/*/*", "kernels/*.cpp", "kernels/*.h"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/litevlm"]),
         ("share/litevlm", ["package.xml"]),

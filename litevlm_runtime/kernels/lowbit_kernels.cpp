@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include "simd_exp.h"
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -1050,30 +1051,12 @@ int64_t vnni_block(int64_t K, int64_t G) {
 // over S: the arena's slice), under allowed [T, S], in float32 with AVX2 + FMA. Per KV head (one
 // chunk each, shared out by the row pool like the small calls): the scores of its group x T query
 // rows, each key row loaded once for all of them; an exact softmax per row (its maximum, then
-// exp(s - max) by exp_nonpositive_avx2, the sum); then p.v as a GEMM micro-kernel of 6 rows x 16
+// exp(s - max) by exp_avx2 (simd_exp.h), the sum); then p.v as a GEMM micro-kernel of 6 rows x 16
 // columns (each value row read once per 16 columns, one cache line, so V is read once in all).
 // Why our own: through torch (two grouped matmuls and a softmax, or its CPU flash kernel) a decode
 // step's attention took ~160 us a layer over 256 cached rows and ~460 over 1,780 at a 2B decoder's
 // heads on one thread: per-call overhead at small S, ~8 GB/s of the cache at large S.
 constexpr int FEW_ROW_BLOCK = 6;     // query rows per micro-kernel (6 x 2 accumulators + 2 loads + 1 broadcast)
-
-// exp(x) for x <= 0 in AVX2 (exp_nonpositive's Cephes polynomial; 2^n built in the exponent bits).
-inline __m256 exp_nonpositive_avx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 // scores[r * S + j] = scale * q_r . k_j for `rows` (<= FEW_ROW_BLOCK) query rows q_r (D floats each).
 void few_row_scores(const float* const* q, int rows, const float* k, int64_t k_stride, int64_t S, int64_t D,
@@ -1099,7 +1082,7 @@ void few_row_softmax(float* s, const bool* allowed, int64_t S) {
   const __m256 mv = _mm256_set1_ps(m);
   int64_t j = 0;
   for (; j + 8 <= S; j += 8) {
-    __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
     alignas(32) float keep[8];
     for (int i = 0; i < 8; ++i) keep[i] = allowed[j + i] ? 1.f : 0.f;
     e = _mm256_mul_ps(e, _mm256_load_ps(keep));

@@ -21,8 +21,9 @@ runtime (the reference path), not a failed install. So one path serves an editab
 `pip install .` or colcon install (the .cpp is package data: setup.py) and a fresh clone's
 scripts/test.sh (scripts/setup.sh builds it once at set-up).
 
-The build: one translation unit at -O3 -mavx2 -mfma -mf16c -fopenmp (about 20-40 s on two cores),
-in ~/.cache/litevlm/kernels/lowbit-<digest of the source, torch and Python version, flags>/
+The build: lowbit_kernels.cpp and layer_ops.cpp (the decoder layer's small operators; both include
+simd_exp.h) into one library at -O3 -mavx2 -mfma -mf16c -fopenmp (about 20-40 s on two cores),
+in ~/.cache/litevlm/kernels/lowbit-<digest of the sources, torch and Python version, flags>/
 ($LITEVLM_KERNEL_CACHE overrides): a build per source change, and two checkouts with different
 sources never build over each other. Under a file lock: parallel test workers build once. (torch's
 own lock is a file a killed build leaves behind, after which every build waits forever; under ours
@@ -56,6 +57,9 @@ import torch
 from .cpuinfo import read_cpuinfo
 
 SOURCE = Path(__file__).with_name("lowbit_kernels.cpp")
+# The library's sources: the weight kernels and attention, and the decoder layer's small operators.
+SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("simd_exp.h"),)      # what they include (in the build's digest)
 NAME = "litevlm_lowbit"                # the library's name (its operators' namespace is the source's TORCH_LIBRARY)
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 # Beside torch's own (-fPIC, its C++ standard, ABI and include paths): the CPU's instruction sets and
@@ -90,17 +94,20 @@ def kernel_cache() -> Path:
     return Path(base) / "litevlm" / "kernels"
 
 
-def build_folder(source: Path = SOURCE, name: str = NAME, folder: Path | None = None) -> Path:
-    """Where `source` is built: a folder per source text, torch and Python version and flags."""
-    inputs = [source.read_bytes(), torch.__version__.encode(), sys.version.split()[0].encode(),
+def build_folder(sources: Path | tuple[Path, ...] = SOURCES, name: str = NAME, folder: Path | None = None) -> Path:
+    """Where `sources` are built: a folder per source text, torch and Python version and flags."""
+    sources = (sources,) if isinstance(sources, Path) else sources
+    inputs = [*(s.read_bytes() for s in (*sources, *HEADERS)), torch.__version__.encode(),
+              sys.version.split()[0].encode(),
               platform.machine().encode(), " ".join(CFLAGS).encode()]
     digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
     return Path(folder or kernel_cache()) / f"{name.removeprefix('litevlm_')}-{digest}"
 
 
-def build(source: Path = SOURCE, name: str = NAME, folder: Path | None = None) -> Path:
-    """The shared library of `source` (by torch.utils.cpp_extension): built once, then reused."""
-    where = build_folder(source, name, folder)
+def build(sources: Path | tuple[Path, ...] = SOURCES, name: str = NAME, folder: Path | None = None) -> Path:
+    """The shared library of `sources` (by torch.utils.cpp_extension): built once, then reused."""
+    sources = (sources,) if isinstance(sources, Path) else sources
+    where = build_folder(sources, name, folder)
     stamp = where / BUILT
     if stamp.is_file():
         return where / stamp.read_text().strip()
@@ -114,7 +121,8 @@ def build(source: Path = SOURCE, name: str = NAME, folder: Path | None = None) -
         # (imported only to build: it loads setuptools, a quarter of a second no served query needs)
         from torch.utils import cpp_extension  # noqa: PLC0415
 
-        lib = Path(cpp_extension.load(name, [str(source)], extra_cflags=list(CFLAGS), build_directory=str(where),
+        lib = Path(cpp_extension.load(name, [str(s) for s in sources], extra_cflags=list(CFLAGS),
+                                      build_directory=str(where),
                                       is_python_module=False, verbose=False))
         stamp.write_text(lib.name + "\n")
     return lib
@@ -198,13 +206,37 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     return torch.ops.litevlm_lowbit.attention_rows(q, k, v, allowed, 1.0 / math.sqrt(q.shape[-1]))
 
 
+def takes_layer_ops(x: torch.Tensor) -> bool:
+    """Whether layer_ops.cpp's operators (rms_norm, rope_, silu_mul) run this eager call on x: float32 on
+    the CPU, kernels loaded, gradients off (the runtime's inference mode: the ops have no backward and
+    rope_ writes in place, so training keeps torch's operators). A graph (export, torch.compile) never
+    asks: models/decoder.py checks that first."""
+    return not torch.is_grad_enabled() and available(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension of float32 x [..., D] (layer_ops.cpp)."""
+    return torch.ops.litevlm_lowbit.rms_norm(x, weight, eps)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q [T, Hq, D], k [T, Hkv, D] <- models/rope.apply_rope of each, in place, bit-identical (layer_ops.cpp);
+    cos, sin [T, 1, D] from RotaryTable."""
+    torch.ops.litevlm_lowbit.rope_(q, k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate and up [T, F] float32 with unit stride over F (layer_ops.cpp)."""
+    return torch.ops.litevlm_lowbit.silu_mul(gate, up)
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels run this call: float32 on the CPU, kernels loaded."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and load()
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile / FakeTensor tracing: every op maps x [M, K] to [M, N]."""
+    """Shapes for torch.compile / FakeTensor tracing: every linear maps x [M, K] to [M, N]."""
     ops = torch.ops.litevlm_lowbit
 
     # (each fake's parameters are its operator's schema, TORCH_LIBRARY in lowbit_kernels.cpp)
@@ -220,6 +252,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("litevlm_lowbit::fp16_linear")
     def _(x, weight, gemv_max_rows, tile_bytes, prefill_bf16=False):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("litevlm_lowbit::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("litevlm_lowbit::silu_mul")
+    def _(gate, up):
+        return gate.new_empty(gate.shape)
 
     @torch.library.register_fake("litevlm_lowbit::attention_rows")
     def _(q, k, v, allowed, scale):

@@ -56,9 +56,34 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Upstream's order: normalise in float32, back to x's dtype, then the weight (F.rms_norm is
         # the same normalisation as one operator; its own weight product would round differently
-        # in bf16/fp16).
+        # in bf16/fp16). Eager float32 on the CPU kernels: one operator for all of it (layer_ops.cpp;
+        # torch's composite ran seven, 35 us a call of a decode step).
         """x [..., D] -> normalised x [..., D]"""
+        if on_layer_ops(x) and self.weight.dtype == torch.float32:
+            return lowbit_kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def on_layer_ops(x: torch.Tensor) -> bool:
+    """Whether the layer's small operators on x run as the kernels' single calls (layer_ops.cpp:
+    RMSNorm, RoPE in place, SwiGLU): eager, float32 on the CPU, kernels loaded, no gradient."""
+    return not in_graph() and lowbit_kernels.takes_layer_ops(x)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope to q [T, Hq, D] and k [T, Hkv, D]; on the kernels one call rotating both in place
+    (bit-identical), which the layer may do: its q and k are views of its own fresh projection."""
+    if on_layer_ops(q) and q.shape[-1] <= 1024:
+        lowbit_kernels.rope_(q, k, cos, sin)
+        return q, k
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [T, F]: one kernel call where it runs (no silu tensor in between)."""
+    if on_layer_ops(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        return lowbit_kernels.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 # Rows up to which a call whose rows are in the cache (LayerCall.rows_in_cache) attends by
@@ -132,11 +157,14 @@ class LayerCall(NamedTuple):
     attention (a layer without it clears the flag); `probe(q, k)` reads a layer's post-RoPE q, k (the
     token selector's teacher); `rows_in_cache` the cache given ends with as many free rows as the call
     has, where `attend` writes the call's k, v and then reads the cache as it is (torch_engine.step_eager
-    decides). A NamedTuple, not a dataclass: dynamo and torch.export trace it as the tuple it is."""
+    decides); `allowed` [T, L + T] the cache's and the call's masks side by side where every layer has the
+    same (rows_in_cache: made once, not once a layer). A NamedTuple, not a dataclass: dynamo and
+    torch.export trace it as the tuple it is."""
     chunks: bool | None = None
     bf16: bool = False
     probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     rows_in_cache: bool = False
+    allowed: torch.Tensor | None = None
 
 
 def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call: LayerCall = LayerCall()
@@ -165,7 +193,7 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call:
         # 1,780-row prompt, 3.6 MB a layer, ~100 MB a token).
         t = q.shape[0]
         k_cache[:, -t:], v_cache[:, -t:] = k.transpose(0, 1), v.transpose(0, 1)
-        allowed = torch.cat([mask_cache, mask_new], -1)
+        allowed = call.allowed if call.allowed is not None else torch.cat([mask_cache, mask_new], -1)
         if t <= FEW_ROWS:
             return attend_few_rows(q, k_cache, v_cache, allowed)
         return attend_over(q, k_cache, v_cache, allowed, call)
@@ -322,7 +350,7 @@ class DecoderLayer(nn.Module):
         """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]). `call`: what the caller decided
         for every layer (LayerCall; its bf16 holds here only where this layer's bf16_attention is set)."""
         q, k, v = self.qkv(self.attn_norm(x))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, k, cos, sin)
         if call.probe is not None:
             call.probe(q, k)                                # the token selector's teacher reads q, k here
         if call.bf16 and not self.bf16_attention:
@@ -330,7 +358,7 @@ class DecoderLayer(nn.Module):
         x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, call))
         gate, up, down = self.mlp_gate_up_down()
         g, u = project(self.ffn_norm(x), (gate, up))
-        return x + down(F.silu(g) * u), k.transpose(0, 1), v.transpose(0, 1)
+        return x + down(swiglu(g, u)), k.transpose(0, 1), v.transpose(0, 1)
 
 
 class CausalLM(nn.Module):
@@ -351,12 +379,15 @@ class CausalLM(nn.Module):
         """Layers `layers` (default all) over hidden states x [T, D]: (raw output [T, D], their new
         k, v rows [len(layers), Hkv, T, D]). `mask_cache` may be a list (one per layer, None = the
         shared one): FastV hides its dropped visual slots from layers >= K that way. `rows_in_cache`: the
-        caches end with T free rows, where each layer writes its k, v (LayerCall)."""
+        caches end with T free rows, where each layer writes its k, v (LayerCall); the rows are not
+        returned then (None, None)."""
         cos, sin = self.rope(positions, x.dtype)
         layers = layers if layers is not None else range(len(self.layers))
         # The same mask in every layer: whether to chunk, and whether the rows are a causal prompt, decided once.
         prompt = any(self.layers[i].bf16_attention for i in layers) and causal_prompt(mask_new, mask_cache)
-        call = LayerCall(chunks=in_chunks(mask_new), bf16=prompt, rows_in_cache=rows_in_cache)
+        shared_mask = rows_in_cache and isinstance(mask_cache, torch.Tensor)
+        call = LayerCall(chunks=in_chunks(mask_new), bf16=prompt, rows_in_cache=rows_in_cache,
+                         allowed=torch.cat([mask_cache, mask_new], -1) if shared_mask else None)
         ks, vs = [], []
         for i in layers:
             layer_mask = mask_cache[i] if isinstance(mask_cache, list) else mask_cache
@@ -366,6 +397,8 @@ class CausalLM(nn.Module):
                                      None if v_cache is None else v_cache[i], layer_mask, layer_call)
             ks.append(k)
             vs.append(v)
+        if rows_in_cache:
+            return x, None, None            # the layers wrote their rows into the cache
         return x, torch.stack(ks), torch.stack(vs)
 
     def forward(self, embeds, positions, mask_new, k_cache=None, v_cache=None, mask_cache=None, *,

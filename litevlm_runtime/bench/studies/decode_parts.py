@@ -1,7 +1,8 @@
-"""What two changes to the decode step outside its GEMVs are worth: projections of one input stacked
-into one low-bit call (weights/lowbit.fuse_projections: q, k, v and gate, up) and the step's K/V rows
+"""What three changes to the decode step outside its GEMVs are worth: projections of one input stacked
+into one low-bit call (weights/lowbit.fuse_projections: q, k, v and gate, up), the step's K/V rows
 written into the cache, read there without a copy, with a few rows' attention as matmuls
-(LayerCall.rows_in_cache, models/decoder.attend_few_rows), each switched off in turn, in one process.
+(LayerCall.rows_in_cache, models/decoder.attend_few_rows), and the layer's small operators as one
+kernel call each (models/decoder.on_layer_ops: RMSNorm, RoPE, SwiGLU), switched in turn, in one process.
 
     litevlm bench --study decode_parts [--preset internvl3-2b] [--weights int4-rtn] [--threads 2]
                                         [--context 256,1780] [--steps 8] [--rounds 8] [--hog 0]
@@ -32,25 +33,29 @@ from litevlm_runtime.bench.random_model import random_pipeline
 from litevlm_runtime.bench.roofline import decode_step
 from litevlm_runtime.engines import torch_engine
 from litevlm_runtime.errors import InputError
+from litevlm_runtime.models import decoder
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
 
-VARIANTS = {"neither": (False, False), "stacked projections": (True, False),
-            "rows in the cache": (False, True), "both (the default)": (True, True)}
+VARIANTS = {"none": (False, False, False), "stacked projections": (True, False, False),
+            "rows in the cache": (False, True, False), "layer operators": (False, False, True),
+            "all but layer operators": (True, True, False), "all (the default)": (True, True, True)}
 
 
 class Switches:
-    """The two changes on or off in a built pipeline."""
+    """The three changes on or off in a built pipeline."""
 
     def __init__(self, lm):
         self.stacked = [(g[0], g[0].fused) for layer in lm.layers for g in layer.same_input()
                         if getattr(g[0], "fused", None) is not None]
         self.follows_live = torch_engine.follows_live
+        self.on_layer_ops = decoder.on_layer_ops
 
-    def set(self, stacked: bool, in_cache: bool) -> None:
+    def set(self, stacked: bool, in_cache: bool, layer_ops: bool) -> None:
         for first, fused in self.stacked:
             first.fused = fused if stacked else None
         torch_engine.follows_live = self.follows_live if in_cache else (lambda *_: False)
+        decoder.on_layer_ops = self.on_layer_ops if layer_ops else (lambda _: False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                         ms[name].append((time.perf_counter() - t0) * 1000 / args.steps)
                     print(f"[context {context}, round {r + 1}/{args.rounds}] "
                           + "  ".join(f"{n} {v[-1]:.1f} ms" for n, v in ms.items()), file=sys.stderr, flush=True)
-                base = statistics.median(ms["neither"])
+                base = statistics.median(ms["none"])
                 rows += [[context, name, statistics.median(v), min(v), base / statistics.median(v)]
                          for name, v in ms.items()]
     finally:
-        switches.set(True, True)
+        switches.set(True, True, True)
     load_after = Path("/proc/loadavg").read_text().split()[0]
     print(f"\n{args.preset} (random weights) decode step, {args.weights}, {args.threads} thread(s), beside {args.hog} "
           f"busy process(es); {args.rounds} alternating blocks of {args.steps} steps per variant; 1-min load "
           f"{load_before} -> {load_after}\n")
-    print(table(["context", "variant", "p50 ms/step", "min ms/step", "speed-up vs neither"], rows))
+    print(table(["context", "variant", "p50 ms/step", "min ms/step", "speed-up vs none"], rows))
     return 0
 
 
