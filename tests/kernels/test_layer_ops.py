@@ -1,5 +1,6 @@
 """The decoder layer's small operators on the kernels (kernels/layer_ops.cpp: rms_norm, rope_, silu_mul)
-against independent references, and where the model code takes them (models/decoder.on_layer_ops).
+against independent references, where the model code takes them (models/decoder.on_layer_ops), and a
+prompt's MLP in row chunks (models/decoder.in_row_chunks) against one call.
 
 Tolerances: rms_norm sums the squares in float32 in its own order: within 2e-6 of the row's largest
 output against float64. rope_ rounds each product and the sum as torch's operators do: bit-identical to
@@ -112,3 +113,29 @@ def test_training_keeps_torchs_operators(monkeypatch):
     assert not decoder.on_layer_ops(torch.ones(2, 2))               # gradients on (pytest's default)
     with torch.inference_mode():
         assert decoder.on_layer_ops(torch.ones(2, 2)) and not decoder.on_layer_ops(torch.ones(2, 2).double())
+
+
+@pytest.mark.parametrize("weights", ["int4-rtn", "int8", "float"])
+def test_prompt_mlp_in_row_chunks_computes_what_one_call_does(weights, monkeypatch):
+    """A prompt's MLP in equal row chunks (decoder.in_row_chunks): on the low-bit kernels' int8 GEMM the
+    same numbers to the bit (every chunk above GEMV_MAX_ROWS, rows independent); float32 within 1e-6."""
+    from helpers import options
+
+    from litevlm_runtime.bench.random_model import random_pipeline
+
+    pipe = random_pipeline("tiny-qwen3", options(pipeline="baseline", backend__threads=1, backend__weights=weights))
+    rt, t = pipe.rt, 100
+    embeds = torch.randn(t, rt.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = rt.lm.layers[0].mlp_forward
+    monkeypatch.setattr(rt.lm.layers[0], "mlp_forward", lambda h: calls.append(h.shape[0]) or real(h))
+    with torch.inference_mode():
+        monkeypatch.setattr(decoder, "MLP_CHUNK_ROWS", 40)
+        chunked = rt.engines.decoder.prefill(embeds, rt.arena.positions[:t], rt.arena.causal_mask(t)).clone()
+        monkeypatch.setattr(decoder, "MLP_CHUNK_ROWS", 10_000)
+        whole = rt.engines.decoder.prefill(embeds, rt.arena.positions[:t], rt.arena.causal_mask(t)).clone()
+    assert calls == [34, 34, 32, 100]
+    if weights == "float":
+        assert (chunked - whole).abs().max() <= 1e-6 * whole.abs().max()
+    else:
+        assert torch.equal(chunked, whole)
