@@ -191,8 +191,9 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call:
         # The cache ends with this call's rows: written there, it is read as it is. Concatenating
         # [cache | new rows] instead copied the layer's whole cache every step (at a 2B model's
         # 1,780-row prompt, 3.6 MB a layer, ~100 MB a token).
-        t = q.shape[0]
-        k_cache[:, -t:], v_cache[:, -t:] = k.transpose(0, 1), v.transpose(0, 1)
+        t, s = q.shape[0], k_cache.shape[1]
+        k_cache.narrow(1, s - t, t).copy_(k.transpose(0, 1))
+        v_cache.narrow(1, s - t, t).copy_(v.transpose(0, 1))
         allowed = call.allowed if call.allowed is not None else torch.cat([mask_cache, mask_new], -1)
         if t <= FEW_ROWS:
             return attend_few_rows(q, k_cache, v_cache, allowed)
@@ -367,8 +368,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask_new, k_cache=None, v_cache=None, mask_cache=None,
                 call: LayerCall = LayerCall()):
-        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]). `call`: what the caller decided
-        for every layer (LayerCall; its bf16 holds here only where this layer's bf16_attention is set)."""
+        """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]; None, None where call.rows_in_cache:
+        attend stored them). `call`: what the caller decided for every layer (LayerCall; its bf16 holds
+        here only where this layer's bf16_attention is set)."""
         q, k, v = self.qkv(self.attn_norm(x))
         q, k = rotate(q, k, cos, sin)
         if call.probe is not None:
@@ -376,7 +378,10 @@ class DecoderLayer(nn.Module):
         if call.bf16 and not self.bf16_attention:
             call = call._replace(bf16=False)
         x = x + self.out_proj(attend(q, k, v, mask_new, k_cache, v_cache, mask_cache, call))
-        return x + in_row_chunks(self.mlp_forward, self.ffn_norm(x)), k.transpose(0, 1), v.transpose(0, 1)
+        x = x + in_row_chunks(self.mlp_forward, self.ffn_norm(x))
+        if call.rows_in_cache:
+            return x, None, None                            # attend wrote them into the cache
+        return x, k.transpose(0, 1), v.transpose(0, 1)
 
     def mlp_forward(self, h: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP: h [T, D] (normed) -> [T, D]."""

@@ -101,14 +101,14 @@ class LowBitLinear(nn.Module):
         self.kernel = torch.device(device).type == "cpu" and lowbit_kernels.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)   # (a decoder's rows: no reshape operators)
         if self.kernel and x.dtype == torch.float32 and not _exporting():
             y = self.kernel_call(rows)
             if self.bias is not None:
                 # in place: the kernel's output is a new tensor of ours alone, and a second one as large
                 # (100 MB at six vision tiles) costs its page faults and a pass more (2.7x the add)
                 y.add_(self.bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         y = self.reference(rows).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
