@@ -332,7 +332,7 @@ def in_row_chunks(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -
     runs. Why: a 1,550-row prompt's stacked gate/up output is 111 MB at InternVL3-2B widths, above glibc
     malloc's mmap threshold (at most 32 MB): a fresh mapping in every layer, its pages faulted in and
     zeroed (torch's CPU allocator keeps no cache), where a chunk's ~22 MB is reused from the heap
-    (prefill of 1,550 rows, int4, 2 threads, Zen 4: 8.3 -> 7.3 s). Equal chunks, so that none is small
+    (prefill of 1,550 rows, int4, 2 threads, Zen 4: 8.47 -> 7.50 s). Equal chunks, so that none is small
     enough for the low-bit kernels' few-row path (GEMV_MAX_ROWS): every row then takes the GEMM it takes
     unchunked, and the int8 GEMM's rows are independent (the same numbers to the bit; tested)."""
     t = h.shape[0]
