@@ -1,5 +1,5 @@
 """`litevlm bench --study decode_parts` as a user runs it: every variant's row at every context,
-and the runtime left with both changes on. Behaviour only: the figures themselves are the machine's."""
+and the runtime left with every change on. Behaviour only: the figures themselves are the machine's."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from litevlm_runtime.bench.studies import decode_parts
 from litevlm_runtime.engines import torch_engine
 from litevlm_runtime.errors import InputError
 from litevlm_runtime.kernels import lowbit_kernels
+from litevlm_runtime.models import decoder
 
 
 @pytest.mark.skipif(not lowbit_kernels.load(), reason="low-bit CPU kernels not built here: nothing is stacked")
 def test_every_variant_at_every_context_and_the_default_restored(capsys):
-    follows_live = torch_engine.follows_live
+    follows_live, on_layer_ops = torch_engine.follows_live, decoder.on_layer_ops
     assert decode_parts.main(["--preset", "tiny-qwen3", "--threads", "1", "--context", "20,40",
                                    "--steps", "1", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
@@ -22,8 +23,9 @@ def test_every_variant_at_every_context_and_the_default_restored(capsys):
     rows = [line.split() for line in lines[first:] if line.strip()]
     assert [(r[0], " ".join(r[1:-3])) for r in rows] == [
         (c, v) for c in ("20", "40") for v in decode_parts.VARIANTS]
-    assert all(float(r[-1]) > 0 for r in rows) and [r[-1] for r in rows[::4]] == ["1.00", "1.00"]
-    assert torch_engine.follows_live is follows_live
+    n = len(decode_parts.VARIANTS)
+    assert all(float(r[-1]) > 0 for r in rows) and [r[-1] for r in rows[::n]] == ["1.00", "1.00"]
+    assert torch_engine.follows_live is follows_live and decoder.on_layer_ops is on_layer_ops
 
 
 def test_a_float_form_has_nothing_to_stack_and_says_so():
