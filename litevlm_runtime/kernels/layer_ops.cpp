@@ -11,13 +11,13 @@
 // Numerics: rope_ computes what models/rope.py's apply_rope computes, in the same order with every
 // product and sum rounded to float32 (no FMA contraction: bit-identical); rms_norm sums the squares in
 // float32 in a different order than torch (within 1e-6 relative of float64); silu_mul's exponential
-// is simd_exp.h's, within 2 ulp of float32's (tests/kernels/test_layer_ops.py: both against float64).
+// is simd_avx2.h's, within 2 ulp of float32's (tests/kernels/test_layer_ops.py: both against float64).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include "simd_exp.h"
+#include "simd_avx2.h"
 #include <algorithm>
 #include <cmath>
 
@@ -26,13 +26,6 @@ namespace {
 constexpr int64_t GRAIN_ELEMENTS = 1 << 15;   // elements a thread takes at least (a decode step's rows run inline)
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(width, 1)); }
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // ------------------------------------------------------------------------------------------ RMSNorm
 // out = weight * (x * rsqrt(mean(x^2) + eps)), upstream's order (normalise, then the weight), rows of x
@@ -45,7 +38,7 @@ void rms_norm_row(const float* x, const float* w, float* y, int64_t D, float eps
     a0 = _mm256_fmadd_ps(x0, x0, a0);
     a1 = _mm256_fmadd_ps(x1, x1, a1);
   }
-  float sum = hsum8(_mm256_add_ps(a0, a1));
+  float sum = hsum(_mm256_add_ps(a0, a1));
   for (; d < D; ++d) sum += x[d] * x[d];
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
   for (d = 0; d < D; ++d) y[d] = w[d] * (x[d] * r);

@@ -33,7 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include "simd_exp.h"
+#include "simd_avx2.h"
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -51,13 +51,6 @@ namespace {
 constexpr int QBLOCK8 = 32;  // int8 kernel: activations quantized per block of 32 (one 32-byte load of weights)
 constexpr int QBLOCK4 = 64;  // int4 kernel: per block of 64 (one 32-byte load of codes: 64 weights)
 constexpr int QBLOCK_MAX = 128;  // the int8 prefill GEMM's block (vnni_gemm): the largest block quantized
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -1051,7 +1044,7 @@ int64_t vnni_block(int64_t K, int64_t G) {
 // over S: the arena's slice), under allowed [T, S], in float32 with AVX2 + FMA. Per KV head (one
 // chunk each, shared out by the row pool like the small calls): the scores of its group x T query
 // rows, each key row loaded once for all of them; an exact softmax per row (its maximum, then
-// exp(s - max) by exp_avx2 (simd_exp.h), the sum); then p.v as a GEMM micro-kernel of 6 rows x 16
+// exp(s - max) by exp_avx2 (simd_avx2.h), the sum); then p.v as a GEMM micro-kernel of 6 rows x 16
 // columns (each value row read once per 16 columns, one cache line, so V is read once in all).
 // Why our own: through torch (two grouped matmuls and a softmax, or its CPU flash kernel) a decode
 // step's attention took ~160 us a layer over 256 cached rows and ~460 over 1,780 at a 2B decoder's

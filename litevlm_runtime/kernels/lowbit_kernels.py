@@ -22,7 +22,7 @@ runtime (the reference path), not a failed install. So one path serves an editab
 scripts/test.sh (scripts/setup.sh builds it once at set-up).
 
 The build: lowbit_kernels.cpp and layer_ops.cpp (the decoder layer's small operators; both include
-simd_exp.h) into one library at -O3 -mavx2 -mfma -mf16c -fopenmp (about 20-40 s on two cores),
+simd_avx2.h) into one library at -O3 -mavx2 -mfma -mf16c -fopenmp (about 20-40 s on two cores),
 in ~/.cache/litevlm/kernels/lowbit-<digest of the sources, torch and Python version, flags>/
 ($LITEVLM_KERNEL_CACHE overrides): a build per source change, and two checkouts with different
 sources never build over each other. Under a file lock: parallel test workers build once. (torch's
@@ -59,7 +59,7 @@ from .cpuinfo import read_cpuinfo
 SOURCE = Path(__file__).with_name("lowbit_kernels.cpp")
 # The library's sources: the weight kernels and attention, and the decoder layer's small operators.
 SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"))
-HEADERS = (Path(__file__).with_name("simd_exp.h"),)      # what they include (in the build's digest)
+HEADERS = (Path(__file__).with_name("simd_avx2.h"),)      # what they include (in the build's digest)
 NAME = "litevlm_lowbit"                # the library's name (its operators' namespace is the source's TORCH_LIBRARY)
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 # Beside torch's own (-fPIC, its C++ standard, ABI and include paths): the CPU's instruction sets and

@@ -1,9 +1,17 @@
-// exp in AVX2 for the kernels' softmaxes and SwiGLU (lowbit_kernels.cpp, layer_ops.cpp): Cephes' expf,
-// 2^n * p(r) with r = x - n ln2 in two parts and a degree-5 polynomial for e^r on [-ln2/2, ln2/2], the 2^n
-// built in the exponent bits; within 2 ulp of float32's exp. x is clamped to [-87.3, 88.4] (below, the
-// result is float32's smallest normals instead of 0 or subnormals; above, float32 overflows anyway).
+// AVX2 helpers both kernel sources use (lowbit_kernels.cpp, layer_ops.cpp): a horizontal sum, and exp for
+// their softmaxes and SwiGLU: Cephes' expf, 2^n * p(r) with r = x - n ln2 in two parts and a degree-5
+// polynomial for e^r on [-ln2/2, ln2/2], the 2^n built in the exponent bits; within 2 ulp of float32's exp.
+// x is clamped to [-87.3, 88.4] (below, the result is float32's smallest normals instead of 0 or
+// subnormals; above, float32 overflows anyway).
 #pragma once
 #include <immintrin.h>
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 inline __m256 exp_avx2(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
