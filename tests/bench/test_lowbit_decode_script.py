@@ -39,3 +39,15 @@ def test_against_a_folder_without_the_package_says_so(tmp_path):
          "--hog", "0", "--steps", "1", "--rounds", "1", "--against", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode != 0 and f"--against {tmp_path}" in out.stdout + out.stderr
+
+
+def test_window_of_a_form_far_faster_than_float_stays_within_a_run():
+    # int4 five times faster than float wants five-step windows; a run of three steps holds one
+    # three-step window per round (the CI failure of 0bf4c0e: no windows, no median).
+    from litevlm_runtime.bench.studies.lowbit_decode import window_rows
+
+    samples = {("float", c): [50.0] * 6 for c in ("quiet", "loaded")}
+    samples |= {("int4", c): [10.0] * 6 for c in ("quiet", "loaded")}
+    rows = window_rows(["float", "int4"], samples, {"float": 50.0, "int4": 10.0}, steps=3)
+    int4 = [r for r in rows if r[0] == "int4"]
+    assert [(r[7], r[8]) for r in int4] == [(3, 2), (3, 2)]

@@ -231,7 +231,9 @@ def window_rows(labels: list[str], samples: dict, quiet: dict, steps: int) -> li
     span = quiet.get("float")
     rows = []
     for kind in labels:
-        window = max(1, round(span / quiet[kind])) if span else 1
+        # At most a round's run of steps: windows never span two rounds (a form far faster than float
+        # would otherwise want more steps than a run holds, and have no windows at all).
+        window = min(steps, max(1, round(span / quiet[kind]))) if span else 1
         for cond in ("quiet", "loaded"):
             v = samples[(kind, cond)]
             p50, p99 = statistics.median(v), percentile(v, 99)
