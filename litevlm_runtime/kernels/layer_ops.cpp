@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include "kernel_ops.h"
 #include "simd_avx2.h"
 #include <algorithm>
 #include <cmath>
@@ -44,6 +45,8 @@ void rms_norm_row(const float* x, const float* w, float* y, int64_t D, float eps
   for (d = 0; d < D; ++d) y[d] = w[d] * (x[d] * r);
 }
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t D = x.size(-1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
@@ -60,6 +63,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   });
   return out;
 }
+
+namespace {
 
 // --------------------------------------------------------------------------------------------- RoPE
 // x [T, H, D] <- x * cos + [x2, x1] * sin (sin signed: rotate_half's minus folded in, models/rope.py),
@@ -88,6 +93,8 @@ void check_rope_operand(const at::Tensor& x, const at::Tensor& cos, const char* 
               x.sizes(), " strides ", x.strides(), ", cos ", cos.sizes());
 }
 
+}  // namespace
+
 void rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.sizes() == sin.sizes(), "rope_: contiguous float32 cos and sin of one shape");
@@ -103,6 +110,8 @@ void rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, cons
   }
 }
 
+namespace {
+
 // ------------------------------------------------------------------------------------------- SwiGLU
 void silu_mul_row(const float* g, const float* u, float* y, int64_t F) {
   int64_t f = 0;
@@ -114,6 +123,8 @@ void silu_mul_row(const float* g, const float* u, float* y, int64_t F) {
   }
   for (; f < F; ++f) y[f] = g[f] / (1.0f + std::exp(-g[f])) * u[f];
 }
+
+}  // namespace
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&
@@ -129,8 +140,6 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(litevlm_lowbit, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

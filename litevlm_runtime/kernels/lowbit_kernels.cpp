@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include "kernel_ops.h"
 #include "simd_avx2.h"
 #include <algorithm>
 #include <atomic>
@@ -1051,18 +1052,21 @@ int64_t vnni_block(int64_t K, int64_t G) {
 // heads on one thread: per-call overhead at small S, ~8 GB/s of the cache at large S.
 constexpr int FEW_ROW_BLOCK = 6;     // query rows per micro-kernel (6 x 2 accumulators + 2 loads + 1 broadcast)
 
-// scores[r * S + j] = scale * q_r . k_j for `rows` (<= FEW_ROW_BLOCK) query rows q_r (D floats each).
-void few_row_scores(const float* const* q, int rows, const float* k, int64_t k_stride, int64_t S, int64_t D,
-                    float scale, float* scores) {
+// scores[r * S + j] = scale * q_r . k_j for ROWS (<= FEW_ROW_BLOCK) query rows q_r (D floats each). ROWS a
+// template parameter: the accumulators then stay in registers (with a run-time count they lived on the stack,
+// a load and a store around every FMA).
+template <int ROWS>
+void few_row_scores(const float* const* q, const float* k, int64_t k_stride, int64_t S, int64_t D, float scale,
+                    float* scores) {
   for (int64_t j = 0; j < S; ++j) {
     const float* kj = k + j * k_stride;
-    __m256 acc[FEW_ROW_BLOCK];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 kv = _mm256_loadu_ps(kj + d);
-      for (int r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), kv, acc[r]);
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), kv, acc[r]);
     }
-    for (int r = 0; r < rows; ++r) scores[r * S + j] = hsum(acc[r]) * scale;
+    for (int r = 0; r < ROWS; ++r) scores[r * S + j] = hsum(acc[r]) * scale;
   }
 }
 
@@ -1092,25 +1096,42 @@ void few_row_softmax(float* s, const bool* allowed, int64_t S) {
   for (; j < S; ++j) s[j] /= total;
 }
 
-// out_r[c0 .. c0 + 16) = sum_j p[r * S + j] v_j[c0 ..] for `rows` (<= FEW_ROW_BLOCK) rows.
-void few_row_values(const float* p, int rows, const float* v, int64_t v_stride, int64_t S, int64_t c0,
-                    float* const* out) {
-  __m256 acc[FEW_ROW_BLOCK][2];
-  for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// out_r[c0 .. c0 + 16) = sum_j p[r * S + j] v_j[c0 ..] for ROWS (<= FEW_ROW_BLOCK) rows.
+template <int ROWS>
+void few_row_values(const float* p, const float* v, int64_t v_stride, int64_t S, int64_t c0, float* const* out) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < S; ++j) {
     const float* vj = v + j * v_stride + c0;
     const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
       acc[r][0] = _mm256_fmadd_ps(pr, v0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(pr, v1, acc[r][1]);
     }
   }
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     _mm256_storeu_ps(out[r] + c0, acc[r][0]);
     _mm256_storeu_ps(out[r] + c0 + 8, acc[r][1]);
   }
 }
+
+// One block of `rows` (<= FEW_ROW_BLOCK) query rows: scores, softmax per row (its mask row: masks[i]), p.v.
+template <int ROWS>
+void few_row_block(const float* const* q, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                   int64_t S, int64_t D, float scale, const bool* const* masks, float* scores, float* const* out) {
+  few_row_scores<ROWS>(q, k, k_stride, S, D, scale, scores);
+  for (int i = 0; i < ROWS; ++i) few_row_softmax(scores + i * S, masks[i], S);
+  for (int64_t c0 = 0; c0 < D; c0 += 16) few_row_values<ROWS>(scores, v, v_stride, S, c0, out);
+}
+
+using FewRowBlock = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float,
+                             const bool* const*, float*, float* const*);
+constexpr FewRowBlock FEW_ROW_BLOCKS[FEW_ROW_BLOCK + 1] = {nullptr, few_row_block<1>, few_row_block<2>,
+                                                           few_row_block<3>, few_row_block<4>, few_row_block<5>,
+                                                           few_row_block<6>};
+
+}  // namespace
 
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
                           double scale) {
@@ -1138,21 +1159,22 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int n = static_cast<int>(std::min<int64_t>(FEW_ROW_BLOCK, rows - r0));
       const float* qr[FEW_ROW_BLOCK];
       float* orow[FEW_ROW_BLOCK];
+      const bool* masks[FEW_ROW_BLOCK];
       for (int i = 0; i < n; ++i) {
         const int64_t r = r0 + i, t = r / group, hq = h * group + r % group;
         qr[i] = qp + (t * Hq + hq) * D;
         orow[i] = op + t * Hq * D + hq * D;
+        masks[i] = mp + t * S;
       }
-      float* sb = sh + r0 * S;
-      few_row_scores(qr, n, kh, k.stride(1), S, D, static_cast<float>(scale), sb);
-      for (int i = 0; i < n; ++i) few_row_softmax(sb + i * S, mp + ((r0 + i) / group) * S, S);
-      for (int64_t c0 = 0; c0 < D; c0 += 16) few_row_values(sb, n, vh, v.stride(1), S, c0, orow);
+      FEW_ROW_BLOCKS[n](qr, kh, k.stride(1), vh, v.stride(1), S, D, static_cast<float>(scale), masks, sh + r0 * S, orow);
     }
   };
   // One chunk per KV head; more than one thread only where the cache (K and V) pays for a wake-up.
   on_small_call_team(Hkv, Hkv * S * D * 8, head);
   return out;
 }
+
+namespace {
 
 // ------------------------------------------------------------------------------ bfloat16 attention
 // Attention over many rows (a vision tile's 1,025 tokens, a prompt) on a CPU with AVX-512 BF16:

@@ -21,8 +21,9 @@ runtime (the reference path), not a failed install. So one path serves an editab
 `pip install .` or colcon install (the .cpp is package data: setup.py) and a fresh clone's
 scripts/test.sh (scripts/setup.sh builds it once at set-up).
 
-The build: lowbit_kernels.cpp and layer_ops.cpp (the decoder layer's small operators; both include
-simd_avx2.h) into one library at -O3 -mavx2 -mfma -mf16c -fopenmp (about 20-40 s on two cores),
+The build: lowbit_kernels.cpp, layer_ops.cpp (the decoder layer's small operators) and decode_layer.cpp
+(a decode layer as one call of them; kernel_ops.h declares what it calls) into one library at -O3 -mavx2
+-mfma -mf16c -fopenmp (about 20-40 s on two cores),
 in ~/.cache/litevlm/kernels/lowbit-<digest of the sources, torch and Python version, flags>/
 ($LITEVLM_KERNEL_CACHE overrides): a build per source change, and two checkouts with different
 sources never build over each other. Under a file lock: parallel test workers build once. (torch's
@@ -57,9 +58,10 @@ import torch
 from .cpuinfo import read_cpuinfo
 
 SOURCE = Path(__file__).with_name("lowbit_kernels.cpp")
-# The library's sources: the weight kernels and attention, and the decoder layer's small operators.
-SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"))
-HEADERS = (Path(__file__).with_name("simd_avx2.h"),)      # what they include (in the build's digest)
+# The library's sources: the weight kernels and attention, the decoder layer's small operators, and a
+# decode layer as one call.
+SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"), Path(__file__).with_name("decode_layer.cpp"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("simd_avx2.h", "kernel_ops.h"))   # (in the build's digest)
 NAME = "litevlm_lowbit"                # the library's name (its operators' namespace is the source's TORCH_LIBRARY)
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 # Beside torch's own (-fPIC, its C++ standard, ABI and include paths): the CPU's instruction sets and
@@ -228,6 +230,15 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up [T, F] float32 with unit stride over F (layer_ops.cpp)."""
     return torch.ops.litevlm_lowbit.silu_mul(gate, up)
+
+
+def decode_layer(x: torch.Tensor, tensors: list, ints: list[int], eps: float,  # noqa: PLR0913 - the operator's
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, allowed: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's few rows x [T, D] over this layer's float cache k_cache, v_cache [Hkv, S, D] whose last T
+    rows are theirs (written here), under allowed [T, S], as one call (decode_layer.cpp; tensors and ints from
+    models/decoder.DecoderLayer.step_args) -> x [T, D] after the layer."""
+    return torch.ops.litevlm_lowbit.decode_layer(x, tensors, ints, eps, k_cache, v_cache, allowed, cos, sin)
 
 
 def available(x: torch.Tensor) -> bool:

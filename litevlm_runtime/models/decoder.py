@@ -322,6 +322,18 @@ def project(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tens
     return tuple(m(x) for m in linears)
 
 
+def stacked(linears: tuple[nn.Module, ...]) -> nn.Module | None:
+    """The one low-bit form `project` runs for `linears` (weights/lowbit.fuse_projections), None where they run
+    apart."""
+    fused = getattr(linears[0], "fused", None)
+    return fused.module if fused is not None and fused.sources == linears else None
+
+
+# decode_layer.cpp's layouts of a stacked q, k, v projection's output
+QKV_SIDE_BY_SIDE = 0     # [q | k | v]: Qwen2, Qwen3 (weights/lowbit.fuse_projections)
+QKV_GROUPED = 1          # per KV head [q_(g*h) .. q_(g*h+g-1), k_h, v_h]: InternLM2's wqkv
+
+
 # Rows of a prompt the MLP takes per call at most in eager CPU runs (in_row_chunks): at InternVL3-2B
 # widths a chunk's stacked gate/up output is then at most 27.5 MB, under glibc's largest mmap threshold.
 MLP_CHUNK_ROWS = 384
@@ -371,6 +383,11 @@ class DecoderLayer(nn.Module):
         """x [T, D] -> (x [T, D], this call's k, v rows [Hkv, T, D]; None, None where call.rows_in_cache:
         attend stored them). `call`: what the caller decided for every layer (LayerCall; its bf16 holds
         here only where this layer's bf16_attention is set)."""
+        if call.rows_in_cache and call.probe is None and x.shape[0] <= FEW_ROWS and on_layer_ops(x):
+            step = self.step_args()
+            if step is not None:                            # the layer as one kernel call (decode_layer.cpp)
+                allowed = call.allowed if call.allowed is not None else torch.cat([mask_cache, mask_new], -1)
+                return lowbit_kernels.decode_layer(x, *step, k_cache, v_cache, allowed, cos, sin), None, None
         q, k, v = self.qkv(self.attn_norm(x))
         q, k = rotate(q, k, cos, sin)
         if call.probe is not None:
@@ -382,6 +399,44 @@ class DecoderLayer(nn.Module):
         if call.rows_in_cache:
             return x, None, None                            # attend wrote them into the cache
         return x, k.transpose(0, 1), v.transpose(0, 1)
+
+    def qkv_stacked(self) -> tuple[nn.Module | None, int]:
+        """The one projection giving q, k, v side by side and its layout for decode_layer.cpp (QKV_SIDE_BY_SIDE
+        [q | k | v], QKV_GROUPED per KV head); (None, 0) where there is none (separate, unstacked projections)."""
+        return None, QKV_SIDE_BY_SIDE
+
+    def qk_norms(self) -> tuple[RMSNorm | None, RMSNorm | None]:
+        """The per-head RMSNorms of q and k before RoPE (Qwen3), None where the layer has none."""
+        return None, None
+
+    def step_linears(self) -> tuple:
+        """The projections decode_layer.cpp runs (qkv, out, gate_up, down; None where not stacked), the qkv layout."""
+        qkv, layout = self.qkv_stacked()
+        gate, up, down = self.mlp_gate_up_down()
+        return qkv, self.out_proj, stacked((gate, up)), down, layout
+
+    def step_args(self) -> tuple[list, list[int], float] | None:
+        """The layer as decode_layer.cpp takes it (its tensors, integers and eps), or None where a part does not
+        run on the kernels: a projection not a low-bit form on them (weights/lowbit.py: kernel_args), q, k, v or
+        gate, up not stacked into one call, a norm not float32, a head size attention_rows does not take.
+        Kept until the projections change (LinearForms.use swaps the forms as modules, fuse_projections
+        restacks): building the lists took 23 of a layer's ~50 us of Python (2 threads, Zen 4)."""
+        linears = self.step_linears()
+        kept = self.__dict__.get("_step_args")
+        if kept is None or kept[0] != linears:        # (modules compare by identity)
+            kept = (linears, self.build_step_args(*linears))
+            self.__dict__["_step_args"] = kept        # (past nn.Module's __setattr__: not a parameter or module)
+        return kept[1]
+
+    def build_step_args(self, qkv, out, gate_up, down, layout: int) -> tuple[list, list[int], float] | None:
+        parts = [getattr(m, "kernel_args", lambda: None)() for m in (qkv, out, gate_up, down)]
+        norms = [n for n in (self.attn_norm, self.ffn_norm, *self.qk_norms()) if n is not None]
+        if (any(p is None for p in parts) or self.head_dim % 16
+                or any(n.weight.dtype != torch.float32 or n.eps != self.attn_norm.eps for n in norms)):
+            return None
+        tensors = [n.weight for n in norms] + [None] * (4 - len(norms)) + [t for ts, _ in parts for t in ts]
+        ints = [self.num_heads, self.num_kv_heads, self.head_dim, layout] + [i for _, form in parts for i in form]
+        return tensors, ints, self.attn_norm.eps
 
     def mlp_forward(self, h: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP: h [T, D] (normed) -> [T, D]."""

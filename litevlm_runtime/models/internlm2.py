@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .config import LLMConfig
-from .decoder import CausalLM, DecoderLayer, Embedding, RMSNorm
+from .decoder import QKV_GROUPED, CausalLM, DecoderLayer, Embedding, RMSNorm
 
 
 class InternLM2Attention(nn.Module):
@@ -52,6 +52,9 @@ class InternLM2Layer(DecoderLayer):
     def mlp_gate_up_down(self):
         f = self.feed_forward
         return f.w1, f.w3, f.w2
+
+    def qkv_stacked(self):
+        return self.attention.wqkv, QKV_GROUPED
 
     def qkv(self, x):
         # wqkv rows are grouped per KV head as [q_(g*h) .. q_(g*h+g-1), k_h, v_h], each head_dim rows.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from .config import LLMConfig
-from .decoder import CausalLM, DecoderLayer, Embedding, RMSNorm, project
+from .decoder import QKV_SIDE_BY_SIDE, CausalLM, DecoderLayer, Embedding, RMSNorm, project, stacked
 
 
 class Qwen2Attention(nn.Module):
@@ -72,6 +72,9 @@ class Qwen2Layer(DecoderLayer):
 
     def same_input(self):
         return [*super().same_input(), self.qkv_projections()]
+
+    def qkv_stacked(self):
+        return stacked(self.qkv_projections()), QKV_SIDE_BY_SIDE
 
 
 class Qwen2Model(nn.Module):

@@ -46,6 +46,9 @@ class Qwen3Layer(Qwen2Layer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def qk_norms(self):
+        return self.self_attn.q_norm, self.self_attn.k_norm
+
     def qkv(self, x):
         # The per-head norms act here, so everything after (RoPE, the selectors' query_key probe,
         # attention, the KV cache) sees what transformers' Qwen3Attention rotates and caches.

@@ -115,6 +115,17 @@ class LowBitLinear(nn.Module):
     def kernel_call(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def kernel_args(self) -> tuple[list, list[int]] | None:
+        """What kernel_call passes, as decode_layer.cpp takes a projection: [w0, w1, w2, pre_quant_scale, bias]
+        (None where absent) and [form, group size, tiles8, gemv_max_rows, tile_bytes]; None off the kernels."""
+        if not self.kernel:
+            return None
+        tensors, form = self.form_args()
+        return tensors, [*form, GEMV_MAX_ROWS, TILE_BYTES]
+
+    def form_args(self) -> tuple[list, list[int]]:
+        raise NotImplementedError
+
     def reference(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -195,6 +206,10 @@ class Int4Linear(LowBitLinear):
         return Int4Weight(from_tiles8(words(self.codes)).view(torch.uint8), from_tiles8(self.scales),
                           from_tiles8(self.zeros), self.group_size, self.pre_quant_scale)
 
+    def form_args(self):
+        tensors = [self.codes, self.scales, self.zeros, self.pre_quant_scale, self.bias]
+        return tensors, [4, self.group_size, int(self.tiles8)]
+
     def kernel_call(self, rows):
         return torch.ops.litevlm_lowbit.int4_linear(rows, self.codes, self.scales, self.zeros, self.pre_quant_scale,
                                                     self.group_size, GEMV_MAX_ROWS, TILE_BYTES, self.prefill_bf16,
@@ -232,6 +247,9 @@ class Int8Linear(LowBitLinear):
         self.register_buffer("codes", weight.codes.to(device))
         self.register_buffer("scales", weight.scales.to(device, torch.float32))
 
+    def form_args(self):
+        return [self.codes, self.scales, None, None, self.bias], [8, 0, 0]
+
     def kernel_call(self, rows):
         return torch.ops.litevlm_lowbit.int8_linear(rows, self.codes, self.scales, GEMV_MAX_ROWS, TILE_BYTES,
                                                     self.prefill_bf16, self.prefill_int8)
@@ -252,6 +270,9 @@ class Fp16Linear(LowBitLinear):
         super().__init__()
         self._init_common(linear.in_features, linear.out_features, linear.bias, linear.weight.device)
         self.register_buffer("weight_fp16", linear.weight.detach().to(torch.float16).contiguous())
+
+    def form_args(self):
+        return [self.weight_fp16, None, None, None, self.bias], [16, 0, 0]
 
     def kernel_call(self, rows):
         return torch.ops.litevlm_lowbit.fp16_linear(rows, self.weight_fp16, GEMV_MAX_ROWS, TILE_BYTES,

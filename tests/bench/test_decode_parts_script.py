@@ -15,6 +15,7 @@ from litevlm_runtime.models import decoder
 @pytest.mark.skipif(not lowbit_kernels.load(), reason="low-bit CPU kernels not built here: nothing is stacked")
 def test_every_variant_at_every_context_and_the_default_restored(capsys):
     follows_live, on_layer_ops = torch_engine.follows_live, decoder.on_layer_ops
+    step_args = decoder.DecoderLayer.step_args
     assert decode_parts.main(["--preset", "tiny-qwen3", "--threads", "1", "--context", "20,40",
                                    "--steps", "1", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
@@ -26,6 +27,7 @@ def test_every_variant_at_every_context_and_the_default_restored(capsys):
     n = len(decode_parts.VARIANTS)
     assert all(float(r[-1]) > 0 for r in rows) and [r[-1] for r in rows[::n]] == ["1.00", "1.00"]
     assert torch_engine.follows_live is follows_live and decoder.on_layer_ops is on_layer_ops
+    assert decoder.DecoderLayer.step_args is step_args
 
 
 def test_a_float_form_has_nothing_to_stack_and_says_so():
