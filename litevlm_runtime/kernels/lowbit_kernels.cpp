@@ -26,8 +26,9 @@
 //   torch's own OpenMP pool (at::parallel_for; compiled with -fopenmp but linked to no OpenMP
 //   library of its own, so its regions run on the runtime libtorch already loaded, with the passive
 //   wait policy of threads.py). Small calls share their rows out in chunks from a counter to the
-//   caller and this file's own sleeping helpers (RowPool), and wait only for chunks a running
-//   helper has taken, so a descheduled thread does not hold a step back.
+//   caller and this file's own helpers (RowPool: asleep between calls, awake a few microseconds
+//   first where the CPU has room), and wait only for chunks a running helper has taken, so a
+//   descheduled thread does not hold a step back.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,6 +38,7 @@
 #include "simd_avx2.h"
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -44,6 +46,8 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <fcntl.h>
+#include <sched.h>
 #include <unistd.h>
 #include <vector>
 
@@ -459,6 +463,55 @@ constexpr int64_t PARALLEL_MIN_BYTES = 256 << 10;
 // (int4) run on one thread, the MLP and the head on all: 1.23x on a 2B step's int4 matmuls, 1.05x
 // int8 (whose q/o, 2.4 MB, stay parallel), against 256 KB in the same run beside the test suite.
 constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
+// ... unless the helpers are awake: a helper that finished a call waits helper_spin_us for the next before it
+// sleeps, where the CPU has a core for it (spin_policy). A decode step's calls follow each other within
+// microseconds, so its helper then never sleeps inside a step, and a call of 256 KB pays for a second
+// thread: all of a 2B step's projections and its attention on two threads (InternVL3-2B, int4, 2 threads,
+// Zen 4, one process alternating: 35.2 -> 33.1 ms a step quiet).
+constexpr int64_t AWAKE_PARALLEL_MIN_BYTES = 256 << 10;
+std::atomic<int64_t> helper_spin_us{30};     // set_helper_spin_us; 0: helpers sleep at once
+
+// Whether helpers may spin: only where the CPU is not oversubscribed (no more runnable threads than CPUs
+// this process may run on, /proc/loadavg's count, read at most every SPIN_POLICY_MS by a caller). Beside
+// busy processes a spinning helper takes the core share the calling thread or another process needs
+// (one process alternating beside 2 busy ones: 52.0 ms a step sleeping, 58.1 spinning 30 us).
+constexpr int64_t SPIN_POLICY_MS = 50;
+std::atomic<bool> cpu_has_room{false};
+std::atomic<int64_t> spin_policy_read_at{0};
+
+int64_t cpus_allowed() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+}
+
+// Runnable threads on the machine now (/proc/loadavg's fourth field, "running/total"), -1 where unreadable.
+int64_t runnable_threads() {
+  const int fd = ::open("/proc/loadavg", O_RDONLY);
+  if (fd < 0) return -1;
+  char buf[128];
+  const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  const char* field = buf;
+  for (int spaces = 0; *field && spaces < 3; ++field) spaces += *field == ' ';
+  return std::strtol(field, nullptr, 10);
+}
+
+// The helpers' spin window now, in microseconds (0: sleep at once), the policy re-read at most every SPIN_POLICY_MS.
+int64_t spin_policy() {
+  const int64_t spin = helper_spin_us.load(std::memory_order_relaxed);
+  if (spin <= 0) return 0;
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+  int64_t last = spin_policy_read_at.load(std::memory_order_relaxed);
+  if (now - last >= SPIN_POLICY_MS && spin_policy_read_at.compare_exchange_strong(last, now)) {
+    static const int64_t cpus = cpus_allowed();
+    const int64_t runnable = runnable_threads();
+    cpu_has_room.store(runnable > 0 && runnable <= cpus, std::memory_order_relaxed);
+  }
+  return cpu_has_room.load(std::memory_order_relaxed) ? spin : 0;
+}
 
 // Threads of the small-call kernels when set (> 0), else torch's (at::get_num_threads()): a decode
 // step can then run torch's own small operators (norms, RoPE, attention over one row, the cache
@@ -472,11 +525,12 @@ std::atomic<int64_t> small_call_threads{0};
 // the float step's 600 ms averaged it out: docs/performance.md). Here the caller takes chunks like
 // the helpers and waits only for chunks a helper has taken, never for a helper that has not woken:
 // one that wakes late finds nothing left. Helpers sleep between calls (the passive policy of
-// threads.py). Which thread computes a chunk never changes its numbers.
+// threads.py), after waiting awake helper_spin_us for the next one where the CPU has room (spin_policy).
+// Which thread computes a chunk never changes its numbers.
 class RowPool {
  public:
   // Run work(chunk) for chunk in [0, chunks) on the caller and up to `helpers` helper threads.
-  void run(int64_t chunks, int64_t helpers, const std::function<void(int64_t)>& work) {
+  void run(int64_t chunks, int64_t helpers, int64_t spin_us, const std::function<void(int64_t)>& work) {
     std::unique_lock<std::mutex> one_call(caller_, std::try_to_lock);
     if (!one_call || chunks > static_cast<int64_t>(FIELD)) {   // another thread's call is running: alone
       for (int64_t c = 0; c < chunks; ++c) work(c);
@@ -484,15 +538,18 @@ class RowPool {
     }
     while (threads_ < helpers) std::thread([this, i = threads_++] { serve(i); }).detach();
     job_.store(&work, std::memory_order_relaxed);
+    spin_ = spin_us;
     wanted_.store(helpers, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     gen_ = (gen_ + 1) & GEN_MASK;
     state_.store(pack(gen_, chunks, 0), std::memory_order_release);
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(m_);
-      posted_ = gen_;
+      posted_.store(gen_, std::memory_order_release);
+      wake = sleepers_ > 0;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     int64_t mine = 0;
     for (int64_t c; (c = claim(gen_)) >= 0; ++mine) work(c);
     // what is left was taken by helpers that are running it: wait for them, no longer
@@ -519,11 +576,19 @@ class RowPool {
   void serve(int64_t index) {
     uint64_t seen = 0;
     for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(m_);
-        cv_.wait(lock, [&] { return posted_ != seen; });
-        seen = posted_;
+      // awake a while for the next call where the CPU has room (spin_policy), then asleep until one comes
+      if (const int64_t spin = spin_; spin > 0) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
+        while (posted_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+          for (int i = 0; i < 16; ++i) _mm_pause();
       }
+      if (posted_.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lock(m_);
+        ++sleepers_;
+        cv_.wait(lock, [&] { return posted_.load(std::memory_order_relaxed) != seen; });
+        --sleepers_;
+      }
+      seen = posted_.load(std::memory_order_acquire);
       if (index >= wanted_.load(std::memory_order_relaxed)) continue;
       const uint64_t gen = seen;
       const std::function<void(int64_t)>* work = job_.load(std::memory_order_relaxed);
@@ -541,7 +606,10 @@ class RowPool {
   std::atomic<uint64_t> state_{0};
   std::atomic<int64_t> done_{0}, wanted_{0};
   std::atomic<const std::function<void(int64_t)>*> job_{nullptr};
-  uint64_t gen_ = 0, posted_ = 0;
+  uint64_t gen_ = 0;
+  std::atomic<uint64_t> posted_{0};
+  int64_t sleepers_ = 0;     // helpers waiting on cv_ (under m_)
+  std::atomic<int64_t> spin_{0};   // how long helpers wait awake after this job (run's spin_us)
   int64_t threads_ = 0;
 
  public:
@@ -573,12 +641,14 @@ std::atomic<bool> row_pool_on{true};
 template <typename Chunk>
 void on_small_call_team(int64_t chunks, int64_t bytes, Chunk chunk) {
   const int64_t own = small_call_threads.load();
-  const int64_t threads = bytes < SMALL_CALL_PARALLEL_MIN_BYTES ? 1 : own > 0 ? own : at::get_num_threads();
+  const int64_t spin = row_pool_on.load() ? spin_policy() : 0;
+  const int64_t min_bytes = spin > 0 ? AWAKE_PARALLEL_MIN_BYTES : SMALL_CALL_PARALLEL_MIN_BYTES;
+  const int64_t threads = bytes < min_bytes ? 1 : own > 0 ? own : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
   if (team == 1) {
     for (int64_t c = 0; c < chunks; ++c) chunk(c);
   } else if (row_pool_on.load()) {
-    row_pool().run(chunks, team - 1, chunk);
+    row_pool().run(chunks, team - 1, spin, chunk);
   } else {
     // the same OpenMP runtime at::parallel_for uses, with the team size given here: the calling
     // thread's own torch thread count may be 1 (small_call_threads)
@@ -1579,6 +1649,11 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
   m.def("attention_bf16(Tensor q, Tensor k, Tensor v, float scale, int causal_offset) -> Tensor");
   m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor allowed, float scale) -> Tensor");
   m.def("use_row_pool(bool enable) -> bool", [](bool enable) { return row_pool_on.exchange(enable); });
+  m.def("set_helper_spin_us(int us) -> int", [](int64_t us) {
+    TORCH_CHECK(us >= 0, "set_helper_spin_us: us >= 0 (0: helpers sleep at once)");
+    return helper_spin_us.exchange(us);
+  });
+  m.def("helper_spin_now() -> int", [] { return spin_policy(); });
   m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
     TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
     return small_call_threads.exchange(threads);

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -412,8 +414,9 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
     """Weights above the kernels' 2 MB small-call threshold are split into row chunks across
     threads (the kernels' own helpers, or an OpenMP region with use_row_pool(False)): every output
     is still computed by one thread in one order, so the result is the same to the bit, also with
-    more helpers than before, with two callers at once (the second runs alone), and in a forked
-    child (which has none of its parent's helper threads)."""
+    more helpers than before, with helpers that wait awake between calls (set_helper_spin_us; where the
+    CPU has room, calls from 256 KB up are shared then), with two callers at once (the second runs
+    alone), and in a forked child (which has none of its parent's helper threads)."""
     w, x = weights(2104, 2048), torch.randn(2, 2048)               # int4 codes 2.1 MB, int8 4.3 MB
     q4, q8, h = quantize_int4(w, 128), quantize_int8(w), w.half()
     t4 = in_tiles8(q4)
@@ -421,7 +424,7 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
              lambda: ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20),
              lambda: ops.fp16_linear(x, h, GEMV_MAX_ROWS, 1 << 20),
              lambda: ops.int4_linear(x, *t4, None, 128, GEMV_MAX_ROWS, 1 << 20, False, False, True)]
-    threads = torch.get_num_threads()
+    threads, spin_default = torch.get_num_threads(), ops.set_helper_spin_us(30)
     try:
         torch.set_num_threads(1)
         one = [call() for call in calls]
@@ -429,8 +432,10 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
         for pool in (True, False):
             ops.use_row_pool(pool)
             for n in (2, 3):
-                torch.set_num_threads(n)
-                results[(pool, n)] = [call() for _ in range(3) for call in calls][-4:]
+                for spin in (0, 30):
+                    ops.set_helper_spin_us(spin)
+                    torch.set_num_threads(n)
+                    results[(pool, n, spin)] = [call() for _ in range(3) for call in calls][-4:]
         ops.use_row_pool(True)
         torch.set_num_threads(2)
         with ThreadPoolExecutor(2) as callers:
@@ -439,12 +444,33 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
             forked = child.apply(_calls_in_a_child, (x, q4, q8, h, t4))
     finally:
         ops.use_row_pool(True)
+        ops.set_helper_spin_us(spin_default)
         torch.set_num_threads(threads)
     for got in [*results.values(), at_once[-4:], at_once[:4], forked]:
         for a, b in zip(one, got):
             assert torch.equal(a, b)
     for y in (one[0], one[3]):
         check_small_call(y, x, dequantize_int4(q4, torch.float64), block=64)
+
+
+@needs_kernels
+def test_helpers_wait_awake_only_where_the_cpu_has_room():
+    """The helpers' spin window (lowbit_kernels.cpp, spin_policy): never beside more busy processes than
+    CPUs (re-read every 50 ms from /proc/loadavg), never when set to 0; a negative window is refused.
+    (Whether it spins on a quiet CPU is the machine's to say: CI's cores are shared.)"""
+    from litevlm_runtime.bench.contention import Hog
+
+    before = ops.set_helper_spin_us(30)
+    try:
+        with Hog(len(os.sched_getaffinity(0)) + 1):
+            time.sleep(0.12)                        # past the policy's 50 ms, the hogs running
+            assert [ops.helper_spin_now() for _ in range(3)] == [0, 0, 0]
+        ops.set_helper_spin_us(0)
+        assert ops.helper_spin_now() == 0
+        with pytest.raises(RuntimeError, match="set_helper_spin_us: us >= 0"):
+            ops.set_helper_spin_us(-1)
+    finally:
+        ops.set_helper_spin_us(before)
 
 
 def _calls_in_a_child(x, q4, q8, h, t4):

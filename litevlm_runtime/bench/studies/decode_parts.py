@@ -1,9 +1,10 @@
-"""What four changes to the decode step outside its GEMVs are worth: projections of one input stacked
+"""What five changes to the decode step outside its GEMVs are worth: projections of one input stacked
 into one low-bit call (weights/lowbit.fuse_projections: q, k, v and gate, up), the step's K/V rows
 written into the cache, read there without a copy, with a few rows' attention as matmuls
 (LayerCall.rows_in_cache, models/decoder.attend_few_rows), the layer's small operators as one
 kernel call each (models/decoder.on_layer_ops: RMSNorm, RoPE, SwiGLU), and the whole layer as one call
-(kernels/decode_layer.cpp, DecoderLayer.step_args: it needs the other three), switched in turn, in one process.
+(kernels/decode_layer.cpp, DecoderLayer.step_args: it needs the other three), and the kernels' helpers awake
+between calls where the CPU has room (lowbit_kernels.cpp, set_helper_spin_us), switched in turn, in one process.
 
     litevlm bench --study decode_parts [--preset internvl3-2b] [--weights int4-rtn] [--threads 2]
                                         [--context 256,1780] [--steps 8] [--rounds 8] [--hog 0]
@@ -38,14 +39,18 @@ from litevlm_runtime.models import decoder
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
 
-VARIANTS = {"none": (False, False, False, False), "stacked projections": (True, False, False, False),
-            "rows in the cache": (False, True, False, False), "layer operators": (False, False, True, False),
-            "all but layer operators": (True, True, False, False),
-            "all but one call a layer": (True, True, True, False), "all (the default)": (True, True, True, True)}
+VARIANTS = {"none": (False, False, False, False, False),
+            "stacked projections": (True, False, False, False, False),
+            "rows in the cache": (False, True, False, False, False),
+            "layer operators": (False, False, True, False, False),
+            "all but layer operators": (True, True, False, False, True),
+            "all but one call a layer": (True, True, True, False, True),
+            "all but helpers awake": (True, True, True, True, False),
+            "all (the default)": (True, True, True, True, True)}
 
 
 class Switches:
-    """The four changes on or off in a built pipeline."""
+    """The five changes on or off in a built pipeline."""
 
     def __init__(self, lm):
         self.stacked = [(g[0], g[0].fused) for layer in lm.layers for g in layer.same_input()
@@ -53,13 +58,16 @@ class Switches:
         self.follows_live = torch_engine.follows_live
         self.on_layer_ops = decoder.on_layer_ops
         self.step_args = decoder.DecoderLayer.step_args
+        self.spin_us = torch.ops.litevlm_lowbit.set_helper_spin_us(0)
+        torch.ops.litevlm_lowbit.set_helper_spin_us(self.spin_us)
 
-    def set(self, stacked: bool, in_cache: bool, layer_ops: bool, one_call: bool) -> None:
+    def set(self, stacked: bool, in_cache: bool, layer_ops: bool, one_call: bool, awake: bool) -> None:
         for first, fused in self.stacked:
             first.fused = fused if stacked else None
         torch_engine.follows_live = self.follows_live if in_cache else (lambda *_: False)
         decoder.on_layer_ops = self.on_layer_ops if layer_ops else (lambda _: False)
         decoder.DecoderLayer.step_args = self.step_args if one_call else (lambda _: None)
+        torch.ops.litevlm_lowbit.set_helper_spin_us(self.spin_us if awake else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += [[context, name, statistics.median(v), min(v), base / statistics.median(v)]
                          for name, v in ms.items()]
     finally:
-        switches.set(True, True, True, True)
+        switches.set(True, True, True, True, True)
     load_after = Path("/proc/loadavg").read_text().split()[0]
     print(f"\n{args.preset} (random weights) decode step, {args.weights}, {args.threads} thread(s), beside {args.hog} "
           f"busy process(es); {args.rounds} alternating blocks of {args.steps} steps per variant; 1-min load "
