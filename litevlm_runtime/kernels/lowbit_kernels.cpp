@@ -47,7 +47,6 @@
 #include <mutex>
 #include <thread>
 #include <fcntl.h>
-#include <sched.h>
 #include <unistd.h>
 #include <vector>
 
@@ -471,18 +470,16 @@ constexpr int64_t SMALL_CALL_PARALLEL_MIN_BYTES = 2 << 20;
 constexpr int64_t AWAKE_PARALLEL_MIN_BYTES = 256 << 10;
 std::atomic<int64_t> helper_spin_us{30};     // set_helper_spin_us; 0: helpers sleep at once
 
-// Whether helpers may spin: only where the CPU is not oversubscribed (no more runnable threads than CPUs
-// this process may run on, /proc/loadavg's count, read at most every SPIN_POLICY_MS by a caller). Beside
+// Whether helpers may spin: only where the CPU is not oversubscribed (no more runnable threads than the
+// CPUs this process may use, /proc/loadavg's count, read at most every SPIN_POLICY_MS by a caller). Beside
 // busy processes a spinning helper takes the core share the calling thread or another process needs
 // (one process alternating beside 2 busy ones: 52.0 ms a step sleeping, 58.1 spinning 30 us).
 constexpr int64_t SPIN_POLICY_MS = 50;
 std::atomic<bool> cpu_has_room{false};
 std::atomic<int64_t> spin_policy_read_at{0};
-
-int64_t cpus_allowed() {
-  cpu_set_t set;
-  return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
-}
+// The CPUs this process may use: threads.available_cores (affinity capped by a cgroup quota), set by
+// lowbit_kernels.py when it loads the library (set_cpus_available); 0 until then: helpers never spin.
+std::atomic<int64_t> cpus_available{0};
 
 // Runnable threads on the machine now (/proc/loadavg's fourth field, "running/total"), -1 where unreadable.
 int64_t runnable_threads() {
@@ -506,9 +503,8 @@ int64_t spin_policy() {
       std::chrono::steady_clock::now().time_since_epoch()).count();
   int64_t last = spin_policy_read_at.load(std::memory_order_relaxed);
   if (now - last >= SPIN_POLICY_MS && spin_policy_read_at.compare_exchange_strong(last, now)) {
-    static const int64_t cpus = cpus_allowed();
     const int64_t runnable = runnable_threads();
-    cpu_has_room.store(runnable > 0 && runnable <= cpus, std::memory_order_relaxed);
+    cpu_has_room.store(runnable > 0 && runnable <= cpus_available.load(), std::memory_order_relaxed);
   }
   return cpu_has_room.load(std::memory_order_relaxed) ? spin : 0;
 }
@@ -641,13 +637,14 @@ std::atomic<bool> row_pool_on{true};
 template <typename Chunk>
 void on_small_call_team(int64_t chunks, int64_t bytes, Chunk chunk) {
   const int64_t own = small_call_threads.load();
-  const int64_t spin = row_pool_on.load() ? spin_policy() : 0;
+  const bool pool = row_pool_on.load();
+  const int64_t spin = pool ? spin_policy() : 0;
   const int64_t min_bytes = spin > 0 ? AWAKE_PARALLEL_MIN_BYTES : SMALL_CALL_PARALLEL_MIN_BYTES;
   const int64_t threads = bytes < min_bytes ? 1 : own > 0 ? own : at::get_num_threads();
   const int64_t team = std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
   if (team == 1) {
     for (int64_t c = 0; c < chunks; ++c) chunk(c);
-  } else if (row_pool_on.load()) {
+  } else if (pool) {
     row_pool().run(chunks, team - 1, spin, chunk);
   } else {
     // the same OpenMP runtime at::parallel_for uses, with the team size given here: the calling
@@ -1654,6 +1651,10 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
     return helper_spin_us.exchange(us);
   });
   m.def("helper_spin_now() -> int", [] { return spin_policy(); });
+  m.def("set_cpus_available(int cpus) -> int", [](int64_t cpus) {
+    TORCH_CHECK(cpus >= 1, "set_cpus_available: cpus >= 1");
+    return cpus_available.exchange(cpus);
+  });
   m.def("set_small_call_threads(int threads) -> int", [](int64_t threads) {
     TORCH_CHECK(threads >= 0, "set_small_call_threads: threads >= 0 (0: torch's own count)");
     return small_call_threads.exchange(threads);

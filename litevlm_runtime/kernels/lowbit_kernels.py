@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from ..threads import available_cores
 from .cpuinfo import read_cpuinfo
 
 SOURCE = Path(__file__).with_name("lowbit_kernels.cpp")
@@ -149,6 +150,8 @@ def unavailable() -> str:
         log.warning("%s; %s", why, REFERENCE_PATH)
         return why
     _register_fakes()
+    # the helpers' spin policy compares the machine's runnable threads with the CPUs this process may use
+    torch.ops.litevlm_lowbit.set_cpus_available(available_cores())
     return ""
 
 

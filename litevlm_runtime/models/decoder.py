@@ -167,6 +167,11 @@ class LayerCall(NamedTuple):
     allowed: torch.Tensor | None = None
 
 
+def allowed_columns(call: LayerCall, mask_cache, mask_new) -> torch.Tensor:
+    """[T, L + T]: the cache's and the call's masks side by side, as run_layers made them once (call.allowed) or now."""
+    return call.allowed if call.allowed is not None else torch.cat([mask_cache, mask_new], -1)
+
+
 def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call: LayerCall = LayerCall()
            ) -> torch.Tensor:
     """q [T, Hq, D] over this call's rows k, v [T, Hkv, D] (mask_new [T, T]) and, when given, this
@@ -194,7 +199,7 @@ def attend(q, k, v, mask_new, k_cache=None, v_cache=None, mask_cache=None, call:
         t, s = q.shape[0], k_cache.shape[1]
         k_cache.narrow(1, s - t, t).copy_(k.transpose(0, 1))
         v_cache.narrow(1, s - t, t).copy_(v.transpose(0, 1))
-        allowed = call.allowed if call.allowed is not None else torch.cat([mask_cache, mask_new], -1)
+        allowed = allowed_columns(call, mask_cache, mask_new)
         if t <= FEW_ROWS:
             return attend_few_rows(q, k_cache, v_cache, allowed)
         return attend_over(q, k_cache, v_cache, allowed, call)
@@ -386,7 +391,7 @@ class DecoderLayer(nn.Module):
         if call.rows_in_cache and call.probe is None and x.shape[0] <= FEW_ROWS and on_layer_ops(x):
             step = self.step_args()
             if step is not None:                            # the layer as one kernel call (decode_layer.cpp)
-                allowed = call.allowed if call.allowed is not None else torch.cat([mask_cache, mask_new], -1)
+                allowed = allowed_columns(call, mask_cache, mask_new)
                 return lowbit_kernels.decode_layer(x, *step, k_cache, v_cache, allowed, cos, sin), None, None
         q, k, v = self.qkv(self.attn_norm(x))
         q, k = rotate(q, k, cos, sin)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -456,19 +455,23 @@ def test_rows_shared_across_threads_give_the_one_thread_result():
 @needs_kernels
 def test_helpers_wait_awake_only_where_the_cpu_has_room():
     """The helpers' spin window (lowbit_kernels.cpp, spin_policy): never beside more busy processes than
-    CPUs (re-read every 50 ms from /proc/loadavg), never when set to 0; a negative window is refused.
+    the CPUs this process may use (threads.available_cores, given at load; /proc/loadavg re-read every 50 ms),
+    never when set to 0; a negative window and a CPU count under 1 are refused.
     (Whether it spins on a quiet CPU is the machine's to say: CI's cores are shared.)"""
     from litevlm_runtime.bench.contention import Hog
+    from litevlm_runtime.threads import available_cores
 
     before = ops.set_helper_spin_us(30)
     try:
-        with Hog(len(os.sched_getaffinity(0)) + 1):
+        with Hog(available_cores() + 1):
             time.sleep(0.12)                        # past the policy's 50 ms, the hogs running
             assert [ops.helper_spin_now() for _ in range(3)] == [0, 0, 0]
         ops.set_helper_spin_us(0)
         assert ops.helper_spin_now() == 0
         with pytest.raises(RuntimeError, match="set_helper_spin_us: us >= 0"):
             ops.set_helper_spin_us(-1)
+        with pytest.raises(RuntimeError, match="set_cpus_available: cpus >= 1"):
+            ops.set_cpus_available(0)
     finally:
         ops.set_helper_spin_us(before)
 
