@@ -8,13 +8,17 @@ between calls where the CPU has room (lowbit_kernels.cpp, set_helper_spin_us), s
 
     litevlm bench --study decode_parts [--preset internvl3-2b] [--weights int4-rtn] [--threads 2]
                                         [--context 256,1780] [--steps 8] [--rounds 8] [--hog 0]
+                                        [--variants none,default]
 
 A step is bench/roofline.py's `decode_step` (the decoder over `context` cached rows through the torch
 engine, the LM head, the argmax). The variants alternate block by block, the order reversed every
 other round, so a shared machine's load hits them alike; a variant is switched by clearing the stacked
 forms (the projections then run one by one on the same buffers) and by sending the step down the
 engine's other path (the copy path that slots away from the cache's end take), so every variant runs
-code the runtime runs. --hog N: the rounds beside N busy processes (bench/contention.py).
+code the runtime runs. --hog N: the rounds beside N busy processes (bench/contention.py). Beside the wall
+time, each block's CPU time of the calling thread and of the whole process per step: beside busy processes
+the calling thread's share of the wall time is what the scheduler gave the step's critical path (the
+helpers only share the calls it hands out), and process CPU above the wall time is helpers awake.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep w
 
 # isort: split
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -70,6 +75,25 @@ class Switches:
         torch.ops.litevlm_lowbit.set_helper_spin_us(self.spin_us if awake else 0)
 
 
+def chosen_variants(spec: str | None) -> list[str]:
+    """The variants --variants names (each a whole name or a part of exactly one), in the table's order."""
+    if not spec:
+        return list(VARIANTS)
+    chosen = set()
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        hits = [n for n in VARIANTS if n == part] or [n for n in VARIANTS if part in n]
+        if len(hits) != 1:
+            raise InputError(f"--variants {part!r}: {'matches ' + ', '.join(hits) if hits else 'matches no variant'} "
+                             f"(the variants: {'; '.join(VARIANTS)})")
+        chosen.add(hits[0])
+    return [n for n in VARIANTS if n in chosen]
+
+
+def process_cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="litevlm bench --study decode_parts", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="internvl3-2b", help="random weights of this preset's shapes")
@@ -79,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=8, help="alternating blocks per variant")
     p.add_argument("--hog", type=int, default=0, help="busy processes beside every round")
+    p.add_argument("--variants", help="comma-separated variants (a part of a name will do: none,default); "
+                                      "the first is the speed-up's base")
     args = p.parse_args(argv)
+    variants = chosen_variants(args.variants)
     contexts = [int(c) for c in args.context.split(",")]
     pipe = random_pipeline(args.preset, options_from_flat({"pipeline": "baseline", "backend.threads": args.threads,
                                                            "backend.weights": args.weights,
@@ -96,19 +123,23 @@ def main(argv: list[str] | None = None) -> int:
         with Hog(args.hog), torch.inference_mode():
             for context in contexts:
                 step = decode_step(pipe.rt, context)
-                ms = {name: [] for name in VARIANTS}
+                ms = {name: [] for name in variants}
+                thread_ms, process_ms = {name: [] for name in variants}, {name: [] for name in variants}
                 for r in range(args.rounds):
-                    for name in (VARIANTS if r % 2 == 0 else reversed(VARIANTS)):
+                    for name in (variants if r % 2 == 0 else variants[::-1]):
                         switches.set(*VARIANTS[name])
                         step()                                    # warm after the switch
-                        t0 = time.perf_counter()
+                        t0, c0, p0 = time.perf_counter(), time.thread_time(), process_cpu_s()
                         for _ in range(args.steps):
                             step()
                         ms[name].append((time.perf_counter() - t0) * 1000 / args.steps)
+                        thread_ms[name].append((time.thread_time() - c0) * 1000 / args.steps)
+                        process_ms[name].append((process_cpu_s() - p0) * 1000 / args.steps)
                     print(f"[context {context}, round {r + 1}/{args.rounds}] "
                           + "  ".join(f"{n} {v[-1]:.1f} ms" for n, v in ms.items()), file=sys.stderr, flush=True)
-                base = statistics.median(ms["none"])
-                rows += [[context, name, statistics.median(v), min(v), base / statistics.median(v)]
+                base = statistics.median(ms[variants[0]])
+                rows += [[context, name, statistics.median(v), min(v), statistics.median(thread_ms[name]),
+                          statistics.median(process_ms[name]), base / statistics.median(v)]
                          for name, v in ms.items()]
     finally:
         switches.set(True, True, True, True, True)
@@ -116,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.preset} (random weights) decode step, {args.weights}, {args.threads} thread(s), beside {args.hog} "
           f"busy process(es); {args.rounds} alternating blocks of {args.steps} steps per variant; 1-min load "
           f"{load_before} -> {load_after}\n")
-    print(table(["context", "variant", "p50 ms/step", "min ms/step", "speed-up vs none"], rows))
+    print(table(["context", "variant", "p50 ms/step", "min ms/step", "calling thread CPU ms/step",
+                 "process CPU ms/step", f"speed-up vs {variants[0]}"], rows))
     return 0
 
 
