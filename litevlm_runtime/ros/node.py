@@ -50,7 +50,7 @@ from ..weights.integrity import integrity_label, require_manifest_error
 from .camera_readers import CameraReaders
 from .convert import request_from_query, request_from_question
 from .diagnostics import CameraMonitor, diagnostic_array
-from .memory import release_memory
+from .memory import release_memory, rss_mb
 from .messages import partial_to_msg, record_to_msg, time_of
 from .parameters import (
     NODE_NAME,
@@ -74,6 +74,10 @@ QUERY_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPo
 EXPLANATION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 # Queries taken from a reader in one callback, at most (DriveNode._on_queries).
 QUERY_BATCH = 64
+# How long a stop during configure (a lifecycle shutdown here, SIGINT in runner.py) waits for the load
+# to give up (serving/cancel.py) before it goes on without it: inside launch's 5 s SIGTERM timeout,
+# and within the 3 s a stop may take (docs/ros.md).
+CONFIGURE_GIVE_UP_S = 1.0
 
 
 def model_label(model_dir: str) -> str:
@@ -234,8 +238,9 @@ class DriveNode(LifecycleNodeMixin, Node):
                 raise CheckpointError(refused)
             return Pipeline.from_pretrained(model_dir, options)
         try:
-            with self.configure_scope.running():
-                self.server.load(factory, warmup=settings.warmup)
+            # on a thread of its own, which a stop interrupts (serving/cancel.py); this one waits
+            self.configure_scope.run(lambda: self.server.load(factory, warmup=settings.warmup),
+                                     name="litevlm-configure")
         except Cancelled as exc:
             return self._configure_cancelled(str(exc))
         except Exception as exc:  # noqa: BLE001 - the node stays up and says why in every answer
@@ -266,7 +271,12 @@ class DriveNode(LifecycleNodeMixin, Node):
         seconds = time.monotonic() - self.configure_scope.started
         self.server.pipeline = None
         self.config_error = f"configure cancelled ({why})"
-        freed = release_memory()
+        if self.configure_scope.abandoned:
+            # its thread still holds what it built, and the process is ending: a collection and a
+            # trim would free nothing and cost the stop's budget (0.6 s at 18 GB)
+            freed = f"{rss_mb():.0f} MB, held by the abandoned load until the process ends"
+        else:
+            freed = release_memory()
         self.get_logger().warning(f"configure cancelled ({why}) after {seconds:.1f} s of loading; the model is "
                                   f"not loaded (RSS {freed})")
         return TransitionCallbackReturn.FAILURE
@@ -300,7 +310,12 @@ class DriveNode(LifecycleNodeMixin, Node):
             if not (wants_shutdown and self.state == "configuring"):
                 return rcl_change(req, resp)
             self.get_logger().warning("configure cancelled (lifecycle shutdown during configure): the model load stops")
-            self.configure_scope.cancel_and_wait("lifecycle shutdown during configure", timeout_s=60.0)
+            why = "lifecycle shutdown during configure"
+            if not self.configure_scope.cancel_and_wait(why, timeout_s=CONFIGURE_GIVE_UP_S):
+                # inside one long call (a shard's read, a finite check of GBs): shut down without it
+                self.get_logger().warning(f"configure cancelled: the load is still inside one call after "
+                                          f"{CONFIGURE_GIVE_UP_S:.1f} s; shutting down without waiting for it")
+                self.configure_scope.abandon()
             end = time.monotonic() + 10.0
             while self.state == "configuring" and time.monotonic() < end:   # rcl's transition out of it
                 time.sleep(0.01)

@@ -26,7 +26,7 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 
 from .dds_env import use_node_profile_if_none, use_profile_memory_policy
-from .node import DriveNode
+from .node import CONFIGURE_GIVE_UP_S, DriveNode
 from .parameters import NODE_NAME
 from .topics import SHIPPED_REMAPS
 
@@ -54,9 +54,8 @@ EXECUTOR_THREADS = 4
 # The longest any wait of the main thread lasts: a signal's handler runs only on the main thread,
 # between bytecodes, so a C call that blocks it (a DDS wait) delays the handler by its length.
 SLICE_S = 0.05
-# How long a stop waits for a configure in progress to give up (serving/cancel.py) before it goes
-# on without it: the process ends, the load with it.
-CANCEL_WAIT_S = 1.5
+# How long a stop waits for a configure in progress to give up (node.py) before it goes on without it.
+CANCEL_WAIT_S = CONFIGURE_GIVE_UP_S
 # Of the drain's deadline (drain_timeout_s), what the running query leaves at least for the answers'
 # acknowledgements.
 ACK_RESERVE_S = 0.5
@@ -173,6 +172,7 @@ class Drain:
                                                     between=self.spin):
             node.get_logger().warning(f"configure cancelled: the load is still inside one call after "
                                       f"{CANCEL_WAIT_S:.1f} s; the process ends without waiting for it")
+            node.configure_scope.abandon()      # configure returns; the load's thread ends with the process
 
     def drain_server(self) -> None:
         """The server stops intake and drains (server.shutdown: queued queries answered shutting_down
