@@ -281,6 +281,17 @@ class DriveNode(LifecycleNodeMixin, Node):
                                   f"not loaded (RSS {freed})")
         return TransitionCallbackReturn.FAILURE
 
+    def stop_configure(self, why: str, timeout_s: float, between=None) -> None:
+        """A stop during configure (`why`: the signal, or "lifecycle shutdown"): the load gives up
+        (serving/cancel.py) within `timeout_s` (`between()`: called while waiting); if it is inside one
+        long call that long (a shard's read, a finite check of GBs), configure returns without it and
+        the stop goes on: the process ends, and the load with it."""
+        self.get_logger().warning(f"configure cancelled ({why} during configure): the model load stops")
+        if not self.configure_scope.cancel_and_wait(why, timeout_s, between=between):
+            self.get_logger().warning(f"configure cancelled: the load is still inside one call after {timeout_s:.1f} "
+                                      f"s; going on without waiting for it (the process ends)")
+            self.configure_scope.abandon()
+
     # ---- lifecycle shutdown while configure runs ----
     def _shutdown_while_configuring(self) -> None:
         """`ros2 lifecycle set NODE shutdown` during configure. rcl's state machine has no
@@ -309,13 +320,7 @@ class DriveNode(LifecycleNodeMixin, Node):
                                                                      and req.transition.id in shutdowns)
             if not (wants_shutdown and self.state == "configuring"):
                 return rcl_change(req, resp)
-            self.get_logger().warning("configure cancelled (lifecycle shutdown during configure): the model load stops")
-            why = "lifecycle shutdown during configure"
-            if not self.configure_scope.cancel_and_wait(why, timeout_s=CONFIGURE_GIVE_UP_S):
-                # inside one long call (a shard's read, a finite check of GBs): shut down without it
-                self.get_logger().warning(f"configure cancelled: the load is still inside one call after "
-                                          f"{CONFIGURE_GIVE_UP_S:.1f} s; shutting down without waiting for it")
-                self.configure_scope.abandon()
+            self.stop_configure("lifecycle shutdown", CONFIGURE_GIVE_UP_S)
             end = time.monotonic() + 10.0
             while self.state == "configuring" and time.monotonic() < end:   # rcl's transition out of it
                 time.sleep(0.01)

@@ -54,8 +54,6 @@ EXECUTOR_THREADS = 4
 # The longest any wait of the main thread lasts: a signal's handler runs only on the main thread,
 # between bytecodes, so a C call that blocks it (a DDS wait) delays the handler by its length.
 SLICE_S = 0.05
-# How long a stop waits for a configure in progress to give up (node.py) before it goes on without it.
-CANCEL_WAIT_S = CONFIGURE_GIVE_UP_S
 # Of the drain's deadline (drain_timeout_s), what the running query leaves at least for the answers'
 # acknowledgements.
 ACK_RESERVE_S = 0.5
@@ -161,18 +159,11 @@ class Drain:
         self.signals.log_new(self.node.get_logger())
 
     def cancel_configure(self) -> None:
-        """A configure in progress gives up (serving/cancel.py) within CANCEL_WAIT_S; if it is in a
-        call that long, the stop goes on without it (the process ends, and the load with it)."""
-        node = self.node
-        if not node.configure_scope.active:
-            return
-        why = self.signals.first or "lifecycle shutdown"
-        node.get_logger().warning(f"configure cancelled ({why} during configure): the model load stops")
-        if not node.configure_scope.cancel_and_wait(why, min(CANCEL_WAIT_S, self.left() or CANCEL_WAIT_S),
-                                                    between=self.spin):
-            node.get_logger().warning(f"configure cancelled: the load is still inside one call after "
-                                      f"{CANCEL_WAIT_S:.1f} s; the process ends without waiting for it")
-            node.configure_scope.abandon()      # configure returns; the load's thread ends with the process
+        """A configure in progress gives up within CONFIGURE_GIVE_UP_S (less where the deadline is
+        nearer), or the stop goes on without it (DriveNode.stop_configure)."""
+        if self.node.configure_scope.active:
+            self.node.stop_configure(self.signals.first or "lifecycle shutdown",
+                                     min(CONFIGURE_GIVE_UP_S, self.left() or CONFIGURE_GIVE_UP_S), between=self.spin)
 
     def drain_server(self) -> None:
         """The server stops intake and drains (server.shutdown: queued queries answered shutting_down

@@ -41,7 +41,7 @@ T = TypeVar("T")
 # How long after an interrupt `cancel` sends another, for a work thread that dropped it (a bare
 # `except BaseException` in a library, or a __del__ it landed in): one interrupt at a time, so that a
 # library's cleanup on the way out (a lock's release in a `finally`) is not cut short by the next;
-# well inside the node's 1.5 s wait for a configure to give up (ros/runner.py).
+# inside the node's 1 s wait for a configure to give up (ros/node.py, CONFIGURE_GIVE_UP_S).
 RESEND_S = 0.5
 
 
