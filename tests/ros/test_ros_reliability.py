@@ -5,6 +5,7 @@ stamped in the future."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -230,7 +231,11 @@ def test_stamped_questions_and_a_flood_get_the_frames_of_their_stamps_twice_alik
         for key in ("back2", "back3"):
             assert out[key][0] == "ok", out[key]
         status, _, message = out["back10"]
-        assert status == "too_old" and "stamped 10.0" in message and "frame_window_s 5" in message, out["back10"]
+        # the age is the node's clock at matching minus the stamp: 10 s plus however long the question
+        # waited (0.17 s on a loaded CI machine), so only its lower bound is the node's behaviour
+        said_age = re.search(r"stamped (\d+\.\d+) s ago", message)
+        assert status == "too_old" and said_age and float(said_age.group(1)) >= 10.0, out["back10"]
+        assert "frame_window_s 5" in message, out["back10"]
         flood = Counter(out[f"f{i}"][0] for i in range(1000))
         odd = [(i, out[f"f{i}"]) for i in range(1000) if out[f"f{i}"][0] not in ("ok", "older_set", "queue_full")]
         assert set(flood) <= {"ok", "older_set", "queue_full"} and flood["ok"] >= 4, (flood, odd[:3], tag)
