@@ -3,6 +3,8 @@ and the runtime left with every change on. Behaviour only: the figures themselve
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from litevlm_runtime.bench.studies import decode_parts
@@ -16,6 +18,7 @@ from litevlm_runtime.models import decoder
 def test_every_variant_at_every_context_and_the_default_restored(capsys):
     follows_live, on_layer_ops = torch_engine.follows_live, decoder.on_layer_ops
     step_args = decoder.DecoderLayer.step_args
+    cpus = os.sched_getaffinity(0)
     assert decode_parts.main(["--preset", "tiny-qwen3", "--threads", "1", "--context", "20,40",
                                    "--steps", "1", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
@@ -30,6 +33,7 @@ def test_every_variant_at_every_context_and_the_default_restored(capsys):
     assert all(0 < float(r[-3]) <= float(r[-2]) * 1.05 + 0.05 for r in rows)
     assert torch_engine.follows_live is follows_live and decoder.on_layer_ops is on_layer_ops
     assert decoder.DecoderLayer.step_args is step_args
+    assert os.sched_getaffinity(0) == cpus             # "on one CPU" frees the threads after its block
 
 
 @pytest.mark.skipif(not lowbit_kernels.load(), reason="low-bit CPU kernels not built here: nothing is stacked")
@@ -53,3 +57,17 @@ def test_a_variant_that_names_none_or_several_is_refused_naming_them(spec, says)
 def test_a_float_form_has_nothing_to_stack_and_says_so():
     with pytest.raises(InputError, match="--weights float: no projections stacked"):
         decode_parts.main(["--preset", "tiny-qwen3", "--weights", "float", "--threads", "1", "--rounds", "1"])
+
+
+def test_holding_every_thread_to_the_callers_cpu_and_freeing_them():
+    cpus = os.sched_getaffinity(0)
+    here = decode_parts.current_cpu()
+    assert here in cpus
+    try:
+        decode_parts.hold_threads({here})
+        held = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+        assert held and all(v == {here} for v in held.values())
+        assert decode_parts.current_cpu() == here
+    finally:
+        decode_parts.hold_threads(cpus)
+    assert all(os.sched_getaffinity(int(t)) == cpus for t in os.listdir("/proc/self/task"))

@@ -19,6 +19,9 @@ code the runtime runs. --hog N: the rounds beside N busy processes (bench/conten
 time, each block's CPU time of the calling thread and of the whole process per step: beside busy processes
 the calling thread's share of the wall time is what the scheduler gave the step's critical path (the
 helpers only share the calls it hands out), and process CPU above the wall time is helpers awake.
+The variant "all, on one CPU" is the default with every thread of the process held to the CPU the
+calling thread is on (and freed after its block): the step's one-core work, and beside busy processes
+what the step takes when the process has one CPU to itself rather than its share in pieces.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import litevlm_runtime  # noqa: F401 - before torch, so that its threads sleep w
 
 # isort: split
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -44,14 +48,17 @@ from litevlm_runtime.models import decoder
 from litevlm_runtime.options import options_from_flat
 from litevlm_runtime.report import table
 
-VARIANTS = {"none": (False, False, False, False, False),
-            "stacked projections": (True, False, False, False, False),
-            "rows in the cache": (False, True, False, False, False),
-            "layer operators": (False, False, True, False, False),
-            "all but layer operators": (True, True, False, False, True),
-            "all but one call a layer": (True, True, True, False, True),
-            "all but helpers awake": (True, True, True, True, False),
-            "all (the default)": (True, True, True, True, True)}
+# the five changes on or off, and whether the process's threads are held to one CPU (not a change: a probe)
+VARIANTS = {"none": (False, False, False, False, False, False),
+            "stacked projections": (True, False, False, False, False, False),
+            "rows in the cache": (False, True, False, False, False, False),
+            "layer operators": (False, False, True, False, False, False),
+            "all but layer operators": (True, True, False, False, True, False),
+            "all but one call a layer": (True, True, True, False, True, False),
+            "all but helpers awake": (True, True, True, True, False, False),
+            "all (the default)": (True, True, True, True, True, False),
+            "all, on one CPU": (True, True, True, True, True, True)}
+ALL_ON = VARIANTS["all (the default)"]
 
 
 class Switches:
@@ -65,14 +72,31 @@ class Switches:
         self.step_args = decoder.DecoderLayer.step_args
         self.spin_us = torch.ops.litevlm_lowbit.set_helper_spin_us(0)
         torch.ops.litevlm_lowbit.set_helper_spin_us(self.spin_us)
+        self.cpus = os.sched_getaffinity(0)
 
-    def set(self, stacked: bool, in_cache: bool, layer_ops: bool, one_call: bool, awake: bool) -> None:
+    def set(self, stacked: bool, in_cache: bool, layer_ops: bool, one_call: bool, awake: bool,
+            one_cpu: bool) -> None:
         for first, fused in self.stacked:
             first.fused = fused if stacked else None
         torch_engine.follows_live = self.follows_live if in_cache else (lambda *_: False)
         decoder.on_layer_ops = self.on_layer_ops if layer_ops else (lambda _: False)
         decoder.DecoderLayer.step_args = self.step_args if one_call else (lambda _: None)
         torch.ops.litevlm_lowbit.set_helper_spin_us(self.spin_us if awake else 0)
+        hold_threads({current_cpu()} if one_cpu else self.cpus)
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on now (/proc's stat field 39: Python's os has no sched_getcpu)."""
+    return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+
+
+def hold_threads(cpus: set[int]) -> None:
+    """Every thread of this process (the kernels' helpers and torch's pool too) allowed only `cpus`."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):    # a thread that ended meanwhile
+            pass
 
 
 def chosen_variants(spec: str | None) -> list[str]:
@@ -142,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                           statistics.median(process_ms[name]), base / statistics.median(v)]
                          for name, v in ms.items()]
     finally:
-        switches.set(True, True, True, True, True)
+        switches.set(*ALL_ON)
     load_after = Path("/proc/loadavg").read_text().split()[0]
     print(f"\n{args.preset} (random weights) decode step, {args.weights}, {args.threads} thread(s), beside {args.hog} "
           f"busy process(es); {args.rounds} alternating blocks of {args.steps} steps per variant; 1-min load "
