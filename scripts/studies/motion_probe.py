@@ -6,7 +6,11 @@ frame sets, as the pipeline's vision stage makes it (its own preprocessing: the 
 bicubically to one tile, normalized; `InternVL.encode_images`). Linear probes (L2 logistic regression, 5 folds
 grouped by scene) then predict the ground truth's `moving` from: the newest token alone (appearance),
 the newest token plus its differences to the oldest and previous sets (what a model that compares
-sets could use), and the temporal token selection's change score with the ego's state. Split by
+sets could use), the temporal token selection's change score with the ego's state, and token
+matching: where the object's newest token is found again in each older set (the most similar token
+within MATCH_RADIUS cells) against where its neighbours' tokens are found (the background's shift,
+which the ego's own motion makes), with the ego's state: what a decoder attending across cells
+could compute, rather than comparing a cell with itself. Split by
 whether the ego moves: with the ego moving every cell changes, and a probe that gains nothing there
 says the tokens, not the decoder's training, are what limits a model that is to answer from time.
 
@@ -32,6 +36,7 @@ from litevlm_runtime.stages.temporal import token_change
 from litevlm_runtime.weights.checkpoint import load_model
 
 FOLDS = 5
+MATCH_RADIUS = 2        # cells a token is looked for around its own place in an older set
 
 
 def tile_pixels(path: Path, camera: str, tile: int, normalize: Normalizer) -> torch.Tensor:
@@ -42,7 +47,41 @@ def tile_pixels(path: Path, camera: str, tile: int, normalize: Normalizer) -> to
     return normalize(pixels_u8)[0]
 
 
-def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
+def token_matching(feats: torch.Tensor, grid: int, cell: int) -> np.ndarray:
+    """feats [K, T, D] of one camera over K sets (oldest first), T = grid x grid tokens. For each older
+    set: the object's cell's cosine similarity to the same cell, its best match's similarity and shift
+    (cells, x and y) within MATCH_RADIUS, the median shift of the other cells within MATCH_RADIUS of it
+    (the background's), and the object's shift less the background's: [8 x (K - 1)]."""
+    unit = torch.nn.functional.normalize(feats.float(), dim=-1)
+    ys, xs = torch.div(torch.arange(grid * grid), grid, rounding_mode="floor"), torch.arange(grid * grid) % grid
+    dx, dy = xs[None, :] - xs[:, None], ys[None, :] - ys[:, None]               # [new cell, old cell]
+    near = (dx.abs() <= MATCH_RADIUS) & (dy.abs() <= MATCH_RADIUS)
+    cy, cx = divmod(cell, grid)
+    around = ((ys - cy).abs() <= MATCH_RADIUS) & ((xs - cx).abs() <= MATCH_RADIUS)
+    around[cell] = False
+    out = []
+    for older in unit[:-1]:
+        sim = (unit[-1] @ older.T).masked_fill(~near, -2.0)                     # [T new, T old]
+        best = sim.argmax(1)
+        shift_x = dx.gather(1, best[:, None])[:, 0].float()
+        shift_y = dy.gather(1, best[:, None])[:, 0].float()
+        bg_x, bg_y = shift_x[around].median().item(), shift_y[around].median().item()
+        out += [sim[cell, cell].item(), sim[cell, best[cell]].item(), shift_x[cell].item(), shift_y[cell].item(),
+                bg_x, bg_y, shift_x[cell].item() - bg_x, shift_y[cell].item() - bg_y]
+    return np.array(out, dtype=float)
+
+
+def pixel_cells(pixels: torch.Tensor, grid: int) -> torch.Tensor:
+    """pixels [K, 3, tile, tile] as the grid x grid cells' raw pixels, [K, grid * grid, 3 * cell * cell]: the
+    tokens' places without the vision tower (--pixels), to tell what the tower loses from what the grid
+    cannot hold."""
+    k, c, tile, _ = pixels.shape
+    cell = tile // grid
+    return (pixels.reshape(k, c, grid, cell, grid, cell).permute(0, 2, 4, 1, 3, 5)
+            .reshape(k, grid * grid, c * cell * cell))
+
+
+def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) -> list[dict]:
     """Per object: scene, labels, the ego's state, its token over the K sets and the change score."""
     truth = json.loads((data / "ground_truth.json").read_text())
     normalize = Normalizer(torch.float32, torch.device("cpu"))
@@ -55,7 +94,8 @@ def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
                 files = sorted((data / "samples" / cam).glob(f"*-{g['index']:06d}__{cam}__*.jpg"))   # oldest first
                 with torch.inference_mode():
                     pixels = torch.stack([tile_pixels(f, cam, tile, normalize) for f in files])
-                    feats[cam] = model.encode_images(pixels)                                  # [K, T, D]
+                    feats[cam] = (pixel_cells(pixels, pixels_grid) if pixels_grid
+                                  else model.encode_images(pixels))                          # [K, T, D]
             grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
             width, height = g["image_size"]
             cx, cy = obj["cameras"][cam]["centre"]
@@ -63,7 +103,9 @@ def object_rows(data: Path, model, tile: int, limit: int) -> list[dict]:
             f = feats[cam][:, cell, :].float().numpy()
             rows.append({"scene": n, "moving": obj["motion"]["moving"], "ego_moving": g["ego"]["speed_mps"] > 0.5,
                          "newest": f[-1], "differences": np.concatenate([f[-1] - f[0], f[-1] - f[-2]]),
-                         "change": float(token_change(feats[cam][0], feats[cam][-1])[cell])})
+                         "change": float(token_change(feats[cam][0], feats[cam][-1])[cell]),
+                         "matching": token_matching(feats[cam], grid, cell),
+                         "ego_speed": g["ego"]["speed_mps"]})
     return rows
 
 
@@ -105,23 +147,29 @@ def main() -> None:
     ap.add_argument("--scenes", type=int, default=400)
     ap.add_argument("--tile", type=int, default=224,
                     help="tile size in pixels (the position embedding interpolated, as InternViT does)")
+    ap.add_argument("--pixels", type=int, default=0, metavar="GRID",
+                    help="probe the raw pixels of a GRID x GRID grid of cells instead of the tokens")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model).eval()
-    rows = [r for r in object_rows(args.data, model, args.tile, args.scenes) if r["moving"] is not None]
+    rows = [r for r in object_rows(args.data, model, args.tile, args.scenes, args.pixels) if r["moving"] is not None]
     y = np.array([r["moving"] for r in rows], dtype=float)
     groups = np.array([r["scene"] for r in rows])
     ego = np.array([r["ego_moving"] for r in rows])
     newest = np.stack([r["newest"] for r in rows])
     both = np.concatenate([newest, np.stack([r["differences"] for r in rows])], 1)
     change = np.array([[r["change"], r["ego_moving"]] for r in rows], dtype=float)
-    print(f"\n{len(rows)} objects over {len(set(groups))} scenes of {args.data}; tokens of {args.model}")
-    print("| objects | n | majority | newest token | + differences to older sets | change score + ego state |")
-    print("|---|---|---|---|---|---|")
+    matching = np.stack([np.concatenate([r["matching"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
+    source = (f"raw pixels, {args.pixels} x {args.pixels} cells of a {args.tile} px tile" if args.pixels
+              else f"tokens of {args.model}")
+    print(f"\n{len(rows)} objects over {len(set(groups))} scenes of {args.data}; {source}")
+    print("| objects | n | majority | newest token | + differences to older sets | change score + ego state "
+          "| token matching + ego state |")
+    print("|---|---|---|---|---|---|---|")
     for name, m in (("all", np.ones(len(y), bool)), ("ego stopped", ~ego), ("ego moving", ego)):
         share = y[m].mean()
-        cells = [grouped_accuracy(x[m], y[m], groups[m]) for x in (newest, both, change)]
+        cells = [grouped_accuracy(x[m], y[m], groups[m]) for x in (newest, both, change, matching)]
         print(f"| {name} | {m.sum()} | {max(share, 1 - share):.3f} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 
