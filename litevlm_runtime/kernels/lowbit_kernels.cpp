@@ -514,6 +514,11 @@ int64_t spin_policy() {
 // copy) on one thread, as lowbit.py's small_ops_on_one_thread does, and these kernels on several.
 std::atomic<int64_t> small_call_threads{0};
 
+// What callers of the row pool waited, after their own chunks, for chunks a helper had taken and not
+// finished (row_pool_waits): beside busy processes a helper the scheduler puts aside while it holds a
+// chunk keeps the caller waiting until it runs again; this says how much of a step that is.
+std::atomic<int64_t> pool_calls{0}, pool_waits{0}, pool_wait_ns{0};
+
 // The helpers of the small-call kernels, used instead of an OpenMP region (use_row_pool). Why our
 // own: an OpenMP region ends at a barrier that waits for every thread of its team, also one that
 // has not started yet; beside busy processes a woken thread can wait a scheduler slice for a core,
@@ -549,8 +554,15 @@ class RowPool {
     int64_t mine = 0;
     for (int64_t c; (c = claim(gen_)) >= 0; ++mine) work(c);
     // what is left was taken by helpers that are running it: wait for them, no longer
-    for (int spins = 0; done_.load(std::memory_order_acquire) + mine < chunks; ++spins) {
-      if (spins < 2000) _mm_pause(); else std::this_thread::yield();
+    pool_calls.fetch_add(1, std::memory_order_relaxed);
+    if (done_.load(std::memory_order_acquire) + mine < chunks) {
+      const auto waited_from = std::chrono::steady_clock::now();
+      for (int spins = 0; done_.load(std::memory_order_acquire) + mine < chunks; ++spins) {
+        if (spins < 2000) _mm_pause(); else std::this_thread::yield();
+      }
+      pool_waits.fetch_add(1, std::memory_order_relaxed);
+      pool_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - waited_from).count(), std::memory_order_relaxed);
     }
   }
 
@@ -1651,6 +1663,10 @@ TORCH_LIBRARY(litevlm_lowbit, m) {
     return helper_spin_us.exchange(us);
   });
   m.def("helper_spin_now() -> int", [] { return spin_policy(); });
+  // [calls shared with helpers, calls whose caller waited for a helper's chunk, ns waited], then zeroed
+  m.def("row_pool_waits() -> int[]", [] {
+    return std::vector<int64_t>{pool_calls.exchange(0), pool_waits.exchange(0), pool_wait_ns.exchange(0)};
+  });
   m.def("set_cpus_available(int cpus) -> int", [](int64_t cpus) {
     TORCH_CHECK(cpus >= 1, "set_cpus_available: cpus >= 1");
     return cpus_available.exchange(cpus);

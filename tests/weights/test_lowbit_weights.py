@@ -476,6 +476,29 @@ def test_helpers_wait_awake_only_where_the_cpu_has_room():
         ops.set_helper_spin_us(before)
 
 
+@needs_kernels
+def test_row_pool_waits_count_the_shared_calls_and_are_zeroed_when_read():
+    """row_pool_waits: [calls shared with helpers, calls whose caller waited for a helper's chunk, ns
+    waited], zeroed by each read; a call on one thread is never shared."""
+    w, x = weights(2104, 2048), torch.randn(1, 2048)
+    q8 = quantize_int8(w)                                          # 4.3 MB: shared on 2 threads
+    threads = torch.get_num_threads()
+    try:
+        ops.use_row_pool(True)
+        torch.set_num_threads(1)
+        ops.row_pool_waits()
+        ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20)
+        assert list(ops.row_pool_waits()) == [0, 0, 0]
+        torch.set_num_threads(2)
+        for _ in range(5):
+            ops.int8_linear(x, q8.codes, q8.scales, GEMV_MAX_ROWS, 1 << 20)
+        calls, waits, wait_ns = ops.row_pool_waits()
+        assert calls == 5 and 0 <= waits <= calls and wait_ns >= 0 and (wait_ns > 0) == (waits > 0)
+        assert list(ops.row_pool_waits()) == [0, 0, 0]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _calls_in_a_child(x, q4, q8, h, t4):
     torch.set_num_threads(2)
     return [ops.int4_linear(x, q4.codes, q4.scales, q4.zeros, None, 128, GEMV_MAX_ROWS, 1 << 20),

@@ -19,6 +19,9 @@ code the runtime runs. --hog N: the rounds beside N busy processes (bench/conten
 time, each block's CPU time of the calling thread and of the whole process per step: beside busy processes
 the calling thread's share of the wall time is what the scheduler gave the step's critical path (the
 helpers only share the calls it hands out), and process CPU above the wall time is helpers awake.
+Then what the calling thread waited per step, after its own chunks, for chunks a helper had taken and
+not finished (the kernels' row_pool_waits), and the share of shared calls it waited in: beside busy
+processes a helper put aside while it holds a chunk holds the step until it runs again.
 The variant "all, on one CPU" is the default with every thread of the process held to the CPU the
 calling thread is on (and freed after its block): the step's one-core work, and beside busy processes
 what the step takes when the process has one CPU to itself rather than its share in pieces.
@@ -149,13 +152,18 @@ def main(argv: list[str] | None = None) -> int:
                 step = decode_step(pipe.rt, context)
                 ms = {name: [] for name in variants}
                 thread_ms, process_ms = {name: [] for name in variants}, {name: [] for name in variants}
+                wait_ms, waited = {name: [] for name in variants}, {name: [] for name in variants}
                 for r in range(args.rounds):
                     for name in (variants if r % 2 == 0 else variants[::-1]):
                         switches.set(*VARIANTS[name])
                         step()                                    # warm after the switch
+                        torch.ops.litevlm_lowbit.row_pool_waits()          # (zeroes the counts)
                         t0, c0, p0 = time.perf_counter(), time.thread_time(), process_cpu_s()
                         for _ in range(args.steps):
                             step()
+                        calls, waits, wait_ns = torch.ops.litevlm_lowbit.row_pool_waits()
+                        wait_ms[name].append(wait_ns / 1e6 / args.steps)
+                        waited[name].append(waits / calls if calls else 0.0)
                         ms[name].append((time.perf_counter() - t0) * 1000 / args.steps)
                         thread_ms[name].append((time.thread_time() - c0) * 1000 / args.steps)
                         process_ms[name].append((process_cpu_s() - p0) * 1000 / args.steps)
@@ -163,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                           + "  ".join(f"{n} {v[-1]:.1f} ms" for n, v in ms.items()), file=sys.stderr, flush=True)
                 base = statistics.median(ms[variants[0]])
                 rows += [[context, name, statistics.median(v), min(v), statistics.median(thread_ms[name]),
-                          statistics.median(process_ms[name]), base / statistics.median(v)]
+                          statistics.median(process_ms[name]), statistics.median(wait_ms[name]),
+                          f"{statistics.median(waited[name]):.0%}", base / statistics.median(v)]
                          for name, v in ms.items()]
     finally:
         switches.set(*ALL_ON)
@@ -172,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
           f"busy process(es); {args.rounds} alternating blocks of {args.steps} steps per variant; 1-min load "
           f"{load_before} -> {load_after}\n")
     print(table(["context", "variant", "p50 ms/step", "min ms/step", "calling thread CPU ms/step",
-                 "process CPU ms/step", f"speed-up vs {variants[0]}"], rows))
+                 "process CPU ms/step", "waited for helpers ms/step", "shared calls waited",
+                 f"speed-up vs {variants[0]}"], rows))
     return 0
 
 
