@@ -47,24 +47,32 @@ def tile_pixels(path: Path, camera: str, tile: int, normalize: Normalizer) -> to
     return normalize(pixels_u8)[0]
 
 
-def token_matching(feats: torch.Tensor, grid: int, cell: int) -> np.ndarray:
+def best_matches(feats: torch.Tensor, grid: int) -> list[tuple[torch.Tensor, ...]]:
     """feats [K, T, D] of one camera over K sets (oldest first), T = grid x grid tokens. For each older
-    set: the object's cell's cosine similarity to the same cell, its best match's similarity and shift
-    (cells, x and y) within MATCH_RADIUS, the median shift of the other cells within MATCH_RADIUS of it
-    (the background's), and the object's shift less the background's: [8 x (K - 1)]."""
+    set, every newest token's best match within MATCH_RADIUS cells: (cosine similarities [T new, T old],
+    the match [T], its shift in cells x and y [T]). Once per camera: its objects read their cells."""
     unit = torch.nn.functional.normalize(feats.float(), dim=-1)
     ys, xs = torch.div(torch.arange(grid * grid), grid, rounding_mode="floor"), torch.arange(grid * grid) % grid
     dx, dy = xs[None, :] - xs[:, None], ys[None, :] - ys[:, None]               # [new cell, old cell]
     near = (dx.abs() <= MATCH_RADIUS) & (dy.abs() <= MATCH_RADIUS)
-    cy, cx = divmod(cell, grid)
-    around = ((ys - cy).abs() <= MATCH_RADIUS) & ((xs - cx).abs() <= MATCH_RADIUS)
-    around[cell] = False
     out = []
     for older in unit[:-1]:
         sim = (unit[-1] @ older.T).masked_fill(~near, -2.0)                     # [T new, T old]
         best = sim.argmax(1)
-        shift_x = dx.gather(1, best[:, None])[:, 0].float()
-        shift_y = dy.gather(1, best[:, None])[:, 0].float()
+        out.append((sim, best, dx.gather(1, best[:, None])[:, 0].float(), dy.gather(1, best[:, None])[:, 0].float()))
+    return out
+
+
+def token_matching(matches: list[tuple[torch.Tensor, ...]], grid: int, cell: int) -> np.ndarray:
+    """For each older set (best_matches): the object's cell's cosine similarity to the same cell, its best
+    match's similarity and shift (cells, x and y), the median shift of the other cells within MATCH_RADIUS
+    of it (the background's), and the object's shift less the background's: [8 x (K - 1)]."""
+    ys, xs = torch.div(torch.arange(grid * grid), grid, rounding_mode="floor"), torch.arange(grid * grid) % grid
+    cy, cx = divmod(cell, grid)
+    around = ((ys - cy).abs() <= MATCH_RADIUS) & ((xs - cx).abs() <= MATCH_RADIUS)
+    around[cell] = False
+    out = []
+    for sim, best, shift_x, shift_y in matches:
         bg_x, bg_y = shift_x[around].median().item(), shift_y[around].median().item()
         out += [sim[cell, cell].item(), sim[cell, best[cell]].item(), shift_x[cell].item(), shift_y[cell].item(),
                 bg_x, bg_y, shift_x[cell].item() - bg_x, shift_y[cell].item() - bg_y]
@@ -87,7 +95,7 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) 
     normalize = Normalizer(torch.float32, torch.device("cpu"))
     rows = []
     for n, g in enumerate(tqdm(list(truth.values())[:limit], desc="scenes", unit="scene")):
-        feats = {}
+        feats, matches = {}, {}
         for obj in g["objects"]:
             cam = obj["camera"]
             if cam not in feats:
@@ -97,6 +105,8 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) 
                     feats[cam] = (pixel_cells(pixels, pixels_grid) if pixels_grid
                                   else model.encode_images(pixels))                          # [K, T, D]
             grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
+            if cam not in matches:
+                matches[cam] = best_matches(feats[cam], grid)
             width, height = g["image_size"]
             cx, cy = obj["cameras"][cam]["centre"]
             cell = min(grid - 1, int(cy / height * grid)) * grid + min(grid - 1, int(cx / width * grid))
@@ -104,7 +114,7 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) 
             rows.append({"scene": n, "moving": obj["motion"]["moving"], "ego_moving": g["ego"]["speed_mps"] > 0.5,
                          "newest": f[-1], "differences": np.concatenate([f[-1] - f[0], f[-1] - f[-2]]),
                          "change": float(token_change(feats[cam][0], feats[cam][-1])[cell]),
-                         "matching": token_matching(feats[cam], grid, cell),
+                         "matching": token_matching(matches[cam], grid, cell),
                          "ego_speed": g["ego"]["speed_mps"]})
     return rows
 
