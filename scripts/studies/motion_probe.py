@@ -36,6 +36,7 @@ from litevlm_runtime.stages.temporal import token_change
 from litevlm_runtime.weights.checkpoint import load_model
 
 FOLDS = 5
+FLOW_FEATURES = 14      # flow_features' numbers per older set
 MATCH_RADIUS = 2        # cells a token is looked for around its own place in an older set
 
 
@@ -89,13 +90,52 @@ def pixel_cells(pixels: torch.Tensor, grid: int) -> torch.Tensor:
             .reshape(k, grid * grid, c * cell * cell))
 
 
-def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) -> list[dict]:
+def camera_flows(files: list[Path], width: int) -> list[np.ndarray]:
+    """Dense optical flow (OpenCV's Farneback) from the newest frame to each older one, the frames
+    grey and resized to `width` px wide: for each newest pixel, where it was in that set, [H, W, 2] each
+    (oldest first). Motion finer than the token grid (--flow), to tell whether it holds the object's."""
+    import cv2  # opencv-python-headless, the project's image library
+
+    grey = []
+    for f in files:
+        img = cv2.imread(str(f), cv2.IMREAD_GRAYSCALE)
+        grey.append(cv2.resize(img, (width, round(img.shape[0] * width / img.shape[1])), interpolation=cv2.INTER_AREA))
+    return [cv2.calcOpticalFlowFarneback(grey[-1], older, None, 0.5, 4, 15, 3, 5, 1.2, 0) for older in grey[:-1]]
+
+
+def flow_features(flows: list[np.ndarray], bbox: list[float], image_width: int) -> np.ndarray:
+    """Per older set: the median flow inside the object's newest box (x, y), the median flow of a band
+    as wide as the box just below it (the ground it stands on, at its depth: what a still object's
+    flow would be), of the ring around the box, and the box's flow less each, its spread (a box that
+    grows or shrinks) and the lengths of the two differences: [14 x (K - 1)], in pixels of the full frame."""
+    out = []
+    for flow in flows:
+        h, w = flow.shape[:2]
+        k = w / image_width
+        x0, y0, x1, y1 = (int(round(v * k)) for v in bbox)
+        x0, y0, x1, y1 = max(0, x0), max(0, y0), min(w, max(x1, x0 + 1)), min(h, max(y1, y0 + 1))
+        bh, bw = max(1, y1 - y0), max(1, x1 - x0)
+        inside = flow[y0:y1, x0:x1].reshape(-1, 2)
+        below = flow[y1:min(h, y1 + max(2, bh // 3)), x0:x1].reshape(-1, 2)
+        ring_mask = np.zeros((h, w), bool)
+        ring_mask[max(0, y0 - bh // 2):min(h, y1 + bh // 2), max(0, x0 - bw // 2):min(w, x1 + bw // 2)] = True
+        ring_mask[y0:y1, x0:x1] = False
+        ring = flow[ring_mask]
+        med = np.median(inside, 0)
+        ground = np.median(below, 0) if len(below) else med
+        around = np.median(ring, 0) if len(ring) else med
+        out += [*med, *ground, *around, *(med - ground), *(med - around), *inside.std(0),
+                np.linalg.norm(med - ground), np.linalg.norm(med - around)]
+    return np.array(out, dtype=float) / k
+
+
+def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0, flow_width: int = 0) -> list[dict]:
     """Per object: scene, labels, the ego's state, its token over the K sets and the change score."""
     truth = json.loads((data / "ground_truth.json").read_text())
     normalize = Normalizer(torch.float32, torch.device("cpu"))
     rows = []
     for n, g in enumerate(tqdm(list(truth.values())[:limit], desc="scenes", unit="scene")):
-        feats, matches = {}, {}
+        feats, matches, flows = {}, {}, {}
         for obj in g["objects"]:
             cam = obj["camera"]
             if cam not in feats:
@@ -104,6 +144,8 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) 
                     pixels = torch.stack([tile_pixels(f, cam, tile, normalize) for f in files])
                     feats[cam] = (pixel_cells(pixels, pixels_grid) if pixels_grid
                                   else model.encode_images(pixels))                          # [K, T, D]
+            if flow_width and cam not in flows:
+                flows[cam] = camera_flows(files, flow_width)
             grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
             if cam not in matches:
                 matches[cam] = best_matches(feats[cam], grid)
@@ -115,7 +157,11 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0) 
                          "newest": f[-1], "differences": np.concatenate([f[-1] - f[0], f[-1] - f[-2]]),
                          "change": float(token_change(feats[cam][0], feats[cam][-1])[cell]),
                          "matching": token_matching(matches[cam], grid, cell),
-                         "ego_speed": g["ego"]["speed_mps"]})
+                         "ego_speed": g["ego"]["speed_mps"],
+                         "truth": [obj["motion"]["closing_mps"], obj["motion"]["lateral_mps"], obj["distance_m"]],
+                         "flow": (np.concatenate([flow_features(flows[cam], obj["cameras"][cam]["bbox"], width),
+                                                  obj["cameras"][cam]["bbox"]])
+                                  if flow_width else np.zeros(0))})
     return rows
 
 
@@ -139,14 +185,32 @@ def fit_predict(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, l2
         return ((torch.tensor((x_test - mean) / std, dtype=torch.float64) @ w + b) > 0).numpy()
 
 
-def grouped_accuracy(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
+def fit_predict_mlp(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, hidden: int = 64,
+                    steps: int = 600, seed: int = 0) -> np.ndarray:
+    """A small two-layer network (standardized features, Adam, weight decay) for cues that are products
+    of features (a box's growth against its size and the ego's speed), which a linear probe cannot form."""
+    torch.manual_seed(seed)
+    mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+    xt = torch.tensor((x_train - mean) / std, dtype=torch.float32)
+    yt = torch.tensor(y_train, dtype=torch.float32)
+    net = torch.nn.Sequential(torch.nn.Linear(xt.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 1))
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(net(xt)[:, 0], yt).backward()
+        opt.step()
+    with torch.no_grad():
+        return (net(torch.tensor((x_test - mean) / std, dtype=torch.float32))[:, 0] > 0).numpy()
+
+
+def grouped_accuracy(x: np.ndarray, y: np.ndarray, groups: np.ndarray, fit=fit_predict) -> float:
     """Accuracy over FOLDS folds of whole scenes (a scene's objects never in train and test at once)."""
     fold_of = {g: i % FOLDS for i, g in enumerate(np.unique(groups))}
     fold = np.array([fold_of[g] for g in groups])
     right = 0
     for k in range(FOLDS):
         test = fold == k
-        right += int((fit_predict(x[~test], y[~test], x[test]) == y[test]).sum())
+        right += int((fit(x[~test], y[~test], x[test]) == y[test]).sum())
     return right / len(y)
 
 
@@ -159,11 +223,14 @@ def main() -> None:
                     help="tile size in pixels (the position embedding interpolated, as InternViT does)")
     ap.add_argument("--pixels", type=int, default=0, metavar="GRID",
                     help="probe the raw pixels of a GRID x GRID grid of cells instead of the tokens")
+    ap.add_argument("--flow", type=int, default=0, metavar="WIDTH",
+                    help="also probe dense optical flow (OpenCV Farneback) of the frames resized to WIDTH px")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model).eval()
-    rows = [r for r in object_rows(args.data, model, args.tile, args.scenes, args.pixels) if r["moving"] is not None]
+    rows = [r for r in object_rows(args.data, model, args.tile, args.scenes, args.pixels, args.flow)
+            if r["moving"] is not None]
     y = np.array([r["moving"] for r in rows], dtype=float)
     groups = np.array([r["scene"] for r in rows])
     ego = np.array([r["ego_moving"] for r in rows])
@@ -171,15 +238,25 @@ def main() -> None:
     both = np.concatenate([newest, np.stack([r["differences"] for r in rows])], 1)
     change = np.array([[r["change"], r["ego_moving"]] for r in rows], dtype=float)
     matching = np.stack([np.concatenate([r["matching"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
+    flow = np.stack([np.concatenate([r["flow"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
+    nearest = flow[:, -(FLOW_FEATURES + 6):]        # the newest set against the one before it, box, ego
+    truth = np.stack([np.concatenate([r["truth"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
     source = (f"raw pixels, {args.pixels} x {args.pixels} cells of a {args.tile} px tile" if args.pixels
               else f"tokens of {args.model}")
     print(f"\n{len(rows)} objects over {len(set(groups))} scenes of {args.data}; {source}")
+    flow_columns = (f" optical flow at {args.flow} px + box + ego state | the same, two-layer network "
+                    "| the same, nearest set only, two-layer network |") if args.flow else ""
     print("| objects | n | majority | newest token | + differences to older sets | change score + ego state "
-          "| token matching + ego state |")
-    print("|---|---|---|---|---|---|---|")
+          "| token matching + ego state |" + flow_columns
+          + " ceiling: true closing and lateral speed, distance, ego state, two-layer network |")
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if args.flow else "") + "---|")
     for name, m in (("all", np.ones(len(y), bool)), ("ego stopped", ~ego), ("ego moving", ego)):
         share = y[m].mean()
-        cells = [grouped_accuracy(x[m], y[m], groups[m]) for x in (newest, both, change, matching)]
+        linear = (newest, both, change, matching) + ((flow,) if args.flow else ())
+        cells = [grouped_accuracy(x[m], y[m], groups[m]) for x in linear]
+        if args.flow:
+            cells += [grouped_accuracy(x[m], y[m], groups[m], fit_predict_mlp) for x in (flow, nearest)]
+        cells.append(grouped_accuracy(truth[m], y[m], groups[m], fit_predict_mlp))
         print(f"| {name} | {m.sum()} | {max(share, 1 - share):.3f} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 
