@@ -90,16 +90,23 @@ def pixel_cells(pixels: torch.Tensor, grid: int) -> torch.Tensor:
             .reshape(k, grid * grid, c * cell * cell))
 
 
-def camera_flows(files: list[Path], width: int) -> list[np.ndarray]:
-    """Dense optical flow (OpenCV's Farneback) from the newest frame to each older one, the frames
-    grey and resized to `width` px wide: for each newest pixel, where it was in that set, [H, W, 2] each
-    (oldest first). Motion finer than the token grid (--flow), to tell whether it holds the object's."""
-    import cv2  # opencv-python-headless, the project's image library
+def grey_frames(files: list[Path], width: int) -> list[np.ndarray]:
+    """The frames grey, resized to `width` px wide (OpenCV, the project's image library)."""
+    import cv2
 
     grey = []
     for f in files:
         img = cv2.imread(str(f), cv2.IMREAD_GRAYSCALE)
         grey.append(cv2.resize(img, (width, round(img.shape[0] * width / img.shape[1])), interpolation=cv2.INTER_AREA))
+    return grey
+
+
+def camera_flows(grey: list[np.ndarray]) -> list[np.ndarray]:
+    """Dense optical flow (OpenCV's Farneback) from the newest grey frame to each older one: for each
+    newest pixel, where it was in that set, [H, W, 2] each (oldest first). Motion finer than the token
+    grid (--flow), to tell whether it holds the object's."""
+    import cv2
+
     return [cv2.calcOpticalFlowFarneback(grey[-1], older, None, 0.5, 4, 15, 3, 5, 1.2, 0) for older in grey[:-1]]
 
 
@@ -145,7 +152,7 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0, 
                     feats[cam] = (pixel_cells(pixels, pixels_grid) if pixels_grid
                                   else model.encode_images(pixels))                          # [K, T, D]
             if flow_width and cam not in flows:
-                flows[cam] = camera_flows(files, flow_width)
+                flows[cam] = camera_flows(grey_frames(files, flow_width))
             grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
             if cam not in matches:
                 matches[cam] = best_matches(feats[cam], grid)
@@ -214,6 +221,30 @@ def grouped_accuracy(x: np.ndarray, y: np.ndarray, groups: np.ndarray, fit=fit_p
     return right / len(y)
 
 
+def time_flow(data: Path, model, tile: int, widths: list[int], rounds: int = 5) -> None:
+    """ms per camera of the flow between two frame sets at each width against the vision tower on the
+    camera's one tile, alternating in rounds in this process (a ratio, not a figure for another machine)."""
+    import time
+
+    files = sorted((data / "samples" / "CAM_FRONT").glob("*-000000__CAM_FRONT__*.jpg"))[-2:]
+    pixels = tile_pixels(files[-1], "CAM_FRONT", tile, Normalizer(torch.float32, torch.device("cpu")))[None]
+    grey = {w: grey_frames(files, w) for w in widths}          # decoded once: the pipeline has its frames
+    runs = {f"flow at {w} px": (lambda w=w: camera_flows(grey[w])) for w in widths}
+    runs[f"vision tower, one {tile} px tile"] = lambda: model.encode_images(pixels)
+    spent = {name: [] for name in runs}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                spent[name].append((time.perf_counter() - t0) * 1e3)
+    base = float(np.median(spent[f"vision tower, one {tile} px tile"]))
+    print(f"| per camera ({rounds} alternating rounds, {torch.get_num_threads()} threads) | ms, median | x vision |")
+    print("|---|---|---|")
+    for name, ms in spent.items():
+        print(f"| {name} | {np.median(ms):.2f} | {np.median(ms) / base:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, required=True, help="a SynthDrive sequence folder (synth --frames K)")
@@ -225,10 +256,14 @@ def main() -> None:
                     help="probe the raw pixels of a GRID x GRID grid of cells instead of the tokens")
     ap.add_argument("--flow", type=int, default=0, metavar="WIDTH",
                     help="also probe dense optical flow (OpenCV Farneback) of the frames resized to WIDTH px")
+    ap.add_argument("--time-flow", type=int, nargs="*", metavar="WIDTH",
+                    help="only time the flow at these widths against the vision tower on one tile")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model).eval()
+    if args.time_flow:
+        return time_flow(args.data, model, args.tile, args.time_flow)
     rows = [r for r in object_rows(args.data, model, args.tile, args.scenes, args.pixels, args.flow)
             if r["moving"] is not None]
     y = np.array([r["moving"] for r in rows], dtype=float)
