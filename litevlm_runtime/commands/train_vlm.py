@@ -79,6 +79,10 @@ def add_signal_flags(p) -> None:
     p.add_argument("--change-threshold", type=float, default=0.2,
                    help="temporal token selection in prompts over several frame sets, as the pipeline's "
                         "temporal.change_threshold (0: every token of every frame set)")
+    p.add_argument("--motion", type=int, default=0, metavar="HIDDEN",
+                   help="give the model a motion network of HIDDEN units (stages/motion.py: the optical flow from "
+                        "the previous frame set, per cell, added to the newest set's visual tokens of a prompt over "
+                        "frame sets), trained from zero with the decoder; --init's own is kept where it has one")
     p.add_argument("--freeze-vision", action="store_true",
                    help="keep the vision side (InternViT and mlp1) as --init has it: its visual tokens are computed "
                         "once per frame set and cached, each step trains the decoder only, and older frame sets' "

@@ -23,6 +23,13 @@ class InternVL(nn.Module):
         self.vision_model = InternViT(cfg.vision)
         self.mlp1 = Projector(cfg.vision.hidden_size, cfg.llm.hidden_size, cfg.downsample_ratio)
         self.language_model = DECODERS[cfg.llm.architecture](cfg.llm, max_len)
+        # stages/motion.py's network, from the folder's motion/ where it has one (not an upstream
+        # tensor: it is saved and loaded beside the checkpoint, never in it)
+        self.motion: nn.Module | None = None
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The upstream checkpoint's tensors: the state without the motion network."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("motion.")}
 
     def encode_images(self, pixels: torch.Tensor, pos_embed: torch.Tensor | None = None) -> torch.Tensor:
         """pixels [B, 3, S, S] -> visual tokens [B, tokens_per_tile, D]."""

@@ -30,6 +30,7 @@ from ..engines.base import KVRegion
 from ..errors import InputError, LiteVLMError
 from ..options import DecodingMode, PipelineOptions
 from ..stages.budget import Plan
+from ..stages.motion import tiles_motion
 from ..stages.preprocess import load_image, to_tiles_uint8
 from ..stages.prompt import build_prompt, prompt_digest
 from ..stages.temporal import changed_tokens
@@ -155,17 +156,20 @@ class Pipeline:
         for chunk in vision_calls(rt, todo):            # one frame set's worth of tiles per call
             with timer("preprocess", idle=skipped):
                 pixels = preprocess_views(rt, q.sets, chunk)
+                keep_grey_tiles(rt, q.sets, chunk)
             with timer("vision", idle=skipped):
                 visual |= encode_views(rt, pixels, chunk, q.sets)
         visual = [visual.get(v) for v in views]         # per view, prompt order; None: its rows are in the KV
+        with timer("vision", idle=skipped):             # a model with motion/: the newest sets' plus motion
+            shown = with_motion(rt, q.sets, views, visual) if turn is None and plan.frames > 1 else visual
         with timer("token_select"):
             if turn is None:      # the first question's own prompt: what its visual tokens are ranked against
-                layout = assemble_prompt(rt, plan.cameras, first, visual, frames=plan.frames)
+                layout = assemble_prompt(rt, plan.cameras, first, shown, frames=plan.frames)
                 q.keep = select_tokens(rt, layout, plan.keep_ratio, views, visual)   # per view: kept token indices
             else:
                 q.keep = turn.keep  # the conversation's (its first question chose them)
             if q.history:         # the whole conversation, as upstream builds it
-                layout = assemble_prompt(rt, plan.cameras, q.request.question, visual, q.history, plan.frames)
+                layout = assemble_prompt(rt, plan.cameras, q.request.question, shown, q.history, plan.frames)
         with timer("prefill"):
             q.prompt = prefill(rt, q.region, layout, q.keep, turn, q.decoding)
         followable = q.request.keep_turn and rt.conversations.keeps(
@@ -421,6 +425,42 @@ def preprocess_images(rt: Runtime, images: list[tuple[str, object]]) -> torch.Te
         to_tiles_uint8(img, s, tpc, a.pixels_u8[i * tpc:(i + 1) * tpc])
     n = len(images) * tpc
     return rt.normalize(a.pixels_u8[:n], a.pixels[:n])
+
+
+def keep_grey_tiles(rt: Runtime, sets: tuple[FrameSet, ...], views: list[View]) -> None:
+    """A model with motion/: the grey tiles of the views just cut (in the arena's uint8 buffers)."""
+    if rt.motion_cache is None:
+        return
+    tpc = rt.options.tiles_per_camera
+    for i, (c, t) in enumerate(views):
+        rt.motion_cache.put(c, (sets[t].keys or {}).get(c), rt.arena.pixels_u8[i * tpc:(i + 1) * tpc])
+
+
+def grey_tiles_of(rt: Runtime, sets: tuple[FrameSet, ...], view: View) -> list:
+    """A view's grey tiles: kept when it was cut, else its image cut again (its features were reused
+    from before the model's grey tiles were kept, or it has no frame key)."""
+    c, t = view
+    found = rt.motion_cache.get(c, (sets[t].keys or {}).get(c))
+    if found is not None:
+        return found
+    preprocess_views(rt, sets, [view])
+    tpc = rt.options.tiles_per_camera
+    return rt.motion_cache.put(c, (sets[t].keys or {}).get(c), rt.arena.pixels_u8[:tpc])
+
+
+def with_motion(rt: Runtime, sets: tuple[FrameSet, ...], views: list[View], visual: list) -> list:
+    """`visual` with, for a model with motion/ (stages/motion.py), each camera's newest set's tokens
+    plus what its network makes of the flow from the previous set; every other view as it is."""
+    if rt.model.motion is None:
+        return visual
+    newest, grid = len(sets) - 1, int(round(rt.cfg.tokens_per_tile ** 0.5))
+    shown = list(visual)
+    for i, (c, t) in enumerate(views):
+        if t == newest and visual[i] is not None:
+            motion = rt.motion_cache.flow(c, (sets[t].keys or {}).get(c), (sets[t - 1].keys or {}).get(c), lambda: (
+                tiles_motion(grey_tiles_of(rt, sets, (c, t)), grey_tiles_of(rt, sets, (c, t - 1)), grid)))
+            shown[i] = visual[i] + rt.model.motion(motion.to(rt.device)).to(visual[i].dtype)
+    return shown
 
 
 def encode_views(rt: Runtime, pixels: torch.Tensor, views: list[View],

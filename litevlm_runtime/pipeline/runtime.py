@@ -31,6 +31,7 @@ from ..options import BUNDLE_BACKENDS, BackendName, DecodingMode, PipelineOption
 from ..stages.budget import BudgetPlanner
 from ..stages.fastv import FastV
 from ..stages.feature_cache import FeatureCache
+from ..stages.motion import MotionCache
 from ..stages.preprocess import Normalizer
 from ..stages.prompt import build_prompt, resolve_layout
 from ..stages.token_selector import TokenSelector, load_token_selector
@@ -143,6 +144,7 @@ class Runtime:
     weights: LinearForms | None = None        # the linears' weight form when not float (backend.weights)
     conversations: Conversations | None = None   # answered turns kept for follow-up questions
     prefix: PromptPrefix | None = None         # the KV of the prompt prefix every query shares, or None
+    motion_cache: MotionCache | None = None       # a model with motion/: the frames' grey tiles (stages/motion.py)
     gemm: str = "torch"               # the float32 GEMM kernel its linears run: torch | onednn (weights/gemm.py)
     vision_gemm: str = "float32"      # the vision encoder's GEMM: float32 | bfloat16 | int8 (weights/linear_forms.py)
     _regions: dict[int, KVRegion] = field(default_factory=dict, repr=False)
@@ -225,6 +227,7 @@ class Runtime:
         rt.engines = make_engines(rt)
         if arena.feature_cache.shape[0]:      # (serving.feature_cache false: a K-frame query's window only)
             rt.features = FeatureCache(arena.feature_cache, reuse=options.serving.feature_cache)
+        rt.motion_cache = motion_cache_for(model, options, device, dtype)
         rt.conversations = Conversations(arena.k_turns, arena.v_turns, options.serving.max_turns)
         rt.planner = BudgetPlanner(rt)
         if rt.fastv is not None:
@@ -237,6 +240,15 @@ class Runtime:
             rt.costs = (measure_costs(rt) if options.decoding.eagle.policy.value == "adaptive"
                         else DeviceCosts({1: 1.0}, 0.0, {1: 0.0}, source="fixed tree: not measured"))
         return rt
+
+
+def motion_cache_for(model, options: PipelineOptions, device: torch.device, dtype: torch.dtype) -> MotionCache | None:
+    """A model with a motion network (its folder's motion/): the network on the runtime's device and
+    the store of the frames' grey tiles its flow is made from (two windows' worth)."""
+    if getattr(model, "motion", None) is None:
+        return None
+    model.motion.to(device, dtype)
+    return MotionCache(2 * options.temporal.max_frames * len(options.cameras))
 
 
 def load_views(options: PipelineOptions, model_dir: Path | None):

@@ -197,11 +197,14 @@ class PackedLoss(nn.Module):
         self.last_dropped = 0
 
     def forward(self, pixels: torch.Tensor, batch: PackedBatch, visual_labels: torch.Tensor | None = None,
-                probe_tiles: torch.Tensor | None = None) -> torch.Tensor:
+                probe_tiles: torch.Tensor | None = None,
+                motion: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """pixels [tiles, 3, S, S] in the batch's view order (frozen_vision: the frozen vision side's
         visual tokens [tiles, tokens_per_tile, D], vlm_data.VisionFeatureCache);
         visual_labels [labelled tiles' tokens, labels] for the tiles `probe_tiles` [labelled tiles]
-        (None: every tile)."""
+        (None: every tile); motion: (the tiles that are a camera's newest set in a prompt over frame
+        sets [M], their cells' flow [M, tokens, features]) for the model's motion network, whose output
+        is added to those tiles' visual tokens after the probe read them (as the pipeline adds it)."""
         lm = self.model.language_model
         # [tiles, tokens_per_tile, D]: the frozen vision side's cached output, or the tower on the pixels
         visual = pixels if self.frozen_vision else self.model.encode_images(pixels)
@@ -211,6 +214,9 @@ class PackedLoss(nn.Module):
             flat = labelled.reshape(-1, visual.shape[-1])
             aux = self.probe_weight * self.probe(flat, visual_labels) / visual.shape[1]   # per tile
             self.last_probe_loss = aux.detach()        # a tensor: no device sync per sequence
+        if motion is not None and self.model.motion is not None:
+            tiles, flow = motion
+            visual = visual.index_add(0, tiles, self.model.motion(flow).to(visual.dtype))
         embeds = lm.embed(batch.ids)
         flat = visual.reshape(-1, visual.shape[-1])
         if batch.visual_index is not None and batch.visual_index.numel() != flat.shape[0]:

@@ -76,10 +76,12 @@ from ..cameras import CAMERAS
 from ..errors import InputError
 from ..models.config import ModelConfig
 from ..models.internvl import InternVL
+from ..models.motion import MOTION_FEATURES, MotionTokens
 from ..options import options_from_flat
 from ..pipeline.frame_sets import FrameSet
 from ..pipeline.pipeline import Pipeline
 from ..pipeline.request import QueryRequest
+from ..stages.motion import grey_tile, tiles_motion
 from ..stages.preprocess import Normalizer
 from ..stages.prompt import model_layout, write_layout
 from ..stages.view_selector import load_view_selector
@@ -311,6 +313,11 @@ def _build_model(args, cfg: ModelConfig, d: Dist, bf16: bool) -> InternVL:
     else:
         model = InternVL(cfg, max_len=4096)    # RoPE for positions < 4096 (a packed branch is shorter)
         init_weights(model, args.seed)
+    if args.motion and model.motion is None:
+        torch.manual_seed(args.seed)
+        model.motion = MotionTokens(args.motion, cfg.llm.hidden_size)
+        d.log(f"motion network: {MOTION_FEATURES} flow numbers per cell -> {args.motion} -> {cfg.llm.hidden_size}, "
+              "its output zero until it trains")
     model.to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{d.device}{' (bf16 autocast)' if bf16 else ''}" if d.device.type == "cuda" else \
@@ -331,6 +338,8 @@ class _StepInputs:
         features: --freeze-vision's cache of the vision tower's output (then given instead of pixels)."""
         self.cache, self.device, self.labels, self.probe, self.features = cache, device, labels, probe, features
         self.normalize = Normalizer(torch.float32, device)
+        self.motion_grid = 0             # a model with a motion network: its token grid's side
+        self.motion_store: dict[tuple[int, int], torch.Tensor] = {}    # (frame, camera) -> [tokens, features]
 
     def __call__(self, batch) -> tuple:
         """(pixels, the batch on the device, visual labels or None, the labelled tiles or None) of a
@@ -340,7 +349,30 @@ class _StepInputs:
             tiles = torch.tensor(self.cache.key_tiles(batch.frames), dtype=torch.long, device=self.device)
         inputs = self.features.batch(batch.frames) if self.features is not None else \
             pixels_for(self.cache, batch.frames, self.normalize, self.device)
-        return inputs, batch.to(self.device), labels, tiles
+        return inputs, batch.to(self.device), labels, tiles, self.motion(batch.frames)
+
+    def motion(self, keys: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a model with a motion network: (the batch's tiles that are a camera's newest set in a
+        prompt over frame sets [M], their cells' flow from the set before [M, tokens, features]), as
+        the pipeline computes them (pipeline.with_motion); None where the batch has none."""
+        if not self.motion_grid:
+            return None
+        tiles, feats, n, tpc = [], [], 0, self.cache.tiles_per_camera
+        for key in keys:
+            i, cams, frames = group_of(key)
+            for pos, c in enumerate(cams):
+                if frames > 1:
+                    if (i, c) not in self.motion_store:
+                        grey = [[grey_tile(t) for t in self.cache.frame_tiles(i, back)[c * tpc:(c + 1) * tpc]]
+                                for back in (0, 1)]
+                        self.motion_store[(i, c)] = tiles_motion(grey[0], grey[1], self.motion_grid)
+                    first = n + (pos * frames + frames - 1) * tpc
+                    tiles.append(torch.arange(first, first + tpc))
+                    feats.append(self.motion_store[(i, c)].view(tpc, -1, MOTION_FEATURES))
+            n += len(cams) * frames * tpc
+        if not tiles:
+            return None
+        return torch.cat(tiles).to(self.device), torch.cat(feats).to(self.device)
 
     def visual_labels(self, keys: list) -> torch.Tensor | None:
         """[visual tokens of the batch's key-frame tiles, len(LABELS)], in the batch's tile order."""
@@ -369,14 +401,18 @@ def _step_inputs(args, frames: list[Frame], cfg: ModelConfig, model: InternVL, d
         d.log(f"decoded {len(frames)} frames x {len(CAMERAS)} cameras on {decode_threads} threads "
               f"in {time.monotonic() - t0:.0f} s")
     if not args.vision_labels:
-        return _StepInputs(cache, d.device, features=features)
+        inputs = _StepInputs(cache, d.device, features=features)
+        inputs.motion_grid = int(round(cfg.tokens_per_tile ** 0.5)) if model.motion is not None else 0
+        return inputs
     grid = int(round(cfg.tokens_per_tile ** 0.5))
     labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
     torch.manual_seed(args.seed)
     probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0)).to(d.device)
     d.log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
           f"{float(labels.float().mean()):.4f} positive")
-    return _StepInputs(cache, d.device, labels, probe, features)
+    inputs = _StepInputs(cache, d.device, labels, probe, features)
+    inputs.motion_grid = int(round(cfg.tokens_per_tile ** 0.5)) if model.motion is not None else 0
+    return inputs
 
 
 def _view_selection(args, log):

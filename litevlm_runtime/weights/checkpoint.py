@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError, not_a_file, read_json
 from ..models.config import ModelConfig
 from ..models.internvl import InternVL
+from ..models.motion import MOTION_FEATURES, MotionTokens
 from .finite import check_finite
 from .hf_layout import check_image_seq_length, is_hf_layout, rename_in_error, tensor_sources, to_remote_config
 from .integrity import verify_model_folder, write_manifest
@@ -187,6 +188,9 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: 
     # replaced; the loaded tensors are assigned in place and the RoPE tables made for real.
     model.load_state_dict(state, strict=True, assign=True)
     model.language_model.init_rope(max_len)
+    if (Path(folder) / "motion").is_dir():
+        verify_model_folder(Path(folder) / "motion")
+        model.motion = load_motion(Path(folder) / "motion", cfg.llm.hidden_size).to(dtype)
     return model.eval()
 
 
@@ -197,7 +201,10 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2, ensure_ascii=False) + "\n")
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.checkpoint_state().items()}
+    if model.motion is not None:
+        save_motion(model.motion, folder / "motion")
+        write_manifest(folder / "motion")
     if shard_bytes is None:
         save_file(state, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     else:
@@ -232,3 +239,39 @@ def write_checkpoint(folder: str | Path, model: InternVL, tokenizer_file: Path |
         (folder / "generation_config.json").write_text(
             json.dumps({"eos_token_id": sorted(tok.eos_ids), "do_sample": False}) + "\n")
     write_manifest(folder)
+
+
+MOTION_ARCHITECTURE = "litevlm-motion-tokens"
+MOTION_CONFIG = "config.json"
+
+
+def save_motion(module: MotionTokens, folder: str | Path) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    config = {"architecture": MOTION_ARCHITECTURE, "features": MOTION_FEATURES, "hidden": module.net[0].out_features,
+              "out_features": module.net[2].out_features, "features_from": "stages/motion.py"}
+    (folder / MOTION_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_motion(folder: str | Path, out_features: int) -> MotionTokens:
+    """The motion network of a model folder's `motion/` (save_motion), for a decoder of width `out_features`."""
+    folder = Path(folder)
+    config_path = folder / MOTION_CONFIG
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_path}: cannot read the motion network's config ({exc})") from None
+    if config.get("architecture") != MOTION_ARCHITECTURE or config.get("features") != MOTION_FEATURES:
+        raise CheckpointError(f"{config_path}: not this runtime's motion network (architecture "
+                              f"{config.get('architecture')!r}, {config.get('features')} features per cell)")
+    if config.get("out_features") != out_features:
+        raise CheckpointError(f"{config_path}: made for a decoder of width {config.get('out_features')}, "
+                              f"this one's is {out_features}")
+    module = MotionTokens(int(config["hidden"]), out_features)
+    weights = folder / SINGLE_FILE
+    state = read_safetensors(weights)
+    check_state_dict(weights, state, module.state_dict())
+    module.load_state_dict(state)
+    return module.eval()

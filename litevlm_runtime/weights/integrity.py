@@ -36,7 +36,7 @@ FORMAT = "litevlm-manifest/1"
 LOAD_INPUTS = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                "added_tokens.json")
-MODULE_FOLDERS = ("view_selector", "token_selector", "eagle")
+MODULE_FOLDERS = ("view_selector", "token_selector", "eagle", "motion")
 # A digest is only cached for a file whose last change is older than this when hashing starts:
 # filesystem timestamps are coarse (kernel clock ticks; 2 s on FAT), so a write landing in the same
 # tick as our read would otherwise leave an unchanged stat beside a stale digest (git's "racy clean").

@@ -204,3 +204,75 @@ def test_a_training_run_over_time_with_a_frozen_tower(motion_set, model_dir, tmp
     frozen = [n for n in before if n.startswith(("vision_model.", "mlp1."))]
     assert all(torch.equal(before[n], after[n]) for n in frozen)
     assert not all(torch.equal(before[n], after[n]) for n in before if n.startswith("language_model."))
+
+
+def test_training_gives_the_motion_network_what_the_pipeline_gives_it(motion_set, model_dir, tmp_path):
+    """A model with a motion network (stages/motion.py): the training forward's first answer logits
+    of a K-frame QA, the network's output added to the newest set's tiles that _StepInputs.motion
+    names, equal the pipeline's (which adds it in pipeline.with_motion), within float32 rounding."""
+    import shutil
+
+    from litevlm_runtime.models.motion import MotionTokens
+    from litevlm_runtime.weights.checkpoint import save_motion
+    from litevlm_runtime.weights.integrity import write_manifest
+
+    folder = tmp_path / "with-motion"
+    shutil.copytree(model_dir, folder)
+    torch.manual_seed(2)
+    net = MotionTokens(8, preset("tiny").llm.hidden_size)
+    torch.nn.init.normal_(net.net[2].weight, std=0.5)
+    save_motion(net, folder / "motion")
+    write_manifest(folder / "motion")
+    frames = vlm_data.load_frames(motion_set / "train.json", motion_set)
+    f = next(i for i, fr in enumerate(frames) if any(qa.frames == K for qa in fr.qa))
+    qa = next(qa for qa in frames[f].qa if qa.frames == K)
+    pipe = Pipeline.from_pretrained(folder, _options(0.0))
+    rt, seen = pipe.rt, {}
+
+    def first_logits(rt_, q, prompt, max_new, on_tokens=None):
+        seen["logits"] = rt_.engines.head.run(prompt.hidden[-1:])[0].clone()
+        return greedy(rt_, q, prompt, max_new, on_tokens)
+
+    sets = [FrameSet(s) for s in frames[f].past] + [FrameSet(frames[f].images)]
+    pipe.answer(sets, QueryRequest(qa.question, frames=K, max_new_tokens=1), decoder=first_logits)
+    e = vlm_data.encode_qa(rt.tok, rt.cfg.system_message, rt.tokens_per_camera, qa)
+    cams = (0, 2)
+    still = next(q for q in frames[f].qa if q.frames == 1)          # a one-set group first: the tiles' offsets
+    batch = packing.pack([(f, [vlm_data.encode_qa(rt.tok, rt.cfg.system_message, rt.tokens_per_camera, still)]),
+                          ((f, vlm_data.ALL_CAMERAS, K), [e])])
+    cache = vlm_data.TileCache(frames, rt.cfg.force_image_size)
+    inputs = vlm._StepInputs(cache, torch.device("cpu"))
+    inputs.motion_grid = int(round(rt.cfg.tokens_per_tile ** 0.5))
+    tiles, flow = inputs.motion(batch.frames)
+    assert tiles.tolist() == [6 + c * K + K - 1 for c in range(6)]       # after frame f's one set of six
+    assert inputs.motion([(f, cams, 1)]) is None
+    pixels = vlm_data.pixels_for(cache, batch.frames, Normalizer(torch.float32, torch.device("cpu")))
+    with torch.inference_mode():
+        lm = rt.model.language_model
+        visual = rt.model.encode_images(pixels)
+        visual = visual.index_add(0, tiles, rt.model.motion(flow))
+        embeds = lm.embed(batch.ids).index_copy(0, batch.visual_rows, visual.reshape(-1, visual.shape[-1]))
+        hidden, _, _ = lm(embeds, batch.positions, batch.mask)
+        second = batch.target_rows[batch.target_rows > batch.visual_rows[6 * rt.tokens_per_camera]][0]
+        train_logits = lm.head(hidden[second])          # the K-frame QA's first answer token
+    assert torch.allclose(train_logits, seen["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_a_training_run_with_a_motion_network(motion_set, model_dir, tmp_path):
+    """`train vlm --motion 8` adds the network (zero at the start), trains it with the decoder and
+    writes it in the output's motion/, which loads."""
+    from litevlm_runtime.cli import build_parser
+    from litevlm_runtime.weights.checkpoint import load_model
+
+    out = tmp_path / "model"
+    args = build_parser().parse_args([
+        "train", "vlm", "--data", str(motion_set / "train.json"), "--frames", str(motion_set),
+        "--out", str(out), "--preset", "tiny", "--init", str(model_dir), "--motion", "8",
+        "--steps", "3", "--frames-per-step", "2", "--questions-per-frame", "8", "--questions-per-visit", "8",
+        "--time-share", "1.0", "--freeze-vision", "--max-sequence-tokens", "4096", "--lr", "3e-3",
+        "--log-every", "1", "--seed", "1", "--threads", "1"])
+    record = vlm.train(args)
+    assert record["steps"] == 3 and "--motion 8" in record["command"]
+    net = load_model(out).motion
+    assert net is not None and net.net[0].out_features == 8
+    assert net.net[2].weight.abs().sum() > 0          # it trained from zero
