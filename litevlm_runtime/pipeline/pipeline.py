@@ -265,7 +265,9 @@ class Pipeline:
             if cam not in images or cam not in frame_keys or rt.features.has(cam, frame_keys[cam]):
                 continue
             try:
-                encode(rt, preprocess(rt, images, [cam]), [cam], {}, [cam], frame_keys)
+                pixels = preprocess(rt, images, [cam])
+                keep_grey_tiles(rt, (FrameSet(images, frame_keys),), [(cam, 0)])     # (a model with motion/)
+                encode(rt, pixels, [cam], {}, [cam], frame_keys)
             except InputError:
                 continue
             done.append(cam)

@@ -108,3 +108,19 @@ def test_a_question_over_time_answers_alike_twice_with_the_grey_tiles_kept_or_no
     cut_again = pipe.answer(sets, QueryRequest(QUESTION, frames=4))      # grey tiles cut again, flow made again
     assert first.token_ids == again.token_ids == cut_again.token_ids
     assert again.reused_views == 24 and flows == 6          # one flow per camera, made once
+
+
+def test_prefetched_frames_keep_their_grey_tiles(folders):
+    """The node encodes a new frame set's cameras while idle (Pipeline.prefetch): their grey tiles
+    are kept with the features, so the question that follows decodes nothing again."""
+    pipe = pipeline(folders["lively"][0])
+    sets = moving_sets(2, seed=8)
+    pipe.rt.features.clear()
+    for s in sets:
+        pipe.prefetch(s.images, s.keys)
+    assert len(pipe.rt.motion_cache.tiles) == 12
+    cache, cut = pipe.rt.motion_cache, []
+    put = cache.put
+    cache.put = lambda *a: cut.append(a[:2]) or put(*a)          # every tile cut from here on
+    ans = pipe.answer(sets, QueryRequest(QUESTION, frames=2))
+    assert (ans.encoded_views, ans.reused_views) == (0, 12) and cut == []
