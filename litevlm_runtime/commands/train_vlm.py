@@ -83,6 +83,8 @@ def add_signal_flags(p) -> None:
                    help="give the model a motion network of HIDDEN units (stages/motion.py: the optical flow from "
                         "the previous frame set, per cell, added to the newest set's visual tokens of a prompt over "
                         "frame sets), trained from zero with the decoder; --init's own is kept where it has one")
+    p.add_argument("--motion-lr-scale", type=float, default=10.0,
+                   help="the motion network's learning rate as a multiple of --lr (it starts from zero)")
     p.add_argument("--freeze-vision", action="store_true",
                    help="keep the vision side (InternViT and mlp1) as --init has it: its visual tokens are computed "
                         "once per frame set and cached, each step trains the decoder only, and older frame sets' "

@@ -426,13 +426,18 @@ def _view_selection(args, log):
 
 
 def _optimizer(args, model: InternVL, probe: VisionProbe | None) -> torch.optim.AdamW:
-    """AdamW; no weight decay on biases, norms and embeddings."""
+    """AdamW; no weight decay on biases, norms and embeddings. The motion network (--motion) learns at
+    --motion-lr-scale times the rate (`lr_scale`): it starts from zero beside a trained decoder."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]     # (--freeze-vision: not the ViT)
     params += list(probe.named_parameters(prefix="probe")) if probe else []
+    motion = [p for n, p in params if n.startswith("motion.")]
+    params = [(n, p) for n, p in params if not n.startswith("motion.")]
     decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "embedding" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if motion:
+        groups.append({"params": motion, "weight_decay": 0.0, "lr_scale": args.motion_lr_scale})
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
 @dataclass
@@ -606,7 +611,7 @@ def _optimize(run: _Run, batches) -> tuple[_Progress, dict, int]:
         n_targets_global, packed = next(batches)
         lr = run.length.learning_rate(step, spent)
         for g in run.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         local, grad_norm = _optimization_step(run, n_targets_global, packed)
         # Rank 0's clock decides the budget for every rank (the sum carries it: the others add 0),
         # so that all ranks take the same learning rate and stop at the same step.

@@ -276,3 +276,19 @@ def test_a_training_run_with_a_motion_network(motion_set, model_dir, tmp_path):
     net = load_model(out).motion
     assert net is not None and net.net[0].out_features == 8
     assert net.net[2].weight.abs().sum() > 0          # it trained from zero
+
+
+def test_the_motion_network_learns_at_its_own_rate():
+    """--motion-lr-scale: the motion network's parameters are a group of their own whose rate is
+    that multiple of the schedule's (the training loop sets lr x lr_scale on every group)."""
+    import argparse
+
+    from litevlm_runtime.models.motion import MotionTokens
+
+    model = InternVL(preset("tiny"))
+    model.motion = MotionTokens(8, model.cfg.llm.hidden_size)
+    opt = vlm._optimizer(argparse.Namespace(lr=1e-3, weight_decay=0.1, motion_lr_scale=10.0), model, None)
+    scaled = [g for g in opt.param_groups if g.get("lr_scale", 1.0) != 1.0]
+    assert len(scaled) == 1 and scaled[0]["lr_scale"] == 10.0
+    assert {id(p) for p in scaled[0]["params"]} == {id(p) for p in model.motion.parameters()}
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
