@@ -53,6 +53,8 @@ def run_temporal(model_dir: Path, data: Path, frames_root: Path, base_options, f
                 for s in frame_images_over_time(frames_root, frame, frames, base_options.temporal.stride_s)]
         for name, pipe, k in ((names[0], selecting, 1), (names[1], every, frames), (names[2], selecting, frames)):
             pipe.rt.features.clear()
+            if pipe.rt.motion_cache is not None:           # (a model with motion/: its flow made here too)
+                pipe.rt.motion_cache.clear()
             for older in sets[:-1] if k > 1 else ():        # the window, warm: encoded as the sets arrived
                 pipe.prefetch(older.images, older.keys)
             ans = pipe.answer(sets[-k:], QueryRequest(q.question, frames=k))

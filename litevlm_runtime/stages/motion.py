@@ -65,6 +65,10 @@ class MotionCache:
         self.tiles: OrderedDict = OrderedDict()
         self.flows: OrderedDict = OrderedDict()
 
+    def clear(self) -> None:
+        self.tiles.clear()
+        self.flows.clear()
+
     def _keep(self, store: OrderedDict, key, value):
         store[key] = value
         store.move_to_end(key)
