@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from litevlm_runtime.stages.motion import cell_motion, grey_tile
 from litevlm_runtime.stages.preprocess import Normalizer, load_image, to_tiles_uint8
 from litevlm_runtime.stages.temporal import token_change
 from litevlm_runtime.weights.checkpoint import load_model
@@ -38,6 +39,13 @@ from litevlm_runtime.weights.checkpoint import load_model
 FOLDS = 5
 FLOW_FEATURES = 14      # flow_features' numbers per older set
 MATCH_RADIUS = 2        # cells a token is looked for around its own place in an older set
+
+
+def tile_grey(path: Path, camera: str, tile: int) -> np.ndarray:
+    """One camera image as the pipeline's uint8 tile, grey: what the motion network's flow is made from."""
+    pixels_u8 = torch.empty(1, 3, tile, tile, dtype=torch.uint8)
+    to_tiles_uint8(load_image(path, camera, (tile, tile)), tile, 1, pixels_u8)
+    return grey_tile(pixels_u8[0])
 
 
 def tile_pixels(path: Path, camera: str, tile: int, normalize: Normalizer) -> torch.Tensor:
@@ -142,7 +150,7 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0, 
     normalize = Normalizer(torch.float32, torch.device("cpu"))
     rows = []
     for n, g in enumerate(tqdm(list(truth.values())[:limit], desc="scenes", unit="scene")):
-        feats, matches, flows = {}, {}, {}
+        feats, matches, flows, cells = {}, {}, {}, {}
         for obj in g["objects"]:
             cam = obj["camera"]
             if cam not in feats:
@@ -154,6 +162,8 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0, 
             if flow_width and cam not in flows:
                 flows[cam] = camera_flows(grey_frames(files, flow_width))
             grid = int(round(feats[cam].shape[1] ** 0.5))       # 8 x 8 at 224 px, 16 x 16 at 448 px
+            if cam not in cells:        # the motion network's input (stages/motion.py): newest vs the set before
+                cells[cam] = cell_motion(tile_grey(files[-1], cam, tile), tile_grey(files[-2], cam, tile), grid)
             if cam not in matches:
                 matches[cam] = best_matches(feats[cam], grid)
             width, height = g["image_size"]
@@ -164,7 +174,7 @@ def object_rows(data: Path, model, tile: int, limit: int, pixels_grid: int = 0, 
                          "newest": f[-1], "differences": np.concatenate([f[-1] - f[0], f[-1] - f[-2]]),
                          "change": float(token_change(feats[cam][0], feats[cam][-1])[cell]),
                          "matching": token_matching(matches[cam], grid, cell),
-                         "ego_speed": g["ego"]["speed_mps"],
+                         "ego_speed": g["ego"]["speed_mps"], "cell_motion": cells[cam][cell].numpy(),
                          "truth": [obj["motion"]["closing_mps"], obj["motion"]["lateral_mps"], obj["distance_m"]],
                          "flow": (np.concatenate([flow_features(flows[cam], obj["cameras"][cam]["bbox"], width),
                                                   obj["cameras"][cam]["bbox"]])
@@ -275,6 +285,7 @@ def main() -> None:
     matching = np.stack([np.concatenate([r["matching"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
     flow = np.stack([np.concatenate([r["flow"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
     nearest = flow[:, -(FLOW_FEATURES + 6):]        # the newest set against the one before it, box, ego
+    cell_flow = np.stack([np.concatenate([r["cell_motion"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
     truth = np.stack([np.concatenate([r["truth"], [r["ego_moving"], r["ego_speed"]]]) for r in rows])
     source = (f"raw pixels, {args.pixels} x {args.pixels} cells of a {args.tile} px tile" if args.pixels
               else f"tokens of {args.model}")
@@ -283,14 +294,16 @@ def main() -> None:
                     "| the same, nearest set only, two-layer network |") if args.flow else ""
     print("| objects | n | majority | newest token | + differences to older sets | change score + ego state "
           "| token matching + ego state |" + flow_columns
-          + " ceiling: true closing and lateral speed, distance, ego state, two-layer network |")
-    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if args.flow else "") + "---|")
+          + " the motion network's cell features + ego state, two-layer network"
+          " | ceiling: true closing and lateral speed, distance, ego state, two-layer network |")
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if args.flow else "") + "---|---|")
     for name, m in (("all", np.ones(len(y), bool)), ("ego stopped", ~ego), ("ego moving", ego)):
         share = y[m].mean()
         linear = (newest, both, change, matching) + ((flow,) if args.flow else ())
         cells = [grouped_accuracy(x[m], y[m], groups[m]) for x in linear]
         if args.flow:
             cells += [grouped_accuracy(x[m], y[m], groups[m], fit_predict_mlp) for x in (flow, nearest)]
+        cells.append(grouped_accuracy(cell_flow[m], y[m], groups[m], fit_predict_mlp))
         cells.append(grouped_accuracy(truth[m], y[m], groups[m], fit_predict_mlp))
         print(f"| {name} | {m.sum()} | {max(share, 1 - share):.3f} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
