@@ -212,9 +212,13 @@ class ModelConfig:
         return self.force_image_size // self.vision.patch_size
 
     @property
+    def tokens_per_side(self) -> int:
+        """The side of a tile's square grid of visual tokens (pixel shuffle of the patch grid)."""
+        return int(self.patches_per_side * self.downsample_ratio)
+
+    @property
     def tokens_per_tile(self) -> int:
-        side = int(self.patches_per_side * self.downsample_ratio)
-        return side * side
+        return self.tokens_per_side ** 2
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":

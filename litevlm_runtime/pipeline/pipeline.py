@@ -429,25 +429,29 @@ def preprocess_images(rt: Runtime, images: list[tuple[str, object]]) -> torch.Te
     return rt.normalize(a.pixels_u8[:n], a.pixels[:n])
 
 
+def frame_key(sets: tuple[FrameSet, ...], view: View):
+    """What identifies a view's frame (its set's key for the camera), or None: the set has none."""
+    camera, t = view
+    return (sets[t].keys or {}).get(camera)
+
+
 def keep_grey_tiles(rt: Runtime, sets: tuple[FrameSet, ...], views: list[View]) -> None:
     """A model with motion/: the grey tiles of the views just cut (in the arena's uint8 buffers)."""
     if rt.motion_cache is None:
         return
     tpc = rt.options.tiles_per_camera
-    for i, (c, t) in enumerate(views):
-        rt.motion_cache.put(c, (sets[t].keys or {}).get(c), rt.arena.pixels_u8[i * tpc:(i + 1) * tpc])
+    for i, view in enumerate(views):
+        rt.motion_cache.put(view[0], frame_key(sets, view), rt.arena.pixels_u8[i * tpc:(i + 1) * tpc])
 
 
 def grey_tiles_of(rt: Runtime, sets: tuple[FrameSet, ...], view: View) -> list:
     """A view's grey tiles: kept when it was cut, else its image cut again (its features were reused
     from before the model's grey tiles were kept, or it has no frame key)."""
-    c, t = view
-    found = rt.motion_cache.get(c, (sets[t].keys or {}).get(c))
+    found = rt.motion_cache.get(view[0], frame_key(sets, view))
     if found is not None:
         return found
     preprocess_views(rt, sets, [view])
-    tpc = rt.options.tiles_per_camera
-    return rt.motion_cache.put(c, (sets[t].keys or {}).get(c), rt.arena.pixels_u8[:tpc])
+    return rt.motion_cache.put(view[0], frame_key(sets, view), rt.arena.pixels_u8[:rt.options.tiles_per_camera])
 
 
 def with_motion(rt: Runtime, sets: tuple[FrameSet, ...], views: list[View], visual: list) -> list:
@@ -455,12 +459,13 @@ def with_motion(rt: Runtime, sets: tuple[FrameSet, ...], views: list[View], visu
     plus what its network makes of the flow from the previous set; every other view as it is."""
     if rt.model.motion is None:
         return visual
-    newest, grid = len(sets) - 1, int(round(rt.cfg.tokens_per_tile ** 0.5))
+    newest, grid = len(sets) - 1, rt.cfg.tokens_per_side
     shown = list(visual)
     for i, (c, t) in enumerate(views):
         if t == newest and visual[i] is not None:
-            motion = rt.motion_cache.flow(c, (sets[t].keys or {}).get(c), (sets[t - 1].keys or {}).get(c), lambda: (
-                tiles_motion(grey_tiles_of(rt, sets, (c, t)), grey_tiles_of(rt, sets, (c, t - 1)), grid)))
+            now, before = (c, t), (c, t - 1)
+            motion = rt.motion_cache.flow(c, frame_key(sets, now), frame_key(sets, before), lambda: (
+                tiles_motion(grey_tiles_of(rt, sets, now), grey_tiles_of(rt, sets, before), grid)))
             shown[i] = visual[i] + rt.model.motion(motion.to(rt.device)).to(visual[i].dtype)
     return shown
 

@@ -333,12 +333,13 @@ class _StepInputs:
     with --vision-labels, the probe's labels of their visual tokens."""
 
     def __init__(self, cache: TileCache, device: torch.device, labels: torch.Tensor | None = None,
-                 probe: VisionProbe | None = None, features: VisionFeatureCache | None = None):
+                 probe: VisionProbe | None = None, features: VisionFeatureCache | None = None, motion_grid: int = 0):
         """labels: uint8 [frames, cameras, grid * grid, len(LABELS)] (load_vision_labels);
-        features: --freeze-vision's cache of the vision tower's output (then given instead of pixels)."""
+        features: --freeze-vision's cache of the vision tower's output (then given instead of pixels);
+        motion_grid: a model with a motion network: its token grid's side (0: none)."""
         self.cache, self.device, self.labels, self.probe, self.features = cache, device, labels, probe, features
         self.normalize = Normalizer(torch.float32, device)
-        self.motion_grid = 0             # a model with a motion network: its token grid's side
+        self.motion_grid = motion_grid
         self.motion_store: dict[tuple[int, int], torch.Tensor] = {}    # (frame, camera) -> [tokens, features]
 
     def __call__(self, batch) -> tuple:
@@ -400,19 +401,16 @@ def _step_inputs(args, frames: list[Frame], cfg: ModelConfig, model: InternVL, d
         cache.fill_all(decode_threads, lambda n, total: d.log(f"decoding frames: {n}/{total}"))
         d.log(f"decoded {len(frames)} frames x {len(CAMERAS)} cameras on {decode_threads} threads "
               f"in {time.monotonic() - t0:.0f} s")
+    grid = cfg.tokens_per_side
+    motion_grid = grid if model.motion is not None else 0
     if not args.vision_labels:
-        inputs = _StepInputs(cache, d.device, features=features)
-        inputs.motion_grid = int(round(cfg.tokens_per_tile ** 0.5)) if model.motion is not None else 0
-        return inputs
-    grid = int(round(cfg.tokens_per_tile ** 0.5))
+        return _StepInputs(cache, d.device, features=features, motion_grid=motion_grid)
     labels = load_vision_labels(args.vision_labels, [f.key.split("/")[-1] for f in frames], grid)
     torch.manual_seed(args.seed)
     probe = VisionProbe(model.mlp1[-1].out_features, labels.flatten(0, 2).float().mean(0)).to(d.device)
     d.log(f"vision labels: {len(LABELS)} per visual token ({grid}x{grid} per camera), weight {args.vision_weight}, "
           f"{float(labels.float().mean()):.4f} positive")
-    inputs = _StepInputs(cache, d.device, labels, probe, features)
-    inputs.motion_grid = int(round(cfg.tokens_per_tile ** 0.5)) if model.motion is not None else 0
-    return inputs
+    return _StepInputs(cache, d.device, labels, probe, features, motion_grid)
 
 
 def _view_selection(args, log):

@@ -259,10 +259,9 @@ def load_motion(folder: str | Path, out_features: int) -> MotionTokens:
     """The motion network of a model folder's `motion/` (save_motion), for a decoder of width `out_features`."""
     folder = Path(folder)
     config_path = folder / MOTION_CONFIG
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_path}: cannot read the motion network's config ({exc})") from None
+    config = read_json(config_path, "motion network config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: not a motion network config (a JSON object)")
     if config.get("architecture") != MOTION_ARCHITECTURE or config.get("features") != MOTION_FEATURES:
         raise CheckpointError(f"{config_path}: not this runtime's motion network (architecture "
                               f"{config.get('architecture')!r}, {config.get('features')} features per cell)")

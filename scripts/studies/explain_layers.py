@@ -53,7 +53,7 @@ def main() -> None:
     pipe = Pipeline.from_pretrained(args.model, options_from_flat(dict(s.split("=", 1) for s in args.set)))
     rt = pipe.rt
     layers = list(range(len(rt.lm.layers)))
-    side = int(round(rt.cfg.tokens_per_tile ** 0.5))
+    side = rt.cfg.tokens_per_side
     tiles = rt.options.tiles_per_camera
     bands = layer_bands(len(layers))
     focus = {i: [] for i in [*layers, *bands]}

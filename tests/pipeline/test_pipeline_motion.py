@@ -56,6 +56,14 @@ def test_the_folder_round_trips_and_a_wrong_width_is_named(folders, tiny_model, 
     write_manifest(bad / "motion")
     with pytest.raises(CheckpointError, match=r"motion/config.json: made for a decoder of width 7"):
         load_model(bad)
+    (bad / "motion" / "config.json").write_text("[1, 2]")
+    write_manifest(bad / "motion")
+    with pytest.raises(CheckpointError, match=r"motion/config.json: not a motion network config"):
+        load_model(bad)
+    (bad / "motion" / "config.json").write_text("{")
+    write_manifest(bad / "motion")
+    with pytest.raises(CheckpointError, match=r"motion/config.json: unreadable motion network config"):
+        load_model(bad)
 
 
 def test_a_network_at_zero_and_a_one_set_question_answer_as_without_one(folders, tiny_model):
